@@ -1,0 +1,407 @@
+"""The `fourfold` command: train, prepare, generate, eval, plan, report, convert.
+
+Each subcommand imports what it needs when it runs, so `fourfold --help` is quick and one
+missing optional piece does not break the others. User mistakes (a bad config key, a missing
+path, a grid that cannot work) print one `error: ...` line and exit with 2; a training run
+that fails exits with 1; Ctrl-C exits with 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_TRAINING_FAILED = 1  # also: a command whose module is missing
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    """Exception classes that mean "the user asked for something impossible" (exit 2).
+
+    Looked up only when an exception reaches main, so that no subcommand pays for importing
+    the others; a module that is not installed simply contributes nothing.
+    """
+    types: list[type[BaseException]] = [FileNotFoundError, NotADirectoryError]
+    for module, name in (("fourfold.config", "ConfigError"),
+                         ("fourfold.data.errors", "DataError"),
+                         ("fourfold.parallel.grid", "GridError"),
+                         ("fourfold.plan.errors", "PlanError"),
+                         ("fourfold.eval.memorization", "MemorizationAuditError"),
+                         ("fourfold.train.runs", "RunDirError"),
+                         ("fourfold.report", "ReportError")):
+        found = _lookup(module, name)
+        if found is not None:
+            types.append(found)
+    return tuple(types)
+
+
+def _training_error_type() -> type[BaseException] | None:
+    return _lookup("fourfold.train.trainer", "TrainingError")
+
+
+def _lookup(module: str, name: str) -> type[BaseException] | None:
+    import importlib
+
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+    return found if isinstance(found, type) and issubclass(found, BaseException) else None
+
+
+def _message(error: BaseException) -> str:
+    """One line for the user: a missing file names the path, anything else its message."""
+    if isinstance(error, (FileNotFoundError, NotADirectoryError)) and error.filename:
+        return f"{error.filename}: {error.strerror or 'not found'}"
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
+# --------------------------------------------------------------------------------------------
+# train
+
+
+def default_run_dir(env: dict[str, str] | None = None, now: float | None = None) -> Path:
+    """`runs/<timestamp>`, or, inside a multi-rank job, a name every rank derives alike.
+
+    Ranks of one job start at slightly different times, so a timestamp could differ between
+    them; the job's own id (Slurm's job id, torchrun's run id) cannot.
+    """
+    env = dict(os.environ) if env is None else env
+    if int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")) or 1) > 1:
+        if env.get("SLURM_JOB_ID"):
+            return Path("runs") / f"slurm-{env['SLURM_JOB_ID']}"
+        run_id = env.get("TORCHELASTIC_RUN_ID", "")
+        if run_id and run_id != "none":
+            return Path("runs") / run_id
+        from fourfold.config import ConfigError
+
+        raise ConfigError("this job has several ranks but no shared run id; pass --out RUN_DIR "
+                          "so that every rank writes to the same run directory")
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return Path("runs") / stamp
+
+
+def _rank_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """The `fourfold train ...` arguments each launched rank runs: ours minus --nproc, with the
+    run directory made explicit (the ranks must not each pick a timestamp of their own)."""
+    argv = ["train"]
+    if args.config is not None:
+        argv.append(args.config)
+    for item in args.overrides:
+        argv += ["--set", item]
+    argv += ["--out", str(run_dir)]
+    if args.resume is not None:
+        argv.append("--resume" if args.resume else "--no-resume")
+    if args.max_restarts is not None:
+        argv += ["--max-restarts", str(args.max_restarts)]
+    return argv
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from fourfold.config import ConfigError, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.resume is not None:
+        cfg.checkpoint.resume = args.resume
+    if args.max_restarts is not None:
+        if args.max_restarts < 0:
+            raise ConfigError(f"--max-restarts {args.max_restarts}: must not be negative")
+        cfg.train.max_restarts = args.max_restarts
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
+    run_dir = Path(args.out) if args.out else default_run_dir()
+
+    if args.nproc > 1 and "RANK" not in os.environ:
+        from fourfold.launch import launch_local
+        from fourfold.parallel.grid import GridShape
+
+        # Mistakes the ranks would each find (and each print) are reported once, here.
+        p = cfg.parallel
+        GridShape.resolve(p.x, p.y, p.z, p.data, args.nproc)
+        return launch_local(args.nproc, _rank_argv(args, run_dir),
+                            max_restarts=cfg.train.max_restarts)
+
+    from fourfold.train.trainer import train
+
+    result = train(cfg, run_dir)
+    if _is_main_rank():
+        _print_train_summary(Path(getattr(result, "run_dir", run_dir)))
+    return EXIT_OK
+
+
+def _is_main_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _print_train_summary(run_dir: Path) -> None:
+    """Where the run's files are and what to do with them (the trainer has already shown the
+    losses and the final sample)."""
+    files = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    listing = f" ({', '.join(files)})" if files else ""
+    print(f"run files: {run_dir}{listing}")
+    print(f"next: fourfold generate {run_dir} --prompt 'def ' | fourfold report {run_dir}",
+          flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# prepare, generate, eval, plan
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from fourfold.data.prepare import prepare_main
+
+    return prepare_main(args.inputs, args.out, args.tokenizer)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from fourfold.config import ConfigError
+    from fourfold.data.builtin import resolve_data_path
+    from fourfold.data.tokenizers import load_tokenizer
+    from fourfold.train.runs import load_trained
+    from fourfold.train.sampling import generate
+
+    if args.max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must not be negative")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature {args.temperature}: must not be negative "
+                          "(0 picks the most likely token)")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k {args.top_k}: must not be negative (0 keeps every token)")
+    model, cfg = load_trained(args.run_dir)
+    tokenizer = load_tokenizer(resolve_data_path(cfg.data.path, cfg.data.tokenizer))
+    prompt_ids = [int(i) for i in tokenizer.encode(args.prompt)]
+    if not prompt_ids:
+        raise ConfigError("--prompt '': the prompt must hold at least one token")
+    new_ids = generate(model, prompt_ids, args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, seed=args.seed, eos_id=tokenizer.eos_id,
+                       vocab_size=tokenizer.vocab_size)
+    print(args.prompt + tokenizer.decode(new_ids), flush=True)
+    return EXIT_OK
+
+
+def cmd_eval_memorization(args: argparse.Namespace) -> int:
+    from fourfold.eval.memorization import memorization_main
+
+    return memorization_main(str(args.run_dir), str(args.data), args.docs, args.prefix,
+                             args.suffix, args.json)
+
+
+def cmd_plan(argv: list[str]) -> int:
+    from fourfold.plan.cli import plan_main
+
+    return plan_main(argv)
+
+
+# --------------------------------------------------------------------------------------------
+# report, convert
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from fourfold.report import write_report
+
+    for path in write_report(Path(args.run_dir)):
+        print(path)
+    return EXIT_OK
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    paths = convert_to_hf(Path(args.run_dir), Path(args.out_dir))
+    for path in paths:
+        print(path)
+    return EXIT_OK
+
+
+def convert_to_hf(run_dir: Path, out_dir: Path) -> list[Path]:
+    """Write a trained run as a Hugging Face Llama checkpoint (config.json and
+    model.safetensors) that `LlamaForCausalLM.from_pretrained(out_dir)` loads."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from fourfold.models.hf import config_to_hf, state_dict_to_hf
+    from fourfold.train.runs import load_trained
+
+    model, cfg = load_trained(run_dir)
+    hf_state = state_dict_to_hf(model.state_dict(), cfg.model)
+    # safetensors refuses tensors that share memory (a tied embedding), and wants them
+    # contiguous: each saved tensor gets its own copy.
+    hf_state = {name: t.detach().to("cpu").contiguous().clone() for name, t in hf_state.items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights = out_dir / "model.safetensors"
+    config = out_dir / "config.json"
+    save_file(hf_state, str(weights), metadata={"format": "pt"})
+    config.write_text(json.dumps(config_to_hf(cfg.model), indent=2) + "\n")
+    return [config, weights]
+
+
+# --------------------------------------------------------------------------------------------
+# Parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fourfold")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse without prefix matching: `--nproc` must not also answer to `--np`."""
+
+    def __init__(self, *args: object, **options: object) -> None:
+        options.setdefault("allow_abbrev", False)
+        super().__init__(*args, **options)  # type: ignore[arg-type]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fourfold",
+                     description="Train Llama-family models with 4D hybrid parallelism.")
+    parser.add_argument("--version", action="version", version=f"fourfold {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    train = sub.add_parser("train", help="train a model (on N local ranks with --nproc N)",
+                           description="Train a model. Under torchrun or srun each rank runs "
+                                       "this same command.")
+    train.add_argument("config", nargs="?", metavar="CONFIG.toml",
+                       help="a config file (or a RUN_DIR holding config.toml); defaults apply "
+                            "without one")
+    train.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
+    train.add_argument("--out", metavar="RUN_DIR",
+                       help="where checkpoints, metrics and samples go (default runs/<time>)")
+    train.add_argument("--nproc", type=int, default=1, metavar="N",
+                       help="start N local ranks (ignored inside torchrun/srun jobs)")
+    train.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
+                       help="continue from RUN_DIR's latest checkpoint (checkpoint.resume)")
+    train.add_argument("--max-restarts", type=int, default=None, metavar="N",
+                       help="restart failed ranks up to N times (train.max_restarts)")
+    train.set_defaults(handler=cmd_train)
+
+    prepare = sub.add_parser("prepare", help="tokenize text into a DATA_DIR of token shards")
+    prepare.add_argument("inputs", nargs="+", metavar="INPUT",
+                         help="text files, directories, .jsonl or .parquet files")
+    prepare.add_argument("--out", required=True, metavar="DATA_DIR")
+    prepare.add_argument("--tokenizer", default="byte",
+                         help="byte | bpe:VOCAB_SIZE | PATH/tokenizer.json (default byte)")
+    prepare.set_defaults(handler=cmd_prepare)
+
+    gen = sub.add_parser("generate", help="continue a prompt with a trained model")
+    gen.add_argument("run_dir", metavar="RUN_DIR")
+    gen.add_argument("--prompt", required=True, metavar="TEXT")
+    gen.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
+    gen.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                     help="0 picks the most likely token every time")
+    gen.add_argument("--top-k", type=int, default=50, metavar="K", help="0 keeps every token")
+    gen.add_argument("--seed", type=int, default=1337, metavar="S")
+    gen.set_defaults(handler=cmd_generate)
+
+    evaluate = sub.add_parser("eval", help="evaluate a trained model")
+    eval_sub = evaluate.add_subparsers(dest="eval_command", metavar="EVAL",
+                                       parser_class=_Parser)
+    eval_sub.required = True
+    mem = eval_sub.add_parser("memorization",
+                              help="how much training text the model reproduces verbatim")
+    mem.add_argument("run_dir", metavar="RUN_DIR")
+    mem.add_argument("--data", required=True, metavar="DATA_DIR",
+                     help="the data the run trained on (a DATA_DIR or builtin:stdlib)")
+    mem.add_argument("--docs", type=int, default=100, metavar="N",
+                     help="training documents to test (default 100)")
+    mem.add_argument("--prefix", type=int, default=32, metavar="P",
+                     help="prompt length in tokens (default 32)")
+    mem.add_argument("--suffix", type=int, default=32, metavar="S",
+                     help="tokens generated and compared (default 32)")
+    mem.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    mem.set_defaults(handler=cmd_eval_memorization)
+
+    # Registered for --help only: main() hands `plan`'s arguments to the planner unparsed.
+    sub.add_parser("plan", help="predict time and memory of configurations, pick the best",
+                   add_help=False)
+
+    report = sub.add_parser("report", help="plot a run's loss, tokens/s and memory")
+    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.set_defaults(handler=cmd_report)
+
+    convert = sub.add_parser("convert", help="export a run as a Hugging Face checkpoint")
+    convert.add_argument("run_dir", metavar="RUN_DIR")
+    convert.add_argument("--to", required=True, choices=["hf"], help="target format")
+    convert.add_argument("out_dir", metavar="OUT_DIR")
+    convert.set_defaults(handler=cmd_convert)
+    return parser
+
+
+def _dispatch(argv: list[str]) -> int:
+    if argv and argv[0] == "plan":
+        return cmd_plan(argv[1:])
+    args = build_parser().parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    return handler(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the `fourfold` command; returns the exit code.
+
+    Run as a program (argv None) in a process that joined a multi-rank job, it leaves through
+    `_leave_job` instead of returning: see there why.
+    """
+    code = _run(sys.argv[1:] if argv is None else list(argv))
+    if argv is None:
+        _leave_job(code)
+    return code
+
+
+def _run(argv: list[str]) -> int:
+    try:
+        return _dispatch(argv)
+    except SystemExit as exit_:  # argparse: --help, --version, a usage error
+        code = exit_.code
+        return code if isinstance(code, int) else (EXIT_OK if code is None else EXIT_USAGE)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except ModuleNotFoundError as error:
+        if not (error.name or "").startswith("fourfold."):
+            raise
+        # A partial install (or a part still being written): name the piece, no traceback.
+        print(f"error: this command needs {error.name}, which is not installed",
+              file=sys.stderr, flush=True)
+        return EXIT_TRAINING_FAILED
+    except Exception as error:  # noqa: BLE001 (sorted below; the rest re-raised)
+        if isinstance(error, _user_error_types()):
+            # Every rank of a job finds the same mistake; one copy of the line is enough.
+            if _is_main_rank():
+                print(f"error: {_message(error)}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
+        training_error = _training_error_type()
+        if training_error is not None and isinstance(error, training_error):
+            print(f"error: {_message(error)}", file=sys.stderr, flush=True)
+            return EXIT_TRAINING_FAILED
+        raise
+
+
+def _leave_job(code: int) -> None:
+    """End a rank process that joined a torch.distributed job: tear the process group down,
+    flush, and `os._exit`. With gloo, letting the interpreter shut down normally after
+    destroy_process_group occasionally aborts the process (and fails a finished job)."""
+    dist_module = sys.modules.get("torch.distributed")
+    if dist_module is None or not dist_module.is_available() or not dist_module.is_initialized():
+        return
+    try:
+        dist_module.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -1,0 +1,405 @@
+"""Typed run configuration: TOML files, `--set section.key=value` overrides, validation.
+
+A config has the sections [model], [data], [train], [parallel], [checkpoint]. Every key has a
+type and a default; an unknown key, a wrong type or an impossible value raises ConfigError with
+one line that names the key and what is allowed. The CLI turns ConfigError into exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; its message is one line meant for the user."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "debug"
+    n_layers: int = 2
+    dim: int = 128
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 384
+    vocab_size: int = 512
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    bias: bool = False  # biases on the attention and MLP projections (Qwen2-style uses q/k/v bias)
+    init_std: float = 0.02
+    init_from: str = ""  # a local Hugging Face checkpoint directory to start from
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass
+class DataConfig:
+    path: str = "builtin:stdlib"  # a DATA_DIR made by `fourfold prepare`, or the built-in corpus
+    tokenizer: str = "byte"  # byte | bpe:VOCAB_SIZE | PATH/tokenizer.json (for the built-in corpus)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 16  # sequences per optimizer step, whole job
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    dtype: str = "float32"
+    seed: int = 1337
+    compile: bool = False
+    activation_checkpointing: bool = False
+    eval_every: int = 100
+    eval_batches: int = 4
+    log_every: int = 10
+    sample_every: int = 0  # 0: only at the end
+    sample_tokens: int = 64
+    loss: str = "cross_entropy"
+    goldfish_k: int = 4
+    goldfish_h: int = 13
+    device: str = "auto"  # auto | cpu | cuda
+    tensorboard: bool = False
+    nan_policy: str = "stop"  # stop | skip | rollback
+    spike_threshold: float = 0.0  # 0 disables; else a loss above threshold x running mean is a spike
+    max_restarts: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    x: int = 1
+    y: int = 1
+    z: int = 1
+    data: Union[int, str] = "auto"  # "auto" fills the world size
+    auto: bool = False  # ask the planner for the grid
+    backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: float = 300.0
+    overlap_input_grad: bool = True  # dI all-reduce under the dW GEMM
+    overlap_weight_grad: bool = True  # dW reduce-scatter under earlier layers' backward
+    prefetch_weights: bool = True  # next layer's z all-gather one layer ahead
+    overlap_data_grad: bool = True  # bucketed data-parallel all-reduce during backward
+    bucket_mb: float = 25.0
+    gemm_tuning: bool = False
+    machine: str = "cpu"  # planner machine preset or MACHINE.toml, for parallel.auto
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # 0 disables periodic checkpoints
+    keep: int = 3
+    async_save: bool = True  # TOML key: `async`
+    resume: bool = True  # resume automatically when RUN_DIR holds a checkpoint
+
+
+# TOML key -> field name where they differ (`async` is a Python keyword).
+_KEY_ALIASES = {("checkpoint", "async"): "async_save"}
+_FIELD_TO_KEY = {(s, f): k for (s, k), f in _KEY_ALIASES.items()}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for sec in fields(self):
+            section = getattr(self, sec.name)
+            out[sec.name] = {
+                _FIELD_TO_KEY.get((sec.name, f.name), f.name): getattr(section, f.name)
+                for f in fields(section)
+            }
+        return out
+
+    def to_toml(self) -> str:
+        return dump_toml(self.to_dict())
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_toml())
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+# --------------------------------------------------------------------------------------------
+# Model presets. Shapes of the big ones follow Llama 3 (8b, 70b, 405b); they are for the planner.
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "debug": dict(n_layers=2, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=512,
+                  max_seq_len=256),
+    "15m": dict(n_layers=6, dim=288, n_heads=6, n_kv_heads=6, ffn_dim=768, vocab_size=8192,
+                max_seq_len=512),
+    "125m": dict(n_layers=12, dim=768, n_heads=12, n_kv_heads=12, ffn_dim=2048, vocab_size=32000,
+                 max_seq_len=2048),
+    "350m": dict(n_layers=24, dim=1024, n_heads=16, n_kv_heads=16, ffn_dim=2816,
+                 vocab_size=32000, max_seq_len=2048),
+    "1b": dict(n_layers=16, dim=2048, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+               max_seq_len=4096, rope_theta=500000.0, tie_embeddings=True),
+    "8b": dict(n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+               vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
+    "70b": dict(n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
+    "405b": dict(n_layers=126, dim=16384, n_heads=128, n_kv_heads=8, ffn_dim=53248,
+                 vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
+}
+
+CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("model", "preset"): tuple(PRESETS) + ("custom",),
+    ("train", "dtype"): ("float32", "bfloat16"),
+    ("train", "loss"): ("cross_entropy", "goldfish"),
+    ("train", "device"): ("auto", "cpu", "cuda"),
+    ("train", "nan_policy"): ("stop", "skip", "rollback"),
+    ("parallel", "backend"): ("auto", "gloo", "nccl"),
+}
+
+
+def model_config(preset: str, **overrides: Any) -> ModelConfig:
+    """A ModelConfig from a preset name with optional field overrides."""
+    if preset not in PRESETS:
+        raise ConfigError(f"model.preset = {preset!r}: unknown preset; choose one of "
+                          f"{', '.join(PRESETS)}")
+    return ModelConfig(preset=preset, **{**PRESETS[preset], **overrides})
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _expected_type(cls: type, name: str) -> Any:
+    return get_type_hints(cls)[name]
+
+
+def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
+    """Check `value` against the field type; strings from --set are parsed first."""
+    where = f"{section}.{key}"
+    if get_origin(typ) is Union:  # int | str, as in parallel.data
+        for option in get_args(typ):
+            try:
+                return _coerce(section, key, value, option)
+            except ConfigError:
+                continue
+        names = " or ".join(t.__name__ for t in get_args(typ))
+        raise ConfigError(f"{where} = {value!r}: expected {names}")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where} = {value!r}: expected true or false")
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{where} = {value!r}: expected an integer")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where} = {value!r}: expected a number")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where} = {value!r}: expected a string")
+    raise TypeError(f"unsupported config type {typ} for {where}")
+
+
+def _parse_override(item: str) -> tuple[str, str, str]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    path, value = item.split("=", 1)
+    if "." not in path:
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.steps=200")
+    section, key = path.strip().split(".", 1)
+    return section, key, value.strip()
+
+
+def _check_key(section: str, key: str) -> str:
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown section [{section}]{_suggest(section, list(SECTIONS))}; "
+                          f"sections are {', '.join(SECTIONS)}")
+    name = _KEY_ALIASES.get((section, key), key)
+    names = [f.name for f in fields(SECTIONS[section])]
+    if name not in names:
+        keys = [_FIELD_TO_KEY.get((section, n), n) for n in names]
+        raise ConfigError(f"unknown key {section}.{key}{_suggest(key, keys)}; "
+                          f"[{section}] takes {', '.join(keys)}")
+    return name
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Build a validated Config from an optional TOML file and `section.key=value` overrides.
+
+    Precedence: defaults < preset (model.preset) < file < overrides.
+    """
+    raw: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        p = Path(path)
+        if p.is_dir() and (p / "config.toml").exists():
+            p = p / "config.toml"
+        if not p.exists():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{p}: top-level key {section!r} must be a [section]")
+            for key, value in table.items():
+                name = _check_key(section, key)
+                raw.setdefault(section, {})[name] = value
+    for item in overrides or []:
+        section, key, value = _parse_override(item)
+        name = _check_key(section, key)
+        raw.setdefault(section, {})[name] = value  # a string; coerced below
+
+    cfg = Config()
+    # The preset first, so that explicit model keys win over it.
+    model_raw = raw.get("model", {})
+    preset = _coerce("model", "preset", model_raw.get("preset", cfg.model.preset), str)
+    if preset != "custom":
+        if preset not in PRESETS:
+            raise ConfigError(f"model.preset = {preset!r}: unknown preset"
+                              f"{_suggest(preset, list(PRESETS))}; choose one of "
+                              f"{', '.join(CHOICES[('model', 'preset')])}")
+        cfg.model = model_config(preset)
+    for section, table in raw.items():
+        cls = SECTIONS[section]
+        obj = getattr(cfg, section)
+        for name, value in table.items():
+            key = _FIELD_TO_KEY.get((section, name), name)
+            setattr(obj, name, _coerce(section, key, value, _expected_type(cls, name)))
+    validate(cfg)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+
+
+def _nearest_divisors(n: int, near: int) -> str:
+    divs = [d for d in range(1, n + 1) if n % d == 0]
+    divs.sort(key=lambda d: (abs(d - near), d))
+    return ", ".join(str(d) for d in sorted(divs[:3]))
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError for the first impossible value."""
+    for (section, key), allowed in CHOICES.items():
+        value = getattr(getattr(cfg, section), _KEY_ALIASES.get((section, key), key))
+        if value not in allowed:
+            raise ConfigError(f"{section}.{key} = {value!r}: choose one of {', '.join(allowed)}")
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    positive = [("model", "n_layers", m.n_layers), ("model", "dim", m.dim),
+                ("model", "n_heads", m.n_heads), ("model", "n_kv_heads", m.n_kv_heads),
+                ("model", "ffn_dim", m.ffn_dim), ("model", "vocab_size", m.vocab_size),
+                ("model", "max_seq_len", m.max_seq_len), ("train", "steps", t.steps),
+                ("train", "batch_size", t.batch_size), ("train", "seq_len", t.seq_len),
+                ("train", "grad_accum", t.grad_accum), ("train", "log_every", t.log_every),
+                ("train", "goldfish_k", t.goldfish_k), ("train", "goldfish_h", t.goldfish_h),
+                ("parallel", "x", p.x), ("parallel", "y", p.y), ("parallel", "z", p.z)]
+    for section, key, value in positive:
+        if value < 1:
+            raise ConfigError(f"{section}.{key} = {value}: must be at least 1")
+    non_negative = [("train", "lr", t.lr), ("train", "warmup_steps", t.warmup_steps),
+                    ("train", "weight_decay", t.weight_decay), ("train", "grad_clip", t.grad_clip),
+                    ("train", "eval_every", t.eval_every), ("checkpoint", "every",
+                                                            cfg.checkpoint.every),
+                    ("checkpoint", "keep", cfg.checkpoint.keep)]
+    for section, key, value in non_negative:
+        if value < 0:
+            raise ConfigError(f"{section}.{key} = {value}: must not be negative")
+    if m.dim % m.n_heads:
+        raise ConfigError(f"model.n_heads = {m.n_heads} does not divide model.dim = {m.dim}; "
+                          f"nearest valid n_heads: {_nearest_divisors(m.dim, m.n_heads)}")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads = {m.n_kv_heads} does not divide model.n_heads = "
+                          f"{m.n_heads}; nearest valid: "
+                          f"{_nearest_divisors(m.n_heads, m.n_kv_heads)}")
+    if m.head_dim % 2:
+        raise ConfigError(f"model.dim / model.n_heads = {m.head_dim}: RoPE needs an even head "
+                          "dimension")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len = {t.seq_len} is longer than model.max_seq_len = "
+                          f"{m.max_seq_len}; use at most {m.max_seq_len}")
+    if t.batch_size % t.grad_accum:
+        raise ConfigError(f"train.grad_accum = {t.grad_accum} does not divide train.batch_size = "
+                          f"{t.batch_size}; nearest valid: "
+                          f"{_nearest_divisors(t.batch_size, t.grad_accum)}")
+    if not math.isfinite(t.lr):
+        raise ConfigError(f"train.lr = {t.lr}: must be a finite number")
+    if isinstance(p.data, str) and p.data != "auto":
+        raise ConfigError(f"parallel.data = {p.data!r}: expected a positive integer or \"auto\"")
+    if isinstance(p.data, int) and p.data < 1:
+        raise ConfigError(f"parallel.data = {p.data}: must be at least 1 or \"auto\"")
+
+
+# --------------------------------------------------------------------------------------------
+# TOML output (the standard library reads TOML but does not write it)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def dump_toml(data: dict[str, dict[str, Any]]) -> str:
+    lines: list[str] = []
+    for section, table in data.items():
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def replace(cfg: Config, **sections: Any) -> Config:
+    """A copy of cfg with whole sections replaced (used by tests and the API)."""
+    return dataclasses.replace(cfg, **sections)

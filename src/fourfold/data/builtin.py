@@ -1,0 +1,108 @@
+"""The built-in corpus: the running interpreter's standard library source, prepared once and cached.
+
+It needs no download, exists wherever Python does, and is real text (about 10 MB of code and
+docstrings) — enough for the demo and tests to train something that visibly learns.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+from fourfold.data.errors import DataError
+from fourfold.data.manifest import MANIFEST_FILE
+from fourfold.data.prepare import prepare
+from fourfold.data.tokenizers import check_spec
+
+BUILTIN_NAMES = ("builtin:stdlib",)
+# Tests, GUI and retired packages: large, repetitive, and not what a demo model should imitate.
+SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
+                          "tkinter", "turtledemo", "__pycache__"})
+MAX_CORPUS_BYTES = 16 << 20
+BUILTIN_VAL_FRACTION = 0.01  # ~6 files of ~600: a validation split of ~100k tokens
+
+
+def default_cache_dir() -> Path:
+    """$FOURFOLD_CACHE, else ~/.cache/fourfold."""
+    env = os.environ.get("FOURFOLD_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fourfold"
+
+
+def stdlib_files(max_bytes: int = MAX_CORPUS_BYTES) -> list[Path]:
+    """The standard library's .py files in sorted order, up to `max_bytes` in total."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files: list[Path] = []
+    total = 0
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts[:-1]
+        if any(p in SKIPPED_DIRS or p.startswith(".") for p in parts) or not path.is_file():
+            continue
+        size = path.stat().st_size
+        if total + size > max_bytes:
+            break
+        files.append(path)
+        total += size
+    return files
+
+
+def builtin_corpus(tokenizer: str = "byte", cache_dir: Path | None = None) -> Path:
+    """The DATA_DIR of the stdlib corpus for `tokenizer`, prepared on first use.
+
+    Safe when several processes (ranks) call it at once: one prepares under a lock into a
+    temporary directory and renames it into place; the others wait and then reuse it.
+    """
+    check_spec(tokenizer)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / _cache_key(tokenizer)
+    if (target / MANIFEST_FILE).is_file():
+        return target
+    with open(root / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if (target / MANIFEST_FILE).is_file():  # another process finished while we waited
+            return target
+        files = stdlib_files()
+        if not files:
+            raise DataError(f"data.path = 'builtin:stdlib': no standard library sources under "
+                            f"{sysconfig.get_paths()['stdlib']}")
+        building = root / f".{target.name}.building"
+        shutil.rmtree(building, ignore_errors=True)  # left by a process that died mid-way
+        prepare(files, building, tokenizer=tokenizer, val_fraction=BUILTIN_VAL_FRACTION,
+                progress=True)
+        shutil.rmtree(target, ignore_errors=True)  # an incomplete dir without a manifest
+        os.rename(building, target)
+    return target
+
+
+def resolve_data_path(path: str, tokenizer: str) -> Path:
+    """The DATA_DIR that config `data.path` names: builtin:stdlib or a prepared directory."""
+    if path.startswith("builtin:"):
+        if path not in BUILTIN_NAMES:
+            raise DataError(f"data.path = {path!r}: unknown built-in corpus; expected "
+                            f"{', '.join(BUILTIN_NAMES)} or a DATA_DIR made by `fourfold prepare`")
+        return builtin_corpus(tokenizer)
+    data_dir = Path(path).expanduser()
+    if not (data_dir / MANIFEST_FILE).is_file():
+        raise DataError(f"data.path = {path!r}: not a prepared data directory (no "
+                        f"{MANIFEST_FILE}); run `fourfold prepare INPUT --out DIR`")
+    return data_dir
+
+
+def _cache_key(tokenizer: str) -> str:
+    """stdlib-py3.11-<tokenizer>: a tokenizer file is keyed by its content, not just its name."""
+    version = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    if tokenizer == "byte" or tokenizer.startswith("bpe:"):
+        tok_key = tokenizer.replace(":", "")
+    else:
+        path = Path(tokenizer).expanduser()
+        file = path / "tokenizer.json" if path.is_dir() else path
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", file.parent.name) or "tokenizer"
+        tok_key = f"{name}-{digest}"
+    return f"stdlib-{version}-{tok_key}"

@@ -1,0 +1,260 @@
+"""Tokenizers: raw UTF-8 bytes, byte-level BPE trained on the user's corpus, or a local HF file.
+
+A tokenizer is named by a spec string:
+  byte                  UTF-8 bytes 0..255 plus EOS = 256 (vocab 257); needs no training
+  bpe:VOCAB_SIZE        byte-level BPE trained on the corpus by `fourfold prepare`
+  PATH/tokenizer.json   a Hugging Face tokenizer file, as shipped with HF models
+
+A prepared DATA_DIR stores its tokenizer (`save`), so `load_tokenizer(DATA_DIR)` gives back exactly
+the tokenizer its shards were made with, trained BPE included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from fourfold.data.errors import DataError
+
+ALLOWED_SPECS = "byte, bpe:VOCAB_SIZE (257..1000000) or PATH/tokenizer.json"
+META_FILE = "fourfold_tokenizer.json"  # what kind of tokenizer a directory holds
+HF_FILE = "tokenizer.json"
+BPE_EOS = "<|endoftext|>"
+# Tried in order when tokenizer_config.json does not name the EOS token.
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>",
+                  "[SEP]")
+BPE_MIN_VOCAB = 257  # 256 byte symbols + EOS
+BPE_MAX_VOCAB = 1_000_000
+
+TokenIds = Sequence[int] | np.ndarray
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids. `encode` never adds EOS; the data pipeline appends it per document."""
+
+    spec: str
+    vocab_size: int
+    eos_id: int
+
+    @abstractmethod
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of `text` as a 1-D int64 array (no EOS appended)."""
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """`encode` over many texts; subclasses may do it in parallel."""
+        return [self.encode(t) for t in texts]
+
+    @abstractmethod
+    def decode(self, ids: TokenIds) -> str:
+        """Text of `ids`; EOS and ids outside the vocabulary are dropped, bad bytes replaced."""
+
+    @abstractmethod
+    def save(self, directory: str | Path) -> None:
+        """Write the tokenizer into `directory` so that `load_tokenizer(directory)` restores it."""
+
+    def _write_meta(self, directory: Path, kind: str) -> None:
+        meta = {"kind": kind, "spec": self.spec, "vocab_size": self.vocab_size,
+                "eos_id": self.eos_id}
+        _atomic_write_text(directory / META_FILE, json.dumps(meta, indent=2) + "\n")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(spec={self.spec!r}, vocab_size={self.vocab_size})"
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255, EOS = 256."""
+
+    spec = "byte"
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        # frombuffer: a big corpus is encoded without a Python-level loop per byte.
+        raw = text.encode("utf-8", errors="replace")
+        return np.frombuffer(raw, dtype=np.uint8).astype(np.int64)
+
+    def encode_bytes(self, text: str) -> np.ndarray:
+        """The uint8 view the data pipeline writes without widening to int64 first."""
+        return np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
+
+    def decode(self, ids: TokenIds) -> str:
+        arr = _as_int_array(ids)
+        arr = arr[(arr >= 0) & (arr < 256)]
+        return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._write_meta(directory, "byte")
+
+
+class HFTokenizer(Tokenizer):
+    """A `tokenizers.Tokenizer`: a trained byte-level BPE or a model's tokenizer.json."""
+
+    def __init__(self, hf_tokenizer, spec: str, eos_id: int) -> None:  # noqa: ANN001 (HF type)
+        self.hf = hf_tokenizer
+        self.spec = spec
+        self.eos_id = eos_id
+        self.vocab_size = int(hf_tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.hf.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        encodings = self.hf.encode_batch(list(texts), add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
+
+    def decode(self, ids: TokenIds) -> str:
+        arr = _as_int_array(ids)
+        arr = arr[(arr >= 0) & (arr < self.vocab_size)]
+        return self.hf.decode(arr.tolist(), skip_special_tokens=True)
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{HF_FILE}.tmp{os.getpid()}"
+        self.hf.save(str(tmp))
+        os.replace(tmp, directory / HF_FILE)
+        self._write_meta(directory, "hf")
+
+
+# --------------------------------------------------------------------------------------------
+# Specs
+
+
+def parse_bpe_spec(spec: str) -> int | None:
+    """The vocabulary size of a `bpe:N` spec, None for other specs; DataError if N is bad."""
+    if not spec.startswith("bpe:"):
+        return None
+    value = spec[4:]
+    if not re.fullmatch(r"[0-9]+", value) or not BPE_MIN_VOCAB <= int(value) <= BPE_MAX_VOCAB:
+        raise DataError(f"tokenizer = {spec!r}: expected {ALLOWED_SPECS}")
+    return int(value)
+
+
+def check_spec(spec: str) -> None:
+    """Raise DataError unless `spec` is a usable tokenizer spec (before any slow work starts)."""
+    if spec == "byte" or parse_bpe_spec(spec) is not None:
+        return
+    if spec.endswith(".json") or os.sep in spec or "/" in spec:
+        path = Path(spec).expanduser()
+        if path.is_dir() and (path / HF_FILE).is_file():
+            return
+        if not path.is_file():
+            raise DataError(f"tokenizer = {spec!r}: file not found (expected {ALLOWED_SPECS})")
+        return
+    raise DataError(f"tokenizer = {spec!r}: expected {ALLOWED_SPECS}")
+
+
+def load_tokenizer(spec_or_data_dir: str | Path) -> Tokenizer:
+    """The tokenizer named by a spec string, or the one stored in a prepared DATA_DIR.
+
+    A `bpe:N` spec is only loadable from the DATA_DIR it was trained for (see `train_bpe`).
+    """
+    path = Path(spec_or_data_dir).expanduser()
+    if path.is_dir():
+        if (path / META_FILE).is_file():
+            return _load_saved(path)
+        if (path / HF_FILE).is_file():  # a HF model directory
+            return _load_hf_file(path / HF_FILE, spec=str(spec_or_data_dir))
+        raise DataError(f"tokenizer = '{spec_or_data_dir}': directory holds neither {META_FILE} "
+                        f"nor {HF_FILE}")
+    spec = str(spec_or_data_dir)
+    check_spec(spec)
+    if spec == "byte":
+        return ByteTokenizer()
+    if parse_bpe_spec(spec) is not None:
+        raise DataError(f"tokenizer = {spec!r}: a BPE tokenizer is trained by `fourfold prepare "
+                        "--tokenizer bpe:N`; load it from that DATA_DIR")
+    return _load_hf_file(path, spec=spec)
+
+
+def train_bpe(vocab_size: int, texts: Iterable[str]) -> HFTokenizer:
+    """Train a byte-level BPE (vocab <= vocab_size, EOS included) on `texts`."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if not BPE_MIN_VOCAB <= vocab_size <= BPE_MAX_VOCAB:
+        raise DataError(f"tokenizer = 'bpe:{vocab_size}': expected {ALLOWED_SPECS}")
+    hf = HFTok(models.BPE())
+    # ByteLevel on both sides: every string maps to byte symbols, so decode(encode(s)) == s.
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BPE_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    hf.train_from_iterator(texts, trainer=trainer)
+    eos_id = hf.token_to_id(BPE_EOS)
+    return HFTokenizer(hf, spec=f"bpe:{vocab_size}", eos_id=int(eos_id))
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _load_saved(directory: Path) -> Tokenizer:
+    try:
+        meta = json.loads((directory / META_FILE).read_text())
+        kind, spec, eos_id = meta["kind"], meta["spec"], int(meta["eos_id"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{directory / META_FILE}: unreadable tokenizer description "
+                        f"({exc})") from None
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "hf":
+        return _load_hf_file(directory / HF_FILE, spec=spec, eos_id=eos_id)
+    raise DataError(f"{directory / META_FILE}: kind = {kind!r}: expected 'byte' or 'hf'")
+
+
+def _load_hf_file(path: Path, spec: str, eos_id: int | None = None) -> HFTokenizer:
+    from tokenizers import Tokenizer as HFTok
+
+    try:
+        hf = HFTok.from_file(str(path))
+    except Exception as exc:  # the Rust side raises a bare Exception on malformed files
+        raise DataError(f"tokenizer = {spec!r}: cannot read {path} ({exc})") from None
+    if eos_id is None:
+        eos_id = _find_eos(hf, path)
+    return HFTokenizer(hf, spec=spec, eos_id=eos_id)
+
+
+def _find_eos(hf, path: Path) -> int:  # noqa: ANN001 (HF type)
+    names: list[str] = []
+    config = path.parent / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            eos = json.loads(config.read_text()).get("eos_token")
+        except ValueError:
+            eos = None
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            names.append(eos)
+    names.extend(EOS_CANDIDATES)
+    for name in names:
+        token_id = hf.token_to_id(name)
+        if token_id is not None:
+            return int(token_id)
+    raise DataError(f"tokenizer = '{path}': no end-of-text token found (looked for "
+                    f"{', '.join(EOS_CANDIDATES)} and eos_token in tokenizer_config.json)")
+
+
+def _as_int_array(ids: TokenIds) -> np.ndarray:
+    if hasattr(ids, "detach"):  # a torch tensor, without importing torch here
+        ids = ids.detach().cpu().numpy()
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

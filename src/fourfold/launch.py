@@ -1,0 +1,153 @@
+"""Start N local ranks of a `fourfold` command with torch's elastic launcher (what torchrun
+uses), so that `fourfold train --nproc 4` needs no separate launcher on one machine.
+
+Each rank runs `python -m fourfold ARGV...` with the usual torchrun variables (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); the ranks' output goes straight to this
+terminal. The launcher restarts the whole group up to `max_restarts` times when a rank fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def cores_available() -> int:
+    """CPU cores this process may run on (the affinity mask, not the machine's total)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def threads_per_rank(nproc: int, cores: int | None = None) -> int:
+    """Ranks split the machine's cores: max(1, cores // nproc) threads each."""
+    return max(1, (cores if cores is not None else cores_available()) // max(1, nproc))
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the ranks (they inherit ours) and restore them after."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+@contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    """Hide the elastic agent's own log lines (it announces every SIGTERM it sends and repeats
+    each failure); the ranks' output and our one-line summary say what happened."""
+    logger = logging.getLogger(name)
+    saved = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(saved)
+
+
+def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
+                 rdzv_timeout_s: int = 300) -> int:
+    """Run `python -m fourfold *argv` on `nproc` local ranks; return 0 when every rank exited
+    with 0, else the first failed rank's exit code (after printing one line naming it)."""
+    # Imported here: the elastic launcher pulls in a lot that `fourfold --help` does not need.
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc < 1:
+        raise ValueError(f"--nproc {nproc}: must be at least 1")
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts {max_restarts}: must not be negative")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        # c10d rendezvous on port 0: the store binds a free localhost port itself, so two jobs
+        # started at once cannot pick the same one (a probe-then-bind port could race).
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        rdzv_configs={"timeout": rdzv_timeout_s},
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(),
+    )
+    # -u: rank output reaches the terminal line by line, not when a buffer fills.
+    entrypoint_args = ["-u", "-m", "fourfold", *argv]
+    env = {"OMP_NUM_THREADS": str(threads_per_rank(nproc))}
+    try:
+        with _environment(env), _quiet_logger("torch.distributed.elastic"):
+            elastic_launch(config, sys.executable)(*entrypoint_args)
+    except ChildFailedError as failure:
+        print(f"error: {describe_failure(failure)}", file=sys.stderr, flush=True)
+        return first_exit_code(failure)
+    return 0
+
+
+def describe_failure(failure: object) -> str:
+    """One line naming the failed rank(s) and exit code(s) of an elastic ChildFailedError.
+
+    Ranks the launcher itself stopped (SIGTERM after another rank failed) are left out when a
+    rank failed on its own: they are a consequence, not the cause.
+    """
+    failures = getattr(failure, "failures", {}) or {}
+    if not failures:
+        return f"a rank failed: {failure}"
+    causes = [r for r in sorted(failures) if not _stopped_by_launcher(failures[r].exitcode)]
+    ranks = causes or sorted(failures)
+    parts = [_describe_rank(rank, failures[rank]) for rank in ranks]
+    if len(parts) > 2:
+        return f"{parts[0]}; {parts[1]} and {len(parts) - 2} more"
+    return "; ".join(parts)
+
+
+def _stopped_by_launcher(exitcode: int | None) -> bool:
+    return exitcode is not None and -exitcode in (signal.SIGTERM, signal.SIGKILL)
+
+
+def _describe_rank(rank: int, failure: object) -> str:
+    code = getattr(failure, "exitcode", None)
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"rank {rank} was killed by signal {name}"
+    raw = getattr(failure, "message", "") or ""
+    message = _first_line(raw.get("message", "") if isinstance(raw, dict) else raw)
+    # Without an error file elastic fills `message` with a hint about @record, which says
+    # nothing about this failure.
+    detail = "" if not message or "pytorch.org/docs" in message else f" ({message})"
+    return f"rank {rank} exited with code {code}{detail}"
+
+
+def first_exit_code(failure: object) -> int:
+    """The exit code to return for a failed launch: the first failing rank's own code, or
+    128 + signal for a rank killed by a signal, or 1."""
+    failures = getattr(failure, "failures", {}) or {}
+    codes = [failures[r].exitcode for r in sorted(failures)]
+    for code in codes:
+        if code is not None and code > 0:
+            return code
+    for code in codes:
+        if code is not None and code < 0 and not _stopped_by_launcher(code):
+            return 128 - code
+    return 1
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[0] if lines else ""

@@ -1,0 +1,218 @@
+"""A Llama-family decoder you can read in one sitting: RMSNorm, RoPE, SwiGLU, grouped-query
+attention, optional tied embeddings and biases.
+
+Head counts are read from tensor shapes, not from the config, so that the same forward runs
+unchanged after `fourfold.parallelize` has split the heads of q/k/v over a grid axis. The
+output layer and the loss are separate modules (`output`, `criterion`) for the same reason:
+parallelize swaps them for vocabulary-parallel versions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fourfold.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (max_seq_len, head_dim) in the rotate-half layout that HF uses."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    t = torch.arange(max_seq_len, dtype=torch.float64)
+    freqs = torch.outer(t, inv_freq)  # (T, head_dim/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (T, head_dim)
+    return emb.cos().float(), emb.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, n_head, T, head_dim); cos/sin: (T, head_dim)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+@dataclass
+class KVCache:
+    """Keys and values of earlier positions, one (k, v) pair per layer, for generation."""
+
+    keys: list[torch.Tensor | None]
+    values: list[torch.Tensor | None]
+
+    @classmethod
+    def empty(cls, n_layers: int) -> "KVCache":
+        return cls([None] * n_layers, [None] * n_layers)
+
+    @property
+    def length(self) -> int:
+        k = self.keys[0]
+        return 0 if k is None else k.shape[2]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        kv_dim = cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.dim, kv_dim, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.dim, kv_dim, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_head, T, hd)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        causal = True
+        if cache is not None:
+            if cache.keys[layer] is not None:
+                k = torch.cat([cache.keys[layer], k], dim=2)
+                v = torch.cat([cache.values[layer], v], dim=2)
+                causal = T > 1  # a single new token attends to everything before it
+            cache.keys[layer], cache.values[layer] = k, v
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        if causal and k.shape[2] != T:  # prefill after a cached prefix
+            past = k.shape[2] - T
+            mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_head * hd)
+        return self.o_proj(y)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class CrossEntropy(nn.Module):
+    """Per-token cross-entropy, unreduced: (B, T) losses. Swapped for a vocabulary-parallel
+    version when the output layer is split."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        B, T, V = logits.shape
+        return F.cross_entropy(logits.float().view(B * T, V), targets.reshape(B * T),
+                               reduction="none").view(B, T)
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.embed.weight
+        self.criterion = CrossEntropy()
+        self.activation_checkpointing = False
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                # residual projections scaled down with depth (GPT-2)
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layers))
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding:
+            n -= self.embed.weight.numel()
+        return n
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V), or per-token losses (B, T) when targets are given."""
+        B, T = tokens.shape
+        start = cache.length if cache is not None else 0
+        if start + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {start + T} tokens is longer than max_seq_len "
+                             f"{self.cfg.max_seq_len}")
+        cos = self.rope_cos[start:start + T]
+        sin = self.rope_sin[start:start + T]
+        h = self.embed(tokens)  # (B, T, dim)
+        for i, layer in enumerate(self.layers):
+            if self.activation_checkpointing and self.training and cache is None:
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, cache, i)
+        h = self.norm(h)
+        logits = self.output(h)  # (B, T, vocab)
+        if targets is None:
+            return logits
+        return self.criterion(logits, targets)
+
+
+def build_model(cfg: ModelConfig, seed: int | None = None) -> Llama:
+    """A freshly initialized model; with a seed, the same weights on every process."""
+    if seed is not None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return Llama(cfg)
+    return Llama(cfg)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the weight GEMMs (forward 2N, backward 4N), plus the
+    attention scores and weighted sum, 12 * n_layers * dim * seq_len (PaLM appendix B).
+    N counts the non-embedding parameters plus the output layer (the embedding lookup is free)."""
+    d, L = cfg.dim, cfg.n_layers
+    kv = cfg.n_kv_heads * cfg.head_dim
+    per_layer = d * d * 2 + d * kv * 2 + 3 * d * cfg.ffn_dim
+    n = L * per_layer + cfg.vocab_size * d
+    return 6.0 * n + 12.0 * L * d * seq_len

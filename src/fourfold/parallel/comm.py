@@ -1,0 +1,208 @@
+"""Every collective of the engine goes through `Comm`: it issues the op on the axis's process
+group, records the bytes in the `CommLedger`, and turns a failure or timeout into a
+`CollectiveError` that names the rank, the op and the axis.
+
+Ledger convention (the planner predicts the same numbers): per rank, the bytes of the buffer
+handed to the collective — the input of an all-reduce or reduce-scatter, the output of an
+all-gather. A collective over an axis of size 1 is not issued and records nothing.
+
+Backend quirks live here and nowhere else: bfloat16 buffers travel as float32 on gloo (the
+algorithm's bytes are recorded under the axis, the extra bytes the emulation moved under
+`emulated`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from fourfold.parallel.grid import Axis, Grid
+
+LEDGER_KEYS = ("x", "y", "z", "data", "all")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; usually another rank died or hangs."""
+
+
+@dataclass
+class CommLedger:
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    emulated: int = 0  # extra bytes moved by backend emulation (e.g. bf16 sent as fp32 on gloo)
+
+    def record(self, axis: str, nbytes: int) -> None:
+        self.bytes[axis] += nbytes
+        self.calls[axis] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        return {k: int(self.bytes.get(k, 0)) for k in LEDGER_KEYS}
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+        self.emulated = 0
+
+
+class Handle:
+    """An in-flight collective. `wait()` returns its result tensor."""
+
+    def __init__(self, comm: "Comm", work: object | None, result: torch.Tensor, op: str,
+                 axis: str, finish: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self._comm, self._work, self._result, self.op, self.axis = comm, work, result, op, axis
+        self._finish = finish
+        self._done = work is None
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            try:
+                self._work.wait()  # type: ignore[attr-defined]
+            except RuntimeError as e:
+                raise self._comm.error(self.op, self.axis, e) from None
+            self._done = True
+            if self._finish is not None:
+                self._result = self._finish(self._result)
+                self._finish = None
+        return self._result
+
+
+def _wire_dtype(t: torch.Tensor, backend: str) -> torch.dtype:
+    if backend == "gloo" and t.dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return t.dtype
+
+
+class Comm:
+    """Collectives over the grid's axes, with a byte ledger."""
+
+    def __init__(self, grid: Grid, ledger: CommLedger | None = None) -> None:
+        self.grid = grid
+        self.ledger = ledger or CommLedger()
+
+    def error(self, op: str, axis: str, cause: BaseException) -> CollectiveError:
+        return CollectiveError(
+            f"rank {self.grid.rank} (grid {self.grid.shape}): {op} over axis {axis} failed: "
+            f"{str(cause).splitlines()[0] if str(cause) else type(cause).__name__} "
+            "(another rank probably died or hangs; see its log)")
+
+    def _group(self, axis: str) -> object | None:
+        if axis == "all":
+            return self.grid.world_group
+        if axis == "tensor":
+            return self.grid.tensor_group
+        return self.grid.group(axis)  # type: ignore[arg-type]
+
+    def _size(self, axis: str) -> int:
+        if axis == "all":
+            return self.grid.world_size
+        if axis == "tensor":
+            return self.grid.shape.tensor_size
+        return self.grid.size(axis)  # type: ignore[arg-type]
+
+    def _to_wire(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        wire = _wire_dtype(t, self.grid.backend)
+        if wire != t.dtype:
+            self.ledger.emulated += t.numel() * (torch.finfo(wire).bits - torch.finfo(t.dtype).bits) // 8
+            return t.to(wire), t.dtype
+        return t, t.dtype
+
+    def all_reduce(self, t: torch.Tensor, axis: str, op: str = "sum",
+                   async_op: bool = False) -> Handle:
+        """Sum (or max) `t` over `axis`; the result is a tensor of t's dtype (maybe t itself)."""
+        group = self._group(axis)
+        if group is None or self._size(axis) == 1:
+            return Handle(self, None, t, "all-reduce", axis)
+        ledger_axis = "all" if axis == "tensor" else axis
+        self.ledger.record(ledger_axis, t.numel() * t.element_size())
+        buf, dtype = self._to_wire(t.contiguous())
+        reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+        try:
+            work = dist.all_reduce(buf, op=reduce_op, group=group, async_op=True)
+        except RuntimeError as e:
+            raise self.error("all-reduce", axis, e) from None
+        handle = Handle(self, work, buf, "all-reduce", axis,
+                        finish=(lambda r: r.to(dtype)) if buf.dtype != dtype else None)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def all_gather(self, t: torch.Tensor, axis: str, async_op: bool = False) -> Handle:
+        """Concatenate each rank's `t` along dim 0, in axis order."""
+        group = self._group(axis)
+        size = self._size(axis)
+        if group is None or size == 1:
+            return Handle(self, None, t, "all-gather", axis)
+        buf, dtype = self._to_wire(t.contiguous())
+        out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=buf.dtype, device=t.device)
+        self.ledger.record(axis, out.numel() * t.element_size())
+        try:
+            work = dist.all_gather_into_tensor(out, buf, group=group, async_op=True)
+        except RuntimeError as e:
+            raise self.error("all-gather", axis, e) from None
+        handle = Handle(self, work, out, "all-gather", axis,
+                        finish=(lambda r: r.to(dtype)) if buf.dtype != dtype else None)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def reduce_scatter(self, t: torch.Tensor, axis: str, async_op: bool = False) -> Handle:
+        """Sum `t` over `axis` and keep this rank's 1/size slice of dim 0."""
+        group = self._group(axis)
+        size = self._size(axis)
+        if group is None or size == 1:
+            return Handle(self, None, t, "reduce-scatter", axis)
+        self.ledger.record(axis, t.numel() * t.element_size())
+        buf, dtype = self._to_wire(t.contiguous())
+        out = torch.empty((t.shape[0] // size, *t.shape[1:]), dtype=buf.dtype, device=t.device)
+        try:
+            work = dist.reduce_scatter_tensor(out, buf, group=group, async_op=True)
+        except RuntimeError as e:
+            raise self.error("reduce-scatter", axis, e) from None
+        handle = Handle(self, work, out, "reduce-scatter", axis,
+                        finish=(lambda r: r.to(dtype)) if buf.dtype != dtype else None)
+        if not async_op:
+            handle.wait()
+        return handle
+
+
+# --------------------------------------------------------------------------------------------
+# Layout changes as autograd Functions: each backward is the matching opposite.
+
+
+class _AllReduceSumBothWays(torch.autograd.Function):
+    """Sum over an axis in forward and in backward: for a partial sum every rank's copy of the
+    result feeds its own part of the loss (RMSNorm statistics over split features)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.comm, ctx.axis = comm, axis
+        return comm.all_reduce(t.clone(), axis).wait()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return ctx.comm.all_reduce(grad.clone(), ctx.axis).wait(), None, None
+
+
+class _ReduceForward(torch.autograd.Function):
+    """Sum partial results over an axis in forward; the gradient of a replicated result is
+    already complete on every rank, so backward is the identity."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:  # type: ignore[override]
+        return comm.all_reduce(t.clone(), axis).wait()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None, None
+
+
+def all_reduce_both_ways(t: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    return _AllReduceSumBothWays.apply(t, comm, axis)
+
+
+def reduce_forward(t: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    return _ReduceForward.apply(t, comm, axis)

@@ -1,0 +1,107 @@
+"""Parallel embedding and cross-entropy over a vocabulary split across y.
+
+The embedding table E[V, D] has the layout of a normal linear's weight (V over y then z, D over
+x), so a tied output layer shares the very same shard. Looking up a token: each y-rank fills the
+rows its vocabulary slice owns, zeros elsewhere, and an all-reduce over y completes the residual
+stream (split over x). The loss never gathers the logits: the max, the sum of exponentials and
+the target logit are reduced over y as (b*T)-sized vectors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fourfold.parallel.comm import Comm
+from fourfold.parallel.engine import Engine
+from fourfold.parallel.grid import Grid
+from fourfold.parallel.layout import Layout
+
+
+class _EmbeddingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, weight_shard: torch.Tensor,  # type: ignore[override]
+                module: "ParallelEmbedding") -> torch.Tensor:
+        engine = module.engine
+        w = engine.gather_weight(module, "forward")  # (V/Gy, D/Gx)
+        local = tokens - module.vocab_start
+        owned = (local >= 0) & (local < w.shape[0])
+        local = local.masked_fill(~owned, 0)
+        out = F.embedding(local, w) * owned.unsqueeze(-1).to(w.dtype)
+        out = engine.comm.all_reduce(out, "y").wait()
+        ctx.module = module
+        ctx.save_for_backward(local, owned)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        module: ParallelEmbedding = ctx.module
+        local, owned = ctx.saved_tensors
+        # grad is the same on every y-rank (the output was replicated), so each rank keeps
+        # the rows it owns: the all-reduce's backward is the identity.
+        block = torch.zeros(module.block_shape, dtype=torch.float32, device=grad.device)
+        g = grad.float().reshape(-1, grad.shape[-1])
+        mask = owned.reshape(-1)
+        block.index_add_(0, local.reshape(-1)[mask], g[mask])
+        module.engine.reduce_scatter_weight_grad(module.weight, block)
+        return None, None, None
+
+
+class ParallelEmbedding(nn.Module):
+    def __init__(self, embedding: nn.Embedding, grid: Grid, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.weight_layout = Layout((("y", "z"), ("x",)))
+        shape, coords = grid.shape, grid.shape.coords(grid.rank)
+        V, D = embedding.weight.shape
+        local = self.weight_layout.local_shape((V, D), shape, f"Embedding({V}, {D})")
+        self.block_shape = (local[0] * grid.size("z"), local[1])
+        self.vocab_start = grid.coord("y") * self.block_shape[0]
+        self.needs_backward_gather = False
+        self.weight = nn.Parameter(self.weight_layout.shard(embedding.weight.detach(), shape, coords))
+        engine.register(self)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return _EmbeddingFunction.apply(tokens, self.weight, self)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, comm: Comm,  # type: ignore[override]
+                vocab_start: int) -> torch.Tensor:
+        lf = logits.float()
+        # a shift for stability; any value works as long as all y-ranks use the same one
+        shift = comm.all_reduce(lf.detach().amax(-1), "y", op="max").wait()
+        exp = torch.exp(lf - shift.unsqueeze(-1))
+        local = targets - vocab_start
+        owned = (local >= 0) & (local < lf.shape[-1])
+        local = local.masked_fill(~owned, 0)
+        target_logit = (lf.gather(-1, local.unsqueeze(-1)).squeeze(-1) - shift) * owned
+        stats = comm.all_reduce(torch.stack([exp.sum(-1), target_logit]), "y").wait()
+        sum_exp, target_logit = stats[0], stats[1]
+        loss = torch.log(sum_exp) - target_logit
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax over the local slice
+        ctx.save_for_backward(exp, local, owned)
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        softmax, local, owned = ctx.saved_tensors
+        g = softmax
+        g.scatter_add_(-1, local.unsqueeze(-1), -owned.to(g.dtype).unsqueeze(-1))
+        g.mul_(grad.unsqueeze(-1))
+        return g.to(ctx.logits_dtype), None, None, None
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """Per-token cross-entropy (b, T) from logits split over y (b, T, V/Gy)."""
+
+    def __init__(self, comm: Comm, vocab_start: int) -> None:
+        super().__init__()
+        self.comm = comm
+        self.vocab_start = vocab_start
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return _VocabParallelCrossEntropy.apply(logits, targets, self.comm, self.vocab_start)

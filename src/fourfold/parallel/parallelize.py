@@ -1,0 +1,316 @@
+"""Turn a model into a 4D-parallel one with one call: `parallelize(model, grid, config)`.
+
+Llama-family models (fourfold's own, and Hugging Face Llama/Mistral/Qwen2-style models, which
+share the leaf names q_proj ... down_proj) get a plan that chains layouts with no resharding:
+norm -> q/k/v (normal) -> attention on the local heads -> o (transposed) -> residual split over
+x; norm -> gate/up (normal) -> down (transposed). Any other module gets each nn.Linear whose
+shape divides the grid converted to a layer with whole inputs and outputs; the rest stays
+replicated, with its gradients summed over the batch axes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from fourfold.config import ParallelConfig
+from fourfold.parallel.comm import Comm, CommLedger
+from fourfold.parallel.embedding import ParallelEmbedding, VocabParallelCrossEntropy
+from fourfold.parallel.engine import Engine, OverlapOptions
+from fourfold.parallel.grid import Grid, GridError
+from fourfold.parallel.layout import REPLICATED, Layout
+from fourfold.parallel.linear import Linear3D, ReplicatedLinear3D
+from fourfold.parallel.norm import ParallelRMSNorm
+
+_NORMAL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_TRANSPOSED = ("o_proj", "down_proj")
+_OUTPUT = ("output", "lm_head")
+_EMBEDDING = ("embed", "embed_tokens")
+
+
+def _plain_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    B, T, V = logits.shape
+    return nn.functional.cross_entropy(logits.float().reshape(B * T, V), targets.reshape(B * T),
+                                       reduction="none").view(B, T)
+
+
+class ParallelModel:
+    """A model parallelized over a grid, and the engine that drives its communication."""
+
+    def __init__(self, module: nn.Module, grid: Grid, comm: Comm, engine: Engine | None,
+                 vocab_start: int) -> None:
+        self.module = module
+        self.grid = grid
+        self.comm = comm
+        self.engine = engine
+        self._forward = module
+        self._is_hf = hasattr(module, "config") and hasattr(module.config, "model_type")
+        self.criterion: nn.Module | Any = (
+            VocabParallelCrossEntropy(comm, vocab_start) if engine is not None
+            else _plain_cross_entropy)
+
+    # ---- running ----------------------------------------------------------------------------
+
+    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (b, T, V/Gy), or per-token losses (b, T) when targets are given."""
+        if self.engine is not None:
+            self.engine.begin_forward()
+        if self._is_hf:
+            logits = self._forward(input_ids=tokens, use_cache=False).logits
+        else:
+            logits = self._forward(tokens)
+        if targets is None:
+            return logits
+        return self.criterion(logits, targets)
+
+    forward = __call__
+
+    def compile(self) -> None:
+        """Compile the module's forward with torch.compile (parameters stay where they are)."""
+        self._forward = torch.compile(self.module)
+
+    def train(self, mode: bool = True) -> "ParallelModel":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ParallelModel":
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()
+
+    @property
+    def ledger(self) -> CommLedger:
+        return self.comm.ledger
+
+    # ---- gradients --------------------------------------------------------------------------
+
+    def set_requires_gradient_sync(self, flag: bool) -> None:
+        """False on all but the last micro-step of a step: skip the data all-reduce."""
+        if self.engine is not None:
+            self.engine.grad_sync = flag
+
+    def finish_backward(self) -> None:
+        """Wait for the engine's pending communication; call after every backward."""
+        if self.engine is None:
+            return
+        layouts = self.layouts()
+        named = list(self.module.named_parameters())
+        z_replicated = [p for n, p in named if "z" not in layouts[n].split_axes]
+        self.engine.finish_backward(z_replicated, [p for _, p in named])
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip gradients by their total norm over the whole grid (each element counted once);
+        returns the norm before clipping. The same formula as torch.nn.utils.clip_grad_norm_."""
+        layouts = self.layouts()
+        total = torch.zeros((), dtype=torch.float64)
+        grads = []
+        for name, p in self.module.named_parameters():
+            if p.grad is None:
+                continue
+            grads.append(p.grad)
+            replicas = layouts[name].replicas(self.grid.shape)
+            total += p.grad.detach().double().pow(2).sum().cpu() / replicas
+        total = self.comm.all_reduce(total.to(self.grid.device), "tensor").wait().cpu()
+        norm = float(total.sqrt())
+        if max_norm > 0:
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        return norm
+
+    def reduce_over_batch(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the batch axes (data and z); x/y replicas hold the same value."""
+        if self.grid.world_size == 1:
+            return t
+        out = self.comm.all_reduce(t.detach().double().clone(), "all").wait()
+        return (out / (self.grid.size("x") * self.grid.size("y"))).to(t.dtype)
+
+    # ---- layouts and state --------------------------------------------------------------------
+
+    def layouts(self) -> dict[str, Layout]:
+        """The Layout of every parameter, by name."""
+        by_id: dict[int, Layout] = {}
+        for module in self.module.modules():
+            if isinstance(module, (Linear3D, ParallelEmbedding)):
+                by_id[id(module.weight)] = module.weight_layout
+                if isinstance(module, Linear3D) and module.bias is not None:
+                    by_id[id(module.bias)] = module.bias_layout
+            elif isinstance(module, ParallelRMSNorm):
+                by_id[id(module.weight)] = module.layout
+        return {n: by_id.get(id(p), REPLICATED) for n, p in self.module.named_parameters()}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors with the unparallelized names. Collective: every rank must call it."""
+        layouts = self.layouts()
+        params = dict(self.module.named_parameters())
+        scratch = Comm(self.grid, CommLedger())  # not training traffic: keep the ledger clean
+        gathered: dict[int, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            key = id(tensor)
+            if key not in gathered:
+                layout = layouts.get(name, REPLICATED)
+                if name not in params:  # a tied alias: find its parameter's layout
+                    layout = next((layouts[n] for n, p in params.items() if p is tensor), layout)
+                gathered[key] = _gather_full(tensor.detach(), layout, scratch)
+            out[name] = gathered[key]
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full tensors (unparallelized names) into the local shards."""
+        layouts = self.layouts()
+        coords = self.grid.shape.coords(self.grid.rank)
+        params = dict(self.module.named_parameters())
+        missing = [n for n in params if n not in state]
+        if missing:
+            raise KeyError(f"state dict lacks {missing[:3]}{'...' if len(missing) > 3 else ''}")
+        for name, p in params.items():
+            p.copy_(layouts[name].shard(state[name].to(p.dtype), self.grid.shape, coords))
+
+    def memory_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        params = list(self.module.parameters())
+        out = {"params": sum(p.numel() * p.element_size() for p in params),
+               "grads": sum(p.grad.numel() * p.grad.element_size()
+                            for p in params if p.grad is not None),
+               "optimizer": 0}
+        if optimizer is not None:
+            for state in optimizer.state.values():
+                for v in state.values():
+                    if torch.is_tensor(v) and v.dim() > 0:
+                        out["optimizer"] += v.numel() * v.element_size()
+        return out
+
+
+def _gather_full(local: torch.Tensor, layout: Layout, comm: Comm) -> torch.Tensor:
+    t = local
+    for dim in reversed(range(len(layout.dims))):
+        for axis in reversed(layout.dims[dim]):  # innermost split first
+            if comm.grid.size(axis) == 1:
+                continue
+            moved = t.movedim(dim, 0).contiguous()
+            t = comm.all_gather(moved, axis).wait().movedim(0, dim).contiguous()
+    return t
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def overlap_options(cfg: ParallelConfig | None) -> OverlapOptions:
+    if cfg is None:
+        return OverlapOptions()
+    return OverlapOptions(input_grad=cfg.overlap_input_grad, weight_grad=cfg.overlap_weight_grad,
+                          prefetch=cfg.prefetch_weights, data_grad=cfg.overlap_data_grad,
+                          bucket_bytes=int(cfg.bucket_mb * 2**20))
+
+
+def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = None
+                ) -> ParallelModel:
+    """Parallelize `model` (with its full weights, the same on every rank) over `grid`.
+
+    On a one-process grid the model is left as it is. Modules are replaced in place.
+    """
+    comm = Comm(grid)
+    if grid.world_size == 1:
+        return ParallelModel(model, grid, comm, None, 0)
+    engine = Engine(comm, overlap_options(config))
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    if set(_NORMAL + _TRANSPOSED) <= names:
+        vocab_start = _apply_llama_plan(model, grid, engine)
+    else:
+        _apply_generic_plan(model, grid, engine)
+        vocab_start = 0
+    pmodel = ParallelModel(model, grid, comm, engine, vocab_start)
+    if not hasattr(model, "criterion"):
+        return pmodel
+    model.criterion = pmodel.criterion  # the model's own loss path uses the split vocabulary too
+    return pmodel
+
+
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, leaf, new)
+
+
+def _check_heads(model: nn.Module, grid: Grid) -> None:
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    if cfg is None:
+        return
+    heads = getattr(cfg, "n_heads", None) or getattr(cfg, "num_attention_heads", None)
+    kv = (getattr(cfg, "n_kv_heads", None) or getattr(cfg, "num_key_value_heads", None)
+          or heads)
+    gy = grid.size("y")
+    for what, n in (("attention heads", heads), ("key/value heads", kv)):
+        if n and n % gy:
+            valid = [d for d in range(1, n + 1) if n % d == 0]
+            raise GridError(f"parallel.y = {gy} does not divide the model's {n} {what}; "
+                            f"choose y among {', '.join(map(str, valid))}")
+
+
+def _apply_llama_plan(model: nn.Module, grid: Grid, engine: Engine) -> int:
+    _check_heads(model, grid)
+    modules = list(model.named_modules())
+    embedding: ParallelEmbedding | None = None
+    for name, module in modules:
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding) and leaf in _EMBEDDING:
+            embedding = ParallelEmbedding(module, grid, engine)
+            tied_weight = module.weight
+            _set_submodule(model, name, embedding)
+        elif _is_rms_norm(module) and leaf.endswith("norm"):
+            eps = getattr(module, "eps", None) or getattr(module, "variance_epsilon", 1e-6)
+            _set_submodule(model, name, ParallelRMSNorm(module.weight, float(eps), grid, engine,
+                                                        fan_out_to_y=True))
+    for name, module in modules:
+        leaf = name.rsplit(".", 1)[-1]
+        if not isinstance(module, nn.Linear):
+            continue
+        if leaf in _NORMAL:
+            new = Linear3D(module, grid, engine, transposed=False, own_fan_out=False)
+        elif leaf in _TRANSPOSED:
+            new = Linear3D(module, grid, engine, transposed=True, own_fan_out=True)
+        elif leaf in _OUTPUT:
+            tied = embedding is not None and module.weight is tied_weight
+            new = Linear3D(module, grid, engine, transposed=False, own_fan_out=False,
+                           weight=embedding.weight if tied else None)  # type: ignore[union-attr]
+        else:
+            continue
+        _set_submodule(model, name, new)
+    _order_for_prefetch(engine, model)
+    return embedding.vocab_start if embedding is not None else 0
+
+
+def _order_for_prefetch(engine: Engine, model: nn.Module) -> None:
+    """Forward order of the z-sharded modules: definition order, which Llama-family models
+    run in (embedding, then each block's q, k, v, o, gate, up, down, then the output)."""
+    engine.set_order([m for m in model.modules() if isinstance(m, (Linear3D, ParallelEmbedding))])
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (isinstance(weight, nn.Parameter) and weight.dim() == 1
+            and not isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm))
+            and getattr(module, "bias", None) is None
+            and len(list(module.children())) == 0)
+
+
+def _apply_generic_plan(model: nn.Module, grid: Grid, engine: Engine) -> None:
+    gx, gyz = grid.size("x"), grid.size("y") * grid.size("z")
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and module.in_features % gx == 0 \
+                and module.out_features % gyz == 0 and module.out_features % grid.size("y") == 0:
+            _set_submodule(model, name, ReplicatedLinear3D(module, grid, engine))
+    _order_for_prefetch(engine, model)

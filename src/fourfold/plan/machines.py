@@ -1,0 +1,459 @@
+"""Hardware catalog: devices, clusters, and the bandwidth a collective sees.
+
+A `Machine` is a device (peak FLOP/s, memory, memory bandwidth, how well it runs GEMMs of a
+given shape) times a cluster (devices per node and a network). `load_machine(spec)` takes a
+preset name (`perlmutter`, `frontier`, `alps`, `dgx-h100`, `cpu`), a device name from the
+catalog (a generic node of such devices; its network numbers are estimates), or the path of a
+MACHINE.toml.
+
+MACHINE.toml (every key optional except where noted; unknown keys are an error):
+
+    name = "mycluster"          # shown in the plan
+    base = "perlmutter"         # start from a preset (or catalog device) and override below
+    gpus_per_node = 4           # ranks that share a node (required without `base`)
+    reserved_gib = 2.0          # memory per device the job cannot use (context, fragmentation)
+
+    [device]
+    base = "a100-40gb"          # start from a catalog device
+    name = "A100-40GB"
+    peak_bf16_tflops = 312.0    # dense tensor-core peak
+    peak_fp32_tflops = 19.5     # what float32 training runs at (no TF32)
+    memory_gib = 40.0
+    hbm_gbps = 1555.0           # memory bandwidth, for memory-bound work (norms, optimizer)
+    gemm_efficiency = 0.8       # fraction of peak a large, square GEMM reaches (calibrate!)
+    gemm_half_dim = 96.0        # a GEMM dimension this small halves the efficiency
+    shared_host = false         # true when all ranks of a node share one device (CPU)
+
+    [network]
+    latency_us = 10.0           # per ring step
+    intra_node_gbps = 200.0     # used when no stride tables are given: a group inside a node
+    inter_node_gbps = 20.0      # ... and a group that spans nodes
+
+    # Measured tables (override intra/inter): effective GB/s by group size, one table per
+    # stride between the ranks of the group. A stride uses the table of the largest listed
+    # stride <= it; a group size uses the entry of the largest listed size <= it.
+    [network.stride_1]
+    2 = 76.0
+    4 = 225.0
+    8 = 80.0
+    [network.stride_2]
+    2 = 76.0
+    4 = 40.0
+
+"Effective GB/s" means: the time of a collective is its ring volume per rank (all-reduce
+2(p-1)/p of the buffer, all-gather / reduce-scatter (p-1)/p of the full buffer) divided by it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fourfold.plan.errors import PlanError
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_bf16_tflops: float
+    peak_fp32_tflops: float
+    memory_gib: float
+    hbm_gbps: float
+    gemm_efficiency: float = 0.75
+    gemm_half_dim: float = 96.0
+    shared_host: bool = False
+    note: str = "vendor datasheet (dense); efficiencies are estimates"
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s of one device for GEMMs in `dtype` (float32 or bfloat16)."""
+        return (self.peak_bf16_tflops if dtype == "bfloat16" else self.peak_fp32_tflops) * 1e12
+
+
+@dataclass(frozen=True)
+class Network:
+    latency_us: float = 10.0
+    intra_node_gbps: float = 100.0
+    inter_node_gbps: float = 20.0
+    # ((stride, ((group_size, GB/s), ...)), ...), both sorted ascending; empty: use intra/inter
+    stride_tables: tuple[tuple[int, tuple[tuple[int, float], ...]], ...] = ()
+
+    def gbps(self, group_size: int, stride: int, gpus_per_node: int) -> float:
+        """Effective GB/s of a collective over `group_size` ranks `stride` apart."""
+        if self.stride_tables:
+            table = self.stride_tables[0][1]
+            for listed_stride, t in self.stride_tables:
+                if listed_stride <= stride:
+                    table = t
+            value = table[0][1]
+            for size, bw in table:
+                if size <= group_size:
+                    value = bw
+            return value
+        # A group whose ranks all sit in one node uses the node's links; else the network.
+        return self.intra_node_gbps if stride * group_size <= gpus_per_node else self.inter_node_gbps
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    device: Device
+    gpus_per_node: int
+    network: Network
+    reserved_gib: float = 2.0
+    note: str = ""
+
+    def bandwidth_gbps(self, group_size: int, stride: int) -> float:
+        return self.network.gbps(group_size, stride, self.gpus_per_node)
+
+    def ranks_per_device(self, world_size: int) -> int:
+        """How many ranks share one device's compute and memory (>1 only on a shared host)."""
+        return min(world_size, self.gpus_per_node) if self.device.shared_host else 1
+
+    def usable_memory_bytes(self, world_size: int) -> float:
+        per_rank = self.device.memory_gib / self.ranks_per_device(world_size)
+        return (per_rank - self.reserved_gib) * GIB
+
+    def peak_flops_per_rank(self, dtype: str, world_size: int) -> float:
+        return self.device.peak_flops(dtype) / self.ranks_per_device(world_size)
+
+    def hbm_bytes_per_s_per_rank(self, world_size: int) -> float:
+        return self.device.hbm_gbps * 1e9 / self.ranks_per_device(world_size)
+
+
+# --------------------------------------------------------------------------------------------
+# Catalog. Peaks are dense (no sparsity) vendor numbers; float32 is the non-tensor-core rate
+# PyTorch uses by default (TF32 off). gemm_efficiency values are estimates of what a large
+# bf16 GEMM reaches; calibrate them with a MACHINE.toml for serious planning.
+
+DEVICES: dict[str, Device] = {
+    "a100-40gb": Device("A100-40GB", 312.0, 19.5, 40.0, 1555.0, gemm_efficiency=0.80),
+    "a100-80gb": Device("A100-80GB", 312.0, 19.5, 80.0, 2039.0, gemm_efficiency=0.80),
+    "h100-sxm": Device("H100-SXM", 989.0, 67.0, 80.0, 3350.0, gemm_efficiency=0.70,
+                       gemm_half_dim=128.0),
+    "h200": Device("H200", 989.0, 67.0, 141.0, 4800.0, gemm_efficiency=0.72,
+                   gemm_half_dim=128.0),
+    "gh200": Device("GH200", 989.0, 67.0, 96.0, 4000.0, gemm_efficiency=0.72,
+                    gemm_half_dim=128.0),
+    "mi250x-gcd": Device("MI250X-GCD", 191.5, 23.9, 64.0, 1638.0, gemm_efficiency=0.60,
+                         gemm_half_dim=128.0),
+    "mi300x": Device("MI300X", 1307.4, 163.4, 192.0, 5300.0, gemm_efficiency=0.55,
+                     gemm_half_dim=160.0),
+    "b200": Device("B200", 2250.0, 75.0, 180.0, 7700.0, gemm_efficiency=0.70,
+                   gemm_half_dim=160.0),
+}
+
+_PAPER = "network: effective GB/s measured by the SC24 paper's authors"
+_ESTIMATE = "network: estimates (not measured)"
+
+_PRESETS: dict[str, Machine] = {
+    "perlmutter": Machine(
+        "perlmutter", DEVICES["a100-40gb"], gpus_per_node=4,
+        network=Network(latency_us=10.0, stride_tables=(
+            (1, ((2, 76.0), (4, 225.0), (8, 80.0))),
+            (2, ((2, 76.0), (4, 40.0))),
+            (4, ((2, 20.0),)),
+            (8, ((2, 20.0),)),
+        )), note=_PAPER),
+    "frontier": Machine(
+        "frontier", DEVICES["mi250x-gcd"], gpus_per_node=8,
+        network=Network(latency_us=15.0, stride_tables=(
+            (1, ((2, 129.0), (4, 52.0), (8, 135.0), (16, 40.0))),
+            (2, ((2, 50.0), (4, 72.0), (8, 20.0))),
+            (4, ((2, 36.0), (4, 10.0))),
+            (8, ((2, 5.0),)),
+        )), note=_PAPER),
+    # 4 GH200 per node, all-to-all NVLink; 4 Slingshot-11 NICs (25 GB/s each) per node.
+    "alps": Machine(
+        "alps", DEVICES["gh200"], gpus_per_node=4,
+        network=Network(latency_us=10.0, stride_tables=(
+            (1, ((2, 130.0), (4, 200.0), (8, 22.0))),
+            (2, ((2, 130.0), (4, 20.0))),
+            (4, ((2, 18.0),)),
+            (8, ((2, 15.0),)),
+        )), note=_ESTIMATE),
+    # NVSwitch inside the node; 8x400 Gb/s InfiniBand per node.
+    "dgx-h100": Machine(
+        "dgx-h100", DEVICES["h100-sxm"], gpus_per_node=8,
+        network=Network(latency_us=8.0, intra_node_gbps=360.0, inter_node_gbps=40.0),
+        note=_ESTIMATE),
+}
+
+MACHINE_NAMES: tuple[str, ...] = tuple(_PRESETS) + ("cpu",)
+
+
+def _generic_node(key: str) -> Machine:
+    device = DEVICES[key]
+    per_node = 4 if key == "gh200" else 8
+    intra = {"a100-40gb": 230.0, "a100-80gb": 230.0, "mi250x-gcd": 50.0,
+             "mi300x": 300.0, "b200": 700.0}.get(key, 360.0)
+    inter = {"a100-40gb": 20.0, "a100-80gb": 20.0, "mi250x-gcd": 20.0, "b200": 80.0}.get(key, 40.0)
+    return Machine(key, device, gpus_per_node=per_node,
+                   network=Network(latency_us=10.0, intra_node_gbps=intra, inter_node_gbps=inter),
+                   note=f"generic node of {per_node} {device.name}; {_ESTIMATE}")
+
+
+# --------------------------------------------------------------------------------------------
+# The CPU this runs on, measured.
+
+
+def cache_dir() -> Path:
+    """Where measured numbers are kept: $FOURFOLD_CACHE, else ~/.cache/fourfold."""
+    root = os.environ.get("FOURFOLD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                             "fourfold")
+    return Path(root) / "plan"
+
+
+def _probe_key() -> str:
+    import torch
+
+    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|" \
+           f"{torch.get_num_threads()}|{torch.__version__}"
+
+
+def _time_matmul(size: int, budget_s: float) -> float:
+    """FLOP/s of a size^3 float32 matmul, best of as many runs as fit in budget_s."""
+    import torch
+
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    torch.mm(a, b)  # warm-up: thread pool, allocation
+    best = float("inf")
+    start = time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s:
+            break
+    return 2.0 * size**3 / best
+
+
+def _time_copy(budget_s: float) -> float:
+    """Bytes/s of a large copy (read + write), the memory bandwidth memory-bound work sees."""
+    import torch
+
+    src = torch.empty(8 * 1024 * 1024)  # 32 MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    start = time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s:
+            break
+    return 2 * src.numel() * 4 / best
+
+
+def _fit_half_dim(rates: dict[int, float]) -> tuple[float, float]:
+    """Fit rate(d) = peak * (d / (d + h))^3 to measured rates; return (peak, h)."""
+    import math
+
+    best = (float("inf"), 0.0, max(rates.values()))
+    for step in range(0, 201):
+        h = step * 4.0
+        peaks = [r / (d / (d + h)) ** 3 for d, r in rates.items()]
+        peak = math.exp(sum(math.log(p) for p in peaks) / len(peaks))
+        err = sum((math.log(r) - math.log(peak * (d / (d + h)) ** 3)) ** 2
+                  for d, r in rates.items())
+        if err < best[0]:
+            best = (err, h, peak)
+    return best[2], best[1]
+
+
+def measure_cpu(refresh: bool = False) -> dict[str, float]:
+    """Measure (or read from the cache) this CPU's matmul rate and memory bandwidth (~1 s)."""
+    path = cache_dir() / "cpu_probe.json"
+    key = _probe_key()
+    if not refresh and path.is_file():
+        try:
+            cached = json.loads(path.read_text())
+            if cached.get("key") == key:
+                return cached
+        except (OSError, ValueError):
+            pass  # a damaged cache is measured again
+    rates = {size: _time_matmul(size, 0.25) for size in (128, 384, 1024)}
+    peak, half_dim = _fit_half_dim(rates)
+    result: dict[str, Any] = {"key": key, "peak_flops": peak, "gemm_half_dim": half_dim,
+                              "copy_bytes_per_s": _time_copy(0.1),
+                              "rates": {str(k): v for k, v in rates.items()}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(result, indent=2))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs a re-measurement next time
+    return result
+
+
+def _host_memory_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 1024**2
+    except OSError:
+        pass
+    return 16.0
+
+
+def cpu_machine(refresh: bool = False) -> Machine:
+    """This host as a machine: ranks share its cores and memory; gloo over loopback."""
+    probe = measure_cpu(refresh)
+    tflops = probe["peak_flops"] / 1e12
+    device = Device("cpu", peak_bf16_tflops=tflops, peak_fp32_tflops=tflops,
+                    memory_gib=_host_memory_gib(), hbm_gbps=probe["copy_bytes_per_s"] / 1e9,
+                    gemm_efficiency=1.0, gemm_half_dim=probe["gemm_half_dim"], shared_host=True,
+                    note="measured by a matmul probe (float32; bfloat16 assumed equal)")
+    return Machine("cpu", device, gpus_per_node=os.cpu_count() or 1,
+                   network=Network(latency_us=50.0, intra_node_gbps=2.0, inter_node_gbps=2.0),
+                   reserved_gib=0.5,
+                   note="compute measured; network: gloo over loopback, a rough constant")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+_TOP_KEYS = {"name", "base", "gpus_per_node", "reserved_gib", "device", "network", "note"}
+_DEVICE_KEYS = {f.name for f in dataclasses.fields(Device)} | {"base"}
+_NETWORK_KEYS = {"latency_us", "intra_node_gbps", "inter_node_gbps"}
+
+
+def _named(spec: str) -> Machine | None:
+    key = spec.lower()
+    if key == "cpu":
+        return cpu_machine()
+    if key in _PRESETS:
+        return _PRESETS[key]
+    if key in DEVICES:
+        return _generic_node(key)
+    return None
+
+
+def _number(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise PlanError(f"{where} = {value!r}: expected a non-negative number")
+    return float(value)
+
+
+def _device_from(table: dict[str, Any], base: Device | None, where: str) -> Device:
+    unknown = set(table) - _DEVICE_KEYS
+    if unknown:
+        raise PlanError(f"{where}: unknown key [device].{sorted(unknown)[0]}; allowed: "
+                        f"{', '.join(sorted(_DEVICE_KEYS))}")
+    if "base" in table:
+        if str(table["base"]).lower() not in DEVICES:
+            raise PlanError(f"{where}: [device].base = {table['base']!r}: choose one of "
+                            f"{', '.join(DEVICES)}")
+        base = DEVICES[str(table["base"]).lower()]
+    values: dict[str, Any] = dataclasses.asdict(base) if base else {}
+    for key, value in table.items():
+        if key == "base":
+            continue
+        if key in ("name", "note"):
+            values[key] = str(value)
+        elif key == "shared_host":
+            values[key] = bool(value)
+        else:
+            values[key] = _number(f"{where}: [device].{key}", value)
+    required = {"name", "peak_bf16_tflops", "peak_fp32_tflops", "memory_gib", "hbm_gbps"}
+    missing = sorted(required - set(values))
+    if missing:
+        raise PlanError(f"{where}: [device] needs {', '.join(missing)} (or a `base` device)")
+    return Device(**values)
+
+
+def _network_from(table: dict[str, Any], base: Network | None, where: str) -> Network:
+    values: dict[str, Any] = dataclasses.asdict(base) if base else {}
+    tables: list[tuple[int, tuple[tuple[int, float], ...]]] = []
+    for key, value in table.items():
+        if key.startswith("stride_") and isinstance(value, dict):
+            try:
+                stride = int(key[len("stride_"):])
+                entries = tuple(sorted((int(size), _number(f"{where}: [network.{key}].{size}", bw))
+                                       for size, bw in value.items()))
+            except ValueError:
+                raise PlanError(f"{where}: [network.{key}]: expected `stride_N` with integer "
+                                "group sizes as keys, e.g. `2 = 76.0`") from None
+            if stride < 1 or not entries:
+                raise PlanError(f"{where}: [network.{key}]: needs a stride >= 1 and at least "
+                                "one `group_size = GB/s` entry")
+            tables.append((stride, entries))
+        elif key in _NETWORK_KEYS:
+            values[key] = _number(f"{where}: [network].{key}", value)
+        else:
+            raise PlanError(f"{where}: unknown key [network].{key}; allowed: "
+                            f"{', '.join(sorted(_NETWORK_KEYS))}, stride_N tables")
+    if tables:
+        values["stride_tables"] = tuple(sorted(tables))
+    elif "intra_node_gbps" in table or "inter_node_gbps" in table:
+        values["stride_tables"] = ()  # explicit intra/inter replace a base's tables
+    return Network(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items()})
+
+
+def machine_from_toml(path: str | Path) -> Machine:
+    """Read a MACHINE.toml (keys in this module's docstring)."""
+    p = Path(path)
+    where = str(p)
+    try:
+        data = tomllib.loads(p.read_text())
+    except OSError as e:
+        raise PlanError(f"machine file {where!r}: cannot read it ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise PlanError(f"machine file {where!r}: not valid TOML: {e}") from None
+    unknown = set(data) - _TOP_KEYS
+    if unknown:
+        raise PlanError(f"{where}: unknown key {sorted(unknown)[0]!r}; allowed: "
+                        f"{', '.join(sorted(_TOP_KEYS))}")
+    base: Machine | None = None
+    if "base" in data:
+        base = _named(str(data["base"]))
+        if base is None:
+            raise PlanError(f"{where}: base = {data['base']!r}: choose one of "
+                            f"{', '.join(MACHINE_NAMES + tuple(DEVICES))}")
+    device_table = data.get("device", {})
+    network_table = data.get("network", {})
+    if not isinstance(device_table, dict) or not isinstance(network_table, dict):
+        raise PlanError(f"{where}: `device` and `network` must be [tables]")
+    device = _device_from(device_table, base.device if base else None, where)
+    network = _network_from(network_table, base.network if base else Network(), where)
+    if "gpus_per_node" in data:
+        per_node = data["gpus_per_node"]
+        if not isinstance(per_node, int) or isinstance(per_node, bool) or per_node < 1:
+            raise PlanError(f"{where}: gpus_per_node = {per_node!r}: expected a positive integer")
+    elif base is not None:
+        per_node = base.gpus_per_node
+    else:
+        raise PlanError(f"{where}: gpus_per_node is required (or give a `base` machine)")
+    reserved = _number(f"{where}: reserved_gib",
+                       data.get("reserved_gib", base.reserved_gib if base else 2.0))
+    return Machine(name=str(data.get("name", p.stem)), device=device, gpus_per_node=per_node,
+                   network=network, reserved_gib=reserved,
+                   note=str(data.get("note", f"from {where}")))
+
+
+def load_machine(spec: str | Machine) -> Machine:
+    """A machine from a preset name, a catalog device name, or a MACHINE.toml path."""
+    if isinstance(spec, Machine):
+        return spec
+    machine = _named(spec)
+    if machine is not None:
+        return machine
+    if spec.endswith(".toml") or os.path.sep in spec or Path(spec).is_file():
+        if not Path(spec).is_file():
+            raise PlanError(f"machine file {spec!r} does not exist")
+        return machine_from_toml(spec)
+    raise PlanError(f"unknown machine {spec!r}: choose a preset ({', '.join(MACHINE_NAMES)}), "
+                    f"a device ({', '.join(DEVICES)}) or a MACHINE.toml path")

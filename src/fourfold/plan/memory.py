@@ -1,0 +1,103 @@
+"""Memory per rank of a 4D configuration: parameters, gradients, AdamW states, activations
+(with and without activation checkpointing), gathered-weight buffers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fourfold.config import ModelConfig
+from fourfold.parallel.grid import GridShape
+from fourfold.plan.errors import PlanError
+from fourfold.plan.schedule import block_linears, local_param_numel
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of tensor.
+
+    float32: everything in fp32. bfloat16: mixed precision as usual for LLMs: fp32 master
+    parameters, gradients and AdamW states; weights are gathered and activations kept in bf16.
+    """
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int  # AdamW: two fp32 states per parameter
+    weight_bytes: int  # gathered weights (all-gather over z)
+    act_bytes: int
+
+    @classmethod
+    def of(cls, dtype: str) -> "Precision":
+        if dtype == "float32":
+            return cls("float32", 4, 4, 8, 4, 4)
+        if dtype == "bfloat16":
+            return cls("bfloat16", 4, 4, 8, 2, 2)
+        raise PlanError(f"dtype = {dtype!r}: choose float32 or bfloat16")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per rank at the peak of a step."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    gathered_weights: int  # prefetched z all-gather buffers and the full dW before its scatter
+    logits: int  # output-layer logits and the loss's fp32 workspace
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.activations
+                + self.gathered_weights + self.logits)
+
+
+def predict_param_memory(model_cfg: ModelConfig, shape: GridShape,
+                         precision: Precision | None = None) -> dict[str, int]:
+    """Bytes per rank of parameters, gradients and AdamW states (float32 unless told)."""
+    p = precision or Precision.of("float32")
+    numel = sum(local_param_numel(model_cfg, shape).values())
+    return {"params": numel * p.param_bytes, "grads": numel * p.grad_bytes,
+            "optimizer": numel * p.optimizer_bytes}
+
+
+def activation_bytes_per_token(model: ModelConfig, shape: GridShape, act_bytes: int) -> dict[str, int]:
+    """Per token on a rank: what one block keeps for backward (`block`), and the block input a
+    checkpointed block keeps instead (`checkpoint`)."""
+    gx, gy = shape.x, shape.y
+    d, f, kv = model.dim, model.ffn_dim, model.n_kv_heads * model.head_dim
+    residual_like = 4 * d // gx  # both norms' inputs and outputs live split over x
+    attention = (d + 2 * kv) // gy + 2 * d // gy  # q, k, v; attention output (+ o input)
+    mlp = 3 * f // gy  # gate, up, and their product (down's input)
+    norm_stats = 2 * 4  # an fp32 rstd per norm
+    return {"block": (residual_like + attention + mlp) * act_bytes + norm_stats,
+            "checkpoint": d // gx * act_bytes}
+
+
+def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int,
+                   activation_checkpointing: bool, precision: Precision) -> MemoryBreakdown:
+    """Peak bytes per rank of one training step."""
+    gx, gy = shape.x, shape.y
+    states = predict_param_memory(model, shape, precision)
+    n = micro_batch_tokens
+    per_token = activation_bytes_per_token(model, shape, precision.act_bytes)
+    if activation_checkpointing:
+        # every block keeps its input; one block at a time is recomputed with full activations
+        activations = n * (model.n_layers * per_token["checkpoint"] + per_token["block"])
+    else:
+        activations = n * model.n_layers * per_token["block"]
+    activations += 2 * n * (model.dim // gx) * precision.act_bytes  # embedding out, final norm
+    layer_block = sum(lin.out_features * lin.in_features for lin in block_linears(model))
+    layer_block //= gx * gy
+    vocab_block = model.vocab_size * model.dim // (gx * gy)
+    # the current and the prefetched next layer's weights, plus one full dW before its scatter
+    gathered = max(2 * layer_block * precision.weight_bytes + layer_block * precision.grad_bytes,
+                   vocab_block * (precision.weight_bytes + precision.grad_bytes))
+    if shape.z == 1:
+        gathered = layer_block * precision.grad_bytes  # no gather buffers; still dW per layer
+    logits = n * (model.vocab_size // gy) * (precision.act_bytes + 4)
+    return MemoryBreakdown(params=states["params"], grads=states["grads"],
+                           optimizer=states["optimizer"], activations=activations,
+                           gathered_weights=gathered, logits=logits)

@@ -1,0 +1,193 @@
+"""Performance model: the time of one optimizer step of a 4D configuration.
+
+Compute: every GEMM a rank runs, at the device's peak times an efficiency that falls for small
+or skinny GEMMs (each dimension d contributes d / (d + gemm_half_dim)), or at memory
+bandwidth when that is slower; attention and element-wise work are added the same way.
+Communication: the collectives of `schedule.collective_schedule`, each a ring over the
+bandwidth its group's placement sees (group size = the axis size; stride between its ranks:
+x 1, y Gx, z Gx*Gy, data Gx*Gy*Gz), minus the part the engine's overlap hides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fourfold.config import ModelConfig
+from fourfold.models.llama import flops_per_token
+from fourfold.parallel.grid import AXES, GridShape
+from fourfold.plan.machines import Machine
+from fourfold.plan.memory import Precision
+from fourfold.plan.schedule import Collective, block_linears, collective_schedule, local_param_numel
+
+
+# Fraction of a hidden collective's time that still shows up as slower compute.
+OVERLAP_INTERFERENCE = 0.1
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Which of the engine's overlaps are on (the fields of ParallelConfig of the same names)."""
+
+    overlap_input_grad: bool = True
+    overlap_weight_grad: bool = True
+    prefetch_weights: bool = True
+    overlap_data_grad: bool = True
+
+
+@dataclass
+class StepPrediction:
+    step_s: float
+    compute_s: float
+    comm_s: dict[str, float]  # per axis, total collective time per step
+    hidden_s: dict[str, float]  # per axis, the part hidden under compute
+    comm_bytes: dict[str, int]  # per axis, per rank, as the ledger counts
+    tokens_per_s: float
+    mfu: float
+    flops_per_step: float  # model FLOPs of the whole job per step
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return sum(self.comm_s[a] - self.hidden_s[a] for a in AXES)
+
+
+def axis_stride(shape: GridShape, axis: str) -> int:
+    """Distance in ranks between neighbours of an axis group (x innermost)."""
+    return {"x": 1, "y": shape.x, "z": shape.x * shape.y,
+            "data": shape.x * shape.y * shape.z}[axis]
+
+
+def gemm_seconds(m: int, n: int, k: int, machine: Machine, dtype: str, world_size: int,
+                 elem_bytes: int, batch: int = 1) -> float:
+    """Time of `batch` GEMMs (m x k) @ (k x n) on one rank."""
+    if min(m, n, k) <= 0:
+        return 0.0
+    dev = machine.device
+    h = dev.gemm_half_dim
+    shape_eff = (m / (m + h)) * (n / (n + h)) * (k / (k + h))
+    rate = machine.peak_flops_per_rank(dtype, world_size) * dev.gemm_efficiency * shape_eff
+    flop_time = 2.0 * m * n * k / rate
+    memory_time = (m * k + k * n + m * n) * elem_bytes / machine.hbm_bytes_per_s_per_rank(world_size)
+    return batch * max(flop_time, memory_time)
+
+
+def collective_seconds(c: Collective, shape: GridShape, machine: Machine) -> float:
+    """One call of a ring collective over its axis."""
+    p = getattr(shape, c.axis)
+    bw = machine.bandwidth_gbps(p, axis_stride(shape, c.axis)) * 1e9
+    if c.op == "all_reduce":
+        volume, steps = 2 * (p - 1) / p * c.nbytes, 2 * (p - 1)
+    else:
+        volume, steps = (p - 1) / p * c.nbytes, p - 1
+    return volume / bw + steps * machine.network.latency_us * 1e-6
+
+
+@dataclass(frozen=True)
+class _Compute:
+    forward: float  # one micro-step, blocks + embedding + output layer + loss
+    backward: float  # one micro-step, without recomputation
+    weight_grad: float  # the dW GEMMs inside backward
+    recompute: float  # forward of the blocks again (activation checkpointing)
+
+
+def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, machine: Machine,
+                   precision: Precision, world_size: int) -> _Compute:
+    gx, gy = shape.x, shape.y
+    dt, eb = precision.name, precision.act_bytes
+    fwd = dgrad = wgrad = 0.0
+    for lin in block_linears(model):
+        out_l, in_l = ((lin.out_features // gx, lin.in_features // gy) if lin.transposed
+                       else (lin.out_features // gy, lin.in_features // gx))
+        fwd += gemm_seconds(n, out_l, in_l, machine, dt, world_size, eb)
+        dgrad += gemm_seconds(n, in_l, out_l, machine, dt, world_size, eb)
+        wgrad += gemm_seconds(out_l, in_l, n, machine, dt, world_size, eb)
+    # attention: heads split over y (replicated over x); causal, so half of the score matrix
+    heads = max(1, model.n_heads // gy)
+    seqs = max(1, n // seq_len)
+    attn = gemm_seconds(seq_len, seq_len, model.head_dim, machine, dt, world_size, eb,
+                        batch=seqs * heads)  # scores; same again for the weighted sum
+    attn_fwd = attn  # two half-size (causal) GEMMs
+    # element-wise work (norms, RoPE, SwiGLU, residual adds): a few passes over the activations
+    kv = model.n_kv_heads * model.head_dim
+    elem_bytes = n * eb * (12 * model.dim // gx + 5 * model.ffn_dim // gy
+                           + 4 * (model.dim + 2 * kv) // gy)
+    elem = elem_bytes / machine.hbm_bytes_per_s_per_rank(world_size)
+    block_fwd = fwd + attn_fwd + elem
+    block_bwd = dgrad + wgrad + 2 * attn_fwd + 2 * elem
+    L = model.n_layers
+    vocab_l, d_l = model.vocab_size // gy, model.dim // gx
+    out_fwd = gemm_seconds(n, vocab_l, d_l, machine, dt, world_size, eb)
+    out_dgrad = gemm_seconds(n, d_l, vocab_l, machine, dt, world_size, eb)
+    out_wgrad = gemm_seconds(vocab_l, d_l, n, machine, dt, world_size, eb)
+    loss = 3 * n * vocab_l * 4 / machine.hbm_bytes_per_s_per_rank(world_size)
+    return _Compute(forward=L * block_fwd + out_fwd + loss,
+                    backward=L * block_bwd + out_dgrad + out_wgrad + loss,
+                    weight_grad=L * wgrad + out_wgrad, recompute=L * block_fwd)
+
+
+def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_len: int,
+                 grad_accum: int, activation_checkpointing: bool, machine: Machine,
+                 precision: Precision, overlap: Overlap = Overlap()) -> StepPrediction:
+    """Predicted time of one optimizer step; the batch is split over data and z, then into
+    `grad_accum` micro-steps."""
+    world = shape.size
+    shards = shape.data * shape.z
+    n = global_batch // shards // grad_accum * seq_len  # tokens per rank per micro-step
+    comp = _compute_times(model, shape, n, seq_len, machine, precision, world)
+    schedule = collective_schedule(model, shape, n, grad_accum, activation_checkpointing,
+                                   precision.act_bytes, precision.weight_bytes,
+                                   precision.grad_bytes)
+    by_phase: dict[str, dict[str, float]] = {}
+    comm_bytes = {a: 0 for a in AXES}
+    for c in schedule:
+        t = c.calls * collective_seconds(c, shape, machine)
+        by_phase.setdefault(c.phase, {a: 0.0 for a in AXES})[c.axis] += t
+        comm_bytes[c.axis] += c.nbytes * c.calls
+
+    def phase(name: str) -> dict[str, float]:
+        return by_phase.get(name, {a: 0.0 for a in AXES})
+
+    m = grad_accum
+    recompute = comp.recompute if activation_checkpointing else 0.0
+    fwd_window, bwd_window = m * comp.forward, m * (comp.backward + recompute)
+    # the first layer's gather of each pass has nothing to hide under
+    units = model.n_layers + 2
+    share = (units - 1) / units
+    hidden = {a: 0.0 for a in AXES}
+
+    def hide(times: dict[str, float], window: float, fraction: float) -> float:
+        """Hide up to `fraction` of the times under `window`, shared in proportion."""
+        total = sum(times.values())
+        if total <= 0.0 or window <= 0.0:
+            return 0.0
+        hidden_total = min(total * fraction, window)
+        for a, t in times.items():
+            hidden[a] += hidden_total * t / total
+        return hidden_total
+
+    if overlap.prefetch_weights:
+        hide(phase("fwd_gather"), fwd_window, share)
+    # backward z traffic (gathers and dW reduce-scatters) shares the z links and backward window
+    z_backward = {a: (phase("bwd_gather")[a] if overlap.prefetch_weights else 0.0)
+                  + (phase("bwd_weight")[a] if overlap.overlap_weight_grad else 0.0) for a in AXES}
+    hide(z_backward, bwd_window, share)
+    if overlap.overlap_input_grad:
+        hide(phase("bwd_input"), m * comp.weight_grad, 1.0)
+    if overlap.overlap_data_grad:
+        hide(phase("step_data"), comp.backward + recompute, share)
+
+    comm = {a: sum(p[a] for p in by_phase.values()) for a in AXES}
+    # hidden traffic is not free: it takes memory bandwidth and compute units from the GEMMs
+    interference = OVERLAP_INTERFERENCE * sum(hidden.values())
+    # AdamW reads and writes parameters, gradients and both states once per step
+    numel = sum(local_param_numel(model, shape).values())
+    optimizer_s = numel * (2 * precision.param_bytes + precision.grad_bytes
+                           + 2 * precision.optimizer_bytes) / machine.hbm_bytes_per_s_per_rank(world)
+    compute = fwd_window + bwd_window + optimizer_s + interference
+    step = compute + sum(comm[a] - hidden[a] for a in AXES)
+    tokens = global_batch * seq_len
+    flops = flops_per_token(model, seq_len) * tokens
+    peak = machine.peak_flops_per_rank(precision.name, world) * world
+    return StepPrediction(step_s=step, compute_s=compute, comm_s=comm, hidden_s=hidden,
+                          comm_bytes=comm_bytes, tokens_per_s=tokens / step,
+                          mfu=flops / (step * peak), flops_per_step=flops)

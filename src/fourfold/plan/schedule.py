@@ -1,0 +1,188 @@
+"""The engine's collectives for one optimizer step, as the planner predicts them.
+
+`collective_schedule` lists every collective the 4D engine issues (axis, op, buffer bytes,
+how often, and which compute it can hide under); `predict_comm_bytes` sums it into the bytes the
+engine's ledger records. The performance model times the same list, so the bytes a test checks
+against the engine are the bytes the planner's time estimate is made of.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from fourfold.config import ModelConfig
+from fourfold.parallel.grid import AXES, GridShape
+from fourfold.plan.errors import PlanError
+
+Op = Literal["all_reduce", "all_gather", "reduce_scatter"]
+# When a collective runs, which decides what compute it can hide under:
+#   fwd_output  forward all-reduces the next op waits on (outputs, norms, loss): exposed
+#   fwd_gather  forward z all-gathers, prefetched one layer ahead
+#   bwd_gather  backward z all-gathers (incl. recomputation), prefetched one layer ahead
+#   bwd_input   input-gradient all-reduces, run under the dW GEMM
+#   bwd_weight  dW reduce-scatters over z, run under earlier layers' backward
+#   bwd_norm    norm backward all-reduces: exposed
+#   step_z      once per step: all-reduce over z of the gradients not split over z: exposed
+#   step_data   once per step: gradient all-reduce over data, bucketed under the last backward
+Phase = Literal["fwd_output", "fwd_gather", "bwd_gather", "bwd_input", "bwd_weight", "bwd_norm",
+                "step_z", "step_data"]
+
+
+@dataclass(frozen=True)
+class Collective:
+    axis: str  # x, y, z or data
+    op: Op
+    nbytes: int  # per rank, the buffer as the ledger counts it
+    calls: int  # how many times per optimizer step
+    phase: Phase
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    name: str
+    out_features: int
+    in_features: int
+    transposed: bool  # transposed layers swap the roles of x and y
+
+
+def _exact(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise PlanError(f"{what} = {numerator} is not divisible by {denominator}; "
+                        "this grid cannot split the model")
+    return numerator // denominator
+
+
+def block_linears(model: ModelConfig) -> list[LinearShape]:
+    """The linear layers of one transformer block, in forward order."""
+    d, f, kv = model.dim, model.ffn_dim, model.n_kv_heads * model.head_dim
+    return [LinearShape("q", d, d, False), LinearShape("k", kv, d, False),
+            LinearShape("v", kv, d, False), LinearShape("o", d, d, True),
+            LinearShape("gate", f, d, False), LinearShape("up", f, d, False),
+            LinearShape("down", d, f, True)]
+
+
+def local_param_numel(model: ModelConfig, shape: GridShape) -> dict[str, int]:
+    """Per rank, the numbers of local parameter elements: `z_sharded` (weights split over z),
+    `z_replicated` (norm weights and biases, replicated over z). Tied weights count once."""
+    gx, gy, gz = shape.x, shape.y, shape.z
+    sharded_block = 0
+    for lin in block_linears(model):
+        sharded_block += _exact(lin.out_features * lin.in_features, gx * gy * gz,
+                                f"{lin.name} weight numel")
+    embedding = _exact(model.vocab_size * model.dim, gx * gy * gz, "embedding numel")
+    output = 0 if model.tie_embeddings else embedding
+    norms = (2 * model.n_layers + 1) * _exact(model.dim, gx, "model.dim")
+    biases = 0
+    if model.bias:
+        for lin in block_linears(model):
+            split = gx if lin.transposed else gy  # a bias lives where its layer's output does
+            biases += _exact(lin.out_features, split, f"{lin.name} bias")
+        biases *= model.n_layers
+    return {"z_sharded": model.n_layers * sharded_block + embedding + output,
+            "z_replicated": norms + biases}
+
+
+def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens: int,
+                        grad_accum: int, activation_checkpointing: bool, act_bytes: int = 4,
+                        weight_bytes: int = 4, grad_bytes: int = 4) -> list[Collective]:
+    """Every collective of one optimizer step, per rank.
+
+    n = micro_batch_tokens: tokens per rank per micro-step (sequences per (data, z) shard per
+    micro-step times seq_len). D = dim, F = ffn_dim, V = vocab, KV = n_kv_heads * head_dim.
+    Per micro-step:
+    - normal linear W[out, in] (q, k, v: out = D, KV, KV; gate, up: out = F; output layer:
+      out = V; in = D): forward all-gather z of out*in/(Gx*Gy) * weight_bytes, all-reduce x of
+      the output n*out/Gy * act_bytes; backward all-gather z again, reduce-scatter z of dW
+      (out*in/(Gx*Gy) * grad_bytes).
+    - transposed linear (o: D x D, down: in = F, out = D): forward all-gather z, all-reduce y of
+      the output n*out/Gx * act_bytes; backward all-gather z, reduce-scatter z of dW, and the
+      input-gradient all-reduce over x of n*in/Gy * act_bytes.
+    - input-gradient all-reduces over y of the normal layers, fused per shared input: q,k,v
+      together, gate,up together, the output layer: n*D/Gx * act_bytes each.
+    - RMSNorm (2 per layer + final, features split over x): forward all-reduce x of n fp32
+      values (4n bytes), backward another 4n.
+    - embedding [V, D]: forward all-gather z (V*D/(Gx*Gy) * weight_bytes), all-reduce y of
+      n*D/Gx * act_bytes; backward reduce-scatter z (V*D/(Gx*Gy) * grad_bytes); no backward
+      all-gather. Tied embeddings: the output layer still does its own gathers and scatter.
+    - vocabulary-parallel cross-entropy: forward all-reduce y of 3n fp32 values (12n bytes).
+    - activation checkpointing: each block's forward collectives (z all-gathers, output
+      all-reduces, norm forward all-reduces) run again during backward; embedding, final
+      norm, output layer and loss are not recomputed.
+    Per optimizer step:
+    - all-reduce z of the gradients not split over z (norm weights D/Gx, biases):
+      (their local numel) * grad_bytes.
+    - all-reduce data of all local gradients: (total local numel) * grad_bytes.
+    A collective over an axis of size 1 is not issued and appears nowhere.
+    """
+    if micro_batch_tokens < 1 or grad_accum < 1:
+        raise PlanError(f"micro_batch_tokens = {micro_batch_tokens}, grad_accum = {grad_accum}: "
+                        "both must be at least 1")
+    gx, gy = shape.x, shape.y
+    n, m, L = micro_batch_tokens, grad_accum, model.n_layers
+    d, v = model.dim, model.vocab_size
+    replays = 2 if activation_checkpointing else 1  # block forward collectives per micro-step
+    d_over_x = _exact(d, gx, "model.dim")
+    events: list[Collective] = []
+
+    def add(axis: str, op: Op, nbytes: int, calls: int, phase: Phase) -> None:
+        if getattr(shape, axis) > 1 and calls > 0:
+            events.append(Collective(axis, op, nbytes, calls, phase))
+
+    def weight_block(out_f: int, in_f: int, transposed: bool, name: str) -> int:
+        out_split, in_split = (gx, gy) if transposed else (gy, gx)
+        return _exact(out_f, out_split, f"{name} out") * _exact(in_f, in_split, f"{name} in")
+
+    for lin in block_linears(model):
+        block = weight_block(lin.out_features, lin.in_features, lin.transposed, lin.name)
+        add("z", "all_gather", block * weight_bytes, m * L, "fwd_gather")
+        add("z", "all_gather", block * weight_bytes, m * L * (replays - 1), "bwd_gather")
+        add("z", "all_gather", block * weight_bytes, m * L, "bwd_gather")
+        add("z", "reduce_scatter", block * grad_bytes, m * L, "bwd_weight")
+        if lin.transposed:
+            out_local = _exact(lin.out_features, gx, f"{lin.name} out")
+            add("y", "all_reduce", n * out_local * act_bytes, m * L, "fwd_output")
+            add("y", "all_reduce", n * out_local * act_bytes, m * L * (replays - 1), "fwd_output")
+            in_local = _exact(lin.in_features, gy, f"{lin.name} in")
+            add("x", "all_reduce", n * in_local * act_bytes, m * L, "bwd_input")
+        else:
+            out_local = _exact(lin.out_features, gy, f"{lin.name} out")
+            add("x", "all_reduce", n * out_local * act_bytes, m * L, "fwd_output")
+            add("x", "all_reduce", n * out_local * act_bytes, m * L * (replays - 1), "fwd_output")
+    # fused input-gradient all-reduces over y: (q, k, v) and (gate, up) per block
+    add("y", "all_reduce", n * d_over_x * act_bytes, 2 * m * L, "bwd_input")
+    # block norms (2 per block), then the final norm (never recomputed)
+    add("x", "all_reduce", 4 * n, 2 * m * L * replays, "fwd_output")
+    add("x", "all_reduce", 4 * n, 2 * m * L, "bwd_norm")
+    add("x", "all_reduce", 4 * n, m, "fwd_output")
+    add("x", "all_reduce", 4 * n, m, "bwd_norm")
+    # embedding
+    vocab_block = weight_block(v, d, False, "embedding")
+    add("z", "all_gather", vocab_block * weight_bytes, m, "fwd_gather")
+    add("y", "all_reduce", n * d_over_x * act_bytes, m, "fwd_output")
+    add("z", "reduce_scatter", vocab_block * grad_bytes, m, "bwd_weight")
+    # output layer (a normal linear, own gathers even when tied) and the loss
+    add("z", "all_gather", vocab_block * weight_bytes, m, "fwd_gather")
+    add("x", "all_reduce", n * _exact(v, gy, "model.vocab_size") * act_bytes, m, "fwd_output")
+    add("z", "all_gather", vocab_block * weight_bytes, m, "bwd_gather")
+    add("z", "reduce_scatter", vocab_block * grad_bytes, m, "bwd_weight")
+    add("y", "all_reduce", n * d_over_x * act_bytes, m, "bwd_input")
+    add("y", "all_reduce", 12 * n, m, "fwd_output")
+    # once per optimizer step
+    numel = local_param_numel(model, shape)
+    add("z", "all_reduce", numel["z_replicated"] * grad_bytes, 1, "step_z")
+    add("data", "all_reduce", (numel["z_sharded"] + numel["z_replicated"]) * grad_bytes, 1,
+        "step_data")
+    return events
+
+
+def predict_comm_bytes(model_cfg: ModelConfig, shape: GridShape, micro_batch_tokens: int,
+                       grad_accum: int, activation_checkpointing: bool, act_bytes: int = 4,
+                       weight_bytes: int = 4, grad_bytes: int = 4) -> dict[str, int]:
+    """Bytes per rank per optimizer step that the engine's ledger records, by axis
+    ("x", "y", "z", "data"); the schedule is spelled out in `collective_schedule`."""
+    totals = {axis: 0 for axis in AXES}
+    for c in collective_schedule(model_cfg, shape, micro_batch_tokens, grad_accum,
+                                 activation_checkpointing, act_bytes, weight_bytes, grad_bytes):
+        totals[c.axis] += c.nbytes * c.calls
+    return totals

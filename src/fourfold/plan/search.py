@@ -1,0 +1,221 @@
+"""Configuration search: every grid data*z*y*x = N, the fastest micro-batch and activation
+checkpointing setting that fits in memory for each, ranked by predicted step time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fourfold.config import ModelConfig
+from fourfold.parallel.grid import AXES, GridShape
+from fourfold.plan.errors import PlanError
+from fourfold.plan.machines import GIB, Machine
+from fourfold.plan.memory import MemoryBreakdown, Precision, predict_memory
+from fourfold.plan.perf import Overlap, StepPrediction, predict_step
+
+
+@dataclass
+class Candidate:
+    shape: GridShape
+    micro_batch: int  # sequences per (data, z) shard per micro-step
+    grad_accum: int
+    activation_checkpointing: bool
+    prediction: StepPrediction
+    memory: MemoryBreakdown
+    usable_bytes: float
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.usable_bytes
+
+    @property
+    def oom_gib(self) -> float:
+        """How far over the usable memory, in GiB (0 when it fits)."""
+        return max(0.0, (self.memory.total - self.usable_bytes) / GIB)
+
+    def to_json(self) -> dict:
+        p = self.prediction
+        return {
+            "grid": {a: getattr(self.shape, a) for a in ("data", "z", "y", "x")},
+            "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+            "activation_checkpointing": self.activation_checkpointing,
+            "step_s": p.step_s, "compute_s": p.compute_s, "tokens_per_s": p.tokens_per_s,
+            "mfu": p.mfu,
+            "comm_s": dict(p.comm_s), "comm_hidden_s": dict(p.hidden_s),
+            "comm_bytes": dict(p.comm_bytes),
+            "memory_gib": self.memory.total / GIB,
+            "memory_breakdown_gib": {k: getattr(self.memory, k) / GIB for k in
+                                     ("params", "grads", "optimizer", "activations",
+                                      "gathered_weights", "logits")},
+            "usable_memory_gib": self.usable_bytes / GIB,
+            "fits": self.fits, "oom_gib": self.oom_gib,
+        }
+
+
+@dataclass
+class Plan:
+    model: ModelConfig
+    machine: Machine
+    world_size: int
+    global_batch: int
+    seq_len: int
+    precision: Precision
+    candidates: list[Candidate]  # best first: those that fit by time, then the rest by time
+    rejected: list[tuple[GridShape, str]] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+
+def grid_shapes(world_size: int) -> list[GridShape]:
+    """Every (data, z, y, x) with data*z*y*x = world_size."""
+    if world_size < 1:
+        raise PlanError(f"GPU count {world_size}: must be at least 1")
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    shapes = []
+    for x in divisors:
+        for y in divisors:
+            if (world_size // x) % y:
+                continue
+            for z in divisors:
+                if (world_size // (x * y)) % z:
+                    continue
+                shapes.append(GridShape(data=world_size // (x * y * z), z=z, y=y, x=x))
+    return shapes
+
+
+def grid_problem(model: ModelConfig, shape: GridShape, global_batch: int) -> str | None:
+    """Why this grid cannot run this model and batch, or None."""
+    gx, gy, gz = shape.x, shape.y, shape.z
+    kv = model.n_kv_heads * model.head_dim
+    checks = [
+        (model.dim, gx * gz, "model.dim", "x*z"), (model.dim, gy, "model.dim", "y"),
+        (model.ffn_dim, gx, "model.ffn_dim", "x"), (model.ffn_dim, gy * gz, "model.ffn_dim", "y*z"),
+        (model.n_heads, gy, "model.n_heads", "y"), (model.n_kv_heads, gy, "model.n_kv_heads", "y"),
+        (kv, gy * gz, "kv dim", "y*z"), (model.dim, gy * gz, "model.dim", "y*z"),
+        (model.vocab_size, gy * gz, "model.vocab_size", "y*z"),
+        (global_batch, shape.data * gz, "batch", "data*z"),
+    ]
+    for value, parts, what, axes in checks:
+        if value % parts:
+            return f"{what} = {value} not divisible by {axes} = {parts}"
+    return None
+
+
+def _divisors_descending(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_len: int,
+                  machine: Machine, precision: Precision, overlap: Overlap,
+                  checkpointing: tuple[bool, ...] = (False, True),
+                  grad_accum: int | None = None) -> Candidate:
+    """For one grid, the fastest (micro-batch, activation checkpointing) that fits; when none
+    fits, the one that needs least memory."""
+    world = shape.size
+    usable = machine.usable_memory_bytes(world)
+    local_batch = global_batch // (shape.data * shape.z)
+    micro_options = ([local_batch // grad_accum] if grad_accum else
+                     _divisors_descending(local_batch))
+    fitting: list[Candidate] = []
+    smallest: tuple[int, int, bool, MemoryBreakdown] | None = None
+    for ac in checkpointing:
+        for micro in micro_options:  # largest first: bigger GEMMs, fewer repeated gathers
+            mem = predict_memory(model, shape, micro * seq_len, ac, precision)
+            if smallest is None or mem.total < smallest[3].total:
+                smallest = (micro, local_batch // micro, ac, mem)
+            if mem.total <= usable:
+                accum = local_batch // micro
+                pred = predict_step(model, shape, global_batch, seq_len, accum, ac, machine,
+                                    precision, overlap)
+                fitting.append(Candidate(shape, micro, accum, ac, pred, mem, usable))
+                break
+    if fitting:
+        return min(fitting, key=lambda c: c.prediction.step_s)
+    assert smallest is not None
+    micro, accum, ac, mem = smallest
+    pred = predict_step(model, shape, global_batch, seq_len, accum, ac, machine, precision,
+                        overlap)
+    return Candidate(shape, micro, accum, ac, pred, mem, usable)
+
+
+def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: int, seq_len: int,
+         dtype: str = "bfloat16", overlap: Overlap = Overlap(),
+         checkpointing: tuple[bool, ...] = (False, True), grad_accum: int | None = None) -> Plan:
+    """Predict every grid for this job and rank them (fitting ones first, each by step time)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise PlanError(f"--gpus {world_size}: the GPU count must be a positive integer")
+    if global_batch < 1:
+        raise PlanError(f"--global-batch {global_batch}: must be at least 1 sequence")
+    if seq_len < 1 or seq_len > model.max_seq_len:
+        raise PlanError(f"--seq {seq_len}: must be between 1 and the model's max_seq_len "
+                        f"{model.max_seq_len}")
+    if grad_accum is not None and grad_accum < 1:
+        raise PlanError(f"--grad-accum {grad_accum}: must be at least 1")
+    precision = Precision.of(dtype)
+    candidates, rejected = [], []
+    for shape in grid_shapes(world_size):
+        problem = grid_problem(model, shape, global_batch)
+        if problem is None and grad_accum is not None and \
+                (global_batch // (shape.data * shape.z)) % grad_accum:
+            problem = f"grad_accum {grad_accum} does not divide the per-shard batch"
+        if problem:
+            rejected.append((shape, problem))
+            continue
+        candidates.append(best_for_grid(model, shape, global_batch, seq_len, machine, precision,
+                                        overlap, checkpointing, grad_accum))
+    if not candidates:
+        raise PlanError(_no_grid_message(model, world_size, global_batch, rejected))
+    candidates.sort(key=lambda c: (not c.fits, c.prediction.step_s))
+    return Plan(model, machine, world_size, global_batch, seq_len, precision, candidates,
+                rejected)
+
+
+def _no_grid_message(model: ModelConfig, world_size: int, global_batch: int,
+                     rejected: list[tuple[GridShape, str]]) -> str:
+    batch_ok = [s for s, _ in rejected if global_batch % (s.data * s.z) == 0]
+    if all("batch" in why for _, why in rejected) or not batch_ok:
+        return (f"--global-batch {global_batch}: no grid of {world_size} GPUs can split it "
+                f"(data*z must divide the batch and the model's shapes); try a multiple of "
+                f"{world_size}")
+    return (f"no grid of {world_size} GPUs can split model {model.preset!r} with batch "
+            f"{global_batch}: e.g. {rejected[0][0]}: {rejected[0][1]}")
+
+
+def choose_grid(model_cfg: ModelConfig, world_size: int, machine: Machine | str,
+                global_batch: int, seq_len: int, dtype: str = "float32",
+                overlap: Overlap = Overlap(), activation_checkpointing: bool | None = None,
+                grad_accum: int | None = None) -> tuple[GridShape, str]:
+    """The fastest grid predicted to fit, and a few lines explaining the choice.
+
+    `activation_checkpointing` / `grad_accum` fix those settings (as the run's config does);
+    None lets the planner pick. Raises PlanError when no grid fits in memory.
+    """
+    from fourfold.plan.machines import load_machine
+
+    m = load_machine(machine)
+    checkpointing = (False, True) if activation_checkpointing is None else \
+        (activation_checkpointing,)
+    result = plan(model_cfg, world_size, m, global_batch, seq_len, dtype, overlap,
+                  checkpointing, grad_accum)
+    best = result.best
+    if not best.fits:
+        raise PlanError(f"no grid of {world_size} x {m.device.name} fits model "
+                        f"{model_cfg.preset!r}: the smallest needs "
+                        f"{best.memory.total / GIB:.1f} GiB per rank, "
+                        f"{best.usable_bytes / GIB:.1f} GiB usable")
+    p = best.prediction
+    lines = [f"planner chose {best.shape} on {m.name} ({world_size} ranks): predicted "
+             f"{p.step_s * 1e3:.1f} ms/step, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.0%}, "
+             f"{best.memory.total / GIB:.2f} GiB/rank",
+             f"  micro-batch {best.micro_batch} x grad_accum {best.grad_accum}, activation "
+             f"checkpointing {'on' if best.activation_checkpointing else 'off'}",
+             "  comm per step (total/hidden ms): " + ", ".join(
+                 f"{a} {p.comm_s[a] * 1e3:.1f}/{p.hidden_s[a] * 1e3:.1f}" for a in AXES)]
+    fitting = [c for c in result.candidates if c.fits]
+    if len(fitting) > 1:
+        runner = fitting[1]
+        lines.append(f"  next best: {runner.shape} at {runner.prediction.step_s * 1e3:.1f} "
+                     f"ms/step ({len(fitting)} grids fit, {len(result.rejected)} cannot split "
+                     "the model)")
+    return best.shape, "\n".join(lines)

@@ -1,0 +1,90 @@
+"""The files of a finished run (RUN_DIR): config.toml, model.safetensors, summary.json,
+metrics.jsonl; and loading a trained model back for generation or evaluation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from fourfold.config import Config, ConfigError, load_config
+from fourfold.models.llama import Llama
+
+CONFIG_FILE = "config.toml"
+WEIGHTS_FILE = "model.safetensors"
+SUMMARY_FILE = "summary.json"
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.txt"
+
+
+class RunDirError(ConfigError):
+    """A RUN_DIR that is missing or incomplete. A ConfigError subclass, so that the CLI reports
+    it like any other user mistake: one line, exit code 2."""
+
+
+def save_weights(state: Mapping[str, torch.Tensor], path: Path, tie_embeddings: bool) -> None:
+    """Write a full fourfold state dict to safetensors (a tied output weight is stored once,
+    as embed.weight, because safetensors refuses tensors that share memory)."""
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.items()
+               if not (tie_embeddings and name == "output.weight")}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "fourfold"})
+    tmp.replace(path)  # a crash mid-write never leaves a truncated model.safetensors
+
+
+def load_weights(model: Llama, path: Path) -> None:
+    """Load a model.safetensors written by save_weights into `model` (all names must match)."""
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise RunDirError(f"{path}: cannot read model weights ({e})") from None
+    if model.cfg.tie_embeddings:
+        state.pop("output.weight", None)
+    expected = {n for n in model.state_dict() if not (model.cfg.tie_embeddings
+                                                     and n == "output.weight")}
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise RunDirError(f"{path}: weights do not fit the model in config.toml "
+                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    for name, tensor in model.state_dict().items():
+        if name in state and tuple(state[name].shape) != tuple(tensor.shape):
+            raise RunDirError(f"{path}: {name} has shape {tuple(state[name].shape)}, the model in "
+                              f"config.toml needs {tuple(tensor.shape)}")
+    model.load_state_dict(state, strict=False)
+
+
+def load_trained(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, Config]:
+    """The trained model (in eval mode) and the config of a finished run."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise RunDirError(f"run directory {str(run_dir)!r} does not exist")
+    if not (run / CONFIG_FILE).is_file():
+        raise RunDirError(f"run directory {str(run_dir)!r} has no {CONFIG_FILE}; is it a "
+                          "fourfold RUN_DIR?")
+    if not (run / WEIGHTS_FILE).is_file():
+        raise RunDirError(f"run directory {str(run_dir)!r} has no {WEIGHTS_FILE}; the run did "
+                          "not finish (train it to the end first)")
+    try:
+        cfg = load_config(run / CONFIG_FILE)
+    except ConfigError as e:
+        raise RunDirError(f"{run / CONFIG_FILE}: {e}") from None
+    model = Llama(cfg.model)
+    load_weights(model, run / WEIGHTS_FILE)
+    model.to(device)
+    model.eval()
+    return model, cfg
+
+
+def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(dict(summary), indent=2) + "\n")
+
+
+def read_summary(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / SUMMARY_FILE
+    if not path.is_file():
+        raise RunDirError(f"run directory {str(run_dir)!r} has no {SUMMARY_FILE}")
+    return json.loads(path.read_text())

@@ -1,0 +1,478 @@
+"""The training loop: one code path from one CPU process to a 4D grid of GPUs.
+
+    cfg -> init_distributed -> Grid -> build_model -> parallelize -> Trainer.fit()
+
+Every step fetches the whole step's batch for this rank, splits it into train.grad_accum
+micro-batches, and normalizes the loss by the number of counted tokens in the whole job's step
+(see parallel_api: exact against a single process for every grid shape and accumulation).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fourfold.config import Config, ConfigError, validate
+from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_path
+from fourfold.models.llama import Llama, build_model, flops_per_token
+from fourfold.parallel.grid import Grid, GridShape, init_distributed
+from fourfold.parallel.parallelize import ParallelModel, parallelize
+from fourfold.train.metrics import MetricsLog, device_peak_flops, peak_memory_bytes
+from fourfold.train.optim import build_optimizer, lr_at, set_lr
+from fourfold.train.progress import Progress
+from fourfold.train.runs import (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, WEIGHTS_FILE,
+                                 save_weights, write_summary)
+from fourfold.train.sampling import generate
+
+SAMPLE_PROMPT_TOKENS = 16
+SAMPLE_TEMPERATURE = 0.8
+SAMPLE_TOP_K = 40
+# Above this many parameters rank 0 does not rebuild the whole model on its own to sample.
+MAX_GATHERED_SAMPLE_PARAMS = 2_000_000_000
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a NaN loss under nan_policy = "stop"); one line for the user."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    skipped: bool
+    seconds: float
+    token_fraction: float  # counted tokens / all tokens (below 1 with the goldfish loss)
+
+
+@dataclass
+class TrainResult:
+    final_loss: float
+    val_loss: float | None  # the last validation loss, None when validation is off
+    losses: list[float]  # one per step (NaN for a skipped step)
+    val_losses: list[tuple[int, float]]  # (step, validation loss)
+    run_dir: Path
+    tokens_per_s: float
+    steps: int
+    time_s: float
+    skipped_steps: list[int] = field(default_factory=list)
+
+
+class Trainer:
+    """Builds everything a run needs from a Config and trains it.
+
+    Usable alone from Python: `Trainer(cfg, run_dir).fit()`, or with a model built elsewhere
+    (`model=`, a fourfold Llama whose config matches cfg.model). On a grid, every rank constructs
+    a Trainer and calls the same methods in the same order (several of them are collective).
+    """
+
+    def __init__(self, cfg: Config, run_dir: str | Path, *, model: Llama | None = None,
+                 progress: bool | None = None) -> None:
+        validate(cfg)
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        t, p = cfg.train, cfg.parallel
+
+        backend = "gloo" if p.backend == "auto" and t.device == "cpu" else p.backend
+        self.rank, self.world_size, dist_device = init_distributed(backend, p.timeout_s)
+        self.device = _choose_device(t.device, dist_device, self.world_size)
+        shape = GridShape.resolve(p.x, p.y, p.z, p.data, self.world_size)
+        self.grid: Grid = Grid.build(shape, self.device)
+        self.is_main = self.rank == 0
+        shard_index, shard_count = self.grid.batch_shard
+        if t.batch_size % (t.grad_accum * shard_count):
+            raise ConfigError(
+                f"train.batch_size = {t.batch_size} does not split into train.grad_accum = "
+                f"{t.grad_accum} micro-steps over data*z = {shard_count} batch shards; use a "
+                f"multiple of {t.grad_accum * shard_count}")
+        torch.manual_seed(t.seed)
+
+        self.data_dir = resolve_data_path(cfg.data.path, cfg.data.tokenizer)
+        self.tokenizer: Tokenizer = load_tokenizer(self.data_dir)
+        if cfg.model.vocab_size < self.tokenizer.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size = {cfg.model.vocab_size} is smaller than the tokenizer's "
+                f"{self.tokenizer.vocab_size} tokens ({self.data_dir}); set model.vocab_size to "
+                f"at least {self.tokenizer.vocab_size}")
+
+        if model is None:
+            model = build_model(cfg.model, seed=t.seed)
+        elif model.cfg != cfg.model:
+            raise ConfigError("the model passed to Trainer does not match cfg.model; build it "
+                              "with build_model(cfg.model)")
+        # Before parallelize: the parallel engine wraps the blocks as they are.
+        model.activation_checkpointing = t.activation_checkpointing
+        model.to(self.device)
+        self.pmodel: ParallelModel = parallelize(model, self.grid, p)
+        self._compiled: list[torch.nn.Module] = []
+        self._compile_verified = not t.compile
+        if t.compile:
+            self._compile()
+        self.optimizer = build_optimizer(self.pmodel.named_parameters(), t,
+                                         tied_output=cfg.model.tie_embeddings)
+
+        # The loader hands out whole steps; micro-batches are slices of them, so the data a
+        # step sees does not depend on grad_accum.
+        self.loader = BatchLoader(self.data_dir, "train", t.batch_size, t.seq_len, t.seed,
+                                  shard_index=shard_index, num_shards=shard_count)
+        self.val_loader = BatchLoader(self.data_dir, "val", t.batch_size // t.grad_accum,
+                                      t.seq_len, t.seed, shard_index=shard_index,
+                                      num_shards=shard_count)
+        self._val_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+        self.step = 0
+        self.tokens_per_step = t.batch_size * t.seq_len
+        self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
+        self.peak_flops = device_peak_flops(self.device, t.dtype) if self.is_main else None
+        self.progress_choice = progress
+        self.losses: list[float] = []
+        self.val_losses: list[tuple[int, float]] = []
+        self.skipped_steps: list[int] = []
+        self.train_seconds = 0.0
+
+    # ---- building blocks ----------------------------------------------------------------
+
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16,
+                              enabled=self.cfg.train.dtype == "bfloat16")
+
+    def _compile(self) -> None:
+        """Compile each transformer block in place (the engine's hooks stay outside the
+        compiled regions); the whole module when it has no `layers`."""
+        module = self.pmodel.module
+        targets = list(getattr(module, "layers", [])) or [module]
+        for block in targets:
+            block.compile()
+        self._compiled = targets
+
+    def _uncompile(self, error: BaseException) -> None:
+        warnings.warn(f"torch.compile failed ({type(error).__name__}: "
+                      f"{str(error).splitlines()[0] if str(error) else ''}); training without "
+                      "compile", stacklevel=2)
+        for block in self._compiled:
+            block._compiled_call_impl = None  # what nn.Module.compile() set
+        self._compiled = []
+
+    def _loss_mask(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = self.cfg.train
+        if t.loss == "goldfish":
+            from fourfold.train.goldfish import goldfish_mask  # only runs that ask for it
+
+            return goldfish_mask(inputs, targets, t.goldfish_k, t.goldfish_h).float()
+        return torch.ones(targets.shape, dtype=torch.float32, device=targets.device)
+
+    def _val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._val_cache is None:
+            self._val_cache = [(x.to(self.device), y.to(self.device))
+                               for x, y in self.val_loader.eval_batches(self.cfg.train.eval_batches)]
+        return self._val_cache
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def train_step(self) -> StepStats:
+        """One optimizer step (train.grad_accum micro-steps). Collective on a grid."""
+        if self._compile_verified:
+            return self._train_step()
+        loader_state = self.loader.state_dict()
+        try:
+            stats = self._train_step()
+        except TrainingError:
+            raise
+        except Exception as e:  # compile errors surface at the first call, not at compile()
+            self._uncompile(e)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.loader.load_state_dict(loader_state)
+            stats = self._train_step()
+        self._compile_verified = True
+        return stats
+
+    def _train_step(self) -> StepStats:
+        t = self.cfg.train
+        start = time.perf_counter()
+        step = self.step + 1
+        lr = lr_at(step, t)
+        set_lr(self.optimizer, lr)
+        self.pmodel.ledger.reset()
+
+        inputs, targets = self.loader.next_batch()  # (B / shards, T)
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        micro = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
+        masks = [self._loss_mask(x, y) for x, y in micro]
+        local_count = torch.stack([m.sum() for m in masks]).sum()
+        global_count = self.pmodel.reduce_over_batch(local_count).clamp(min=1.0)
+
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, ((x, y), mask) in enumerate(zip(micro, masks)):
+            self.pmodel.set_requires_gradient_sync(i == len(micro) - 1)
+            with self._autocast():
+                per_token = self.pmodel(x, y)  # (b, T)
+            loss = (per_token.float() * mask).sum() / global_count
+            loss.backward()
+            self.pmodel.finish_backward()
+            loss_sum += loss.detach()
+        loss_value = float(self.pmodel.reduce_over_batch(loss_sum))
+        max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
+        grad_norm = float(self.pmodel.clip_grad_norm_(max_norm))
+
+        skipped = False
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            what = (f"loss is {loss_value}" if not math.isfinite(loss_value)
+                    else f"gradient norm is {grad_norm}")
+            if t.nan_policy == "skip":
+                skipped = True
+                self.optimizer.zero_grad(set_to_none=True)
+            else:
+                raise TrainingError(
+                    f"step {step}: {what}; stopped (train.nan_policy = {t.nan_policy!r}); try a "
+                    "lower train.lr or train.nan_policy = \"skip\"", step)
+        else:
+            self.optimizer.step()
+        self.step = step
+        return StepStats(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm, skipped=skipped,
+                         seconds=time.perf_counter() - start,
+                         token_fraction=float(global_count) / self.tokens_per_step)
+
+    # ---- evaluation and samples -----------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss per token over train.eval_batches fixed batches (the same
+        batches every time), reduced over the batch axes. Collective on a grid."""
+        module = self.pmodel.module
+        was_training = module.training
+        module.eval()
+        try:
+            loss_sum = torch.zeros((), device=self.device)
+            count = torch.zeros((), device=self.device)
+            for x, y in self._val_batches():
+                with self._autocast():
+                    per_token = self.pmodel(x, y)
+                loss_sum += per_token.float().sum()
+                count += per_token.numel()
+            totals = self.pmodel.reduce_over_batch(torch.stack([loss_sum, count]))
+        finally:
+            module.train(was_training)
+        return float(totals[0] / totals[1].clamp(min=1.0))
+
+    def _sample_prompt(self) -> list[int]:
+        batches = self._val_batches() or [
+            tuple(b.to(self.device) for b in self.val_loader.eval_batches(1)[0])]
+        return batches[0][0][0, :SAMPLE_PROMPT_TOKENS].tolist()
+
+    def sample_text(self, model: Llama) -> str:
+        """A continuation of a validation-text prompt by `model` (a whole, local model)."""
+        prompt = self._sample_prompt()
+        with self._autocast():
+            new = generate(model, prompt, self.cfg.train.sample_tokens,
+                           temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K,
+                           seed=self.cfg.train.seed, vocab_size=self.tokenizer.vocab_size)
+        return self.tokenizer.decode(prompt) + self.tokenizer.decode(new)
+
+    def _local_whole_model(self) -> Llama | None:
+        """The model itself when one process holds all of it (no grid), else None."""
+        module = self.pmodel.module
+        if self.world_size == 1 and isinstance(module, Llama):
+            return module
+        return None
+
+    def _model_from_state(self, state: dict[str, torch.Tensor]) -> Llama | None:
+        if sum(v.numel() for v in state.values()) > MAX_GATHERED_SAMPLE_PARAMS:
+            return None
+        model = Llama(self.cfg.model)
+        model.load_state_dict(state, strict=False)
+        return model.to(self.device)
+
+    # ---- the run ------------------------------------------------------------------------
+
+    def fit(self) -> TrainResult:
+        """Train to train.steps, evaluating, logging and sampling on the way; then write
+        model.safetensors and summary.json to the run directory (main rank)."""
+        t = self.cfg.train
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.cfg.save(self.run_dir / CONFIG_FILE)
+        metrics = (MetricsLog(self.run_dir / METRICS_FILE,
+                              self.run_dir / "tensorboard" if t.tensorboard else None,
+                              append=self.step > 0)
+                   if self.is_main else None)
+        progress = Progress(t.steps, self.step, t.log_every, enabled=self.is_main,
+                            bar=self.progress_choice)
+        started = time.perf_counter()
+        try:
+            if self.is_main:
+                progress.message(self._describe())
+            validating = t.eval_batches > 0
+            if validating and t.eval_every > 0 and self.step == 0:
+                self._validate(metrics, progress)
+            interval_tokens, interval_seconds = 0, 0.0
+            while self.step < t.steps:
+                stats = self.train_step()
+                self.losses.append(stats.loss if not stats.skipped else math.nan)
+                self.train_seconds += stats.seconds
+                interval_tokens += self.tokens_per_step
+                interval_seconds += stats.seconds
+                tokens_per_s = interval_tokens / max(interval_seconds, 1e-9)
+                mfu = self._mfu(tokens_per_s)
+                progress.step(stats.step, stats.loss, stats.lr, stats.grad_norm, tokens_per_s, mfu)
+                if stats.skipped:
+                    self.skipped_steps.append(stats.step)
+                    progress.message(f"step {stats.step}: loss {stats.loss}, grad norm "
+                                     f"{stats.grad_norm}: update skipped (train.nan_policy = "
+                                     "\"skip\")")
+                last = stats.step == t.steps
+                if stats.skipped or stats.step % t.log_every == 0 or last:
+                    self._log_step(metrics, stats, tokens_per_s, mfu)
+                    interval_tokens, interval_seconds = 0, 0.0
+                if validating and ((t.eval_every > 0 and stats.step % t.eval_every == 0) or last):
+                    self._validate(metrics, progress)
+                if t.sample_every > 0 and stats.step % t.sample_every == 0 and not last:
+                    self._sample_during(progress)
+
+            # Collective: every rank takes part in gathering the full weights.
+            state = self.pmodel.full_state_dict()
+            if self.is_main:
+                save_weights(state, self.run_dir / WEIGHTS_FILE, self.cfg.model.tie_embeddings)
+            final_sample = None
+            if self.is_main and t.sample_tokens > 0:
+                model = self._local_whole_model() or self._model_from_state(state)
+                if model is None:
+                    progress.message("no final sample: the model is too large to rebuild on "
+                                     "one rank")
+                else:
+                    final_sample = self.sample_text(model)
+                    self._record_sample(progress, final_sample)
+            del state
+            result = self._result(time.perf_counter() - started)
+            if self.is_main:
+                write_summary(self.run_dir, self._summary(result, final_sample))
+                progress.message(f"done: {result.steps} steps, loss {result.final_loss:.4f}"
+                                 + (f", val_loss {result.val_loss:.4f}"
+                                    if result.val_loss is not None else "")
+                                 + f", {result.tokens_per_s:,.0f} tok/s -> {self.run_dir}")
+            return result
+        finally:
+            progress.close()
+            if metrics is not None:
+                metrics.close()
+
+    def _validate(self, metrics: MetricsLog | None, progress: Progress) -> None:
+        val = self.evaluate()
+        self.val_losses.append((self.step, val))
+        if metrics is not None:
+            metrics.write({"step": self.step, "val_loss": val})
+        progress.message(f"step {self.step}/{self.cfg.train.steps} | val_loss {val:.4f}")
+
+    def _sample_during(self, progress: Progress) -> None:
+        model = self._local_whole_model()
+        if model is None:  # on a grid only the final sample is made (from gathered weights)
+            if self.step == self.cfg.train.sample_every:
+                progress.message("samples during training are skipped on a grid; the final "
+                                 "sample comes at the end")
+            return
+        if self.is_main:
+            self._record_sample(progress, self.sample_text(model))
+
+    def _record_sample(self, progress: Progress, text: str) -> None:
+        progress.message(f"--- sample at step {self.step} ---\n{text}\n---")
+        with (self.run_dir / SAMPLES_FILE).open("a") as f:
+            f.write(f"--- step {self.step} ---\n{text}\n")
+
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        if not self.peak_flops:
+            return None
+        return self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
+
+    def _log_step(self, metrics: MetricsLog | None, stats: StepStats, tokens_per_s: float,
+                  mfu: float | None) -> None:
+        # Every rank reads its own ledger, but only the main rank writes: its numbers stand for
+        # the per-rank traffic (all ranks of one grid shape move the same bytes per axis).
+        comm = self.pmodel.ledger.snapshot()
+        memory = self.pmodel.memory_bytes(self.optimizer)
+        if metrics is None:
+            return
+        record: dict[str, Any] = {
+            "step": stats.step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
+            "tokens_per_s": tokens_per_s, "mfu": mfu,
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "comm_bytes_x": comm.get("x", 0), "comm_bytes_y": comm.get("y", 0),
+            "comm_bytes_z": comm.get("z", 0), "comm_bytes_data": comm.get("data", 0),
+            "param_bytes": memory.get("params", 0), "grad_bytes": memory.get("grads", 0),
+            "optimizer_bytes": memory.get("optimizer", 0), "step_seconds": stats.seconds,
+        }
+        if self.cfg.train.loss == "goldfish":
+            record["loss_token_fraction"] = stats.token_fraction
+        if stats.skipped:
+            record["skipped"] = True
+        metrics.write(record)
+
+    def _describe(self) -> str:
+        n = count_parameters(self.cfg)
+        return (f"fourfold: {self.cfg.model.preset} model ({n / 1e6:.1f}M parameters), grid "
+                f"{self.grid.shape}, {self.device.type}, {self.cfg.train.dtype}, "
+                f"{self.cfg.train.steps} steps of {self.tokens_per_step:,} tokens, "
+                f"data {self.data_dir}")
+
+    def _result(self, elapsed: float) -> TrainResult:
+        finite = [x for x in self.losses if math.isfinite(x)]
+        return TrainResult(
+            final_loss=finite[-1] if finite else math.nan,
+            val_loss=self.val_losses[-1][1] if self.val_losses else None,
+            losses=list(self.losses), val_losses=list(self.val_losses), run_dir=self.run_dir,
+            tokens_per_s=self.tokens_per_step * len(self.losses) / max(self.train_seconds, 1e-9),
+            steps=self.step, time_s=elapsed, skipped_steps=list(self.skipped_steps))
+
+    def _summary(self, result: TrainResult, sample: str | None) -> dict[str, Any]:
+        return {
+            "final_loss": result.final_loss, "val_loss": result.val_loss,
+            "val_losses": [list(v) for v in result.val_losses],
+            "tokens_per_s": result.tokens_per_s, "mfu": self._mfu(result.tokens_per_s),
+            "steps": result.steps, "time_s": result.time_s, "train_time_s": self.train_seconds,
+            "tokens": self.tokens_per_step * len(self.losses),
+            "skipped_steps": result.skipped_steps, "grid": str(self.grid.shape),
+            "world_size": self.world_size, "device": str(self.device),
+            "peak_mem_bytes": peak_memory_bytes(self.device), "sample": sample,
+        }
+
+
+def count_parameters(cfg: Config) -> int:
+    """Parameters of the whole (unsplit) model in cfg; no weights are allocated."""
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    return model.num_params()
+
+
+def _choose_device(requested: str, dist_device: torch.device, world_size: int) -> torch.device:
+    if world_size > 1:
+        return dist_device  # init_distributed picked it with the backend
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device = \"cuda\" but no CUDA device is available; use "
+                              "\"cpu\" or \"auto\"")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def train(cfg: Config, run_dir: Path, *, progress: bool | None = None) -> TrainResult:
+    """Train the model described by cfg, writing config.toml, metrics.jsonl,
+    model.safetensors and summary.json into run_dir. On a grid every rank calls this.
+
+    progress: True for a tqdm bar, False for plain log lines, None to decide by whether stderr
+    is a terminal. Raises ConfigError / GridError / DataError for user mistakes and
+    TrainingError when training diverges.
+    """
+    return Trainer(cfg, run_dir, progress=progress).fit()
+
+
+__all__ = ["StepStats", "TrainResult", "Trainer", "TrainingError", "count_parameters", "train"]

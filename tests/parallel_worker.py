@@ -1,0 +1,122 @@
+"""Run by torchrun from test_parallel.py: for every grid of this world size and a set of model
+and overlap variants, train the `debug` model for three steps in parallel and on this process
+alone, and compare losses and the gathered updated weights. Writes one JSON line per case."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from fourfold.config import ParallelConfig, model_config
+from fourfold.models import build_model
+from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
+
+STEPS = 3
+BATCH = 8  # sequences per step, whole job
+SEQ = 16
+
+
+def batches(vocab: int, accum: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)
+        micro = BATCH // accum
+        out.append([(tokens[i * micro:(i + 1) * micro, :-1], tokens[i * micro:(i + 1) * micro, 1:])
+                    for i in range(accum)])
+    return out
+
+
+def train(pmodel, steps_data, shard: tuple[int, int], optimizer: str) -> list[float]:
+    index, count = shard
+    params = [p for _, p in pmodel.named_parameters()]
+    # SGD keeps the weights' comparison tight: Adam divides tiny gradients by their own
+    # magnitude, which turns float rounding noise into visible weight differences.
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+    else:
+        opt = torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    losses = []
+    for micro_batches in steps_data:
+        local = []
+        for inputs, targets in micro_batches:
+            b = inputs.shape[0] // count
+            local.append((inputs[index * b:(index + 1) * b], targets[index * b:(index + 1) * b]))
+        count_tokens = pmodel.reduce_over_batch(
+            torch.tensor(float(sum(t.numel() for _, t in local))))
+        total = torch.zeros(())
+        for i, (inputs, targets) in enumerate(local):
+            pmodel.set_requires_gradient_sync(i == len(local) - 1)
+            loss = pmodel(inputs, targets).sum() / count_tokens
+            loss.backward()
+            pmodel.finish_backward()
+            total += loss.detach()
+        pmodel.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(pmodel.reduce_over_batch(total)))
+    return losses
+
+
+def main() -> int:
+    rank, world, device = init_distributed("gloo", timeout_s=120)
+    shapes = [s for s in json.loads(os.environ["FOURFOLD_TEST_SHAPES"])]
+    variants = json.loads(os.environ["FOURFOLD_TEST_VARIANTS"])
+    out_path = os.environ["FOURFOLD_TEST_OUT"]
+    results = []
+    for shape_list in shapes:
+        shape = GridShape(*shape_list)
+        if shape.size != world:
+            continue
+        grid = Grid.build(shape, device)
+        for variant in variants:
+            case = {"shape": shape_list, "variant": variant}
+            try:
+                cfg = model_config("debug", bias=variant.get("bias", False),
+                                   tie_embeddings=variant.get("tie", False))
+                accum = variant.get("accum", 1)
+                data = batches(cfg.vocab_size, accum)
+                ref_model = build_model(cfg, seed=7)
+                ref_model.activation_checkpointing = variant.get("ckpt", False)
+                ref = parallelize(ref_model, Grid.single())
+                ref_losses = train(ref, data, (0, 1), variant.get("opt", "sgd"))
+                ref_state = ref_model.state_dict()
+
+                model = build_model(cfg, seed=7)
+                model.activation_checkpointing = variant.get("ckpt", False)
+                overlap = variant.get("overlap", True)
+                pcfg = ParallelConfig(x=shape.x, y=shape.y, z=shape.z, data=shape.data,
+                                      overlap_input_grad=overlap, overlap_weight_grad=overlap,
+                                      prefetch_weights=overlap, overlap_data_grad=overlap,
+                                      bucket_mb=0.05)
+                pmodel = parallelize(model, grid, pcfg)
+                pmodel.ledger.reset()
+                losses = train(pmodel, data, grid.batch_shard, variant.get("opt", "sgd"))
+                ledger = pmodel.ledger.snapshot()
+                state = pmodel.full_state_dict()
+                max_w = max(float((state[k] - ref_state[k]).abs().max()) for k in ref_state)
+                max_rel_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+                case.update(ok=True, losses=losses, ref_losses=ref_losses,
+                            max_weight_diff=max_w, max_rel_loss=max_rel_loss, ledger=ledger,
+                            keys_equal=sorted(state) == sorted(ref_state))
+            except Exception:  # reported to the test, which fails with the traceback
+                case.update(ok=False, error=traceback.format_exc())
+            results.append(case)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

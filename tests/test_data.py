@@ -1,0 +1,409 @@
+"""The data pipeline: tokenizers, prepare, manifest/verify, the rank-aware loader, stdlib corpus."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from fourfold.data import (BatchLoader, DataError, Manifest, TokenDataset, builtin_corpus,
+                           documents, load_tokenizer, prepare, prepare_main, resolve_data_path,
+                           verify)
+from fourfold.data.tokenizers import ByteTokenizer, train_bpe
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _generated_texts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "über", "naïve", "日本", "émoji🎉", "x", "y", "42"]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) + f" #{i}\n"
+            for i in range(n)]
+
+
+def _write_corpus(root: Path) -> list[str]:
+    """A folder with .txt, .jsonl, .parquet, a binary and a hidden file; returns the documents."""
+    texts = _generated_texts(60, seed=1)
+    (root / "nested" / "deeper").mkdir(parents=True)
+    (root / ".hidden").mkdir()
+    docs: list[str] = []
+    for i in range(10):  # one document per text file
+        folder = root / "nested" if i % 2 else root / "nested" / "deeper"
+        (folder / f"doc{i:02d}.txt").write_text(texts[i], encoding="utf-8")
+        docs.append(texts[i])
+    with open(root / "records.jsonl", "w", encoding="utf-8") as f:
+        for t in texts[10:30]:
+            f.write(json.dumps({"text": t, "id": 7}) + "\n")
+            docs.append(t)
+        f.write("\n")  # blank lines are skipped
+        f.write(json.dumps({"text": ""}) + "\n")  # so are empty documents
+    pq.write_table(pa.table({"text": texts[30:60], "n": list(range(30))}), root / "rows.parquet")
+    docs.extend(texts[30:60])
+    (root / "blob.bin").write_bytes(bytes(range(256)) * 4)  # binary: skipped
+    (root / ".hidden" / "secret.txt").write_text("never read")
+    return docs
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, list[str]]:
+    root = tmp_path_factory.mktemp("corpus")
+    return root, _write_corpus(root)
+
+
+@pytest.fixture(scope="module")
+def byte_dir(tmp_path_factory, corpus) -> Path:
+    out = tmp_path_factory.mktemp("prepared") / "data"
+    prepare([corpus[0]], out, tokenizer="byte", val_fraction=0.1, progress=False)
+    return out
+
+
+def _all_docs(data_dir: Path, split: str) -> list[np.ndarray]:
+    return documents(data_dir, split, 10**9)
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+def test_byte_round_trip_and_bad_bytes():
+    tok = ByteTokenizer()
+    text = "plain ASCII, ünïcödé, 日本語, emoji 🎉, tab\t and newline\n"
+    ids = tok.encode(text)
+    assert ids.dtype == np.int64 and len(ids) == len(text.encode("utf-8"))
+    assert int(ids.max()) < 256 and tok.decode(ids) == text
+    assert (tok.vocab_size, tok.eos_id, tok.spec) == (257, 256, "byte")
+    # invalid UTF-8, EOS and ids past the vocabulary: replaced or dropped, never an exception
+    assert tok.decode([0xFF, 0xFE, 65, 256, 999]) == "\ufffd\ufffdA"
+    assert tok.decode(torch.tensor([104, 105])) == "hi"
+
+
+def test_bpe_trains_round_trips_and_respects_vocab_size(tmp_path):
+    texts = _generated_texts(300, seed=2)
+    tok = train_bpe(300, texts)
+    assert tok.vocab_size <= 300 and tok.vocab_size > 257  # merges were learned
+    assert tok.spec == "bpe:300"
+    for text in texts[:20] + ["unseen: ✓ ẞ \x00 é  double  spaces\n\n"]:
+        ids = tok.encode(text)
+        assert tok.eos_id not in ids.tolist()
+        assert tok.decode(ids) == text
+    assert len(tok.encode(texts[0])) < len(texts[0].encode("utf-8"))  # it compresses
+    tok.save(tmp_path)
+    again = load_tokenizer(tmp_path)
+    assert again.spec == "bpe:300" and again.eos_id == tok.eos_id
+    assert np.array_equal(again.encode(texts[5]), tok.encode(texts[5]))
+
+
+def _hf_word_tokenizer(vocab: dict[str, int]):
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import models, pre_tokenizers
+
+    hf = HFTok(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return hf
+
+
+def test_tokenizer_json_from_path(tmp_path):
+    from tokenizers import AddedToken
+
+    hf = _hf_word_tokenizer({"<unk>": 0, "hello": 1, "world": 2})
+    hf.add_special_tokens([AddedToken("</s>", special=True)])
+    path = tmp_path / "model" / "tokenizer.json"
+    path.parent.mkdir()
+    hf.save(str(path))
+    tok = load_tokenizer(str(path))
+    assert tok.eos_id == hf.token_to_id("</s>") == 3 and tok.vocab_size == 4
+    assert tok.encode("hello world hello").tolist() == [1, 2, 1]
+    assert load_tokenizer(str(path.parent)).eos_id == 3  # a HF model directory works too
+
+    # tokenizer_config.json's eos_token wins over the built-in candidate list
+    hf.add_special_tokens([AddedToken("<|mine|>", special=True)])
+    hf.save(str(path))
+    (path.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|mine|>"}))
+    assert load_tokenizer(str(path)).eos_id == hf.token_to_id("<|mine|>")
+
+    plain = tmp_path / "plain" / "tokenizer.json"
+    plain.parent.mkdir()
+    _hf_word_tokenizer({"<unk>": 0, "a": 1}).save(str(plain))
+    with pytest.raises(DataError, match="no end-of-text token"):
+        load_tokenizer(str(plain))
+
+
+@pytest.mark.parametrize("spec", ["bpe:abc", "bpe:12", "wordpiece", "missing/tokenizer.json"])
+def test_bad_tokenizer_spec(spec):
+    with pytest.raises(DataError) as info:
+        load_tokenizer(spec)
+    message = str(info.value)
+    assert repr(spec) in message and "\n" not in message
+    assert "bpe:VOCAB_SIZE" in message and "tokenizer.json" in message
+
+
+# --------------------------------------------------------------------------------------------
+# prepare, manifest, verify
+
+
+def test_prepare_counts_and_splits(byte_dir, corpus):
+    _, docs = corpus
+    manifest = Manifest.load(byte_dir)
+    train, val = manifest.splits["train"], manifest.splits["val"]
+    assert manifest.dtype == "uint16" and (manifest.vocab_size, manifest.eos_id) == (257, 256)
+    assert manifest.skipped_files == 1  # blob.bin; the hidden folder is not even looked at
+    assert train.documents + val.documents == len(docs)
+    assert val.documents >= 1 and train.documents >= 1
+    expected_tokens = sum(len(d.encode("utf-8")) + 1 for d in docs)
+    assert train.tokens + val.tokens == expected_tokens
+    assert verify(byte_dir) == manifest
+
+    tok = load_tokenizer(byte_dir)
+    train_docs = [tok.decode(d) for d in _all_docs(byte_dir, "train")]
+    val_docs = [tok.decode(d) for d in _all_docs(byte_dir, "val")]
+    assert (len(train_docs), len(val_docs)) == (train.documents, val.documents)
+    assert not set(train_docs) & set(val_docs)
+    assert sorted(train_docs + val_docs) == sorted(docs)
+    assert "never read" not in train_docs + val_docs
+
+
+def test_prepare_is_deterministic_and_rewrites_in_place(tmp_path, corpus, byte_dir):
+    out = tmp_path / "again"
+    first = prepare([corpus[0]], out, tokenizer="byte", val_fraction=0.1, progress=False,
+                    shard_tokens=500)  # many small shards
+    assert len(first.splits["train"].shards) > 3
+    # the same token stream as the single-shard preparation
+    one = TokenDataset(byte_dir, "train")
+    many = TokenDataset(out, "train")
+    assert len(one) == len(many) and np.array_equal(one.window(0, len(one)),
+                                                    many.window(0, len(many)))
+    second = prepare([corpus[0]], out, tokenizer="byte", val_fraction=0.1, progress=False)
+    assert len(second.splits["train"].shards) == 1
+    assert sorted(p.name for p in out.glob("*.bin")) == ["train_00000.bin", "val_00000.bin"]
+    assert not list(out.glob(".*tmp*"))  # no temporary files left behind
+    verify(out)
+
+
+def test_verify_detects_corruption(tmp_path, corpus):
+    out = tmp_path / "data"
+    prepare([corpus[0]], out, progress=False)
+    shard = out / Manifest.load(out).splits["train"].shards[0].file
+    raw = bytearray(shard.read_bytes())
+    raw[100] ^= 1
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=shard.name):
+        verify(out)
+    shard.write_bytes(bytes(raw[:-2]))  # truncated: the loader notices without hashing
+    with pytest.raises(DataError, match="bytes"):
+        TokenDataset(out, "train")
+
+
+def test_prepare_with_bpe(tmp_path, corpus):
+    out = tmp_path / "bpe"
+    manifest = prepare([corpus[0]], out, tokenizer="bpe:320", val_fraction=0.1, progress=False)
+    assert manifest.tokenizer == "bpe:320" and manifest.vocab_size <= 320
+    tok = load_tokenizer(out)
+    assert tok.vocab_size == manifest.vocab_size and tok.eos_id == manifest.eos_id
+    decoded = sorted(tok.decode(d) for s in ("train", "val") for d in _all_docs(out, s))
+    assert decoded == sorted(corpus[1])
+    verify(out)
+
+
+def test_uint32_shards_for_big_vocabularies(tmp_path):
+    vocab = {"<unk>": 0, **{f"w{i}": i + 1 for i in range(70_000)}, "<|endoftext|>": 70_001}
+    path = tmp_path / "big" / "tokenizer.json"
+    path.parent.mkdir()
+    _hf_word_tokenizer(vocab).save(str(path))
+    (tmp_path / "in.txt").write_text("w69999 w3 w65536")
+    out = tmp_path / "data"
+    manifest = prepare([tmp_path / "in.txt"], out, tokenizer=str(path), progress=False)
+    assert manifest.dtype == "uint32" and manifest.eos_id == 70_001
+    assert [d.tolist() for d in documents(out, "train", 5)] == [[70_000, 4, 65_537]]
+
+
+def test_val_split_has_a_document_even_for_tiny_corpora(tmp_path):
+    for n in (2, 3, 5):
+        folder = tmp_path / f"tiny{n}"
+        folder.mkdir()
+        for i in range(n):
+            (folder / f"{i}.txt").write_text(f"document number {i}\n" * 5)
+        manifest = prepare([folder], tmp_path / f"out{n}", val_fraction=0.005, progress=False)
+        assert manifest.splits["val"].documents == 1
+        assert manifest.splits["train"].documents == n - 1
+    (tmp_path / "single.txt").write_text("only one")
+    manifest = prepare([tmp_path / "single.txt"], tmp_path / "out1", progress=False)
+    assert (manifest.splits["train"].documents, manifest.splits["val"].documents) == (1, 0)
+
+
+def test_prepare_user_mistakes(tmp_path):
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(DataError, match="nope.txt"):
+        prepare([missing], tmp_path / "out", progress=False)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "image.bin").write_bytes(b"\x00\x01" * 100)
+    with pytest.raises(DataError, match="no documents found in .*empty"):
+        prepare([empty], tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    with pytest.raises(DataError, match="no inputs"):
+        prepare([], tmp_path / "out", progress=False)
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: .*'text'"):
+        prepare([bad_jsonl], tmp_path / "out", progress=False)
+    bad_parquet = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"content": ["a"]}), bad_parquet)
+    with pytest.raises(DataError, match=r"no 'text' column \(columns: content\)"):
+        prepare([bad_parquet], tmp_path / "out", progress=False)
+    with pytest.raises(DataError, match="'bpe:x'"):
+        prepare([bad_jsonl], tmp_path / "out", tokenizer="bpe:x", progress=False)
+    with pytest.raises(DataError, match="val_fraction = 0.9"):
+        prepare([bad_jsonl], tmp_path / "out", val_fraction=0.9, progress=False)
+    assert not list((tmp_path / "out").glob("*.bin"))  # failures leave no shards behind
+
+
+def test_prepare_main_summary(tmp_path, corpus, capsys):
+    assert prepare_main([str(corpus[0])], str(tmp_path / "d"), "byte") == 0
+    out = capsys.readouterr().out
+    manifest = Manifest.load(tmp_path / "d")
+    assert f"{manifest.documents:,} documents" in out
+    assert f"{manifest.splits['train'].tokens:,} tokens" in out and "vocab 257" in out
+
+
+# --------------------------------------------------------------------------------------------
+# Loader
+
+
+def test_batches_are_deterministic_and_shifted(byte_dir):
+    a = BatchLoader(byte_dir, "train", batch_size=8, seq_len=32, seed=7)
+    b = BatchLoader(byte_dir, "train", batch_size=8, seq_len=32, seed=7)
+    c = BatchLoader(byte_dir, "train", batch_size=8, seq_len=32, seed=8)
+    dataset = TokenDataset(byte_dir, "train")
+    for _ in range(3):
+        (xa, ya), (xb, yb), (xc, _) = a.next_batch(), b.next_batch(), c.next_batch()
+        assert xa.shape == ya.shape == (8, 32) and xa.dtype == ya.dtype == torch.int64
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert not torch.equal(xa, xc)
+        assert torch.equal(xa[:, 1:], ya[:, :-1])
+        for row in range(8):  # each row is a real window of the split, target = next token
+            start = _find_window(dataset, xa[row].numpy())
+            assert start is not None
+            assert ya[row, -1].item() == dataset.window(start + 32, 1)[0]
+    first = BatchLoader(byte_dir, "train", batch_size=8, seq_len=32, seed=7).next_batch()
+    assert not torch.equal(first[0], xa)  # batches differ from one call to the next
+
+
+def _find_window(dataset: TokenDataset, row: np.ndarray) -> int | None:
+    full = dataset.window(0, len(dataset))
+    view = np.lib.stride_tricks.sliding_window_view(full, len(row))
+    hits = np.flatnonzero((view == row).all(axis=1))
+    return int(hits[0]) if len(hits) else None
+
+
+def test_state_dict_resume_continues_identically(byte_dir):
+    reference = BatchLoader(byte_dir, "train", batch_size=4, seq_len=16, seed=3)
+    expected = [reference.next_batch() for _ in range(6)]
+    first = BatchLoader(byte_dir, "train", batch_size=4, seq_len=16, seed=3)
+    for _ in range(4):
+        first.next_batch()
+    state = json.loads(json.dumps(first.state_dict()))  # survives a JSON checkpoint
+    resumed = BatchLoader(byte_dir, "train", batch_size=4, seq_len=16, seed=999)
+    resumed.load_state_dict(state)
+    for want in expected[4:]:
+        got = resumed.next_batch()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("num_shards", [2, 4])
+def test_sharded_rows_concatenate_to_the_global_batch(tmp_path, corpus, num_shards):
+    # Many small token shards on disk too, so windows cross file boundaries.
+    out = tmp_path / "multi"
+    prepare([corpus[0]], out, val_fraction=0.2, progress=False, shard_tokens=300)
+    full = BatchLoader(out, "train", batch_size=8, seq_len=24, seed=11)
+    ranks = [BatchLoader(out, "train", batch_size=8, seq_len=24, seed=11, shard_index=i,
+                         num_shards=num_shards) for i in range(num_shards)]
+    for _ in range(3):
+        x, y = full.next_batch()
+        parts = [r.next_batch() for r in ranks]
+        assert all(p[0].shape == (8 // num_shards, 24) for p in parts)
+        assert torch.equal(torch.cat([p[0] for p in parts]), x)
+        assert torch.equal(torch.cat([p[1] for p in parts]), y)
+    full_eval = BatchLoader(out, "val", batch_size=8, seq_len=24, seed=0).eval_batches(3)
+    rank_eval = [BatchLoader(out, "val", batch_size=8, seq_len=24, seed=5, shard_index=i,
+                             num_shards=num_shards).eval_batches(3) for i in range(num_shards)]
+    for k, (x, y) in enumerate(full_eval):
+        assert torch.equal(torch.cat([r[k][0] for r in rank_eval]), x)
+        assert torch.equal(torch.cat([r[k][1] for r in rank_eval]), y)
+        assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_eval_batches_fixed(byte_dir):
+    loader = BatchLoader(byte_dir, "val", batch_size=4, seq_len=16, seed=1)
+    first = loader.eval_batches(2)
+    loader.next_batch()
+    second = loader.eval_batches(2)
+    assert len(first) == len(second) == 2
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(first, second, strict=True))
+    assert not torch.equal(first[0][0], first[1][0])
+    assert loader.batches_drawn == 1  # eval does not advance the training stream
+
+
+def test_documents_first_n_in_order(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(12):
+        (folder / f"{i:02d}.txt").write_text(f"doc {i} " * (i + 1))
+    out = tmp_path / "out"
+    prepare([folder], out, val_fraction=0.0, progress=False, shard_tokens=37)
+    got = documents(out, "train", 5)
+    tok = ByteTokenizer()
+    assert [tok.decode(d) for d in got] == [f"doc {i} " * (i + 1) for i in range(5)]
+    assert all(d.dtype == np.int64 for d in got)
+    assert len(documents(out, "train", 100)) == 12
+
+
+def test_loader_user_mistakes(byte_dir, tmp_path):
+    with pytest.raises(DataError, match="batch_size = 6 .*4"):
+        BatchLoader(byte_dir, "train", batch_size=6, seq_len=8, seed=0, num_shards=4)
+    val_tokens = Manifest.load(byte_dir).splits["val"].tokens
+    with pytest.raises(DataError, match=f"{val_tokens} tokens.*{val_tokens + 10}"):
+        BatchLoader(byte_dir, "val", batch_size=1, seq_len=val_tokens + 9, seed=0)
+    with pytest.raises(DataError, match="'test'"):
+        TokenDataset(byte_dir, "test")
+    with pytest.raises(DataError, match="not a prepared data directory.*fourfold prepare"):
+        resolve_data_path(str(tmp_path), "byte")
+    with pytest.raises(DataError, match="builtin:nope"):
+        resolve_data_path("builtin:nope", "byte")
+    assert resolve_data_path(str(byte_dir), "byte") == byte_dir
+
+
+# --------------------------------------------------------------------------------------------
+# Built-in corpus
+
+
+def _build_builtin(cache: str) -> tuple[str, int]:
+    time.sleep(0.2)  # both workers are up before either starts building
+    return str(builtin_corpus("byte", cache_dir=Path(cache))), os.getpid()
+
+
+def test_builtin_corpus_cached_and_safe_under_concurrency(tmp_path):
+    cache = tmp_path / "cache"
+    # Two processes at once, as when several ranks start: one builds, the other waits and reuses.
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        results = pool.map(_build_builtin, [str(cache), str(cache)], chunksize=1)
+    (path_a, pid_a), (path_b, pid_b) = results
+    assert path_a == path_b and pid_a != pid_b
+    data_dir = Path(path_a)
+    manifest = verify(data_dir)
+    assert manifest.splits["train"].tokens > 1_000_000 and manifest.splits["val"].documents >= 1
+    assert [p.name for p in cache.iterdir() if p.is_dir()] == [data_dir.name]  # no leftovers
+    start = time.perf_counter()
+    assert builtin_corpus("byte", cache_dir=cache) == data_dir
+    assert time.perf_counter() - start < 0.5  # the second call reuses the cache
+    x, _ = BatchLoader(data_dir, "train", batch_size=64, seq_len=256, seed=0).next_batch()
+    assert "def " in load_tokenizer(data_dir).decode(x)  # it is Python source
