@@ -34,7 +34,7 @@ def run_worker(nproc: int, grids: list, variants: list, tmp_path: Path) -> list[
                OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-         "--master-port", "0", str(WORKER)],
+         "--standalone", str(WORKER)],
         env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in out.read_text().splitlines()]
