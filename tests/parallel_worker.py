@@ -17,7 +17,7 @@ from fourfold.models import build_model
 from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
 
 STEPS = 3
-BATCH = 8  # sequences per step, whole job
+BATCH = 8  # sequences per step, whole job (test_parallel.py uses the same numbers)
 SEQ = 16
 
 
@@ -63,6 +63,40 @@ def train(pmodel, steps_data, shard: tuple[int, int], optimizer: str) -> list[fl
     return losses
 
 
+class TinyGeneric(torch.nn.Module):
+    """Not a Llama: parallelize converts its Linear layers generically."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, 64)
+        self.fc1 = torch.nn.Linear(64, 128)
+        self.fc2 = torch.nn.Linear(128, 64, bias=False)
+        self.head = torch.nn.Linear(64, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        h = h + self.fc2(torch.nn.functional.gelu(self.fc1(h)))
+        return self.head(h)
+
+
+def build(cfg, variant: dict) -> torch.nn.Module:
+    """The fourfold Llama, with {"hf": true} a tiny Hugging Face LlamaForCausalLM, with
+    {"generic": true} a small non-Llama module."""
+    if variant.get("generic"):
+        torch.manual_seed(7)
+        return TinyGeneric(cfg.vocab_size)
+    if variant.get("hf"):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from fourfold.models.hf import config_to_hf
+        hf_cfg = {k: v for k, v in config_to_hf(cfg).items() if k != "architectures"}
+        torch.manual_seed(7)
+        return LlamaForCausalLM(LlamaConfig(**hf_cfg))
+    model = build_model(cfg, seed=7)
+    model.activation_checkpointing = variant.get("ckpt", False)
+    return model
+
+
 def main() -> int:
     rank, world, device = init_distributed("gloo", timeout_s=120)
     shapes = [s for s in json.loads(os.environ["FOURFOLD_TEST_SHAPES"])]
@@ -81,14 +115,12 @@ def main() -> int:
                                    tie_embeddings=variant.get("tie", False))
                 accum = variant.get("accum", 1)
                 data = batches(cfg.vocab_size, accum)
-                ref_model = build_model(cfg, seed=7)
-                ref_model.activation_checkpointing = variant.get("ckpt", False)
+                ref_model = build(cfg, variant)
                 ref = parallelize(ref_model, Grid.single())
                 ref_losses = train(ref, data, (0, 1), variant.get("opt", "sgd"))
                 ref_state = ref_model.state_dict()
 
-                model = build_model(cfg, seed=7)
-                model.activation_checkpointing = variant.get("ckpt", False)
+                model = build(cfg, variant)
                 overlap = variant.get("overlap", True)
                 pcfg = ParallelConfig(x=shape.x, y=shape.y, z=shape.z, data=shape.data,
                                       overlap_input_grad=overlap, overlap_weight_grad=overlap,

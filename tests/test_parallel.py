@@ -2,7 +2,9 @@
 
 One torchrun launch per world size checks many (grid, variant) cases; see parallel_worker.py.
 Variants: biases + tied embeddings, gradient accumulation + activation checkpointing,
-overlap switched off, and AdamW (losses only: Adam magnifies rounding noise in tiny gradients).
+overlap switched off, AdamW (losses only: Adam magnifies rounding noise in tiny gradients),
+a Hugging Face LlamaForCausalLM parallelized with one call, and a non-Llama module that gets
+the generic plan.
 """
 
 from __future__ import annotations
@@ -15,10 +17,17 @@ from pathlib import Path
 
 import pytest
 
+from fourfold.config import model_config
+from fourfold.parallel import GridShape
+from fourfold.plan.schedule import predict_comm_bytes
+
+BATCH, SEQ, STEPS = 8, 16, 3  # as in parallel_worker.py
+
 WORKER = Path(__file__).with_name("parallel_worker.py")
 
 VARIANTS = [{}, {"bias": True, "tie": True}, {"accum": 2, "ckpt": True},
-            {"overlap": False, "bias": True}, {"opt": "adamw"}]
+            {"overlap": False, "bias": True}, {"opt": "adamw"},
+            {"hf": True, "bias": True}, {"generic": True}]
 
 GRIDS = {  # (data, z, y, x)
     2: [[1, 1, 1, 2], [1, 1, 2, 1], [1, 2, 1, 1], [2, 1, 1, 1]],
@@ -42,7 +51,7 @@ def run_worker(nproc: int, grids: list, variants: list, tmp_path: Path) -> list[
 
 @pytest.mark.parametrize("nproc", [2, 4, 8])
 def test_grids_match_single_process(nproc: int, tmp_path: Path) -> None:
-    variants = VARIANTS if nproc == 2 else VARIANTS[:3]
+    variants = VARIANTS if nproc == 2 else VARIANTS[:3] + [{"hf": True}]
     results = run_worker(nproc, GRIDS[nproc], variants, tmp_path)
     assert len(results) == len(GRIDS[nproc]) * len(variants)
     for r in results:
@@ -56,3 +65,15 @@ def test_grids_match_single_process(nproc: int, tmp_path: Path) -> None:
         data, z, y, x = r["shape"]
         for axis, size in (("x", x), ("y", y), ("z", z), ("data", data)):
             assert (r["ledger"][axis] > 0) == (size > 1), f"{label}: ledger {r['ledger']}"
+        variant = r["variant"]
+        if not (variant.get("hf") or variant.get("generic")):
+            # the planner predicts exactly the bytes the engine's ledger recorded
+            cfg = model_config("debug", bias=variant.get("bias", False),
+                               tie_embeddings=variant.get("tie", False))
+            accum = variant.get("accum", 1)
+            tokens = BATCH // accum // (data * z) * SEQ
+            per_step = predict_comm_bytes(cfg, GridShape(data, z, y, x), tokens, accum,
+                                          variant.get("ckpt", False))
+            predicted = {k: v * STEPS for k, v in per_step.items()}
+            recorded = {k: r["ledger"][k] for k in ("x", "y", "z", "data")}
+            assert predicted == recorded, f"{label}: planner {predicted} != ledger {recorded}"

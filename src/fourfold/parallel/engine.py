@@ -20,6 +20,7 @@ from torch import nn
 
 from fourfold.parallel.comm import Comm, Handle
 from fourfold.parallel.data_parallel import GradBucketer
+from fourfold.parallel.gemm import GemmTuner, default_cache_path, plain_matmul
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class OverlapOptions:
     prefetch: bool = True  # next layer's z all-gather one layer ahead
     data_grad: bool = True  # bucketed data all-reduce during backward
     bucket_bytes: int = 25 * 2**20
+    gemm_tuning: bool = False  # time the equivalent matmul layouts per shape, keep the fastest
 
 
 class ZShardedWeight:
@@ -55,6 +57,14 @@ class Engine:
         self._pending_rs: list[tuple[Handle, nn.Parameter]] = []
         self.grad_sync = True
         self.prefetch_enabled = options.prefetch
+        self.tuner = (GemmTuner(comm, default_cache_path(comm.grid.device))
+                      if options.gemm_tuning else None)
+
+    def matmul(self, kind: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """A linear layer's GEMM (kind: forward, input_grad or weight_grad), tuned if enabled."""
+        if self.tuner is None:
+            return plain_matmul(kind, a, b)
+        return self.tuner.matmul(kind, a, b)
 
     # ---- registration -------------------------------------------------------------------
 

@@ -55,7 +55,7 @@ class _Linear3DFunction(torch.autograd.Function):
         dtype = _compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             w = engine.gather_weight(module, "forward")  # (out_local, in_local)
-            y = torch.matmul(x.to(dtype), w.to(dtype).t())  # partial sum over in_axis
+            y = engine.matmul("forward", x.to(dtype), w.to(dtype))  # partial sum over in_axis
             y = engine.comm.all_reduce(y, module.in_axis).wait()
         ctx.module, ctx.dtype, ctx.x_dtype = module, dtype, x.dtype
         ctx.save_for_backward(x)
@@ -70,11 +70,11 @@ class _Linear3DFunction(torch.autograd.Function):
         with torch.autocast(grad_out.device.type, enabled=False):
             w = engine.gather_weight(module, "backward")
             dy = grad_out.to(dtype)
-            grad_in = torch.matmul(dy, w.to(dtype)).to(ctx.x_dtype)  # partial over out_axis
+            # partial over out_axis; summed by the fan-out that produced x
+            grad_in = engine.matmul("input_grad", dy, w.to(dtype)).to(ctx.x_dtype)
 
             def weight_grad() -> None:
-                out_f, in_f = dy.shape[-1], x.shape[-1]
-                block = torch.matmul(dy.reshape(-1, out_f).t(), x.to(dtype).reshape(-1, in_f))
+                block = engine.matmul("weight_grad", dy, x.to(dtype))
                 engine.reduce_scatter_weight_grad(module.weight, block.float())
 
             engine.defer(weight_grad)

@@ -40,15 +40,16 @@ class ParallelModel:
     """A model parallelized over a grid, and the engine that drives its communication."""
 
     def __init__(self, module: nn.Module, grid: Grid, comm: Comm, engine: Engine | None,
-                 vocab_start: int) -> None:
+                 vocab_start: int | None) -> None:
         self.module = module
         self.grid = grid
         self.comm = comm
         self.engine = engine
         self._forward = module
         self._is_hf = hasattr(module, "config") and hasattr(module.config, "model_type")
+        # vocab_start is None when the logits are whole (one process, or the generic plan)
         self.criterion: nn.Module | Any = (
-            VocabParallelCrossEntropy(comm, vocab_start) if engine is not None
+            VocabParallelCrossEntropy(comm, vocab_start) if vocab_start is not None
             else _plain_cross_entropy)
 
     # ---- running ----------------------------------------------------------------------------
@@ -213,27 +214,29 @@ def overlap_options(cfg: ParallelConfig | None) -> OverlapOptions:
         return OverlapOptions()
     return OverlapOptions(input_grad=cfg.overlap_input_grad, weight_grad=cfg.overlap_weight_grad,
                           prefetch=cfg.prefetch_weights, data_grad=cfg.overlap_data_grad,
-                          bucket_bytes=int(cfg.bucket_mb * 2**20))
+                          bucket_bytes=int(cfg.bucket_mb * 2**20), gemm_tuning=cfg.gemm_tuning)
 
 
 def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = None
                 ) -> ParallelModel:
     """Parallelize `model` (with its full weights, the same on every rank) over `grid`.
 
-    On a one-process grid the model is left as it is. Modules are replaced in place.
+    On a one-process grid the model is left as it is (unless GEMM layout tuning is on, which
+    needs fourfold's own linear layers). Modules are replaced in place.
     """
     comm = Comm(grid)
-    if grid.world_size == 1:
-        return ParallelModel(model, grid, comm, None, 0)
-    engine = Engine(comm, overlap_options(config))
+    options = overlap_options(config)
+    if grid.world_size == 1 and not options.gemm_tuning:
+        return ParallelModel(model, grid, comm, None, None)
+    engine = Engine(comm, options)
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     if set(_NORMAL + _TRANSPOSED) <= names:
         vocab_start = _apply_llama_plan(model, grid, engine)
     else:
         _apply_generic_plan(model, grid, engine)
-        vocab_start = 0
+        vocab_start = None
     pmodel = ParallelModel(model, grid, comm, engine, vocab_start)
-    if not hasattr(model, "criterion"):
+    if vocab_start is None or not hasattr(model, "criterion"):
         return pmodel
     model.criterion = pmodel.criterion  # the model's own loss path uses the split vocabulary too
     return pmodel

@@ -1,0 +1,96 @@
+"""Engine pieces that need no second process: layouts, grid arithmetic, GEMM layout tuning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fourfold.config import ParallelConfig, model_config
+from fourfold.models import build_model
+from fourfold.parallel import Grid, GridError, GridShape, Layout, parallelize
+from fourfold.parallel.gemm import VARIANTS, GemmTuner
+
+
+def test_grid_rank_order_x_innermost() -> None:
+    shape = GridShape(data=2, z=2, y=2, x=2)
+    assert shape.coords(1) == {"x": 1, "y": 0, "z": 0, "data": 0}
+    assert shape.coords(2) == {"x": 0, "y": 1, "z": 0, "data": 0}
+    assert shape.coords(4)["z"] == 1 and shape.coords(8)["data"] == 1
+    for rank in range(shape.size):
+        assert shape.rank_of(shape.coords(rank)) == rank
+    assert shape.axis_groups("x")[0] == [0, 1]
+    assert shape.axis_groups("y")[0] == [0, 2]
+    assert shape.axis_groups("data")[0] == [0, 8]
+
+
+def test_grid_resolve_errors_name_the_numbers() -> None:
+    assert GridShape.resolve(2, 2, 1, "auto", 8).data == 2
+    with pytest.raises(GridError, match="does not divide the world size 6"):
+        GridShape.resolve(4, 1, 1, "auto", 6)
+    with pytest.raises(GridError, match="= 4 but the job has 8 ranks"):
+        GridShape.resolve(2, 2, 1, 1, 8)
+
+
+def test_layout_shards_tile_the_full_tensor() -> None:
+    shape = GridShape(data=1, z=2, y=2, x=2)
+    full = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
+    layout = Layout((("y", "z"), ("x",)))
+    seen = torch.zeros_like(full)
+    for rank in range(shape.size):
+        coords = shape.coords(rank)
+        block = layout.shard(full, shape, coords)
+        assert block.shape == (2, 3)
+        r0, c0 = layout.offsets((8, 6), shape, coords)
+        seen[r0:r0 + 2, c0:c0 + 3] += 1
+        # y is the outer split of rows, z the inner one
+        assert r0 == (coords["y"] * 2 + coords["z"]) * 2
+    assert torch.all(seen == 1)
+    assert layout.replicas(shape) == 1
+    assert Layout((("x",),)).replicas(shape) == 4  # replicated over y and z
+
+
+def test_layout_rejects_indivisible_dims() -> None:
+    with pytest.raises(GridError, match="not divisible"):
+        Layout((("x",),)).local_shape((5,), GridShape(x=2), "norm")
+
+
+@pytest.mark.parametrize("kind", list(VARIANTS))
+def test_gemm_variants_agree(kind: str) -> None:
+    torch.manual_seed(0)
+    a = torch.randn(24, 16)
+    b = torch.randn(12, 16) if kind == "forward" else (
+        torch.randn(16, 12) if kind == "input_grad" else torch.randn(24, 12))
+    outs = [fn(a, b) for _, fn in VARIANTS[kind]]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_tuner_caches_its_choice(tmp_path) -> None:
+    tuner = GemmTuner(None, tmp_path / "gemm.json", repeats=1)
+    a, b = torch.randn(32, 16), torch.randn(8, 16)
+    out = tuner.matmul("forward", a, b)
+    torch.testing.assert_close(out, a @ b.t(), rtol=1e-5, atol=1e-5)
+    assert len(tuner.choices) == 1
+    again = GemmTuner(None, tmp_path / "gemm.json")
+    assert again.choices == tuner.choices
+
+
+def test_tuned_single_process_model_trains_like_the_plain_one(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FOURFOLD_CACHE", str(tmp_path))
+    cfg = model_config("debug")
+    tokens = torch.randint(0, cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for tuning in (False, True):
+        model = build_model(cfg, seed=3)
+        pm = parallelize(model, Grid.single(), ParallelConfig(gemm_tuning=tuning))
+        opt = torch.optim.SGD(list(pm.parameters()), lr=0.5)
+        run = []
+        for _ in range(3):
+            loss = pm(tokens[:, :-1], tokens[:, 1:]).mean()
+            loss.backward()
+            pm.finish_backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.item())
+        losses[tuning] = run
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
