@@ -22,6 +22,7 @@ MACHINE.toml (every key optional except where noted; unknown keys are an error):
     hbm_gbps = 1555.0           # memory bandwidth, for memory-bound work (norms, optimizer)
     gemm_efficiency = 0.8       # fraction of peak a large, square GEMM reaches (calibrate!)
     gemm_half_dim = 96.0        # a GEMM dimension this small halves the efficiency
+    op_overhead_us = 5.0        # launch / framework cost per kernel (matters for small models)
     shared_host = false         # true when all ranks of a node share one device (CPU)
 
     [network]
@@ -70,6 +71,7 @@ class Device:
     hbm_gbps: float
     gemm_efficiency: float = 0.75
     gemm_half_dim: float = 96.0
+    op_overhead_us: float = 5.0  # launch / framework cost of each kernel
     shared_host: bool = False
     note: str = "vendor datasheet (dense); efficiencies are estimates"
 
@@ -99,7 +101,8 @@ class Network:
                     value = bw
             return value
         # A group whose ranks all sit in one node uses the node's links; else the network.
-        return self.intra_node_gbps if stride * group_size <= gpus_per_node else self.inter_node_gbps
+        inside_node = stride * group_size <= gpus_per_node
+        return self.intra_node_gbps if inside_node else self.inter_node_gbps
 
 
 @dataclass(frozen=True)
@@ -241,7 +244,7 @@ def _time_copy(budget_s: float) -> float:
     """Bytes/s of a large copy (read + write), the memory bandwidth memory-bound work sees."""
     import torch
 
-    src = torch.empty(8 * 1024 * 1024)  # 32 MiB
+    src = torch.empty(16 * 1024 * 1024)  # 64 MiB, larger than caches
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = float("inf")
@@ -260,7 +263,7 @@ def _fit_half_dim(rates: dict[int, float]) -> tuple[float, float]:
     import math
 
     best = (float("inf"), 0.0, max(rates.values()))
-    for step in range(0, 201):
+    for step in range(0, 129):  # h in [0, 512]: beyond that the probe is noise, not shape
         h = step * 4.0
         peaks = [r / (d / (d + h)) ** 3 for d, r in rates.items()]
         peak = math.exp(sum(math.log(p) for p in peaks) / len(peaks))
@@ -282,8 +285,18 @@ def measure_cpu(refresh: bool = False) -> dict[str, float]:
                 return cached
         except (OSError, ValueError):
             pass  # a damaged cache is measured again
-    rates = {size: _time_matmul(size, 0.25) for size in (128, 384, 1024)}
+    import torch
+
+    # One thread, scaled by the core count: ranks split the cores anyway, and a busy host
+    # stalls multi-threaded small GEMMs on thread wake-ups, which is noise, not shape.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rates = {size: _time_matmul(size, 0.2) for size in (128, 256, 512)}
+    finally:
+        torch.set_num_threads(threads)
     peak, half_dim = _fit_half_dim(rates)
+    peak *= os.cpu_count() or 1
     result: dict[str, Any] = {"key": key, "peak_flops": peak, "gemm_half_dim": half_dim,
                               "copy_bytes_per_s": _time_copy(0.1),
                               "rates": {str(k): v for k, v in rates.items()}}
@@ -314,7 +327,8 @@ def cpu_machine(refresh: bool = False) -> Machine:
     tflops = probe["peak_flops"] / 1e12
     device = Device("cpu", peak_bf16_tflops=tflops, peak_fp32_tflops=tflops,
                     memory_gib=_host_memory_gib(), hbm_gbps=probe["copy_bytes_per_s"] / 1e9,
-                    gemm_efficiency=1.0, gemm_half_dim=probe["gemm_half_dim"], shared_host=True,
+                    gemm_efficiency=1.0, gemm_half_dim=probe["gemm_half_dim"],
+                    op_overhead_us=20.0, shared_host=True,
                     note="measured by a matmul probe (float32; bfloat16 assumed equal)")
     return Machine("cpu", device, gpus_per_node=os.cpu_count() or 1,
                    network=Network(latency_us=50.0, intra_node_gbps=2.0, inter_node_gbps=2.0),

@@ -17,8 +17,10 @@ GIB = 1024**3
 class Precision:
     """Bytes per element of each kind of tensor.
 
-    float32: everything in fp32. bfloat16: mixed precision as usual for LLMs: fp32 master
-    parameters, gradients and AdamW states; weights are gathered and activations kept in bf16.
+    float32: everything in fp32. bfloat16: autocast, as the engine runs it: fp32 parameters,
+    gradients and AdamW states; the z all-gather moves the fp32 weights (weight_bytes 4); GEMM
+    outputs are bf16 (act_bytes 2) while the residual stream (embedding and norm outputs, and
+    the input gradients of the layers reading them) stays fp32 (residual_bytes 4).
     """
 
     name: str
@@ -26,14 +28,15 @@ class Precision:
     grad_bytes: int
     optimizer_bytes: int  # AdamW: two fp32 states per parameter
     weight_bytes: int  # gathered weights (all-gather over z)
-    act_bytes: int
+    act_bytes: int  # GEMM outputs
+    residual_bytes: int  # the residual stream
 
     @classmethod
     def of(cls, dtype: str) -> "Precision":
         if dtype == "float32":
-            return cls("float32", 4, 4, 8, 4, 4)
+            return cls("float32", 4, 4, 8, 4, 4, 4)
         if dtype == "bfloat16":
-            return cls("bfloat16", 4, 4, 8, 2, 2)
+            return cls("bfloat16", 4, 4, 8, 4, 2, 4)
         raise PlanError(f"dtype = {dtype!r}: choose float32 or bfloat16")
 
 
@@ -63,7 +66,8 @@ def predict_param_memory(model_cfg: ModelConfig, shape: GridShape,
             "optimizer": numel * p.optimizer_bytes}
 
 
-def activation_bytes_per_token(model: ModelConfig, shape: GridShape, act_bytes: int) -> dict[str, int]:
+def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
+                               precision: Precision) -> dict[str, int]:
     """Per token on a rank: what one block keeps for backward (`block`), and the block input a
     checkpointed block keeps instead (`checkpoint`)."""
     gx, gy = shape.x, shape.y
@@ -72,8 +76,9 @@ def activation_bytes_per_token(model: ModelConfig, shape: GridShape, act_bytes: 
     attention = (d + 2 * kv) // gy + 2 * d // gy  # q, k, v; attention output (+ o input)
     mlp = 3 * f // gy  # gate, up, and their product (down's input)
     norm_stats = 2 * 4  # an fp32 rstd per norm
-    return {"block": (residual_like + attention + mlp) * act_bytes + norm_stats,
-            "checkpoint": d // gx * act_bytes}
+    act, residual = precision.act_bytes, precision.residual_bytes
+    return {"block": residual_like * residual + (attention + mlp) * act + norm_stats,
+            "checkpoint": d // gx * residual}
 
 
 def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int,
@@ -82,13 +87,13 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     gx, gy = shape.x, shape.y
     states = predict_param_memory(model, shape, precision)
     n = micro_batch_tokens
-    per_token = activation_bytes_per_token(model, shape, precision.act_bytes)
+    per_token = activation_bytes_per_token(model, shape, precision)
     if activation_checkpointing:
         # every block keeps its input; one block at a time is recomputed with full activations
         activations = n * (model.n_layers * per_token["checkpoint"] + per_token["block"])
     else:
         activations = n * model.n_layers * per_token["block"]
-    activations += 2 * n * (model.dim // gx) * precision.act_bytes  # embedding out, final norm
+    activations += 2 * n * (model.dim // gx) * precision.residual_bytes  # embedding, final norm
     layer_block = sum(lin.out_features * lin.in_features for lin in block_linears(model))
     layer_block //= gx * gy
     vocab_block = model.vocab_size * model.dim // (gx * gy)

@@ -67,7 +67,8 @@ def gemm_seconds(m: int, n: int, k: int, machine: Machine, dtype: str, world_siz
     shape_eff = (m / (m + h)) * (n / (n + h)) * (k / (k + h))
     rate = machine.peak_flops_per_rank(dtype, world_size) * dev.gemm_efficiency * shape_eff
     flop_time = 2.0 * m * n * k / rate
-    memory_time = (m * k + k * n + m * n) * elem_bytes / machine.hbm_bytes_per_s_per_rank(world_size)
+    memory_time = ((m * k + k * n + m * n) * elem_bytes
+                   / machine.hbm_bytes_per_s_per_rank(world_size))
     return batch * max(flop_time, memory_time)
 
 
@@ -112,16 +113,18 @@ def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, m
     elem_bytes = n * eb * (12 * model.dim // gx + 5 * model.ffn_dim // gy
                            + 4 * (model.dim + 2 * kv) // gy)
     elem = elem_bytes / machine.hbm_bytes_per_s_per_rank(world_size)
-    block_fwd = fwd + attn_fwd + elem
-    block_bwd = dgrad + wgrad + 2 * attn_fwd + 2 * elem
+    # per-kernel overhead: about 25 kernels in a block's forward, twice that in backward
+    launch = machine.device.op_overhead_us * 1e-6
+    block_fwd = fwd + attn_fwd + elem + 25 * launch
+    block_bwd = dgrad + wgrad + 2 * attn_fwd + 2 * elem + 50 * launch
     L = model.n_layers
     vocab_l, d_l = model.vocab_size // gy, model.dim // gx
     out_fwd = gemm_seconds(n, vocab_l, d_l, machine, dt, world_size, eb)
     out_dgrad = gemm_seconds(n, d_l, vocab_l, machine, dt, world_size, eb)
     out_wgrad = gemm_seconds(vocab_l, d_l, n, machine, dt, world_size, eb)
     loss = 3 * n * vocab_l * 4 / machine.hbm_bytes_per_s_per_rank(world_size)
-    return _Compute(forward=L * block_fwd + out_fwd + loss,
-                    backward=L * block_bwd + out_dgrad + out_wgrad + loss,
+    return _Compute(forward=L * block_fwd + out_fwd + loss + 10 * launch,
+                    backward=L * block_bwd + out_dgrad + out_wgrad + loss + 20 * launch,
                     weight_grad=L * wgrad + out_wgrad, recompute=L * block_fwd)
 
 
@@ -136,7 +139,7 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     comp = _compute_times(model, shape, n, seq_len, machine, precision, world)
     schedule = collective_schedule(model, shape, n, grad_accum, activation_checkpointing,
                                    precision.act_bytes, precision.weight_bytes,
-                                   precision.grad_bytes)
+                                   precision.grad_bytes, precision.residual_bytes)
     by_phase: dict[str, dict[str, float]] = {}
     comm_bytes = {a: 0 for a in AXES}
     for c in schedule:
@@ -181,8 +184,9 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     interference = OVERLAP_INTERFERENCE * sum(hidden.values())
     # AdamW reads and writes parameters, gradients and both states once per step
     numel = sum(local_param_numel(model, shape).values())
-    optimizer_s = numel * (2 * precision.param_bytes + precision.grad_bytes
-                           + 2 * precision.optimizer_bytes) / machine.hbm_bytes_per_s_per_rank(world)
+    optimizer_bytes = numel * (2 * precision.param_bytes + precision.grad_bytes
+                               + 2 * precision.optimizer_bytes)
+    optimizer_s = optimizer_bytes / machine.hbm_bytes_per_s_per_rank(world)
     compute = fwd_window + bwd_window + optimizer_s + interference
     step = compute + sum(comm[a] - hidden[a] for a in AXES)
     tokens = global_batch * seq_len

@@ -85,7 +85,8 @@ def local_param_numel(model: ModelConfig, shape: GridShape) -> dict[str, int]:
 
 def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens: int,
                         grad_accum: int, activation_checkpointing: bool, act_bytes: int = 4,
-                        weight_bytes: int = 4, grad_bytes: int = 4) -> list[Collective]:
+                        weight_bytes: int = 4, grad_bytes: int = 4,
+                        residual_bytes: int | None = None) -> list[Collective]:
     """Every collective of one optimizer step, per rank.
 
     n = micro_batch_tokens: tokens per rank per micro-step (sequences per (data, z) shard per
@@ -114,6 +115,11 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
       (their local numel) * grad_bytes.
     - all-reduce data of all local gradients: (total local numel) * grad_bytes.
     A collective over an axis of size 1 is not issued and appears nowhere.
+
+    residual_bytes (default: act_bytes) is the element size of residual-stream tensors: the
+    embedding output and the norm outputs, so also the input gradients of the layers that read
+    them (q,k,v; gate,up; output layer). Under bf16 autocast the engine keeps these in fp32
+    (residual_bytes = 4) while GEMM outputs are bf16 (act_bytes = 2).
     """
     if micro_batch_tokens < 1 or grad_accum < 1:
         raise PlanError(f"micro_batch_tokens = {micro_batch_tokens}, grad_accum = {grad_accum}: "
@@ -123,6 +129,7 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
     d, v = model.dim, model.vocab_size
     replays = 2 if activation_checkpointing else 1  # block forward collectives per micro-step
     d_over_x = _exact(d, gx, "model.dim")
+    rb = act_bytes if residual_bytes is None else residual_bytes
     events: list[Collective] = []
 
     def add(axis: str, op: Op, nbytes: int, calls: int, phase: Phase) -> None:
@@ -150,7 +157,7 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
             add("x", "all_reduce", n * out_local * act_bytes, m * L, "fwd_output")
             add("x", "all_reduce", n * out_local * act_bytes, m * L * (replays - 1), "fwd_output")
     # fused input-gradient all-reduces over y: (q, k, v) and (gate, up) per block
-    add("y", "all_reduce", n * d_over_x * act_bytes, 2 * m * L, "bwd_input")
+    add("y", "all_reduce", n * d_over_x * rb, 2 * m * L, "bwd_input")
     # block norms (2 per block), then the final norm (never recomputed)
     add("x", "all_reduce", 4 * n, 2 * m * L * replays, "fwd_output")
     add("x", "all_reduce", 4 * n, 2 * m * L, "bwd_norm")
@@ -159,14 +166,14 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
     # embedding
     vocab_block = weight_block(v, d, False, "embedding")
     add("z", "all_gather", vocab_block * weight_bytes, m, "fwd_gather")
-    add("y", "all_reduce", n * d_over_x * act_bytes, m, "fwd_output")
+    add("y", "all_reduce", n * d_over_x * rb, m, "fwd_output")
     add("z", "reduce_scatter", vocab_block * grad_bytes, m, "bwd_weight")
     # output layer (a normal linear, own gathers even when tied) and the loss
     add("z", "all_gather", vocab_block * weight_bytes, m, "fwd_gather")
     add("x", "all_reduce", n * _exact(v, gy, "model.vocab_size") * act_bytes, m, "fwd_output")
     add("z", "all_gather", vocab_block * weight_bytes, m, "bwd_gather")
     add("z", "reduce_scatter", vocab_block * grad_bytes, m, "bwd_weight")
-    add("y", "all_reduce", n * d_over_x * act_bytes, m, "bwd_input")
+    add("y", "all_reduce", n * d_over_x * rb, m, "bwd_input")
     add("y", "all_reduce", 12 * n, m, "fwd_output")
     # once per optimizer step
     numel = local_param_numel(model, shape)
@@ -178,11 +185,13 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
 
 def predict_comm_bytes(model_cfg: ModelConfig, shape: GridShape, micro_batch_tokens: int,
                        grad_accum: int, activation_checkpointing: bool, act_bytes: int = 4,
-                       weight_bytes: int = 4, grad_bytes: int = 4) -> dict[str, int]:
+                       weight_bytes: int = 4, grad_bytes: int = 4,
+                       residual_bytes: int | None = None) -> dict[str, int]:
     """Bytes per rank per optimizer step that the engine's ledger records, by axis
     ("x", "y", "z", "data"); the schedule is spelled out in `collective_schedule`."""
     totals = {axis: 0 for axis in AXES}
     for c in collective_schedule(model_cfg, shape, micro_batch_tokens, grad_accum,
-                                 activation_checkpointing, act_bytes, weight_bytes, grad_bytes):
+                                 activation_checkpointing, act_bytes, weight_bytes, grad_bytes,
+                                 residual_bytes):
         totals[c.axis] += c.nbytes * c.calls
     return totals

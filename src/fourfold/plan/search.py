@@ -59,7 +59,7 @@ class Plan:
     global_batch: int
     seq_len: int
     precision: Precision
-    candidates: list[Candidate]  # best first: those that fit by time, then the rest by time
+    candidates: list[Candidate]  # best first: those that fit by time, then the rest by memory
     rejected: list[tuple[GridShape, str]] = field(default_factory=list)
 
     @property
@@ -85,12 +85,16 @@ def grid_shapes(world_size: int) -> list[GridShape]:
 
 
 def grid_problem(model: ModelConfig, shape: GridShape, global_batch: int) -> str | None:
-    """Why this grid cannot run this model and batch, or None."""
+    """Why this grid cannot run this model and batch, or None.
+
+    Normal layers split out over y then z and in over x; transposed layers (o, down) split out
+    over x then z and in over y; attention needs whole heads per y rank; the batch is split over
+    data and z."""
     gx, gy, gz = shape.x, shape.y, shape.z
     kv = model.n_kv_heads * model.head_dim
     checks = [
         (model.dim, gx * gz, "model.dim", "x*z"), (model.dim, gy, "model.dim", "y"),
-        (model.ffn_dim, gx, "model.ffn_dim", "x"), (model.ffn_dim, gy * gz, "model.ffn_dim", "y*z"),
+        (model.ffn_dim, gy * gz, "model.ffn_dim", "y*z"),
         (model.n_heads, gy, "model.n_heads", "y"), (model.n_kv_heads, gy, "model.n_kv_heads", "y"),
         (kv, gy * gz, "kv dim", "y*z"), (model.dim, gy * gz, "model.dim", "y*z"),
         (model.vocab_size, gy * gz, "model.vocab_size", "y*z"),
@@ -166,20 +170,22 @@ def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: in
                                         overlap, checkpointing, grad_accum))
     if not candidates:
         raise PlanError(_no_grid_message(model, world_size, global_batch, rejected))
-    candidates.sort(key=lambda c: (not c.fits, c.prediction.step_s))
+    # those that fit by time; the rest by how much memory they need, the closest miss first
+    candidates.sort(key=lambda c: (0, c.prediction.step_s) if c.fits else (1, c.memory.total))
     return Plan(model, machine, world_size, global_batch, seq_len, precision, candidates,
                 rejected)
 
 
 def _no_grid_message(model: ModelConfig, world_size: int, global_batch: int,
                      rejected: list[tuple[GridShape, str]]) -> str:
-    batch_ok = [s for s, _ in rejected if global_batch % (s.data * s.z) == 0]
-    if all("batch" in why for _, why in rejected) or not batch_ok:
+    batch_ok = [(s, why) for s, why in rejected if global_batch % (s.data * s.z) == 0]
+    if not batch_ok:
         return (f"--global-batch {global_batch}: no grid of {world_size} GPUs can split it "
-                f"(data*z must divide the batch and the model's shapes); try a multiple of "
-                f"{world_size}")
-    return (f"no grid of {world_size} GPUs can split model {model.preset!r} with batch "
-            f"{global_batch}: e.g. {rejected[0][0]}: {rejected[0][1]}")
+                f"(data*z must divide the batch); try a multiple of {world_size}")
+    shape, why = batch_ok[0]
+    return (f"no grid of {world_size} GPUs can split model {model.preset!r} with --global-batch "
+            f"{global_batch}: the grids that split the batch cannot split the model ({shape}: "
+            f"{why}); try another GPU count or a batch that is a multiple of {world_size}")
 
 
 def choose_grid(model_cfg: ModelConfig, world_size: int, machine: Machine | str,

@@ -1,0 +1,285 @@
+"""`fourfold plan`: rank every 4D configuration of a job, answer scaling-law questions, sweep.
+
+    fourfold plan --model PRESET|CONFIG.toml --gpus N --machine NAME|MACHINE.toml
+                  [--global-batch B] [--seq S] [--top K] [--json]
+    fourfold plan --compute FLOPS | --tokens T [--law chinchilla|epoch]
+    fourfold plan --dataset DATA_DIR --compute FLOPS [--dataset-tokens N] [--out CONFIG.toml]
+    fourfold plan --sweep [--machine NAME] [--gpus MAX] [--out PLOT.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from fourfold.config import PRESETS, ConfigError, ModelConfig, load_config, model_config
+from fourfold.parallel.grid import AXES
+from fourfold.plan.errors import PlanError
+from fourfold.plan.machines import GIB, Machine, load_machine
+from fourfold.plan.perf import Overlap
+from fourfold.plan.scaling import (count_params, data_constrained_optimum, dataset_tokens,
+                                   dataset_vocab_size, format_count, get_law, model_for_params,
+                                   training_config)
+from fourfold.plan.search import Plan, plan
+from fourfold.plan.sweep import format_sweep, gpu_counts, plot_sweep, run_sweep
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises PlanError instead of exiting, so the CLI owns the exit code."""
+
+    def error(self, message: str) -> NoReturn:
+        raise PlanError(f"{message} (see `fourfold plan --help`)")
+
+
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="fourfold plan", description="Predict time and memory of every 4D "
+                "configuration and pick the best; scaling-law answers; weak-scaling sweeps.")
+    p.add_argument("--model", help="a preset (" + ", ".join(PRESETS) + ") or a CONFIG.toml")
+    p.add_argument("--gpus", type=int, help="GPU count (for --sweep: the largest)")
+    p.add_argument("--machine", help="preset (perlmutter, frontier, alps, dgx-h100, cpu), a "
+                   "device name, or a MACHINE.toml")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: "
+                   "the config's train.batch_size, else about 1M tokens on GPUs)")
+    p.add_argument("--seq", type=int, help="sequence length (default: the config's "
+                   "train.seq_len, else the model's max_seq_len)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="default: bfloat16 on GPUs, float32 on cpu")
+    p.add_argument("--grad-accum", type=int, help="fix gradient accumulation (default: search)")
+    p.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--no-overlap", action="store_true", help="predict with every overlap off")
+    p.add_argument("--top", type=int, default=10, help="rows to show (0: all)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--compute", type=_positive_number, help="training FLOPs for a scaling-law "
+                   "answer")
+    p.add_argument("--tokens", type=_positive_number, help="training tokens for a scaling-law "
+                   "answer")
+    p.add_argument("--law", default="chinchilla", help="chinchilla (Hoffmann et al. 2022, "
+                   "approach 3) or epoch (Besiroglu et al. 2024 refit)")
+    p.add_argument("--dataset", help="a prepared DATA_DIR whose tokens will be repeated")
+    p.add_argument("--dataset-tokens", type=_positive_number, help="unique tokens (instead of "
+                   "reading DATA_DIR/manifest.json)")
+    p.add_argument("--out", help="--dataset: where to write the config TOML; --sweep: the PNG")
+    p.add_argument("--sweep", action="store_true", help="weak-scaling sweep of GPT-style models")
+    p.add_argument("--params-per-gpu", type=_positive_number, default=5e8,
+                   help="--sweep: model parameters per GPU (default 5e8)")
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+
+
+def resolve_model(spec: str) -> tuple[ModelConfig, int | None, int | None]:
+    """(model, batch, seq_len) from a preset name or a CONFIG.toml (which also gives its
+    train.batch_size and train.seq_len)."""
+    if spec in PRESETS:
+        return model_config(spec), None, None
+    path = Path(spec)
+    if path.suffix == ".toml" or path.is_file() or path.is_dir():
+        try:
+            cfg = load_config(path)
+        except ConfigError as e:
+            raise PlanError(str(e)) from None
+        return cfg.model, cfg.train.batch_size, cfg.train.seq_len
+    raise PlanError(f"unknown model {spec!r}: choose a preset ({', '.join(PRESETS)}) or a "
+                    "CONFIG.toml path")
+
+
+def _default_batch(world: int, seq_len: int, machine: Machine) -> int:
+    target = 2**14 if machine.device.shared_host else 2**20  # tokens per step
+    return world * max(1, target // (seq_len * world))
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}" if seconds < 10 else f"{seconds:.1f}s"
+
+
+def format_plan(result: Plan, top: int) -> str:
+    m, model = result.machine, result.model
+    rows = result.candidates if top <= 0 else result.candidates[:top]
+    header = [f"model {model.preset} ({format_count(count_params(model))} params, "
+              f"{model.n_layers} layers, dim {model.dim}) on {result.world_size} x "
+              f"{m.device.name} ({m.name}: {m.gpus_per_node} per node, "
+              f"{result.machine.usable_memory_bytes(result.world_size) / GIB:.1f} GiB usable)",
+              f"batch {result.global_batch} x {result.seq_len} tokens, {result.precision.name}; "
+              f"{len(result.candidates)} grids, {len(result.rejected)} cannot split the model; "
+              f"comm columns: ms per step (hidden %)",
+              f"{m.device.note}; {m.note}" if m.note else m.device.note]
+    columns = (f"{'#':>3} {'data,z,y,x':>12} {'mb x acc':>9} {'AC':>3} {'step ms':>9} "
+               f"{'tokens/s':>11} {'MFU':>5} " + " ".join(f"{a + ' ms':>13}" for a in AXES)
+               + f" {'GiB/GPU':>8}  fits")
+    lines = header + [columns]
+    for i, c in enumerate(rows, 1):
+        p = c.prediction
+        grid = f"{c.shape.data},{c.shape.z},{c.shape.y},{c.shape.x}"
+        comm = []
+        for a in AXES:
+            total = p.comm_s[a]
+            share = f"({p.hidden_s[a] / total:.0%})" if total > 0 else ""
+            comm.append(f"{_ms(total) + share:>13}" if total > 0 else f"{'-':>13}")
+        fits = "fits" if c.fits else f"OOM by {c.oom_gib:.1f} GiB"
+        lines.append(f"{i:>3} {grid:>12} {f'{c.micro_batch}x{c.grad_accum}':>9} "
+                     f"{'on' if c.activation_checkpointing else 'off':>3} {_ms(p.step_s):>9} "
+                     f"{p.tokens_per_s:>11,.0f} {p.mfu:>5.0%} " + " ".join(comm)
+                     + f" {c.memory.total / GIB:>8.2f}  {fits}")
+    if not any(c.fits for c in result.candidates):
+        lines.append("no grid fits in memory: add GPUs, use a bigger device, or shrink the batch")
+    return "\n".join(lines)
+
+
+def plan_json(result: Plan, top: int) -> dict:
+    rows = result.candidates if top <= 0 else result.candidates[:top]
+    m = result.machine
+    return {
+        "model": {"preset": result.model.preset, "params": count_params(result.model)},
+        "machine": {"name": m.name, "device": m.device.name, "gpus_per_node": m.gpus_per_node,
+                    "usable_memory_gib": m.usable_memory_bytes(result.world_size) / GIB},
+        "gpus": result.world_size, "global_batch": result.global_batch,
+        "seq_len": result.seq_len, "dtype": result.precision.name,
+        "configurations": [c.to_json() for c in rows],
+        "rejected": [{"grid": {a: getattr(s, a) for a in ("data", "z", "y", "x")},
+                      "reason": why} for s, why in result.rejected],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Modes
+
+
+def _plan_mode(args: argparse.Namespace) -> int:
+    if not args.model:
+        raise PlanError("--model is required (a preset or a CONFIG.toml), or use --compute, "
+                        "--tokens, --dataset or --sweep")
+    if args.gpus is None:
+        raise PlanError("--gpus is required: how many GPUs (ranks) the job has")
+    if args.gpus < 1:
+        raise PlanError(f"--gpus {args.gpus}: the GPU count must be at least 1")
+    model, config_batch, config_seq = resolve_model(args.model)
+    machine = load_machine(args.machine or "cpu")
+    seq = args.seq or config_seq or model.max_seq_len
+    batch = args.global_batch if args.global_batch is not None else \
+        (config_batch or _default_batch(args.gpus, seq, machine))
+    dtype = args.dtype or ("float32" if machine.device.shared_host else "bfloat16")
+    checkpointing = {"auto": (False, True), "on": (True,), "off": (False,)}[
+        args.activation_checkpointing]
+    overlap = Overlap(False, False, False, False) if args.no_overlap else Overlap()
+    result = plan(model, args.gpus, machine, batch, seq, dtype, overlap, checkpointing,
+                  args.grad_accum)
+    if args.json:
+        print(json.dumps(plan_json(result, args.top), indent=2))
+    else:
+        print(format_plan(result, args.top))
+    return 0
+
+
+def _scaling_mode(args: argparse.Namespace) -> int:
+    law = get_law(args.law)
+    if args.dataset or args.dataset_tokens:
+        if args.compute is None:
+            raise PlanError("--dataset needs --compute FLOPS: the budget to spend on it")
+        unique = args.dataset_tokens or dataset_tokens(args.dataset)
+        vocab = (dataset_vocab_size(args.dataset) if args.dataset else None) or 32000
+        r = data_constrained_optimum(law, args.compute, unique)
+        seq = args.seq or 2048
+        model = model_for_params(r.n_params, vocab, seq)
+        answer = {"law": law.name, "compute": args.compute, "unique_tokens": unique,
+                  "params": r.n_params, "tokens": r.n_tokens, "epochs": r.epochs,
+                  "loss": r.loss, "unconstrained_params": r.unconstrained_params,
+                  "unconstrained_tokens": r.unconstrained_tokens,
+                  "unconstrained_loss": r.unconstrained_loss,
+                  "model": {k: getattr(model, k) for k in ("n_layers", "dim", "n_heads",
+                                                           "n_kv_heads", "ffn_dim", "vocab_size")},
+                  "model_params": count_params(model)}
+        if args.dataset:
+            out = Path(args.out or "plan_config.toml")
+            cfg = training_config(model, r.n_tokens, args.dataset, seq)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            cfg.save(out)
+            answer["config"] = str(out)
+        if args.json:
+            print(json.dumps(answer, indent=2))
+        else:
+            print(f"{law.name} law with data-constrained repetition (Muennighoff et al. 2023), "
+                  f"{format_count(unique)} unique tokens, {args.compute:.3g} FLOPs:")
+            print(f"  train {format_count(r.n_params)} params on {format_count(r.n_tokens)} "
+                  f"tokens ({r.epochs:.1f} epochs), predicted loss {r.loss:.3f}")
+            print(f"  with unlimited data: {format_count(r.unconstrained_params)} params on "
+                  f"{format_count(r.unconstrained_tokens)} tokens, loss "
+                  f"{r.unconstrained_loss:.3f}")
+            print(f"  model: {model.n_layers} layers, dim {model.dim}, {model.n_heads} heads "
+                  f"({model.n_kv_heads} kv), ffn {model.ffn_dim}, vocab {model.vocab_size} = "
+                  f"{format_count(count_params(model))} params")
+            if "config" in answer:
+                print(f"  wrote {answer['config']}")
+        return 0
+    if args.compute is not None:
+        n, d = law.compute_optimal(args.compute)
+        compute = args.compute
+    else:
+        n, compute = law.optimal_for_tokens(args.tokens)
+        d = args.tokens
+    answer = {"law": law.name, "compute": compute, "params": n, "tokens": d,
+              "loss": law.loss(n, d), "tokens_per_param": d / n}
+    if args.json:
+        print(json.dumps(answer, indent=2))
+    else:
+        print(f"{law.name} law: compute-optimal for {compute:.3g} FLOPs (C = 6ND): "
+              f"{format_count(n)} params, {format_count(d)} tokens ({d / n:.0f} tokens/param), "
+              f"predicted loss {law.loss(n, d):.3f}")
+    return 0
+
+
+def _sweep_mode(args: argparse.Namespace) -> int:
+    machine = load_machine(args.machine or "perlmutter")
+    max_gpus = args.gpus if args.gpus is not None else 1024
+    counts = gpu_counts(max_gpus, machine.gpus_per_node)
+    seq = args.seq or 2048
+    dtype = args.dtype or ("float32" if machine.device.shared_host else "bfloat16")
+    rows = run_sweep(machine, counts, args.params_per_gpu, seq, sequences_per_gpu=4, dtype=dtype)
+    out = Path(args.out or f"plan_sweep_{machine.name}.png")
+    plot_sweep(rows, machine, out)
+    if args.json:
+        print(json.dumps([{"gpus": r.gpus, "params": r.n_params, "global_batch": r.global_batch,
+                           "tflops_per_gpu": r.tflops_per_gpu, **r.best.to_json()}
+                          for r in rows], indent=2))
+    else:
+        print(format_sweep(rows, machine))
+        print(f"plot: {out}")
+    return 0
+
+
+def plan_main(argv: list[str]) -> int:
+    """Entry point of `fourfold plan`; raises PlanError for user mistakes."""
+    args = build_parser().parse_args(argv)
+    if args.sweep:
+        return _sweep_mode(args)
+    if args.compute is not None or args.tokens is not None or args.dataset or \
+            args.dataset_tokens:
+        return _scaling_mode(args)
+    return _plan_mode(args)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(plan_main(sys.argv[1:]))
+    except PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

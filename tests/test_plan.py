@@ -1,0 +1,305 @@
+"""The planner: byte schedule, grid enumeration, ranking, memory, errors, CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from fourfold.config import ModelConfig, model_config
+from fourfold.models.llama import build_model
+from fourfold.parallel.grid import GridShape
+from fourfold.plan import (Overlap, PlanError, Precision, choose_grid, grid_shapes, load_machine,
+                           plan, predict_comm_bytes, predict_param_memory, predict_step)
+from fourfold.plan.cli import plan_main
+
+TINY = ModelConfig(preset="custom", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                   vocab_size=96, max_seq_len=64)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FOURFOLD_CACHE", str(tmp_path / "cache"))
+
+
+def expected_bytes(cfg: ModelConfig, data: int, z: int, y: int, x: int, n: int, m: int,
+                   ac: bool, ab: int, wb: int, gb: int, rb: int) -> dict[str, int]:
+    """The ledger's bytes written out rule by rule from the engine's schedule (rb: bytes of
+    residual-stream elements: embedding and norm outputs and their gradients)."""
+    D, F, V, L = cfg.dim, cfg.ffn_dim, cfg.vocab_size, cfg.n_layers
+    KV = cfg.n_kv_heads * (cfg.dim // cfg.n_heads)
+    normal = [(D, D), (KV, D), (KV, D), (F, D), (F, D)]  # (out, in): q k v gate up
+    transposed = [(D, D), (D, F)]  # o down
+    replay = 2 if ac else 1
+    bias = 0
+    if cfg.bias:
+        bias = L * (sum(o // y for o, _ in normal) + sum(o // x for o, _ in transposed))
+    got = {"x": 0, "y": 0, "z": 0, "data": 0}
+    if x > 1:
+        per_layer = (replay * sum(n * o // y * ab for o, _ in normal)  # output all-reduces
+                     + sum(n * i // y * ab for _, i in transposed)  # transposed dI
+                     + replay * 2 * 4 * n + 2 * 4 * n)  # norms forward (+recompute), backward
+        got["x"] = m * (L * per_layer + 2 * 4 * n + n * V // y * ab)  # final norm, output layer
+    if y > 1:
+        per_layer = replay * sum(n * o // x * ab for o, _ in transposed) + 2 * n * D // x * rb
+        got["y"] = m * (L * per_layer + n * D // x * rb  # output layer's dI
+                        + n * D // x * rb  # embedding
+                        + 12 * n)  # loss
+    if z > 1:
+        block = sum(o * i for o, i in normal + transposed) // (x * y)
+        per_micro = (L * block * ((replay + 1) * wb + gb)
+                     + V * D // (x * y) * (wb + gb)  # embedding: gather, scatter
+                     + V * D // (x * y) * (2 * wb + gb))  # output layer
+        got["z"] = m * per_micro + ((2 * L + 1) * D // x + bias) * gb
+    if data > 1:
+        sharded = L * sum(o * i for o, i in normal + transposed) + V * D * (
+            1 if cfg.tie_embeddings else 2)
+        got["data"] = (sharded // (x * y * z) + (2 * L + 1) * D // x + bias) * gb
+    return got
+
+
+GRIDS = [(1, 1, 1, 2), (1, 1, 2, 1), (1, 2, 1, 1), (2, 1, 1, 1), (1, 2, 2, 2), (2, 2, 2, 2)]
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+@pytest.mark.parametrize("variant", ["plain", "ac_accum_bf16", "ac_accum_small_weights",
+                                     "bias_tied"])
+def test_comm_bytes_follow_the_engine_schedule(grid, variant):
+    cfg, m, ac, ab, wb, gb, rb = TINY, 1, False, 4, 4, 4, None
+    if variant == "ac_accum_bf16":  # as the engine runs bf16 autocast
+        m, ac, ab, rb = 3, True, 2, 4
+    if variant == "ac_accum_small_weights":
+        m, ac, ab, wb, gb = 2, True, 2, 2, 2
+    if variant == "bias_tied":
+        cfg = ModelConfig(**{**TINY.__dict__, "bias": True, "tie_embeddings": True})
+    data, z, y, x = grid
+    n = 2 * 16  # two sequences of 16 tokens per micro-step
+    got = predict_comm_bytes(cfg, GridShape(data=data, z=z, y=y, x=x), n, m, ac, ab, wb, gb,
+                             residual_bytes=rb)
+    assert got == expected_bytes(cfg, data, z, y, x, n, m, ac, ab, wb, gb,
+                                 ab if rb is None else rb)
+    for axis, size in zip(("data", "z", "y", "x"), grid):
+        assert (got[axis] > 0) == (size > 1), axis
+
+
+def test_comm_bytes_hand_computed_for_x2():
+    # x = 2, n = 8 tokens, fp32, one micro-step; per layer: outputs of q,k,v,gate,up
+    # 8*(32+16+16+64+64)*4 = 6144, transposed dI 8*(32+64)*4 = 3072, norms 4*(4*8) = 128;
+    # two layers 18688, final norm 64, output layer 8*96*4 = 3072: 21824.
+    got = predict_comm_bytes(TINY, GridShape(x=2), 8, 1, False)
+    assert got == {"x": 21824, "y": 0, "z": 0, "data": 0}
+
+
+def test_prediction_carries_the_same_bytes():
+    machine = load_machine("perlmutter")
+    shape = GridShape(data=2, z=2, y=1, x=2)
+    pred = predict_step(TINY, shape, global_batch=8, seq_len=16, grad_accum=2,
+                        activation_checkpointing=True, machine=machine,
+                        precision=Precision.of("float32"))
+    # 8 sequences over data*z = 4 shards, 2 micro-steps: 1 sequence of 16 tokens each
+    assert pred.comm_bytes == predict_comm_bytes(TINY, shape, 16, 2, True)
+    bf16 = predict_step(TINY, shape, 8, 16, 2, True, machine, Precision.of("bfloat16"))
+    # the engine under bf16 autocast: fp32 weights gathered, bf16 GEMM outputs, fp32 residual
+    assert bf16.comm_bytes == predict_comm_bytes(TINY, shape, 16, 2, True, act_bytes=2,
+                                                 weight_bytes=4, grad_bytes=4, residual_bytes=4)
+    assert bf16.comm_bytes["x"] < pred.comm_bytes["x"]
+
+
+def test_param_memory_matches_the_built_model():
+    cfg = ModelConfig(**{**TINY.__dict__, "bias": True})
+    model = build_model(cfg)
+    for shape in (GridShape(), GridShape(data=2, z=2, y=2, x=2), GridShape(z=4, x=2)):
+        local = 0
+        for name, p in model.named_parameters():
+            if p.ndim == 2:  # weights and embeddings: split over x, y and z
+                local += p.numel() // shape.tensor_size
+            elif "norm" in name:
+                local += p.numel() // shape.x
+            else:  # biases live where their layer's output does
+                split = shape.x if name.split(".")[-2] in ("o_proj", "down_proj") else shape.y
+                local += p.numel() // split
+        mem = predict_param_memory(cfg, shape)
+        assert mem == {"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local}
+
+
+def all_factorizations(n: int) -> set[tuple[int, int, int, int]]:
+    return {t for t in itertools.product(range(1, n + 1), repeat=4)
+            if t[0] * t[1] * t[2] * t[3] == n}
+
+
+@pytest.mark.parametrize("world", [6, 12])
+def test_every_factorization_is_planned(world):
+    # every size divisible by 12 so that every grid can split this model
+    cfg = ModelConfig(preset="custom", n_layers=2, dim=144, n_heads=12, n_kv_heads=12,
+                      ffn_dim=288, vocab_size=1440, max_seq_len=32)
+    expected = all_factorizations(world)
+    assert {(s.data, s.z, s.y, s.x) for s in grid_shapes(world)} == expected
+    result = plan(cfg, world, load_machine("frontier"), global_batch=24, seq_len=32)
+    planned = {(c.shape.data, c.shape.z, c.shape.y, c.shape.x) for c in result.candidates}
+    assert planned == expected and not result.rejected
+
+
+def test_grids_the_model_cannot_split_are_rejected_with_a_reason():
+    result = plan(model_config("debug"), 6, load_machine("perlmutter"), global_batch=12,
+                  seq_len=64)
+    planned = {(c.shape.data, c.shape.z, c.shape.y, c.shape.x) for c in result.candidates}
+    rejected = {(s.data, s.z, s.y, s.x) for s, _ in result.rejected}
+    assert planned | rejected == all_factorizations(6) and not planned & rejected
+    assert (2, 1, 1, 3) in rejected  # dim 128 does not split over x = 3
+    assert all("divisible" in why for _, why in result.rejected)
+
+
+def test_ranking_is_by_predicted_time():
+    result = plan(model_config("350m"), 16, load_machine("perlmutter"), global_batch=64,
+                  seq_len=1024)
+    fitting = [c for c in result.candidates if c.fits]
+    assert len(fitting) > 5
+    times = [c.prediction.step_s for c in fitting]
+    assert times == sorted(times)
+    assert result.best is fitting[0]
+    assert len({round(t, 9) for t in times}) > 1  # the grids are told apart
+
+
+def test_overlap_hides_communication():
+    cfg, machine = model_config("1b"), load_machine("perlmutter")
+    shape = GridShape(data=2, z=4)
+    args = (cfg, shape, 16, 2048, 2, False, machine, Precision.of("bfloat16"))
+    on, off = predict_step(*args), predict_step(*args, overlap=Overlap(False, False, False, False))
+    assert sum(off.hidden_s.values()) == 0 and sum(on.hidden_s.values()) > 0
+    assert on.step_s < off.step_s
+    assert on.comm_s == off.comm_s
+
+
+def test_slower_network_means_slower_tensor_parallel_steps():
+    cfg = model_config("1b")
+    shape = GridShape(data=1, z=1, y=2, x=4)
+    fast, slow = load_machine("dgx-h100"), load_machine("perlmutter")
+    prec = Precision.of("bfloat16")
+    t_fast = predict_step(cfg, shape, 8, 2048, 1, False, fast, prec)
+    t_slow = predict_step(cfg, shape, 8, 2048, 1, False, slow, prec)
+    assert t_slow.comm_s["x"] > t_fast.comm_s["x"] and t_slow.comm_s["y"] > t_fast.comm_s["y"]
+
+
+def test_out_of_memory_detection():
+    machine = load_machine("perlmutter")  # A100 40 GB
+    big = plan(model_config("405b"), 8, machine, global_batch=8, seq_len=2048)
+    assert not any(c.fits for c in big.candidates)
+    assert big.best.oom_gib > 100  # 405B params x 16 bytes / 8 GPUs is ~750 GiB each
+    with pytest.raises(PlanError, match="405b"):
+        choose_grid(model_config("405b"), 8, machine, 8, 2048, dtype="bfloat16")
+    small = plan(model_config("1b"), 8, machine, global_batch=32, seq_len=2048)
+    assert small.best.fits
+    shape, why = choose_grid(model_config("1b"), 8, machine, 32, 2048, dtype="bfloat16")
+    assert shape.size == 8 and str(shape) in why and "ms/step" in why
+
+
+def test_activation_checkpointing_saves_memory():
+    machine = load_machine("perlmutter")
+    cfg = model_config("1b")
+    r_off = plan(cfg, 8, machine, 64, 4096, checkpointing=(False,), grad_accum=8)
+    r_on = plan(cfg, 8, machine, 64, 4096, checkpointing=(True,), grad_accum=8)
+    by_grid = {c.shape: c for c in r_on.candidates}
+    for c in r_off.candidates:
+        on = by_grid[c.shape]
+        assert on.memory.activations < c.memory.activations
+        assert on.prediction.compute_s > c.prediction.compute_s  # the recomputation
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda: plan_main(["--model", "gpt9", "--gpus", "8", "--machine", "perlmutter"]), "gpt9"),
+    (lambda: plan_main(["--model", "1b", "--gpus", "8", "--machine", "summit"]), "summit"),
+    (lambda: plan_main(["--model", "1b", "--gpus", "0", "--machine", "perlmutter"]), "0"),
+    (lambda: plan(model_config("debug"), 7, load_machine("perlmutter"), 3, 64), "3"),
+    (lambda: plan_main(["--model", "debug", "--gpus", "2", "--machine", "perlmutter",
+                        "--global-batch", "0"]), "0"),
+    (lambda: plan_main(["--model", "debug", "--gpus", "2", "--seq", "100000"]), "100000"),
+    (lambda: plan_main(["--model", "debug", "--gpus", "2", "--bogus"]), "--bogus"),
+    (lambda: plan_main(["--compute", "-5"]), "-5"),
+    (lambda: plan_main(["--compute", "1e20", "--law", "kaplan"]), "kaplan"),
+    (lambda: plan_main(["--dataset", "/nonexistent/data", "--compute", "1e20"]),
+     "/nonexistent/data"),
+])
+def test_bad_input_is_one_clear_line(call, named):
+    with pytest.raises(PlanError) as info:
+        call()
+    message = str(info.value)
+    assert named in message and "\n" not in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_machine_file(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text('name = "mine"\nbase = "perlmutter"\ngpus_per_node = 8\n'
+                    '[device]\ngemm_efficiency = 0.5\nmemory_gib = 80\n'
+                    '[network]\nlatency_us = 3\n[network.stride_1]\n2 = 100\n8 = 50\n')
+    m = load_machine(str(path))
+    assert m.name == "mine" and m.gpus_per_node == 8
+    assert m.device.gemm_efficiency == 0.5 and m.device.memory_gib == 80
+    assert m.device.peak_bf16_tflops == 312.0  # kept from the base
+    assert m.bandwidth_gbps(4, 1) == 100 and m.bandwidth_gbps(8, 1) == 50
+    assert m.bandwidth_gbps(2, 16) == 100  # a single table serves every stride
+    bad = tmp_path / "bad.toml"
+    bad.write_text('gpus_per_node = 4\n[device]\nbase = "a100-40gb"\nflops = 3\n')
+    with pytest.raises(PlanError, match="flops"):
+        load_machine(str(bad))
+
+
+def test_measured_bandwidth_tables():
+    p, f = load_machine("perlmutter"), load_machine("frontier")
+    assert [p.bandwidth_gbps(g, 1) for g in (2, 4, 8, 64)] == [76, 225, 80, 80]
+    assert [p.bandwidth_gbps(g, 2) for g in (2, 4, 16)] == [76, 40, 40]
+    assert p.bandwidth_gbps(2, 4) == 20 and p.bandwidth_gbps(8, 32) == 20
+    assert [f.bandwidth_gbps(g, 1) for g in (2, 4, 8, 16)] == [129, 52, 135, 40]
+    assert [f.bandwidth_gbps(g, 2) for g in (2, 4, 8)] == [50, 72, 20]
+    assert [f.bandwidth_gbps(g, 4) for g in (2, 4)] == [36, 10]
+    assert f.bandwidth_gbps(2, 8) == 5 and f.bandwidth_gbps(2, 3) == 50  # stride 3: stride-2 table
+    h = load_machine("dgx-h100")
+    assert h.bandwidth_gbps(8, 1) > h.bandwidth_gbps(2, 8)  # inside a node vs across nodes
+
+
+def test_cpu_machine_is_measured_once(tmp_path, monkeypatch):
+    import fourfold.plan.machines as machines
+
+    first = load_machine("cpu")
+    assert first.device.peak_fp32_tflops > 0 and first.device.shared_host
+    assert (tmp_path / "cache" / "plan" / "cpu_probe.json").is_file()
+
+    def no_second_probe(*args):
+        raise AssertionError("measured again instead of using the cache")
+
+    monkeypatch.setattr(machines, "_time_matmul", no_second_probe)
+    again = load_machine("cpu")
+    assert again.device.peak_fp32_tflops == first.device.peak_fp32_tflops
+
+
+def test_plan_main_json(capsys):
+    assert plan_main(["--model", "1b", "--gpus", "8", "--machine", "perlmutter",
+                      "--global-batch", "32", "--seq", "2048", "--json", "--top", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = out["configurations"]
+    assert len(rows) == 20  # every factorization of 8 splits this model
+    assert all(isinstance(r["fits"], bool) for r in rows)
+    assert rows[0]["fits"]
+    fit_times = [r["step_s"] for r in rows if r["fits"]]
+    assert fit_times == sorted(fit_times)
+    assert set(rows[0]["comm_s"]) == {"x", "y", "z", "data"}
+
+
+def test_plan_main_table(capsys):
+    assert plan_main(["--model", "405b", "--gpus", "8", "--machine", "perlmutter",
+                      "--global-batch", "8", "--seq", "2048", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "OOM by" in out and "no grid fits" in out
+    assert plan_main(["--model", "125m", "--gpus", "8", "--machine", "frontier",
+                      "--global-batch", "16", "--seq", "512"]) == 0
+    out = capsys.readouterr().out
+    assert " fits" in out and "MI250X" in out
+
+
+def test_plan_reads_a_config_file(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\npreset = "15m"\n[train]\nbatch_size = 12\nseq_len = 128\n')
+    assert plan_main(["--model", str(path), "--gpus", "4", "--machine", "alps", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["global_batch"] == 12 and out["seq_len"] == 128
