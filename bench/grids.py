@@ -1,0 +1,141 @@
+"""Train a model for a few steps on every grid of N ranks and measure, per grid: the bytes each
+axis moved per step (the engine's ledger), the step time, and the per-rank memory of parameters,
+gradients and optimizer state. Used by bench/comm.py and bench/plan_check.py.
+
+    python bench/grids.py --nproc 8 [--layers 2 --dim 256 ...]   (prints JSON lines)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODEL_ARGS = ("layers", "dim", "heads", "kv_heads", "ffn", "vocab", "seq", "batch", "steps")
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--nproc", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", dest="kv_heads", type=int, default=8)
+    ap.add_argument("--ffn", type=int, default=768)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--grids", default="", help="only these grids, e.g. 1x1x2x4,2x1x2x2 (data x z x y x x)")
+
+
+def model_config(args: argparse.Namespace):
+    from fourfold.config import ModelConfig
+    return ModelConfig(preset="custom", n_layers=args.layers, dim=args.dim, n_heads=args.heads,
+                       n_kv_heads=args.kv_heads, ffn_dim=args.ffn, vocab_size=args.vocab,
+                       max_seq_len=args.seq)
+
+
+def all_grids(n: int) -> list[tuple[int, int, int, int]]:
+    out = []
+    for d in range(1, n + 1):
+        for z in range(1, n + 1):
+            for y in range(1, n + 1):
+                if n % (d * z * y) == 0:
+                    out.append((d, z, y, n // (d * z * y)))
+    return out
+
+
+def run_grids(args: argparse.Namespace) -> list[dict]:
+    """Launch the worker with torchrun; returns one dict per grid."""
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"fourfold-grids-{os.getpid()}.jsonl"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(args.nproc), __file__, "--worker", str(out)]
+    for name in MODEL_ARGS:
+        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.grids:
+        argv += ["--grids", args.grids]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"worker failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    out.unlink()
+    return rows
+
+
+def worker(args: argparse.Namespace, out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from fourfold.config import ParallelConfig
+    from fourfold.models import build_model
+    from fourfold.parallel import Grid, GridError, GridShape, init_distributed, parallelize
+
+    rank, world, device = init_distributed("gloo", 600)
+    torch.set_num_threads(1)
+    cfg = model_config(args)
+    wanted = [tuple(int(v) for v in g.split("x")) for g in args.grids.split(",") if g]
+    grids = wanted or all_grids(world)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
+            for _ in range(args.steps + 1)]
+    rows = []
+    for d, z, y, x in grids:
+        row: dict = {"grid": [d, z, y, x]}
+        try:
+            shape = GridShape(d, z, y, x)
+            grid = Grid.build(shape, device)
+            model = build_model(cfg, seed=1)
+            pm = parallelize(model, grid, ParallelConfig(x=x, y=y, z=z, data=d))
+            opt = torch.optim.AdamW(list(pm.parameters()), lr=1e-3)
+            index, count = grid.batch_shard
+            b = args.batch // count
+            times = []
+            for step, tokens in enumerate(data):
+                local = tokens[index * b:(index + 1) * b]
+                pm.ledger.reset()
+                dist.barrier()
+                start = time.perf_counter()
+                loss = pm(local[:, :-1], local[:, 1:]).sum() / (args.batch * args.seq)
+                loss.backward()
+                pm.finish_backward()
+                bytes_step = pm.ledger.snapshot()
+                pm.clip_grad_norm_(1.0)
+                opt.step()
+                mem = pm.memory_bytes(opt)  # before zero_grad frees the gradients
+                opt.zero_grad(set_to_none=True)
+                dist.barrier()
+                if step > 0:  # the first step warms up
+                    times.append(time.perf_counter() - start)
+            mem_max = torch.tensor([mem["params"], mem["grads"], mem["optimizer"]], dtype=torch.float64)
+            dist.all_reduce(mem_max, op=dist.ReduceOp.MAX)
+            row.update(ok=True, step_s=sorted(times)[len(times) // 2], bytes=bytes_step,
+                       micro_tokens=b * args.seq,
+                       mem={"params": int(mem_max[0]), "grads": int(mem_max[1]),
+                            "optimizer": int(mem_max[2])})
+        except GridError as e:
+            row.update(ok=False, error=str(e))
+        rows.append(row)
+    if rank == 0:
+        Path(out_path).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(ap)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        worker(a, a.worker)
+    else:
+        for r in run_grids(a):
+            print(json.dumps(r))
