@@ -1,0 +1,215 @@
+"""fourfold against PyTorch's own tensor parallelism on this CPU, same model, same rank count:
+torch.distributed.tensor.parallel column/row-wise plans (Megatron-style 1D tensor parallelism),
+with FSDP2 fully_shard over the data axis when there is one. Prints step time and bytes moved per
+step per rank (fourfold: its ledger; PyTorch: the closed-form count of what its plan issues).
+
+    python bench/vs_torch_tp.py [--nproc 4] [--layers 2 --dim 512 --seq 256 --batch 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--ffn", type=int, default=1536)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args()
+
+
+def model_cfg(a: argparse.Namespace):
+    from fourfold.config import ModelConfig
+    return ModelConfig(preset="custom", n_layers=a.layers, dim=a.dim, n_heads=a.heads,
+                       n_kv_heads=a.heads, ffn_dim=a.ffn, vocab_size=a.vocab, max_seq_len=a.seq)
+
+
+def torch_tp_bytes(cfg, tp: int, dp: int, tokens: int, local_params: int) -> dict[str, int]:
+    """What the column/row-wise plan issues per step per rank (fp32): forward, one all-reduce
+    of (tokens, dim) after each row-wise layer (o, down) and the embedding; backward, one for
+    the input gradient of each column-wise group (q/k/v, gate/up, output). FSDP2 over data:
+    all-gather of the parameters in forward and again in backward, reduce-scatter of grads."""
+    act = tokens * cfg.dim * 4
+    tp_bytes = (cfg.n_layers * 4 + 2) * act if tp > 1 else 0
+    data = 0
+    if dp > 1:
+        data = local_params * 4 * 3  # 2 all-gathers (output) + 1 reduce-scatter (input)
+    return {"tensor": tp_bytes, "data": data}
+
+
+def time_steps(step, steps: int) -> float:
+    import torch.distributed as dist
+    times = []
+    for i in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step(i)
+        dist.barrier()
+        if i:
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def clip_mixed(model, max_norm: float, tp: int, dp: int) -> None:
+    """Gradient clipping over DTensor shards and plain (replicated) tensors alike, the way
+    torchtitan does it for a plan that leaves norms replicated."""
+    import torch
+    import torch.distributed as dist
+    sq = torch.zeros((), dtype=torch.float64)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for g in grads:
+        if hasattr(g, "to_local"):
+            placements = g.placements
+            local = g.to_local().double().pow(2).sum()
+            replicas = 1
+            for mesh_size, pl in zip(g.device_mesh.shape, placements):
+                replicas *= 1 if pl.is_shard() else mesh_size
+            sq += local / replicas
+        else:
+            sq += g.double().pow(2).sum() / (tp * dp)
+    dist.all_reduce(sq)
+    coef = max_norm / (float(sq.sqrt()) + 1e-6)
+    if coef < 1:
+        for g in grads:
+            g.mul_(coef)
+
+
+def worker(a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   loss_parallel, parallelize_module)
+
+    from fourfold.config import ParallelConfig
+    from fourfold.models import build_model
+    from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
+
+    rank, world, device = init_distributed("gloo", 600)
+    torch.set_num_threads(1)
+    cfg = model_cfg(a)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, cfg.vocab_size, (a.batch, a.seq + 1), generator=g)
+            for _ in range(a.steps)]
+    rows = []
+
+    # --- fourfold on several grids of the same size
+    grids = {4: [(1, 1, 4, 1), (1, 1, 2, 2), (1, 2, 2, 1), (2, 1, 2, 1)],
+             8: [(2, 1, 4, 1), (2, 1, 2, 2), (1, 2, 2, 2), (2, 2, 2, 1)],
+             2: [(1, 1, 2, 1), (1, 1, 1, 2), (1, 2, 1, 1)]}[world]
+    for d, z, y, x in grids:
+        grid = Grid.build(GridShape(d, z, y, x), device)
+        pm = parallelize(build_model(cfg, seed=1), grid, ParallelConfig(x=x, y=y, z=z, data=d))
+        opt = torch.optim.AdamW(list(pm.parameters()), lr=1e-3)
+        index, count = grid.batch_shard
+        b = a.batch // count
+
+        def step(i: int) -> None:
+            local = data[i][index * b:(index + 1) * b]
+            pm.ledger.reset()
+            loss = pm(local[:, :-1], local[:, 1:]).sum() / (a.batch * a.seq)
+            loss.backward()
+            pm.finish_backward()
+            pm.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        t = time_steps(step, a.steps)
+        led = pm.ledger.snapshot()
+        rows.append({"who": "fourfold", "grid": f"d{d} z{z} y{y} x{x}", "step_s": t,
+                     "bytes": led["x"] + led["y"] + led["z"] + led["data"]})
+
+    # --- PyTorch tensor parallelism (+ FSDP2 over data)
+    for tp, dp in ((world, 1), (world // 2, 2)):
+        if tp < 2:
+            continue
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        model = build_model(cfg, seed=1)
+        for block in model.layers:
+            parallelize_module(block, mesh["tp"], {
+                "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+                "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel(),
+                "ffn.gate_proj": ColwiseParallel(), "ffn.up_proj": ColwiseParallel(),
+                "ffn.down_proj": RowwiseParallel()})
+        parallelize_module(model, mesh["tp"], {
+            "embed": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+        if dp > 1:
+            from torch.distributed.fsdp import fully_shard
+            for block in model.layers:
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        dp_rank = mesh["dp"].get_local_rank()
+        b = a.batch // dp
+
+        def tstep(i: int) -> None:
+            local = data[i][dp_rank * b:(dp_rank + 1) * b]
+            logits = model(local[:, :-1])
+            with loss_parallel():
+                loss = torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), local[:, 1:].flatten(), reduction="sum") / (a.batch * a.seq)
+                loss.backward()
+            clip_mixed(model, 1.0, tp, dp)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        t = time_steps(tstep, a.steps)
+        local_params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                           for p in model.parameters())
+        counted = torch_tp_bytes(cfg, tp, dp, b * a.seq, local_params * (dp if dp > 1 else 1))
+        rows.append({"who": "torch TP" + (" + FSDP2" if dp > 1 else ""),
+                     "grid": f"dp{dp} tp{tp}", "step_s": t,
+                     "bytes": counted["tensor"] + counted["data"]})
+
+    if rank == 0:
+        Path(a.worker).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def main() -> None:
+    a = parse()
+    if a.worker:
+        worker(a)
+        return
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"fourfold-vs-tp-{os.getpid()}.jsonl"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(a.nproc), __file__, "--worker", str(out)]
+    for k in ("layers", "dim", "heads", "ffn", "vocab", "seq", "batch", "steps"):
+        argv += [f"--{k}", str(getattr(a, k))]
+    proc = subprocess.run(argv, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        sys.exit(f"worker failed:\n{proc.stderr[-3000:]}")
+    cfg = model_cfg(a)
+    print(f"{a.nproc} ranks; model {a.layers} layers, dim {a.dim}, ffn {a.ffn}, vocab {a.vocab}; "
+          f"batch {a.batch} x seq {a.seq}; fp32")
+    print(f"{'framework':<18} {'grid':<16} {'step s':>8} {'MiB/step/rank':>14}")
+    for line in out.read_text().splitlines():
+        r = json.loads(line)
+        print(f"{r['who']:<18} {r['grid']:<16} {r['step_s']:>8.3f} {r['bytes'] / 2**20:>14.2f}")
+    out.unlink()
+    del cfg
+
+
+if __name__ == "__main__":
+    main()
