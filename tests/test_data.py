@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import multiprocessing
 import os
@@ -391,7 +392,7 @@ def _build_builtin(cache: str) -> tuple[str, int]:
     return str(builtin_corpus("byte", cache_dir=Path(cache))), os.getpid()
 
 
-def test_builtin_corpus_cached_and_safe_under_concurrency(tmp_path):
+def test_builtin_corpus_cached_and_safe_under_concurrency(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     # Two processes at once, as when several ranks start: one builds, the other waits and reuses.
     with multiprocessing.get_context("fork").Pool(2) as pool:
@@ -405,5 +406,33 @@ def test_builtin_corpus_cached_and_safe_under_concurrency(tmp_path):
     start = time.perf_counter()
     assert builtin_corpus("byte", cache_dir=cache) == data_dir
     assert time.perf_counter() - start < 0.5  # the second call reuses the cache
+    monkeypatch.setenv("FOURFOLD_CACHE", str(cache))  # the default cache location
+    assert resolve_data_path("builtin:stdlib", "byte") == data_dir
     x, _ = BatchLoader(data_dir, "train", batch_size=64, seq_len=256, seed=0).next_batch()
     assert "def " in load_tokenizer(data_dir).decode(x)  # it is Python source
+
+
+def test_big_text_file_is_cut_at_blank_lines(tmp_path, monkeypatch):
+    # The package exports the function `prepare`, which shadows the module attribute.
+    prepare_module = importlib.import_module("fourfold.data.prepare")
+
+    monkeypatch.setattr(prepare_module, "BIG_TEXT_BYTES", 2000)
+    monkeypatch.setattr(prepare_module, "TEXT_PIECE_BYTES", 500)
+    paragraphs = [f"paragraph {i}: " + "word " * (i % 40) + "\n" for i in range(200)]
+    text = "\n".join(paragraphs)
+    (tmp_path / "book.txt").write_text(text)
+    out = tmp_path / "out"
+    manifest = prepare([tmp_path / "book.txt"], out, val_fraction=0.0, progress=False)
+    pieces = [ByteTokenizer().decode(d) for d in documents(out, "train", 10**6)]
+    assert manifest.documents == len(pieces) > 3
+    assert "".join(pieces) == text
+    assert all(p.endswith("\n\n") for p in pieces[:-1])  # cut only after a blank line
+
+
+def test_output_inside_input_folder_is_not_read_back(tmp_path):
+    (tmp_path / "a.txt").write_text("some text")
+    (tmp_path / "b.txt").write_text("other text")
+    first = prepare([tmp_path], tmp_path / "data", progress=False)
+    second = prepare([tmp_path], tmp_path / "data", progress=False)
+    assert first.documents == second.documents == 2
+    assert first.splits == second.splits

@@ -18,13 +18,14 @@ from pathlib import Path
 from fourfold.data.errors import DataError
 from fourfold.data.manifest import MANIFEST_FILE
 from fourfold.data.prepare import prepare
-from fourfold.data.tokenizers import check_spec
+from fourfold.data.tokenizers import HF_FILE, META_FILE, check_spec
 
 BUILTIN_NAMES = ("builtin:stdlib",)
 # Tests, GUI and retired packages: large, repetitive, and not what a demo model should imitate.
 SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
                           "tkinter", "turtledemo", "__pycache__"})
 MAX_CORPUS_BYTES = 16 << 20
+BUILTIN_VERSION = 1  # bump when the file selection changes, so old caches are not reused
 BUILTIN_VAL_FRACTION = 0.01  # ~6 files of ~600: a validation split of ~100k tokens
 
 
@@ -95,14 +96,16 @@ def resolve_data_path(path: str, tokenizer: str) -> Path:
 
 
 def _cache_key(tokenizer: str) -> str:
-    """stdlib-py3.11-<tokenizer>: a tokenizer file is keyed by its content, not just its name."""
+    """stdlib-v1-py3.11-<tokenizer>: a tokenizer file is keyed by its content, not just its name."""
     version = f"py{sys.version_info.major}.{sys.version_info.minor}"
     if tokenizer == "byte" or tokenizer.startswith("bpe:"):
         tok_key = tokenizer.replace(":", "")
     else:
         path = Path(tokenizer).expanduser()
-        file = path / "tokenizer.json" if path.is_dir() else path
+        file = path
+        if path.is_dir():  # a HF model directory or another DATA_DIR's tokenizer
+            file = path / HF_FILE if (path / HF_FILE).is_file() else path / META_FILE
         digest = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", file.parent.name) or "tokenizer"
         tok_key = f"{name}-{digest}"
-    return f"stdlib-{version}-{tok_key}"
+    return f"stdlib-v{BUILTIN_VERSION}-{version}-{tok_key}"

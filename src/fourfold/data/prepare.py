@@ -91,8 +91,7 @@ def prepare(
     try:
         counts = _tokenize_into(sources, tok, writers, val_fraction, show_progress)
         if sum(counts.values()) == 0:
-            raise DataError(f"no documents found in {', '.join(map(str, inputs))}: expected "
-                            f"{INPUT_FORMS}")
+            raise DataError(f"no documents found in {_describe(inputs)}: expected {INPUT_FORMS}")
         splits = {}
         for name, writer in writers.items():
             shards = writer.commit()
@@ -135,6 +134,11 @@ def prepare_main(inputs: list[str], out: str, tokenizer: str) -> int:
 # Inputs
 
 
+def _describe(inputs: Sequence[str | Path]) -> str:
+    names = ", ".join(f"'{i}'" for i in inputs[:3])
+    return names + (f" and {len(inputs) - 3} more" if len(inputs) > 3 else "")
+
+
 def _collect_sources(inputs: Sequence[str | Path], exclude: Path) -> tuple[list[_Source], int]:
     """Expand inputs into readable files in a deterministic order; count skipped binaries."""
     sources: list[_Source] = []
@@ -160,8 +164,8 @@ def _collect_sources(inputs: Sequence[str | Path], exclude: Path) -> tuple[list[
             continue
         for root, dirs, files in os.walk(path):
             root_path = Path(root)
-            # Hidden folders (.git, .venv) and our own output are never corpus text.
-            dirs[:] = sorted(d for d in dirs if not d.startswith(".")
+            # Hidden folders (.git, .venv), bytecode caches and our own output are never corpus.
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__"
                              and (root_path / d).resolve() != exclude_resolved)
             for name in sorted(files):
                 if name.startswith("."):

@@ -142,29 +142,25 @@ def check_spec(spec: str) -> None:
     """Raise DataError unless `spec` is a usable tokenizer spec (before any slow work starts)."""
     if spec == "byte" or parse_bpe_spec(spec) is not None:
         return
-    if spec.endswith(".json") or os.sep in spec or "/" in spec:
-        path = Path(spec).expanduser()
-        if path.is_dir() and (path / HF_FILE).is_file():
-            return
-        if not path.is_file():
-            raise DataError(f"tokenizer = {spec!r}: file not found (expected {ALLOWED_SPECS})")
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not ((path / META_FILE).is_file() or (path / HF_FILE).is_file()):
+            raise DataError(f"tokenizer = {spec!r}: directory holds neither {HF_FILE} nor "
+                            f"{META_FILE} (expected {ALLOWED_SPECS})")
         return
+    if path.is_file():
+        return
+    if spec.endswith(".json") or "/" in spec or os.sep in spec:
+        raise DataError(f"tokenizer = {spec!r}: file not found (expected {ALLOWED_SPECS})")
     raise DataError(f"tokenizer = {spec!r}: expected {ALLOWED_SPECS}")
 
 
 def load_tokenizer(spec_or_data_dir: str | Path) -> Tokenizer:
     """The tokenizer named by a spec string, or the one stored in a prepared DATA_DIR.
 
-    A `bpe:N` spec is only loadable from the DATA_DIR it was trained for (see `train_bpe`).
+    A directory may be a DATA_DIR (its stored tokenizer) or a HF model directory (its
+    tokenizer.json). A `bpe:N` spec is only loadable from the DATA_DIR it was trained for.
     """
-    path = Path(spec_or_data_dir).expanduser()
-    if path.is_dir():
-        if (path / META_FILE).is_file():
-            return _load_saved(path)
-        if (path / HF_FILE).is_file():  # a HF model directory
-            return _load_hf_file(path / HF_FILE, spec=str(spec_or_data_dir))
-        raise DataError(f"tokenizer = '{spec_or_data_dir}': directory holds neither {META_FILE} "
-                        f"nor {HF_FILE}")
     spec = str(spec_or_data_dir)
     check_spec(spec)
     if spec == "byte":
@@ -172,6 +168,11 @@ def load_tokenizer(spec_or_data_dir: str | Path) -> Tokenizer:
     if parse_bpe_spec(spec) is not None:
         raise DataError(f"tokenizer = {spec!r}: a BPE tokenizer is trained by `fourfold prepare "
                         "--tokenizer bpe:N`; load it from that DATA_DIR")
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if (path / META_FILE).is_file():
+            return _load_saved(path)
+        return _load_hf_file(path / HF_FILE, spec=spec)
     return _load_hf_file(path, spec=spec)
 
 
