@@ -83,9 +83,18 @@ class Comm:
         self.grid = grid
         self.ledger = ledger or CommLedger()
 
+    def _members(self, axis: str) -> str:
+        if axis not in ("x", "y", "z", "data"):
+            return ""
+        for ranks in self.grid.shape.axis_groups(axis):  # type: ignore[arg-type]
+            if self.grid.rank in ranks:
+                return f" (ranks {','.join(map(str, ranks))})"
+        return ""
+
     def error(self, op: str, axis: str, cause: BaseException) -> CollectiveError:
         return CollectiveError(
-            f"rank {self.grid.rank} (grid {self.grid.shape}): {op} over axis {axis} failed: "
+            f"rank {self.grid.rank} (grid {self.grid.shape}): {op} over axis {axis}"
+            f"{self._members(axis)} failed: "
             f"{str(cause).splitlines()[0] if str(cause) else type(cause).__name__} "
             "(another rank probably died or hangs; see its log)")
 

@@ -122,8 +122,10 @@ class Grid:
         return cls(shape=GridShape(), device=torch.device(device))
 
     @classmethod
-    def build(cls, shape: GridShape, device: torch.device | None = None) -> "Grid":
-        """Create the per-axis process groups; torch.distributed must be initialized."""
+    def build(cls, shape: GridShape, device: torch.device | None = None,
+              timeout_s: float = 300.0) -> "Grid":
+        """Create the per-axis process groups; torch.distributed must be initialized.
+        A collective that waits longer than timeout_s fails (a rank died or hangs)."""
         if not dist.is_initialized():
             if shape.size != 1:
                 raise GridError(f"grid {shape} needs {shape.size} ranks, but this is a single "
@@ -133,16 +135,17 @@ class Grid:
         if shape.size != world:
             raise GridError(f"grid {shape} has {shape.size} ranks but the job has {world}")
         groups: dict[Axis, object] = {}
+        timeout = datetime.timedelta(seconds=timeout_s)
         # Every rank must create every group, in the same order.
         for axis in AXES:
             for ranks in shape.axis_groups(axis):
-                g = dist.new_group(ranks) if len(ranks) > 1 else None
+                g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks and g is not None:
                     groups[axis] = g
         tensor_group = None
         for d in range(shape.data):
             ranks = list(range(d * shape.tensor_size, (d + 1) * shape.tensor_size))
-            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
                 tensor_group = g
         return cls(shape=shape, rank=rank, device=device or torch.device("cpu"),
