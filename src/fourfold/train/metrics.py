@@ -153,7 +153,8 @@ class MetricsLog:
         if self._tb is not None:
             step = int(record.get("step", 0))
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if key != "step" and is_number:
                     self._tb.add_scalar(key, value, step)
 
     def close(self) -> None:

@@ -12,17 +12,17 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from fourfold.config import Config, ConfigError, validate
 from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_path
 from fourfold.models.llama import Llama, build_model, flops_per_token
-from fourfold.parallel.grid import Grid, GridShape, init_distributed
-from fourfold.parallel.parallelize import ParallelModel, parallelize
+from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
 from fourfold.train.metrics import MetricsLog, device_peak_flops, peak_memory_bytes
 from fourfold.train.optim import build_optimizer, lr_at, set_lr
 from fourfold.train.progress import Progress
@@ -106,15 +106,20 @@ class Trainer:
                 f"{self.tokenizer.vocab_size} tokens ({self.data_dir}); set model.vocab_size to "
                 f"at least {self.tokenizer.vocab_size}")
 
+        init_from = cfg.model.init_from if model is None else ""
         if model is None:
             model = build_model(cfg.model, seed=t.seed)
         elif model.cfg != cfg.model:
             raise ConfigError("the model passed to Trainer does not match cfg.model; build it "
                               "with build_model(cfg.model)")
-        # Before parallelize: the parallel engine wraps the blocks as they are.
+        # Set before parallelize, which converts the layers in place and keeps the flag.
         model.activation_checkpointing = t.activation_checkpointing
         model.to(self.device)
         self.pmodel: ParallelModel = parallelize(model, self.grid, p)
+        if init_from:
+            from fourfold.train.checkpoint import load_hf_into  # fine-tuning runs only
+
+            load_hf_into(self.pmodel, init_from)  # each rank reads just its own shards
         self._compiled: list[torch.nn.Module] = []
         self._compile_verified = not t.compile
         if t.compile:
@@ -126,9 +131,10 @@ class Trainer:
         # step sees does not depend on grad_accum.
         self.loader = BatchLoader(self.data_dir, "train", t.batch_size, t.seq_len, t.seed,
                                   shard_index=shard_index, num_shards=shard_count)
-        self.val_loader = BatchLoader(self.data_dir, "val", t.batch_size // t.grad_accum,
-                                      t.seq_len, t.seed, shard_index=shard_index,
-                                      num_shards=shard_count)
+        # Validation batches are whole steps too (evaluated in micro-batch slices), so the
+        # validation set depends neither on grad_accum nor on the grid.
+        self.val_loader = BatchLoader(self.data_dir, "val", t.batch_size, t.seq_len, t.seed,
+                                      shard_index=shard_index, num_shards=shard_count)
         self._val_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
         self.step = 0
@@ -164,6 +170,19 @@ class Trainer:
             block._compiled_call_impl = None  # what nn.Module.compile() set
         self._compiled = []
 
+    @contextmanager
+    def _eager(self) -> Iterator[None]:
+        """Run the compiled blocks uncompiled for a while: token-by-token decoding with a
+        growing cache would recompile them for every new length."""
+        saved = [(block, block._compiled_call_impl) for block in self._compiled]
+        for block, _ in saved:
+            block._compiled_call_impl = None
+        try:
+            yield
+        finally:
+            for block, impl in saved:
+                block._compiled_call_impl = impl
+
     def _loss_mask(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         t = self.cfg.train
         if t.loss == "goldfish":
@@ -174,8 +193,8 @@ class Trainer:
 
     def _val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self._val_cache is None:
-            self._val_cache = [(x.to(self.device), y.to(self.device))
-                               for x, y in self.val_loader.eval_batches(self.cfg.train.eval_batches)]
+            batches = self.val_loader.eval_batches(self.cfg.train.eval_batches)
+            self._val_cache = [(x.to(self.device), y.to(self.device)) for x, y in batches]
         return self._val_cache
 
     # ---- one step -----------------------------------------------------------------------
@@ -256,11 +275,13 @@ class Trainer:
         try:
             loss_sum = torch.zeros((), device=self.device)
             count = torch.zeros((), device=self.device)
-            for x, y in self._val_batches():
-                with self._autocast():
-                    per_token = self.pmodel(x, y)
-                loss_sum += per_token.float().sum()
-                count += per_token.numel()
+            micro_steps = self.cfg.train.grad_accum
+            for inputs, targets in self._val_batches():
+                for x, y in zip(inputs.chunk(micro_steps), targets.chunk(micro_steps)):
+                    with self._autocast():
+                        per_token = self.pmodel(x, y)
+                    loss_sum += per_token.float().sum()
+                    count += per_token.numel()
             totals = self.pmodel.reduce_over_batch(torch.stack([loss_sum, count]))
         finally:
             module.train(was_training)
@@ -274,7 +295,7 @@ class Trainer:
     def sample_text(self, model: Llama) -> str:
         """A continuation of a validation-text prompt by `model` (a whole, local model)."""
         prompt = self._sample_prompt()
-        with self._autocast():
+        with self._autocast(), self._eager():
             new = generate(model, prompt, self.cfg.train.sample_tokens,
                            temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K,
                            seed=self.cfg.train.seed, vocab_size=self.tokenizer.vocab_size)
@@ -303,6 +324,8 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.cfg.save(self.run_dir / CONFIG_FILE)
+            if self.step == 0:  # a fresh run in a reused directory: drop the old samples
+                (self.run_dir / SAMPLES_FILE).unlink(missing_ok=True)
         metrics = (MetricsLog(self.run_dir / METRICS_FILE,
                               self.run_dir / "tensorboard" if t.tensorboard else None,
                               append=self.step > 0)
