@@ -28,10 +28,10 @@ class ConfigError(ValueError):
 class ModelConfig:
     preset: str = "debug"
     n_layers: int = 2
-    dim: int = 128
+    dim: int = 192
     n_heads: int = 4
     n_kv_heads: int = 2
-    ffn_dim: int = 384
+    ffn_dim: int = 512
     vocab_size: int = 512
     max_seq_len: int = 256
     rope_theta: float = 10000.0
@@ -152,7 +152,7 @@ SECTIONS: dict[str, type] = {
 # Model presets. Shapes of the big ones follow Llama 3 (8b, 70b, 405b); they are for the planner.
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "debug": dict(n_layers=2, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=512,
+    "debug": dict(n_layers=2, dim=192, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=512,
                   max_seq_len=256),
     "15m": dict(n_layers=6, dim=288, n_heads=6, n_kv_heads=6, ffn_dim=768, vocab_size=8192,
                 max_seq_len=512),

@@ -9,7 +9,9 @@ micro-batches, and normalizes the loss by the number of counted tokens in the wh
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -18,14 +20,18 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 from fourfold.config import Config, ConfigError, validate
 from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_path
 from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
+from fourfold.train.checkpoint import CheckpointError, CheckpointManager, hf_model_config
 from fourfold.train.metrics import MetricsLog, device_peak_flops, peak_memory_bytes
 from fourfold.train.optim import build_optimizer, lr_at, set_lr
 from fourfold.train.progress import Progress
+from fourfold.train.resilience import (LossGuard, gather_step_times, restart_count,
+                                       resume_record, straggler_report)
 from fourfold.train.runs import (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, WEIGHTS_FILE,
                                  save_weights, write_summary)
 from fourfold.train.sampling import generate
@@ -35,6 +41,8 @@ SAMPLE_TEMPERATURE = 0.8
 SAMPLE_TOP_K = 40
 # Above this many parameters rank 0 does not rebuild the whole model on its own to sample.
 MAX_GATHERED_SAMPLE_PARAMS = 2_000_000_000
+# train.nan_policy = "rollback" gives up after this many rollbacks to the same checkpoint.
+MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 3
 
 
 class TrainingError(RuntimeError):
@@ -54,6 +62,7 @@ class StepStats:
     skipped: bool
     seconds: float
     token_fraction: float  # counted tokens / all tokens (below 1 with the goldfish loss)
+    reason: str = ""  # why the step was bad (NaN/inf, spike), when it was
 
 
 @dataclass
@@ -87,8 +96,11 @@ class Trainer:
         backend = "gloo" if p.backend == "auto" and t.device == "cpu" else p.backend
         self.rank, self.world_size, dist_device = init_distributed(backend, p.timeout_s)
         self.device = _choose_device(t.device, dist_device, self.world_size)
+        if p.auto:
+            shape = _planned_grid(cfg, self.world_size, self.rank)
+            p.x, p.y, p.z, p.data = shape.x, shape.y, shape.z, shape.data
         shape = GridShape.resolve(p.x, p.y, p.z, p.data, self.world_size)
-        self.grid: Grid = Grid.build(shape, self.device)
+        self.grid: Grid = Grid.build(shape, self.device, timeout_s=p.timeout_s)
         self.is_main = self.rank == 0
         shard_index, shard_count = self.grid.batch_shard
         if t.batch_size % (t.grad_accum * shard_count):
@@ -98,6 +110,10 @@ class Trainer:
                 f"multiple of {t.grad_accum * shard_count}")
         torch.manual_seed(t.seed)
 
+        if cfg.model.init_from and model is None:
+            # The architecture is the checkpoint's (config.json); the path stays in the config.
+            cfg.model = dataclasses.replace(hf_model_config(cfg.model.init_from),
+                                            init_from=cfg.model.init_from)
         self.data_dir = resolve_data_path(cfg.data.path, cfg.data.tokenizer)
         self.tokenizer: Tokenizer = load_tokenizer(self.data_dir)
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
@@ -146,6 +162,16 @@ class Trainer:
         self.val_losses: list[tuple[int, float]] = []
         self.skipped_steps: list[int] = []
         self.train_seconds = 0.0
+
+        self.guard = LossGuard(t.spike_threshold)
+        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint, self.grid)
+        self.resumed_from: Path | None = None
+        self._rollbacks: tuple[Path | None, int] = (None, 0)  # (checkpoint, rollbacks to it)
+        if cfg.checkpoint.resume:
+            path = self.checkpoints.latest_valid()  # collective on a grid
+            if path is not None:
+                self._restore(path)
+                self.resumed_from = path
 
     # ---- building blocks ----------------------------------------------------------------
 
@@ -245,23 +271,22 @@ class Trainer:
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
         grad_norm = float(self.pmodel.clip_grad_norm_(max_norm))
 
-        skipped = False
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-            what = (f"loss is {loss_value}" if not math.isfinite(loss_value)
-                    else f"gradient norm is {grad_norm}")
-            if t.nan_policy == "skip":
-                skipped = True
-                self.optimizer.zero_grad(set_to_none=True)
-            else:
+        # loss_value and grad_norm are reduced over the grid: every rank judges alike.
+        what = self.guard.check(loss_value, grad_norm)
+        if what is not None:
+            if t.nan_policy == "stop":
                 raise TrainingError(
                     f"step {step}: {what}; stopped (train.nan_policy = {t.nan_policy!r}); try a "
                     "lower train.lr or train.nan_policy = \"skip\"", step)
+            self.optimizer.zero_grad(set_to_none=True)  # skip; fit() rolls back if asked
         else:
             self.optimizer.step()
+            self.guard.accept(loss_value)
         self.step = step
-        return StepStats(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm, skipped=skipped,
-                         seconds=time.perf_counter() - start,
-                         token_fraction=float(global_count) / self.tokens_per_step)
+        return StepStats(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm,
+                         skipped=what is not None, seconds=time.perf_counter() - start,
+                         token_fraction=float(global_count) / self.tokens_per_step,
+                         reason=what or "")
 
     # ---- evaluation and samples -----------------------------------------------------------
 
@@ -337,11 +362,16 @@ class Trainer:
             if self.is_main:
                 progress.message(self._describe())
             validating = t.eval_batches > 0
+            if self.resumed_from is not None:
+                self._record_resume(metrics, progress)
             if validating and t.eval_every > 0 and self.step == 0:
                 self._validate(metrics, progress)
             interval_tokens, interval_seconds = 0, 0.0
             while self.step < t.steps:
                 stats = self.train_step()
+                if stats.skipped and t.nan_policy == "rollback":
+                    self._rollback(stats, metrics, progress)
+                    continue
                 self.losses.append(stats.loss if not stats.skipped else math.nan)
                 self.train_seconds += stats.seconds
                 interval_tokens += self.tokens_per_step
@@ -351,17 +381,20 @@ class Trainer:
                 progress.step(stats.step, stats.loss, stats.lr, stats.grad_norm, tokens_per_s, mfu)
                 if stats.skipped:
                     self.skipped_steps.append(stats.step)
-                    progress.message(f"step {stats.step}: loss {stats.loss}, grad norm "
-                                     f"{stats.grad_norm}: update skipped (train.nan_policy = "
-                                     "\"skip\")")
+                    progress.message(f"step {stats.step}: {stats.reason}: update skipped "
+                                     "(train.nan_policy = \"skip\")")
                 last = stats.step == t.steps
                 if stats.skipped or stats.step % t.log_every == 0 or last:
                     self._log_step(metrics, stats, tokens_per_s, mfu)
+                    self._report_stragglers(stats, metrics, progress)  # collective
                     interval_tokens, interval_seconds = 0, 0.0
                 if validating and ((t.eval_every > 0 and stats.step % t.eval_every == 0) or last):
                     self._validate(metrics, progress)
                 if t.sample_every > 0 and stats.step % t.sample_every == 0 and not last:
                     self._sample_during(progress)
+                if self.checkpoints.due(stats.step):
+                    self.save_checkpoint()
+            self._wait_for_checkpoints()
 
             # Collective: every rank takes part in gathering the full weights.
             state = self.pmodel.full_state_dict()
@@ -438,7 +471,92 @@ class Trainer:
             record["loss_token_fraction"] = stats.token_fraction
         if stats.skipped:
             record["skipped"] = True
+            record["skip_reason"] = stats.reason
         metrics.write(record)
+
+    # ---- checkpoints and recovery -------------------------------------------------------
+
+    def save_checkpoint(self) -> None:
+        """Checkpoint the state after the current step (collective on a grid; written in the
+        background with checkpoint.async). Raises TrainingError for a failed write."""
+        try:
+            self.checkpoints.save(self.step, self.pmodel, self.optimizer, self._checkpoint_extra())
+        except CheckpointError as e:
+            raise TrainingError(str(e), self.step) from None
+
+    def _wait_for_checkpoints(self) -> None:
+        try:
+            self.checkpoints.wait()
+        except CheckpointError as e:
+            raise TrainingError(str(e), self.step) from None
+
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        """Everything besides weights and optimizer a resumed run needs to go on exactly (the
+        learning rate is a function of the step; RNG states are saved by the manager)."""
+        return {"step": self.step, "loader": self.loader.state_dict(),
+                "guard": self.guard.state_dict(), "losses": list(self.losses),
+                "val_losses": list(self.val_losses), "skipped_steps": list(self.skipped_steps),
+                "train_seconds": self.train_seconds}
+
+    def _restore(self, path: Path) -> None:
+        """Load a checkpoint (from any grid) into this trainer. Collective on a grid."""
+        try:
+            extra = self.checkpoints.load(path, self.pmodel, self.optimizer)
+        except CheckpointError as e:
+            raise TrainingError(str(e), self.step) from None
+        self.step = int(extra["step"])
+        self.loader.load_state_dict(extra["loader"])
+        self.guard.load_state_dict(extra["guard"])
+        self.losses = list(extra["losses"])
+        self.val_losses = [tuple(v) for v in extra["val_losses"]]  # type: ignore[misc]
+        self.skipped_steps = list(extra["skipped_steps"])
+        self.train_seconds = float(extra["train_seconds"])
+
+    def _record_resume(self, metrics: MetricsLog | None, progress: Progress) -> None:
+        record = resume_record(self.step, self.resumed_from, restart_count())  # type: ignore[arg-type]
+        progress.message(f"{record['event']}: continuing from {self.resumed_from} "
+                         f"(step {self.step})")
+        if metrics is not None:
+            metrics.write(record)
+
+    def _rollback(self, stats: StepStats, metrics: MetricsLog | None,
+                  progress: Progress) -> None:
+        """Go back to the last checkpoint after a bad step; the data loader keeps its place,
+        so the batches that led here are not replayed."""
+        self._wait_for_checkpoints()
+        path = self.checkpoints.latest_valid()
+        if path is None:
+            raise TrainingError(f"step {stats.step}: {stats.reason}; no checkpoint to roll back "
+                                "to (set checkpoint.every)", stats.step)
+        last, count = self._rollbacks
+        count = count + 1 if path == last else 1
+        if count > MAX_ROLLBACKS_TO_ONE_CHECKPOINT:
+            raise TrainingError(f"step {stats.step}: {stats.reason}; rolled back to {path} "
+                                f"{count - 1} times already; stopped", stats.step)
+        self._rollbacks = (path, count)
+        loader_state, seconds = self.loader.state_dict(), self.train_seconds + stats.seconds
+        self._restore(path)
+        self.loader.load_state_dict(loader_state)
+        self.train_seconds = seconds
+        progress.message(f"step {stats.step}: {stats.reason}: rolled back to step {self.step} "
+                         f"({path})")
+        if metrics is not None:
+            metrics.write({"event": "rollback", "step": stats.step, "to_step": self.step,
+                           "reason": stats.reason, "checkpoint": str(path)})
+
+    def _report_stragglers(self, stats: StepStats, metrics: MetricsLog | None,
+                           progress: Progress) -> None:
+        """All-gather every rank's step time and name the ranks much slower than the rest."""
+        if self.world_size == 1:
+            return
+        times = gather_step_times(stats.seconds, device=self.device)
+        line = straggler_report(times)
+        if line is None:
+            return
+        progress.message(f"step {stats.step}: {line}")
+        if metrics is not None:
+            metrics.write({"event": "straggler", "step": stats.step, "step_seconds": times,
+                           "message": line})
 
     def _describe(self) -> str:
         n = count_parameters(self.cfg)
@@ -499,3 +617,23 @@ def train(cfg: Config, run_dir: Path, *, progress: bool | None = None) -> TrainR
 
 
 __all__ = ["StepStats", "TrainResult", "Trainer", "TrainingError", "count_parameters", "train"]
+
+
+def _planned_grid(cfg: Config, world_size: int, rank: int) -> GridShape:
+    """parallel.auto: rank 0 asks the planner for the fastest grid that fits and tells the
+    others (each rank's own CPU probe could differ, and all ranks must build the same grid)."""
+    choice: list[object] = [None]
+    if rank == 0:
+        from fourfold.plan import choose_grid  # the planner never imports the trainer
+
+        t = cfg.train
+        shape, why = choose_grid(cfg.model, world_size, cfg.parallel.machine, t.batch_size,
+                                 t.seq_len, dtype=t.dtype,
+                                 activation_checkpointing=t.activation_checkpointing,
+                                 grad_accum=t.grad_accum)
+        print(f"parallel.auto chose grid {shape}: {why}", file=sys.stderr, flush=True)
+        choice[0] = (shape.data, shape.z, shape.y, shape.x)
+    if world_size > 1:
+        dist.broadcast_object_list(choice, src=0)
+    data, z, y, x = choice[0]  # type: ignore[misc]
+    return GridShape(data=data, z=z, y=y, x=x)
