@@ -110,8 +110,10 @@ class Trainer:
                 f"multiple of {t.grad_accum * shard_count}")
         torch.manual_seed(t.seed)
 
-        if cfg.model.init_from and model is None:
-            # The architecture is the checkpoint's (config.json); the path stays in the config.
+        if model is None and cfg.model.init_from and \
+                (Path(cfg.model.init_from) / "config.json").is_file():
+            # The architecture is the checkpoint's config.json (without one, cfg.model's);
+            # the path stays in the config.
             cfg.model = dataclasses.replace(hf_model_config(cfg.model.init_from),
                                             init_from=cfg.model.init_from)
         self.data_dir = resolve_data_path(cfg.data.path, cfg.data.tokenizer)
@@ -513,7 +515,8 @@ class Trainer:
         self.train_seconds = float(extra["train_seconds"])
 
     def _record_resume(self, metrics: MetricsLog | None, progress: Progress) -> None:
-        record = resume_record(self.step, self.resumed_from, restart_count())  # type: ignore[arg-type]
+        assert self.resumed_from is not None
+        record = resume_record(self.step, self.resumed_from, restart_count())
         progress.message(f"{record['event']}: continuing from {self.resumed_from} "
                          f"(step {self.step})")
         if metrics is not None:
