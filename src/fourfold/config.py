@@ -349,6 +349,9 @@ def validate(cfg: Config) -> None:
     for section, key, value in non_negative:
         if value < 0:
             raise ConfigError(f"{section}.{key} = {value}: must not be negative")
+    if t.loss == "goldfish" and t.goldfish_k < 2:
+        raise ConfigError(f"train.goldfish_k = {t.goldfish_k}: the goldfish loss drops 1 token in "
+                          "k; use at least 2 (the paper uses 4)")
     if m.dim % m.n_heads:
         raise ConfigError(f"model.n_heads = {m.n_heads} does not divide model.dim = {m.dim}; "
                           f"nearest valid n_heads: {_nearest_divisors(m.dim, m.n_heads)}")
