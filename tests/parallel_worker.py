@@ -58,9 +58,10 @@ def train(pmodel, steps_data, shard: tuple[int, int], optimizer: str) -> list[fl
             total += loss.detach()
         pmodel.clip_grad_norm_(0.5)
         opt.step()
+        memory = pmodel.memory_bytes(opt)  # before zero_grad frees the gradients
         opt.zero_grad(set_to_none=True)
         losses.append(float(pmodel.reduce_over_batch(total)))
-    return losses
+    return losses, memory
 
 
 class TinyGeneric(torch.nn.Module):
@@ -117,7 +118,7 @@ def main() -> int:
                 data = batches(cfg.vocab_size, accum)
                 ref_model = build(cfg, variant)
                 ref = parallelize(ref_model, Grid.single())
-                ref_losses = train(ref, data, (0, 1), variant.get("opt", "sgd"))
+                ref_losses, _ = train(ref, data, (0, 1), variant.get("opt", "sgd"))
                 ref_state = ref_model.state_dict()
 
                 model = build(cfg, variant)
@@ -128,13 +129,14 @@ def main() -> int:
                                       bucket_mb=0.05)
                 pmodel = parallelize(model, grid, pcfg)
                 pmodel.ledger.reset()
-                losses = train(pmodel, data, grid.batch_shard, variant.get("opt", "sgd"))
+                losses, memory = train(pmodel, data, grid.batch_shard, variant.get("opt", "sgd"))
                 ledger = pmodel.ledger.snapshot()
                 state = pmodel.full_state_dict()
                 max_w = max(float((state[k] - ref_state[k]).abs().max()) for k in ref_state)
                 max_rel_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
                 case.update(ok=True, losses=losses, ref_losses=ref_losses,
                             max_weight_diff=max_w, max_rel_loss=max_rel_loss, ledger=ledger,
+                            memory=memory,
                             keys_equal=sorted(state) == sorted(ref_state))
             except Exception:  # reported to the test, which fails with the traceback
                 case.update(ok=False, error=traceback.format_exc())

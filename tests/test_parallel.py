@@ -19,6 +19,7 @@ import pytest
 
 from fourfold.config import model_config
 from fourfold.parallel import GridShape
+from fourfold.plan.memory import predict_param_memory
 from fourfold.plan.schedule import predict_comm_bytes
 
 BATCH, SEQ, STEPS = 8, 16, 3  # as in parallel_worker.py
@@ -51,7 +52,7 @@ def run_worker(nproc: int, grids: list, variants: list, tmp_path: Path) -> list[
 
 @pytest.mark.parametrize("nproc", [2, 4, 8])
 def test_grids_match_single_process(nproc: int, tmp_path: Path) -> None:
-    variants = VARIANTS if nproc == 2 else VARIANTS[:3] + [{"hf": True}]
+    variants = VARIANTS if nproc == 2 else VARIANTS[:3] + [{"opt": "adamw"}, {"hf": True}]
     results = run_worker(nproc, GRIDS[nproc], variants, tmp_path)
     assert len(results) == len(GRIDS[nproc]) * len(variants)
     for r in results:
@@ -77,3 +78,10 @@ def test_grids_match_single_process(nproc: int, tmp_path: Path) -> None:
             predicted = {k: v * STEPS for k, v in per_step.items()}
             recorded = {k: r["ledger"][k] for k in ("x", "y", "z", "data")}
             assert predicted == recorded, f"{label}: planner {predicted} != ledger {recorded}"
+            if variant.get("opt") == "adamw":
+                # the memory model: parameters, gradients and AdamW states held by this rank
+                model_mem = predict_param_memory(cfg, GridShape(data, z, y, x))
+                for part in ("params", "grads", "optimizer"):
+                    measured = r["memory"][part]
+                    assert abs(model_mem[part] - measured) <= 0.15 * measured, \
+                        f"{label}: {part} predicted {model_mem[part]} measured {measured}"

@@ -37,7 +37,6 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
                          ("fourfold.parallel.grid", "GridError"),
                          ("fourfold.plan.errors", "PlanError"),
                          ("fourfold.eval.memorization", "MemorizationAuditError"),
-                         ("fourfold.train.runs", "RunDirError"),
                          ("fourfold.report", "ReportError")):
         found = _lookup(module, name)
         if found is not None:
@@ -122,7 +121,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
     run_dir = Path(args.out) if args.out else default_run_dir()
 
-    if args.nproc > 1 and "RANK" not in os.environ:
+    if args.nproc > 1 and not _inside_job():
         from fourfold.launch import launch_local
         from fourfold.parallel.grid import GridShape
 
@@ -140,8 +139,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _inside_job() -> bool:
+    """Whether this process is already one rank of a job started by torchrun or srun."""
+    env = os.environ
+    return "RANK" in env or ("SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1)
+
+
 def _is_main_rank() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+    # Slurm's variable counts before init_distributed has copied it to RANK.
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
 def _print_train_summary(run_dir: Path) -> None:
@@ -381,15 +387,29 @@ def _run(argv: list[str]) -> int:
         return EXIT_TRAINING_FAILED
     except Exception as error:  # noqa: BLE001 (sorted below; the rest re-raised)
         if isinstance(error, _user_error_types()):
-            # Every rank of a job finds the same mistake; one copy of the line is enough.
-            if _is_main_rank():
-                print(f"error: {_message(error)}", file=sys.stderr, flush=True)
+            _report_error(_message(error))
             return EXIT_USAGE
         training_error = _training_error_type()
         if training_error is not None and isinstance(error, training_error):
-            print(f"error: {_message(error)}", file=sys.stderr, flush=True)
+            _report_error(_message(error))
             return EXIT_TRAINING_FAILED
         raise
+
+
+def _report_error(message: str) -> None:
+    """Print `error: message` once per job.
+
+    A rank started by an elastic launcher (ours or torchrun) also leaves the line in its
+    error file, where the launcher's failure summary picks it up. Under `fourfold train
+    --nproc` that summary is the one line the user sees (a rank that fails second may be
+    stopped before it could print); otherwise rank 0 prints, since every rank usually finds
+    the same mistake.
+    """
+    from fourfold.launch import LAUNCHED_BY_FOURFOLD, write_error_file
+
+    launched = write_error_file(message) and os.environ.get(LAUNCHED_BY_FOURFOLD) == "1"
+    if not launched and _is_main_rank():
+        print(f"error: {message}", file=sys.stderr, flush=True)
 
 
 def _leave_job(code: int) -> None:

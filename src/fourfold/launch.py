@@ -8,13 +8,34 @@ terminal. The launcher restarts the whole group up to `max_restarts` times when 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+# Set in the environment of the ranks that launch_local starts: they leave error messages to
+# the launcher's summary line instead of printing them.
+LAUNCHED_BY_FOURFOLD = "FOURFOLD_LOCAL_LAUNCH"
+
+
+def write_error_file(message: str) -> bool:
+    """In a rank started by an elastic launcher, record `message` in the rank's error file
+    (TORCHELASTIC_ERROR_FILE), where the launcher's ChildFailedError finds it. Returns whether
+    there was such a file to write."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+    except OSError:
+        return False
+    return True
 
 
 def cores_available() -> int:
@@ -87,7 +108,7 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
     )
     # -u: rank output reaches the terminal line by line, not when a buffer fills.
     entrypoint_args = ["-u", "-m", "fourfold", *argv]
-    env = {"OMP_NUM_THREADS": str(threads_per_rank(nproc))}
+    env = {"OMP_NUM_THREADS": str(threads_per_rank(nproc)), LAUNCHED_BY_FOURFOLD: "1"}
     try:
         with _environment(env), _quiet_logger("torch.distributed.elastic"):
             elastic_launch(config, sys.executable)(*entrypoint_args)
@@ -98,7 +119,8 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
 
 
 def describe_failure(failure: object) -> str:
-    """One line naming the failed rank(s) and exit code(s) of an elastic ChildFailedError.
+    """One line naming the failed rank(s), exit code(s) and message(s) of an elastic
+    ChildFailedError; ranks that failed the same way share one clause.
 
     Ranks the launcher itself stopped (SIGTERM after another rank failed) are left out when a
     rank failed on its own: they are a consequence, not the cause.
@@ -107,31 +129,34 @@ def describe_failure(failure: object) -> str:
     if not failures:
         return f"a rank failed: {failure}"
     causes = [r for r in sorted(failures) if not _stopped_by_launcher(failures[r].exitcode)]
-    ranks = causes or sorted(failures)
-    parts = [_describe_rank(rank, failures[rank]) for rank in ranks]
-    if len(parts) > 2:
-        return f"{parts[0]}; {parts[1]} and {len(parts) - 2} more"
-    return "; ".join(parts)
+    groups: dict[str, list[int]] = {}
+    for rank in causes or sorted(failures):
+        groups.setdefault(_describe_outcome(failures[rank]), []).append(rank)
+    clauses = [f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))} {what}"
+               for what, ranks in groups.items()]
+    if len(clauses) > 2:
+        return f"{clauses[0]}; {clauses[1]}; and {len(clauses) - 2} more"
+    return "; ".join(clauses)
 
 
 def _stopped_by_launcher(exitcode: int | None) -> bool:
     return exitcode is not None and -exitcode in (signal.SIGTERM, signal.SIGKILL)
 
 
-def _describe_rank(rank: int, failure: object) -> str:
+def _describe_outcome(failure: object) -> str:
     code = getattr(failure, "exitcode", None)
     if code is not None and code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:
             name = str(-code)
-        return f"rank {rank} was killed by signal {name}"
+        return f"killed by signal {name}"
     raw = getattr(failure, "message", "") or ""
     message = _first_line(raw.get("message", "") if isinstance(raw, dict) else raw)
     # Without an error file elastic fills `message` with a hint about @record, which says
     # nothing about this failure.
-    detail = "" if not message or "pytorch.org/docs" in message else f" ({message})"
-    return f"rank {rank} exited with code {code}{detail}"
+    detail = "" if not message or "pytorch.org/docs" in message else f": {message}"
+    return f"exited with code {code}{detail}"
 
 
 def first_exit_code(failure: object) -> int:

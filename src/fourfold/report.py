@@ -39,7 +39,7 @@ PLOTS: tuple[PlotSpec, ...] = (
     PlotSpec("tokens_per_s.png", "throughput", "tokens/s",
              ("tokens_per_s", "tokens_per_sec", "tok_per_s")),
     PlotSpec("memory.png", "peak memory", "GiB",
-             ("peak_memory_bytes", "memory_bytes", "mem_bytes", "max_memory_bytes"),
+             ("peak_mem_bytes", "peak_memory_bytes", "memory_bytes"),
              scale=2.0 ** 30),
 )
 

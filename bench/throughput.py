@@ -1,0 +1,301 @@
+"""Training throughput on this machine: fourfold vs a plain PyTorch loop vs HF transformers.
+
+The same model shapes are trained three ways, in float32 and in bfloat16 (autocast):
+
+- fourfold: fourfold's own Trainer.train_step (parallel engine on a one-process grid,
+  fourfold's AdamW setup, loss normalization and gradient clipping), on the built-in corpus;
+- plain:    a nanoGPT-style loop written here: its own small Llama (RMSNorm, RoPE, SwiGLU, SDPA
+            attention), fused AdamW, clipping; random tokens;
+- hf:       transformers' LlamaForCausalLM (SDPA attention) with the same shapes and the same
+            loop as plain; random tokens.
+
+Each row runs warmup steps, then times steps (the three ways take turns; each keeps its
+fastest step). MFU = flops_per_token(model, seq) * tokens/s /
+peak, where peak is a matmul FLOP/s probe of this machine in that dtype (so MFU is relative to
+what this CPU's matmul reaches, not to a datasheet number).
+
+    python bench/throughput.py                      # both shapes, both dtypes, all three ways
+    python bench/throughput.py --shapes 15m --dtypes float32 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fourfold.config import ModelConfig, load_config, model_config
+from fourfold.models.llama import flops_per_token
+
+# name -> (model config, sequence length, sequences per step)
+SHAPES: dict[str, tuple[ModelConfig, int, int]] = {
+    "15m": (model_config("15m"), 256, 8),
+    # ~35M parameters counted as flops_per_token does (layers + output layer; the embedding
+    # lookup is free): 6 layers, width 512, 8 heads, SwiGLU hidden 1376 (about 8/3 * 512).
+    "35m": (model_config("15m", n_layers=6, dim=512, n_heads=8, n_kv_heads=8, ffn_dim=1376,
+                         vocab_size=32000, max_seq_len=512), 512, 2),
+}
+IMPLEMENTATIONS = ("fourfold", "plain", "hf")
+DTYPES = ("float32", "bfloat16")
+LR = 3e-4
+
+
+# --------------------------------------------------------------------------------------------
+# The plain PyTorch model, nanoGPT style
+
+
+class PlainRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv, self.hd = c.n_heads, c.n_kv_heads, c.dim // c.n_heads
+        self.ln1 = PlainRMSNorm(c.dim, c.norm_eps)
+        self.qkv = nn.Linear(c.dim, (c.n_heads + 2 * c.n_kv_heads) * self.hd, bias=False)
+        self.proj = nn.Linear(c.dim, c.dim, bias=False)
+        self.ln2 = PlainRMSNorm(c.dim, c.norm_eps)
+        self.gate_up = nn.Linear(c.dim, 2 * c.ffn_dim, bias=False)
+        self.down = nn.Linear(c.ffn_dim, c.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(
+            [self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+        q = q.view(B, T, self.n_head, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=self.n_kv != self.n_head)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        gate, up = self.gate_up(self.ln2(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class PlainLlama(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(c.vocab_size, c.dim)
+        self.blocks = nn.ModuleList(PlainBlock(c) for _ in range(c.n_layers))
+        self.norm = PlainRMSNorm(c.dim, c.norm_eps)
+        self.head = nn.Linear(c.dim, c.vocab_size, bias=False)
+        hd = c.dim // c.n_heads
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
+        freqs = torch.outer(torch.arange(c.max_seq_len).float(), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, 0.0, 0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, self.cos[:T], self.sin[:T])
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def hf_llama(c: ModelConfig) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fourfold.models.hf import config_to_hf
+
+    config = LlamaConfig(**{k: v for k, v in config_to_hf(c).items()
+                            if k not in ("architectures", "torch_dtype")})
+    return LlamaForCausalLM(config)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+
+
+@dataclass
+class Row:
+    shape: str
+    dtype: str
+    impl: str
+    params: int
+    tokens_per_step: int
+    seconds_per_step: float
+    tokens_per_s: float
+    mfu: float
+
+
+def measure_peak_flops(dtype: torch.dtype, seconds: float = 1.0) -> float:
+    """Best achieved FLOP/s of square matmuls in `dtype` on this CPU (current thread count)."""
+    best = 0.0
+    for n in (512, 1024, 2048):
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        torch.mm(a, b)
+        deadline = time.perf_counter() + seconds / 3
+        while time.perf_counter() < deadline:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2.0 * n ** 3 / (time.perf_counter() - t0))
+    return best
+
+
+def autocast(dtype: str) -> contextlib.AbstractContextManager:
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    try:
+        return torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def simple_loop(model: nn.Module, loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                vocab: int, batch: int, seq: int, dtype: str) -> Callable[[], None]:
+    optimizer = make_optimizer(model)
+    generator = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        data = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
+        x, y = data[:, :-1], data[:, 1:]
+        with autocast(dtype):
+            loss = loss_of(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def build_step(impl: str, c: ModelConfig, seq: int, batch: int, dtype: str,
+               run_dir: str) -> tuple[Callable[[], None], int]:
+    """A function that runs one training step, and the model's parameter count."""
+    torch.manual_seed(0)
+    if impl == "fourfold":
+        from fourfold.train.trainer import Trainer
+
+        model_keys = [f"model.{f.name}={getattr(c, f.name)}" for f in fields(c)
+                      if f.name != "preset"]
+        cfg = load_config(None, ["model.preset=custom", *model_keys,
+                                 f"train.seq_len={seq}", f"train.batch_size={batch}",
+                                 f"train.dtype={dtype}", "train.device=cpu",
+                                 f"train.lr={LR}", "train.warmup_steps=0",
+                                 "data.path=builtin:stdlib", "data.tokenizer=byte"])
+        trainer = Trainer(cfg, run_dir, progress=False)
+        return (lambda: trainer.train_step() and None), trainer.pmodel.module.num_params()
+    if impl == "plain":
+        model = PlainLlama(c)
+        return (simple_loop(model, model, c.vocab_size, batch, seq, dtype),
+                sum(p.numel() for p in model.parameters()))
+    if impl == "hf":
+        model = hf_llama(c)
+        model.train()
+
+        def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            logits = model(input_ids=x).logits
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+
+        return (simple_loop(model, loss_of, c.vocab_size, batch, seq, dtype),
+                sum(p.numel() for p in model.parameters()))
+    raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLEMENTATIONS)}")
+
+
+def run(shapes: list[str], dtypes: list[str], impls: list[str], warmup: int,
+        steps: int) -> tuple[list[Row], dict[str, float]]:
+    """Time every implementation on every shape and dtype. The implementations of one row
+    group take turns step by step and each keeps its fastest step, so that load from other
+    processes on a shared machine does not favour whichever ran at a quiet moment."""
+    peaks = {d: measure_peak_flops(torch.bfloat16 if d == "bfloat16" else torch.float32)
+             for d in dtypes}
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in shapes:
+            c, seq, batch = SHAPES[shape]
+            tokens = batch * seq
+            for dtype in dtypes:
+                built = {impl: build_step(impl, c, seq, batch, dtype, f"{tmp}/{shape}")
+                         for impl in impls}
+                for step, _ in built.values():
+                    for _ in range(warmup):
+                        step()
+                best = {impl: math.inf for impl in impls}
+                for _ in range(steps):
+                    for impl, (step, _) in built.items():
+                        t0 = time.perf_counter()
+                        step()
+                        best[impl] = min(best[impl], time.perf_counter() - t0)
+                for impl in impls:
+                    tps = tokens / best[impl]
+                    mfu = flops_per_token(c, seq) * tps / peaks[dtype]
+                    rows.append(Row(shape, dtype, impl, built[impl][1], tokens, best[impl], tps,
+                                    mfu))
+                    print(f"  {shape:>4} {dtype:>8} {impl:>8}: {tps:9,.0f} tok/s", flush=True)
+                del built
+    return rows, peaks
+
+
+def format_table(rows: list[Row], peaks: dict[str, float]) -> str:
+    head = (f"{'shape':>5} {'dtype':>8} {'impl':>8} {'params':>8} {'tok/step':>8} "
+            f"{'best s/step':>11} {'tok/s':>9} {'MFU':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.shape:>5} {r.dtype:>8} {r.impl:>8} {r.params / 1e6:7.1f}M "
+                     f"{r.tokens_per_step:8d} {r.seconds_per_step:11.2f} {r.tokens_per_s:9,.0f} "
+                     f"{100 * r.mfu:5.1f}%")
+    lines.append("")
+    lines.append("peak (measured matmul): " + ", ".join(
+        f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in peaks.items()))
+    lines.append(f"threads: {torch.get_num_threads()}, torch {torch.__version__}")
+    return "\n".join(lines)
+
+
+def _csv(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in allowed]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(f"{what} {value!r}: choose from {', '.join(allowed)}")
+    return items
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="15m,35m",
+                        type=lambda v: _csv(v, tuple(SHAPES), "--shapes"))
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        type=lambda v: _csv(v, DTYPES, "--dtypes"))
+    parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS),
+                        type=lambda v: _csv(v, IMPLEMENTATIONS, "--impls"))
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per row")
+    args = parser.parse_args()
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be at least 1 and --warmup not negative")
+    rows, peaks = run(args.shapes, args.dtypes, args.impls, args.warmup, args.steps)
+    print()
+    print(format_table(rows, peaks))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,411 @@
+"""The `fourfold` command: error reporting, and each subcommand end to end on tiny inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from fourfold import cli
+from fourfold.cli import main
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# A run small enough to train in a couple of seconds on a laptop CPU.
+TINY_TRAIN = ["--set", "train.steps=3", "--set", "train.batch_size=4", "--set", "train.seq_len=32",
+              "--set", "train.eval_every=2", "--set", "train.eval_batches=1",
+              "--set", "train.log_every=1", "--set", "train.sample_tokens=8",
+              "--set", "train.device=cpu"]
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(err: str, *fragments: str) -> None:
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+# --------------------------------------------------------------------------------------------
+# Config mistakes: exit 2, one line, no traceback
+
+
+@pytest.mark.parametrize("override, fragments", [
+    ("train.step=5", ("train.step", "did you mean 'steps'")),
+    ("modle.dim=64", ("[modle]", "did you mean 'model'")),
+    ("train.steps=abc", ("train.steps", "expected an integer")),
+    ("train.compile=maybe", ("train.compile", "true or false")),
+    ("model.n_heads=5", ("model.n_heads = 5", "does not divide model.dim")),
+    ("train.seq_len=100000", ("train.seq_len = 100000", "longer than model.max_seq_len")),
+    ("train.dtype=float8", ("train.dtype", "float32, bfloat16")),
+    ("train.steps", ("section.key=value",)),
+])
+def test_config_mistakes_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], override: str,
+                                              fragments: tuple[str, ...]) -> None:
+    code, out, err = run_main(capsys, "train", "--set", override)
+    assert code == 2
+    assert out == ""
+    assert_one_line_error(err, *fragments)
+
+
+def test_config_file_mistakes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nn_layer = 4\n")
+    code, _, err = run_main(capsys, "train", str(bad))
+    assert code == 2
+    assert_one_line_error(err, "model.n_layer", "did you mean 'n_layers'")
+
+    code, _, err = run_main(capsys, "train", str(tmp_path / "missing.toml"))
+    assert code == 2
+    assert_one_line_error(err, "missing.toml", "does not exist")
+
+    code, _, err = run_main(capsys, "train", "--nproc", "0")
+    assert code == 2
+    assert_one_line_error(err, "--nproc 0")
+
+
+def test_grid_that_cannot_fit_nproc_is_reported_before_launch(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_main(capsys, "train", "--set", "parallel.x=2", "--set", "parallel.y=2",
+                            "--nproc", "3", "--out", "unused")
+    assert code == 2
+    assert_one_line_error(err, "does not divide the world size 3")
+
+
+def test_examples_load() -> None:
+    from fourfold.config import load_config
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    loaded = {p.stem: load_config(p) for p in examples.glob("*.toml")}
+    assert {"debug", "15m", "grid_2x2"} <= set(loaded)
+    assert loaded["15m"].model.preset == "15m"
+    grid = loaded["grid_2x2"].parallel
+    assert (grid.x, grid.y, grid.data) == (2, 2, "auto")
+
+
+def test_usage_errors_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_main(capsys, "--version")
+    assert code == 0 and out.startswith("fourfold ")
+    code, _, err = run_main(capsys, "frobnicate")
+    assert code == 2 and "invalid choice" in err
+    code, _, err = run_main(capsys, "convert", "run", "--to", "gguf", "out")
+    assert code == 2 and "invalid choice" in err
+    # no prefix matching: a typo must not silently become another option
+    code, _, err = run_main(capsys, "train", "--npr", "2")
+    assert code == 2 and "unrecognized arguments" in err
+
+
+def test_interrupt_exits_130(capsys: pytest.CaptureFixture[str],
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_report", interrupted)
+    code, _, err = run_main(capsys, "report", "anywhere")
+    assert code == 130
+    assert "Traceback" not in err and "interrupted" in err
+
+
+def test_training_error_exits_1(capsys: pytest.CaptureFixture[str],
+                                monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from fourfold.train import trainer
+
+    def diverges(cfg: object, run_dir: Path, **_: object) -> None:
+        raise trainer.TrainingError("step 3: loss is nan; stopped", 3)
+
+    monkeypatch.setattr(trainer, "train", diverges)
+    code, _, err = run_main(capsys, "train", "--out", str(tmp_path / "run"))
+    assert code == 1
+    assert_one_line_error(err, "step 3: loss is nan")
+
+
+def test_run_dir_names() -> None:
+    assert cli.default_run_dir({}, now=0).parent == Path("runs")
+    assert cli.default_run_dir({"WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "abc"}) == \
+        Path("runs/abc")
+    assert cli.default_run_dir({"WORLD_SIZE": "4", "SLURM_JOB_ID": "77"}) == Path("runs/slurm-77")
+    from fourfold.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--out"):
+        cli.default_run_dir({"WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "none"})
+
+
+def test_rank_argv_drops_nproc_and_fixes_the_run_dir() -> None:
+    args = cli.build_parser().parse_args(
+        ["train", "cfg.toml", "--set", "train.steps=5", "--nproc", "4", "--no-resume",
+         "--max-restarts", "2"])
+    argv = cli._rank_argv(args, Path("runs/x"))
+    assert argv == ["train", "cfg.toml", "--set", "train.steps=5", "--out", "runs/x",
+                    "--no-resume", "--max-restarts", "2"]
+    assert "--nproc" not in argv
+    rank_args = cli.build_parser().parse_args(argv)
+    assert rank_args.nproc == 1 and rank_args.resume is False and rank_args.max_restarts == 2
+
+
+def _console_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    return env
+
+
+def test_subprocess_exit_codes_without_traceback(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "fourfold", "train", "--set",
+                             "model.n_heads=5"], capture_output=True, text=True, cwd=tmp_path,
+                            env=_console_env(), timeout=120)
+    assert result.returncode == 2
+    assert_one_line_error(result.stderr, "model.n_heads = 5")
+
+    script = Path(sysconfig.get_path("scripts")) / "fourfold"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "fourfold"]
+    result = subprocess.run([*command, "report", str(tmp_path / "nowhere")],
+                            capture_output=True, text=True, env=_console_env(), timeout=120)
+    assert result.returncode == 2
+    assert_one_line_error(result.stderr, "nowhere")
+
+
+# --------------------------------------------------------------------------------------------
+# report
+
+
+def test_report_writes_pngs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    records = [{"step": s, "loss": 5.0 - 0.1 * s, "tokens_per_s": 1000.0 + s,
+                "peak_mem_bytes": 2 ** 28 + s} for s in range(1, 11)]
+    records.insert(5, {"step": 5, "val_loss": 4.6})
+    records.append({"step": 10, "val_loss": 4.1})
+    text = "\n".join(json.dumps(r) for r in records) + "\n" + '{"step": 11, "lo'  # torn line
+    (tmp_path / "metrics.jsonl").write_text(text)
+    code, out, err = run_main(capsys, "report", str(tmp_path))
+    assert code == 0, err
+    paths = [Path(line) for line in out.splitlines()]
+    assert sorted(p.name for p in paths) == ["loss.png", "memory.png", "tokens_per_s.png",
+                                            "val_loss.png"]
+    for path in paths:
+        assert path.parent == tmp_path / "report"
+        assert path.read_bytes()[:8] == PNG_SIGNATURE
+        assert path.stat().st_size > 2000
+
+
+def test_report_without_metrics(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run_main(capsys, "report", str(tmp_path))
+    assert code == 2
+    assert_one_line_error(err, "metrics.jsonl", "does not exist")
+    (tmp_path / "metrics.jsonl").write_text("\n")
+    code, _, err = run_main(capsys, "report", str(tmp_path))
+    assert code == 2
+    assert_one_line_error(err, "no metrics")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lr": 0.1}\n')
+    code, _, err = run_main(capsys, "report", str(tmp_path))
+    assert code == 2
+    assert_one_line_error(err, "none of the plotted metrics")
+
+
+# --------------------------------------------------------------------------------------------
+# prepare -> train -> generate / eval / report / convert, on a tiny corpus
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DATA_DIR made by `fourfold prepare` from a few standard library modules."""
+    source = tmp_path_factory.mktemp("text")
+    stdlib = Path(sysconfig.get_path("stdlib"))
+    for name in ("textwrap.py", "string.py", "bisect.py", "colorsys.py", "fnmatch.py",
+                 "heapq.py", "keyword.py", "shlex.py", "struct.py", "this.py"):
+        if (stdlib / name).exists():
+            shutil.copy(stdlib / name, source / name)
+    out = tmp_path_factory.mktemp("data")
+    assert main(["prepare", str(source), "--out", str(out), "--tokenizer", "byte"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("runs") / "tiny"
+    assert main(["train", "--set", f"data.path={data_dir}", *TINY_TRAIN, "--out", str(run)]) == 0
+    return run
+
+
+def test_prepare_mistakes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run_main(capsys, "prepare", str(tmp_path / "absent.txt"), "--out",
+                            str(tmp_path / "d"))
+    assert code == 2
+    assert "Traceback" not in err and err.startswith("error: ")
+    (tmp_path / "a.txt").write_text("hello world\n")
+    code, _, err = run_main(capsys, "prepare", str(tmp_path / "a.txt"), "--out",
+                            str(tmp_path / "d"), "--tokenizer", "wordpiece")
+    assert code == 2
+    assert_one_line_error(err, "wordpiece")
+
+
+def test_train_prints_where_the_run_is(trained_run: Path, capsys: pytest.CaptureFixture[str]
+                                       ) -> None:
+    for name in ("config.toml", "metrics.jsonl", "model.safetensors", "summary.json"):
+        assert (trained_run / name).is_file(), name
+    summary = json.loads((trained_run / "summary.json").read_text())
+    assert summary["steps"] == 3
+
+
+def test_train_output_mentions_run_dir(data_dir: Path, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "again"
+    code, out, err = run_main(capsys, "train", "--set", f"data.path={data_dir}", *TINY_TRAIN,
+                              "--set", "train.steps=1", "--out", str(run))
+    assert code == 0, err
+    assert f"run files: {run}" in out
+    assert "model.safetensors" in out
+    assert "sample" in out + err  # the trainer shows the final sample
+
+
+def test_generate(trained_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", str(trained_run), "--prompt", "def f(", "--max-new-tokens", "12",
+            "--seed", "3"]
+    code, out, err = run_main(capsys, *argv)
+    assert code == 0, err
+    assert out.startswith("def f(")
+    code, again, _ = run_main(capsys, *argv)
+    assert again == out  # the same seed gives the same text
+    code, greedy, _ = run_main(capsys, *argv[:-2], "--temperature", "0")
+    assert code == 0 and greedy.startswith("def f(")
+
+    code, _, err = run_main(capsys, "generate", str(trained_run), "--prompt", "x",
+                            "--temperature", "-1")
+    assert code == 2
+    assert_one_line_error(err, "--temperature -1")
+    code, _, err = run_main(capsys, "generate", str(trained_run.parent / "nope"), "--prompt", "x")
+    assert code == 2
+    assert_one_line_error(err, "nope")
+
+
+def test_eval_memorization(trained_run: Path, data_dir: Path,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(capsys, "eval", "memorization", str(trained_run), "--data",
+                              str(data_dir), "--docs", "2", "--prefix", "8", "--suffix", "4",
+                              "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert isinstance(report, dict) and report
+    code, _, err = run_main(capsys, "eval", "memorization", str(trained_run), "--data",
+                            str(data_dir), "--docs", "0")
+    assert code == 2
+    assert_one_line_error(err, "--docs 0")
+
+
+def test_report_on_a_trained_run(trained_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(capsys, "report", str(trained_run))
+    assert code == 0, err
+    names = {Path(line).name for line in out.splitlines()}
+    assert {"loss.png", "val_loss.png", "tokens_per_s.png", "memory.png"} <= names
+
+
+# --------------------------------------------------------------------------------------------
+# convert
+
+
+def _hf_logits(out_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(str(out_dir), torch_dtype=torch.float32)
+    hf.eval()
+    with torch.no_grad():
+        return hf(tokens).logits
+
+
+def _hand_written_run(run: Path, overrides: list[str]) -> torch.nn.Module:
+    from fourfold.config import load_config
+    from fourfold.models.llama import build_model
+    from fourfold.train.runs import save_weights
+
+    cfg = load_config(None, overrides)
+    run.mkdir(parents=True)
+    cfg.save(run / "config.toml")
+    model = build_model(cfg.model, seed=1)
+    with torch.no_grad():  # non-trivial norms and biases, so that a mix-up shows
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    save_weights(model.state_dict(), run / "model.safetensors", cfg.model.tie_embeddings)
+    return model.eval()
+
+
+def test_convert_trained_run_to_hf(trained_run: Path, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from fourfold.train.runs import load_trained
+
+    out_dir = tmp_path / "hf"
+    code, out, err = run_main(capsys, "convert", str(trained_run), "--to", "hf", str(out_dir))
+    assert code == 0, err
+    assert {Path(p).name for p in out.split()} == {"config.json", "model.safetensors"}
+    model, cfg = load_trained(trained_run)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(tokens)
+    theirs = _hf_logits(out_dir, tokens)
+    assert ours.shape == theirs.shape
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+
+
+def test_convert_tied_embeddings_and_biases(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    model = _hand_written_run(run, ["model.tie_embeddings=true", "model.bias=true",
+                                    "model.n_kv_heads=1"])
+    code, _, err = run_main(capsys, "convert", str(run), "--to", "hf", str(tmp_path / "hf"))
+    assert code == 0, err
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True and config["num_key_value_heads"] == 1
+    vocab = config["vocab_size"]
+    tokens = torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(tokens)
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf", tokens), ours, atol=1e-4, rtol=0)
+
+
+def test_convert_missing_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run_main(capsys, "convert", str(tmp_path / "none"), "--to", "hf",
+                            str(tmp_path / "out"))
+    assert code == 2
+    assert_one_line_error(err, "none")
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# plan: its arguments go to the planner unparsed
+
+
+def test_plan_passes_its_arguments_through(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_main(capsys, "plan", "--model", "debug", "--gpus", "2", "--machine",
+                            "no-such-machine")
+    assert code == 2
+    assert_one_line_error(err, "no-such-machine")
+    code, out, err = run_main(capsys, "plan", "--model", "debug", "--gpus", "2", "--machine",
+                              "dgx-h100", "--json")
+    assert code == 0, err
+    assert json.loads(out)
+    code, out, _ = run_main(capsys, "plan", "--help")
+    assert code == 0 and "--machine" in out
+
+
+def test_ranks_of_a_slurm_job_do_not_launch_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    assert not cli._inside_job() and cli._is_main_rank()
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "1")  # one task: --nproc starts the ranks itself
+    assert not cli._inside_job()
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert cli._inside_job() and not cli._is_main_rank()
+    monkeypatch.setenv("RANK", "0")  # torchrun's variable wins once set
+    assert cli._inside_job() and cli._is_main_rank()
