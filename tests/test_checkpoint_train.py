@@ -193,10 +193,7 @@ def test_sigkill_of_one_rank_recovers_to_the_same_weights(tmp_path: Path,
     from fourfold.data import resolve_data_path
 
     resolve_data_path("builtin:stdlib", "byte")  # prepared once, before the ranks start
-    # torch elastic shares one TCPStore across restarts by default, and the restarted ranks'
-    # gloo then reads the dead ranks' addresses from it (connection refused). The launcher
-    # (fourfold/launch.py) should set this itself; until it does, the test sets it.
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     whole = subprocess.run(_train_command(tmp_path / "whole"), env=env, capture_output=True,
                            text=True, timeout=300)
     assert whole.returncode == 0, whole.stderr[-3000:]

@@ -236,9 +236,12 @@ def convert_to_hf(run_dir: Path, out_dir: Path) -> list[Path]:
     from safetensors.torch import save_file
 
     from fourfold.models.hf import config_to_hf, state_dict_to_hf
-    from fourfold.train.runs import load_trained
+    from fourfold.train.runs import WEIGHTS_FILE, load_trained
 
-    model, cfg = load_trained(run_dir)
+    if (run_dir / WEIGHTS_FILE).exists():
+        model, cfg = load_trained(run_dir)
+    else:  # a run still training, or one that died: take its newest complete checkpoint
+        model, cfg = _model_from_checkpoint(run_dir)
     hf_state = state_dict_to_hf(model.state_dict(), cfg.model)
     # safetensors refuses tensors that share memory (a tied embedding), and wants them
     # contiguous: each saved tensor gets its own copy.
@@ -249,6 +252,24 @@ def convert_to_hf(run_dir: Path, out_dir: Path) -> list[Path]:
     save_file(hf_state, str(weights), metadata={"format": "pt"})
     config.write_text(json.dumps(config_to_hf(cfg.model), indent=2) + "\n")
     return [config, weights]
+
+
+def _model_from_checkpoint(run_dir: Path):
+    from fourfold.config import load_config
+    from fourfold.models.llama import Llama
+    from fourfold.parallel import Grid
+    from fourfold.train.checkpoint import CheckpointManager, load_weights_from_checkpoint
+    from fourfold.train.runs import CONFIG_FILE, load_trained
+
+    if not (run_dir / CONFIG_FILE).exists():
+        return load_trained(run_dir)  # raises the one-line "not a run directory" error
+    cfg = load_config(run_dir / CONFIG_FILE)
+    path = CheckpointManager(run_dir, cfg.checkpoint, Grid.single()).latest_valid()
+    if path is None:
+        return load_trained(run_dir)  # no weights and no checkpoint: its error names both
+    model = Llama(cfg.model)
+    load_weights_from_checkpoint(path, model)
+    return model, cfg
 
 
 # --------------------------------------------------------------------------------------------

@@ -108,7 +108,10 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
     )
     # -u: rank output reaches the terminal line by line, not when a buffer fills.
     entrypoint_args = ["-u", "-m", "fourfold", *argv]
-    env = {"OMP_NUM_THREADS": str(threads_per_rank(nproc)), LAUNCHED_BY_FOURFOLD: "1"}
+    env = {"OMP_NUM_THREADS": str(threads_per_rank(nproc)), LAUNCHED_BY_FOURFOLD: "1",
+           # Elastic shares one TCPStore across restarts by default; restarted gloo ranks
+           # then read the dead ranks' addresses from it and fail (connection refused).
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     try:
         with _environment(env), _quiet_logger("torch.distributed.elastic"):
             elastic_launch(config, sys.executable)(*entrypoint_args)

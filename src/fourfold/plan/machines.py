@@ -51,6 +51,8 @@ import dataclasses
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 import tomllib
 from dataclasses import dataclass
@@ -113,6 +115,8 @@ class Machine:
     network: Network
     reserved_gib: float = 2.0
     note: str = ""
+    # Set only for the `cpu` machine: ranks share this host's cores, costs come from probes.
+    host: "CpuHost | None" = None
 
     def bandwidth_gbps(self, group_size: int, stride: int) -> float:
         return self.network.gbps(group_size, stride, self.gpus_per_node)
@@ -127,6 +131,10 @@ class Machine:
 
     def peak_flops_per_rank(self, dtype: str, world_size: int) -> float:
         return self.device.peak_flops(dtype) / self.ranks_per_device(world_size)
+
+    def calibration(self, world_size: int) -> "HostCalibration | None":
+        """The probed costs of `world_size` ranks on this host (cpu machine only, else None)."""
+        return self.host.calibration(world_size) if self.host is not None else None
 
     def hbm_bytes_per_s_per_rank(self, world_size: int) -> float:
         return self.device.hbm_gbps * 1e9 / self.ranks_per_device(world_size)
@@ -310,6 +318,119 @@ def measure_cpu(refresh: bool = False) -> dict[str, float]:
     return result
 
 
+# The comm probe: N local gloo ranks, timed together, as a training job of N ranks on this host
+# would run them. Rank counts above _MAX_PROBE_RANKS are extrapolated (see CpuHost).
+_MAX_PROBE_RANKS = 16
+_PROBE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+_PROBE_SIZES = (4 * 1024, 256 * 1024, 2 * 1024 * 1024)  # bytes per call, as the ledger counts
+_PROBE_REPEATS = (9, 5, 3)  # calls timed per size (fixed, so every rank issues the same calls)
+
+
+def _ring_volume(op: str, group_size: int, nbytes: float) -> float:
+    """Bytes one rank sends in a ring collective (all-reduce 2(p-1)/p of the buffer,
+    all-gather / reduce-scatter (p-1)/p of the full buffer)."""
+    share = (group_size - 1) / group_size
+    return (2 * share if op == "all_reduce" else share) * nbytes
+
+
+def _divisors(n: int) -> list[int]:
+    return [p for p in range(2, n + 1) if n % p == 0]
+
+
+def _probe_rank(rank: int, world: int, store_path: str) -> dict[str, Any]:
+    """One rank of the comm probe: collectives over every group size, all groups at once,
+    then a matmul and a small-op loop with every rank busy."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    out: dict[str, Any] = {"comm": {}}
+    for p in _divisors(world):
+        # consecutive ranks, as the x axis; on loopback the stride does not matter
+        groups = [dist.new_group(list(range(g, g + p))) for g in range(0, world, p)]
+        group = groups[rank // p]
+        for op in _PROBE_OPS:
+            points = []
+            for nbytes, repeats in zip(_PROBE_SIZES, _PROBE_REPEATS):
+                numel = nbytes // 4 // p * p
+                full = torch.ones(numel)
+                part = torch.ones(numel // p)
+                def call() -> None:
+                    if op == "all_reduce":
+                        dist.all_reduce(full, group=group)
+                    elif op == "all_gather":
+                        dist.all_gather_into_tensor(full, part, group=group)
+                    else:
+                        dist.reduce_scatter_tensor(part, full, group=group)
+                call()  # warm-up: connections, buffers
+                times = []
+                for _ in range(repeats):
+                    dist.barrier(group=group)
+                    t0 = time.perf_counter()
+                    call()
+                    times.append(time.perf_counter() - t0)
+                points.append((numel * 4, sorted(times)[len(times) // 2]))
+            out["comm"][f"{op}/{p}"] = points
+    # compute with every rank busy: the wall time from the common start to the last rank's end
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    torch.mm(a, b)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(max(4, 2 * world)):
+        torch.mm(a, b)
+    dist.barrier()
+    out["matmul_flops"] = max(4, 2 * world) * 2 * 256**3 / (time.perf_counter() - t0)
+    x = torch.ones(8, requires_grad=True)
+    (x * 2.0).sum().backward()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(100):  # small ops with autograd: framework cost, not arithmetic
+        (x * 2.0).sum().backward()
+    dist.barrier()
+    out["small_op_s"] = (time.perf_counter() - t0) / 100 / 4  # mul, sum, and their backward
+    dist.destroy_process_group()
+    return out
+
+
+def _probe_main(world: int, result_path: str) -> None:
+    """Entry of the probe's subprocess: fork `world` ranks after torch is imported once (a
+    fresh interpreter per rank would cost a torch import each), merge their results."""
+    import tempfile
+
+    import torch  # noqa: F401  (imported before the fork, so each rank skips it)
+
+    tmp = tempfile.mkdtemp(prefix="fourfold-probe-")
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                result = _probe_rank(rank, world, os.path.join(tmp, "store"))
+                Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
+            except BaseException:  # noqa: BLE001  (report and leave; the parent sees the code)
+                import traceback
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        pids.append(pid)
+    failed = [pid for pid in pids if os.waitpid(pid, 0)[1] != 0]
+    if failed:
+        sys.exit(f"{len(failed)} probe ranks failed")
+    ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    # a collective ends when its slowest rank does; compute is shared evenly, so average it
+    merged = {"comm": {k: [(n, max(r["comm"][k][i][1] for r in ranks))
+                           for i, (n, _) in enumerate(ranks[0]["comm"][k])]
+                       for k in ranks[0]["comm"]},
+              "matmul_flops": sum(r["matmul_flops"] for r in ranks) / world,
+              "small_op_s": sum(r["small_op_s"] for r in ranks) / world}
+    Path(result_path).write_text(json.dumps(merged))
+
+
 def _host_memory_gib() -> float:
     try:
         with open("/proc/meminfo") as f:
@@ -319,6 +440,118 @@ def _host_memory_gib() -> float:
     except OSError:
         pass
     return 16.0
+
+
+def _run_comm_probe(world: int) -> dict[str, Any]:
+    """Run the comm probe in a fresh interpreter (the caller may itself be a gloo rank)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="fourfold-probe-") as tmp:
+        result = os.path.join(tmp, "result.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(name, None)  # not part of the caller's job
+        proc = subprocess.run(
+            [sys.executable, "-c", "import sys; from fourfold.plan.machines import _probe_main; "
+             "_probe_main(int(sys.argv[1]), sys.argv[2])", str(world), result],
+            env=env, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0 or not os.path.isfile(result):
+            raise PlanError(f"the cpu comm probe with {world} ranks failed: "
+                            f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+        return json.loads(Path(result).read_text())
+
+
+def measure_cpu_comm(world: int, refresh: bool = False) -> dict[str, Any]:
+    """Probe (or read from the cache) what `world` gloo ranks on this host pay: collectives by
+    group size and buffer size, the matmul rate and the small-op cost per rank (~2-4 s)."""
+    path = cache_dir() / f"cpu_comm_{world}ranks_{os.cpu_count() or 1}cores.json"
+    key = f"{_probe_key()}|{world}"
+    if not refresh and path.is_file():
+        try:
+            cached = json.loads(path.read_text())
+            if cached.get("key") == key:
+                return cached
+        except (OSError, ValueError):
+            pass  # a damaged cache is measured again
+    result = dict(_run_comm_probe(world), key=key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(result, indent=2))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return result
+
+
+def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares fit of seconds = latency + volume * seconds_per_byte to (ring volume,
+    seconds) points, both terms kept non-negative; returns (latency_s, seconds_per_byte)."""
+    n = len(points)
+    mean_v = sum(v for v, _ in points) / n
+    mean_t = sum(t for _, t in points) / n
+    var = sum((v - mean_v) ** 2 for v, _ in points)
+    slope = sum((v - mean_v) * (t - mean_t) for v, t in points) / var if var > 0 else 0.0
+    if slope <= 0.0:
+        return mean_t, 0.0
+    latency = mean_t - slope * mean_v
+    if latency < 0.0:  # through the origin instead
+        return 0.0, sum(v * t for v, t in points) / sum(v * v for v, _ in points)
+    return latency, slope
+
+
+@dataclass(frozen=True)
+class HostCalibration:
+    """What one rank pays when `world` ranks share this host, fitted from the comm probe."""
+
+    world: int
+    cores: int
+    # group size -> (latency s, s per ring byte); all ops pooled (gloo's rings cost alike)
+    collective_fit: tuple[tuple[int, tuple[float, float]], ...]
+    flops_per_rank: float  # a large GEMM's rate with every rank busy
+    op_overhead_s: float  # framework cost of one op with every rank busy
+    scale: float = 1.0  # > 1 when world exceeds the probed rank count (extrapolated)
+
+    def collective_seconds(self, op: str, group_size: int, nbytes: float) -> float:
+        fit = self.collective_fit[0][1]
+        for size, f in self.collective_fit:  # the largest probed group size <= this one
+            if size <= group_size:
+                fit = f
+        latency, per_byte = fit
+        return self.scale * (latency + per_byte * _ring_volume(op, group_size, nbytes))
+
+    @property
+    def overlap_efficiency(self) -> float:
+        """Fraction of the engine's overlap that still hides communication. gloo moves bytes
+        with CPU threads: a collective hides under compute only on a core no rank needs."""
+        return min(1.0, max(0.0, (self.cores - self.world) / self.world))
+
+
+@dataclass(frozen=True)
+class CpuHost:
+    """This host's cores, and the single-thread GEMM shape fitted by `measure_cpu`."""
+
+    cores: int
+    gemm_half_dim: float
+
+    def calibration(self, world: int) -> HostCalibration:
+        probed = min(world, _MAX_PROBE_RANKS)
+        probe = measure_cpu_comm(probed)
+        by_size: dict[int, list[tuple[float, float]]] = {}
+        for name, points in probe["comm"].items():
+            op, size = name.split("/")
+            by_size.setdefault(int(size), []).extend(
+                (_ring_volume(op, int(size), n), t) for n, t in points)
+        fits = tuple(sorted((size, fit_latency_bandwidth(pts)) for size, pts in by_size.items()))
+        if not fits:  # one rank: no collectives were probed, and none will be issued
+            fits = ((1, (0.0, 0.0)),)
+        # the probe times 256^3 GEMMs; undo their shape loss to get a large GEMM's rate
+        shape = (256 / (256 + self.gemm_half_dim)) ** 3
+        # beyond the probed count, ranks time-share the cores further: costs grow with them
+        scale = max(1.0, world / max(probed, self.cores))
+        return HostCalibration(world=world, cores=self.cores, collective_fit=fits,
+                               flops_per_rank=probe["matmul_flops"] / shape / scale,
+                               op_overhead_s=probe["small_op_s"] * scale, scale=scale)
 
 
 def cpu_machine(refresh: bool = False) -> Machine:
@@ -333,7 +566,8 @@ def cpu_machine(refresh: bool = False) -> Machine:
     return Machine("cpu", device, gpus_per_node=os.cpu_count() or 1,
                    network=Network(latency_us=50.0, intra_node_gbps=2.0, inter_node_gbps=2.0),
                    reserved_gib=0.5,
-                   note="compute measured; network: gloo over loopback, a rough constant")
+                   host=CpuHost(cores=os.cpu_count() or 1, gemm_half_dim=probe["gemm_half_dim"]),
+                   note="compute and gloo collectives probed with the job's rank count")
 
 
 # --------------------------------------------------------------------------------------------

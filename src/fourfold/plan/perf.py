@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from fourfold.config import ModelConfig
 from fourfold.models.llama import flops_per_token
 from fourfold.parallel.grid import AXES, GridShape
-from fourfold.plan.machines import Machine
+from fourfold.plan.machines import HostCalibration, Machine
 from fourfold.plan.memory import Precision
 from fourfold.plan.schedule import Collective, block_linears, collective_schedule, local_param_numel
 
@@ -57,24 +57,54 @@ def axis_stride(shape: GridShape, axis: str) -> int:
             "data": shape.x * shape.y * shape.z}[axis]
 
 
-def gemm_seconds(m: int, n: int, k: int, machine: Machine, dtype: str, world_size: int,
-                 elem_bytes: int, batch: int = 1) -> float:
-    """Time of `batch` GEMMs (m x k) @ (k x n) on one rank."""
+@dataclass(frozen=True)
+class _Rates:
+    """What one rank gets: GEMM FLOP/s (large GEMMs), memory bytes/s, seconds per op."""
+
+    flops: float
+    bytes_per_s: float
+    op_overhead_s: float
+    gemm_half_dim: float
+
+
+def _rates(machine: Machine, dtype: str, world_size: int,
+           calibration: HostCalibration | None) -> _Rates:
+    dev = machine.device
+    if calibration is not None:
+        # every rank time-shares the host's cores and memory: the probe ran them all at once
+        return _Rates(calibration.flops_per_rank,
+                      dev.hbm_gbps * 1e9 / max(world_size, 1) * calibration.scale,
+                      calibration.op_overhead_s, dev.gemm_half_dim)
+    return _Rates(machine.peak_flops_per_rank(dtype, world_size) * dev.gemm_efficiency,
+                  machine.hbm_bytes_per_s_per_rank(world_size), dev.op_overhead_us * 1e-6,
+                  dev.gemm_half_dim)
+
+
+def _gemm(m: int, n: int, k: int, rates: _Rates, elem_bytes: int, batch: int = 1) -> float:
     if min(m, n, k) <= 0:
         return 0.0
-    dev = machine.device
-    h = dev.gemm_half_dim
+    h = rates.gemm_half_dim
     shape_eff = (m / (m + h)) * (n / (n + h)) * (k / (k + h))
-    rate = machine.peak_flops_per_rank(dtype, world_size) * dev.gemm_efficiency * shape_eff
-    flop_time = 2.0 * m * n * k / rate
-    memory_time = ((m * k + k * n + m * n) * elem_bytes
-                   / machine.hbm_bytes_per_s_per_rank(world_size))
+    flop_time = 2.0 * m * n * k / (rates.flops * shape_eff)
+    memory_time = (m * k + k * n + m * n) * elem_bytes / rates.bytes_per_s
     return batch * max(flop_time, memory_time)
 
 
-def collective_seconds(c: Collective, shape: GridShape, machine: Machine) -> float:
-    """One call of a ring collective over its axis."""
+def gemm_seconds(m: int, n: int, k: int, machine: Machine, dtype: str, world_size: int,
+                 elem_bytes: int, batch: int = 1) -> float:
+    """Time of `batch` GEMMs (m x k) @ (k x n) on one rank."""
+    return _gemm(m, n, k, _rates(machine, dtype, world_size, machine.calibration(world_size)),
+                 elem_bytes, batch)
+
+
+def collective_seconds(c: Collective, shape: GridShape, machine: Machine,
+                       calibration: HostCalibration | None = None) -> float:
+    """One call of a collective over its axis: on the cpu machine the probe's fitted latency +
+    ring volume x seconds per byte for its group size; elsewhere a ring over the bandwidth the
+    group's placement sees."""
     p = getattr(shape, c.axis)
+    if calibration is not None:
+        return calibration.collective_seconds(c.op, p, c.nbytes)
     bw = machine.bandwidth_gbps(p, axis_stride(shape, c.axis)) * 1e9
     if c.op == "all_reduce":
         volume, steps = 2 * (p - 1) / p * c.nbytes, 2 * (p - 1)
@@ -91,38 +121,38 @@ class _Compute:
     recompute: float  # forward of the blocks again (activation checkpointing)
 
 
-def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, machine: Machine,
-                   precision: Precision, world_size: int) -> _Compute:
+def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, rates: _Rates,
+                   precision: Precision) -> _Compute:
     gx, gy = shape.x, shape.y
-    dt, eb = precision.name, precision.act_bytes
+    eb = precision.act_bytes
     fwd = dgrad = wgrad = 0.0
     for lin in block_linears(model):
         out_l, in_l = ((lin.out_features // gx, lin.in_features // gy) if lin.transposed
                        else (lin.out_features // gy, lin.in_features // gx))
-        fwd += gemm_seconds(n, out_l, in_l, machine, dt, world_size, eb)
-        dgrad += gemm_seconds(n, in_l, out_l, machine, dt, world_size, eb)
-        wgrad += gemm_seconds(out_l, in_l, n, machine, dt, world_size, eb)
+        fwd += _gemm(n, out_l, in_l, rates, eb)
+        dgrad += _gemm(n, in_l, out_l, rates, eb)
+        wgrad += _gemm(out_l, in_l, n, rates, eb)
     # attention: heads split over y (replicated over x); causal, so half of the score matrix
     heads = max(1, model.n_heads // gy)
     seqs = max(1, n // seq_len)
-    attn = gemm_seconds(seq_len, seq_len, model.head_dim, machine, dt, world_size, eb,
+    attn = _gemm(seq_len, seq_len, model.head_dim, rates, eb,
                         batch=seqs * heads)  # scores; same again for the weighted sum
     attn_fwd = attn  # two half-size (causal) GEMMs
     # element-wise work (norms, RoPE, SwiGLU, residual adds): a few passes over the activations
     kv = model.n_kv_heads * model.head_dim
     elem_bytes = n * eb * (12 * model.dim // gx + 5 * model.ffn_dim // gy
                            + 4 * (model.dim + 2 * kv) // gy)
-    elem = elem_bytes / machine.hbm_bytes_per_s_per_rank(world_size)
+    elem = elem_bytes / rates.bytes_per_s
     # per-kernel overhead: about 25 kernels in a block's forward, twice that in backward
-    launch = machine.device.op_overhead_us * 1e-6
+    launch = rates.op_overhead_s
     block_fwd = fwd + attn_fwd + elem + 25 * launch
     block_bwd = dgrad + wgrad + 2 * attn_fwd + 2 * elem + 50 * launch
     L = model.n_layers
     vocab_l, d_l = model.vocab_size // gy, model.dim // gx
-    out_fwd = gemm_seconds(n, vocab_l, d_l, machine, dt, world_size, eb)
-    out_dgrad = gemm_seconds(n, d_l, vocab_l, machine, dt, world_size, eb)
-    out_wgrad = gemm_seconds(vocab_l, d_l, n, machine, dt, world_size, eb)
-    loss = 3 * n * vocab_l * 4 / machine.hbm_bytes_per_s_per_rank(world_size)
+    out_fwd = _gemm(n, vocab_l, d_l, rates, eb)
+    out_dgrad = _gemm(n, d_l, vocab_l, rates, eb)
+    out_wgrad = _gemm(vocab_l, d_l, n, rates, eb)
+    loss = 3 * n * vocab_l * 4 / rates.bytes_per_s
     return _Compute(forward=L * block_fwd + out_fwd + loss + 10 * launch,
                     backward=L * block_bwd + out_dgrad + out_wgrad + loss + 20 * launch,
                     weight_grad=L * wgrad + out_wgrad, recompute=L * block_fwd)
@@ -136,14 +166,16 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     world = shape.size
     shards = shape.data * shape.z
     n = global_batch // shards // grad_accum * seq_len  # tokens per rank per micro-step
-    comp = _compute_times(model, shape, n, seq_len, machine, precision, world)
+    calibration = machine.calibration(world)
+    rates = _rates(machine, precision.name, world, calibration)
+    comp = _compute_times(model, shape, n, seq_len, rates, precision)
     schedule = collective_schedule(model, shape, n, grad_accum, activation_checkpointing,
                                    precision.act_bytes, precision.weight_bytes,
                                    precision.grad_bytes, precision.residual_bytes)
     by_phase: dict[str, dict[str, float]] = {}
     comm_bytes = {a: 0 for a in AXES}
     for c in schedule:
-        t = c.calls * collective_seconds(c, shape, machine)
+        t = c.calls * collective_seconds(c, shape, machine, calibration)
         by_phase.setdefault(c.phase, {a: 0.0 for a in AXES})[c.axis] += t
         comm_bytes[c.axis] += c.nbytes * c.calls
 
@@ -157,13 +189,14 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     units = model.n_layers + 2
     share = (units - 1) / units
     hidden = {a: 0.0 for a in AXES}
+    overlap_efficiency = calibration.overlap_efficiency if calibration is not None else 1.0
 
     def hide(times: dict[str, float], window: float, fraction: float) -> float:
         """Hide up to `fraction` of the times under `window`, shared in proportion."""
         total = sum(times.values())
         if total <= 0.0 or window <= 0.0:
             return 0.0
-        hidden_total = min(total * fraction, window)
+        hidden_total = min(total * fraction * overlap_efficiency, window)
         for a, t in times.items():
             hidden[a] += hidden_total * t / total
         return hidden_total
@@ -186,7 +219,7 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     numel = sum(local_param_numel(model, shape).values())
     optimizer_bytes = numel * (2 * precision.param_bytes + precision.grad_bytes
                                + 2 * precision.optimizer_bytes)
-    optimizer_s = optimizer_bytes / machine.hbm_bytes_per_s_per_rank(world)
+    optimizer_s = optimizer_bytes / rates.bytes_per_s
     compute = fwd_window + bwd_window + optimizer_s + interference
     step = compute + sum(comm[a] - hidden[a] for a in AXES)
     tokens = global_batch * seq_len

@@ -78,19 +78,24 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_peak_flops(dtype: str) -> float:
+def cpu_peak_flops(dtype: str, refresh: bool = False) -> float:
     """Peak FLOP/s of this CPU for `dtype`, measured once by a short matmul probe and cached
-    in cache_dir()/cpu_peak.json keyed by CPU model, thread count and dtype."""
+    in cache_dir()/cpu_peak.json keyed by CPU model, thread count and dtype. A probe taken
+    while the machine was busy reads low, so the cache keeps the highest figure seen, and
+    `refresh` probes again (the trainer does when its MFU would exceed 100%)."""
     key = f"{_cpu_model()}|threads={torch.get_num_threads()}|{dtype}"
     path = cache_dir() / "cpu_peak.json"
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
-    if isinstance(cached, dict) and isinstance(cached.get(key), (int, float)):
-        return float(cached[key])
+    known = cached.get(key) if isinstance(cached, dict) else None
+    if isinstance(known, (int, float)) and not refresh:
+        return float(known)
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     peak = measure_matmul_flops(torch.device("cpu"), torch_dtype)
+    if isinstance(known, (int, float)):
+        peak = max(peak, float(known))
     cached = cached if isinstance(cached, dict) else {}
     cached[key] = peak
     try:

@@ -27,7 +27,8 @@ from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_p
 from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
 from fourfold.train.checkpoint import CheckpointError, CheckpointManager, hf_model_config
-from fourfold.train.metrics import MetricsLog, device_peak_flops, peak_memory_bytes
+from fourfold.train.metrics import (MetricsLog, cpu_peak_flops, device_peak_flops,
+                                    peak_memory_bytes)
 from fourfold.train.optim import build_optimizer, lr_at, set_lr
 from fourfold.train.progress import Progress
 from fourfold.train.resilience import (LossGuard, gather_step_times, restart_count,
@@ -159,6 +160,7 @@ class Trainer:
         self.tokens_per_step = t.batch_size * t.seq_len
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_flops = device_peak_flops(self.device, t.dtype) if self.is_main else None
+        self._peak_refreshed = False
         self.progress_choice = progress
         self.losses: list[float] = []
         self.val_losses: list[tuple[int, float]] = []
@@ -450,7 +452,13 @@ class Trainer:
     def _mfu(self, tokens_per_s: float) -> float | None:
         if not self.peak_flops:
             return None
-        return self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
+        mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
+        if mfu > 1.0 and self.device.type == "cpu" and not self._peak_refreshed:
+            # the cached probe was taken on a busy machine: measure again (keeps the max)
+            self._peak_refreshed = True
+            self.peak_flops = cpu_peak_flops(self.cfg.train.dtype, refresh=True)
+            mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
+        return mfu
 
     def _log_step(self, metrics: MetricsLog | None, stats: StepStats, tokens_per_s: float,
                   mfu: float | None) -> None:
