@@ -13,6 +13,7 @@ from fourfold.parallel.grid import GridShape
 from fourfold.plan import (Overlap, PlanError, Precision, choose_grid, grid_shapes, load_machine,
                            plan, predict_comm_bytes, predict_param_memory, predict_step)
 from fourfold.plan.cli import plan_main
+from fourfold.plan.schedule import collective_schedule
 
 TINY = ModelConfig(preset="custom", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
                    vocab_size=96, max_seq_len=64)
@@ -146,7 +147,7 @@ def test_grids_the_model_cannot_split_are_rejected_with_a_reason():
     planned = {(c.shape.data, c.shape.z, c.shape.y, c.shape.x) for c in result.candidates}
     rejected = {(s.data, s.z, s.y, s.x) for s, _ in result.rejected}
     assert planned | rejected == all_factorizations(6) and not planned & rejected
-    assert (2, 1, 1, 3) in rejected  # dim 128 does not split over x = 3
+    assert (2, 1, 3, 1) in rejected  # ffn_dim 512 does not split over y = 3
     assert all("divisible" in why for _, why in result.rejected)
 
 
@@ -303,3 +304,63 @@ def test_plan_reads_a_config_file(tmp_path, capsys):
     assert plan_main(["--model", str(path), "--gpus", "4", "--machine", "alps", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["global_batch"] == 12 and out["seq_len"] == 128
+
+
+def fake_comm_probe(latency_s: float, per_byte_s: float, flops: float = 1e10):
+    """A comm probe result from a known latency + ring volume x seconds-per-byte law."""
+    def probe(world: int) -> dict:
+        comm = {}
+        for p in range(2, world + 1):
+            if world % p == 0:
+                for op in ("all_reduce", "all_gather", "reduce_scatter"):
+                    share = (p - 1) / p * (2 if op == "all_reduce" else 1)
+                    comm[f"{op}/{p}"] = [(n, p * latency_s + per_byte_s * share * n)
+                                         for n in (4096, 262144, 2097152)]
+        return {"comm": comm, "matmul_flops": flops, "copy_bytes_per_s": 1e9,
+                "small_op_s": 5e-5}
+    return probe
+
+
+def test_cpu_machine_fits_the_comm_probe_and_caches_it(tmp_path, monkeypatch):
+    import fourfold.plan.machines as machines
+
+    calls = []
+
+    def probe(world):
+        calls.append(world)
+        return fake_comm_probe(1e-3, 2e-9)(world)
+
+    monkeypatch.setattr(machines, "_run_comm_probe", probe)
+    cpu = load_machine("cpu")
+    cal = cpu.calibration(8)
+    # the fit recovers the law the probe followed, per group size
+    for p, (latency, per_byte) in cal.collective_fit:
+        assert latency == pytest.approx(p * 1e-3) and per_byte == pytest.approx(2e-9)
+    assert cal.collective_seconds("all_gather", 4, 8e6) == pytest.approx(4e-3 + 0.75 * 8e6 * 2e-9)
+    assert cal.overlap_efficiency == 0.0  # 8 ranks on at most 8 cores: nothing spare to hide in
+    assert (tmp_path / "cache" / "plan" / f"cpu_comm_8ranks_{cal.cores}cores.json").is_file()
+    cpu.calibration(8)
+    assert calls == [8]  # the second time comes from the cache
+    pred = predict_step(TINY, GridShape(z=8), 8, 16, 1, False, cpu, Precision.of("float32"))
+    assert sum(pred.hidden_s.values()) == 0
+    # every z collective costs its probed latency: 8 ms per call at least
+    z_calls = sum(c.calls for c in collective_schedule(TINY, GridShape(z=8), 16, 1, False)
+                  if c.axis == "z")
+    assert pred.comm_s["z"] >= z_calls * 8e-3
+
+
+def test_cpu_latency_moves_the_choice_away_from_many_small_collectives(tmp_path, monkeypatch):
+    import fourfold.plan.machines as machines
+
+    prec = Precision.of("float32")
+    grids = [GridShape(data=4), GridShape(z=4), GridShape(x=4)]
+
+    def best(latency: float) -> GridShape:
+        monkeypatch.setenv("FOURFOLD_CACHE", str(tmp_path / f"latency{latency}"))
+        monkeypatch.setattr(machines, "_run_comm_probe", fake_comm_probe(latency, 1e-9))
+        cpu = load_machine("cpu")
+        times = {s: predict_step(TINY, s, 8, 16, 1, False, cpu, prec).step_s for s in grids}
+        return min(times, key=times.get)
+
+    # data parallelism issues one collective per step, z and x dozens: latency favours data
+    assert best(5e-3) == GridShape(data=4)

@@ -43,6 +43,29 @@ MACHINE.toml (every key optional except where noted; unknown keys are an error):
 
 "Effective GB/s" means: the time of a collective is its ring volume per rank (all-reduce
 2(p-1)/p of the buffer, all-gather / reduce-scatter (p-1)/p of the full buffer) divided by it.
+
+The `cpu` machine (this host) is measured, not looked up. N training ranks share its cores, so
+what a rank pays depends on N, and two probes fit the model (cached under
+$FOURFOLD_CACHE/plan/, keyed by host, torch version, and for the second rank and core count):
+- `measure_cpu` (~1 s, once): single-thread float32 matmuls at 128/256/512 give the GEMM shape
+  law rate(d) = peak * (d / (d + gemm_half_dim))^3 (and a copy gives memory bandwidth).
+- `measure_cpu_comm(N)` (~2-4 s, once per N, run the first time a grid of N ranks is
+  predicted): a fresh interpreter forks N gloo ranks (FileStore rendezvous) that, all at once,
+  as a job's axis groups do, time all-reduce, all-gather and reduce-scatter at 4 KiB, 256 KiB
+  and 2 MiB for every group size p dividing N (median call, slowest rank); then, still all
+  busy, a 256^3 matmul, an 8 MiB copy and a small autograd op loop.
+From these (`CpuHost.calibration(N)` -> `HostCalibration`):
+- a collective over p ranks costs latency_p + ring volume x seconds_per_byte_p, both fitted by
+  least squares over the three ops and three sizes of group size p. On an oversubscribed host
+  the latency (ms, not us: every ring step waits for a descheduled rank) dominates small
+  buffers, so per-call counts from the schedule matter as much as bytes.
+- compute runs at the per-rank matmul rate with all N ranks busy (shape law above), memory-bound
+  work at the per-rank copy rate with all busy, and every framework op costs the measured
+  small-op time (N ranks' Python and autograd overhead queue on the same cores).
+- overlap hides communication only where a core is spare: gloo moves bytes with CPU threads
+  that compete with the GEMMs, so the engine's overlap is scaled by (cores - N) / N, clipped
+  to [0, 1] (nothing hides when N >= cores).
+Above 16 ranks the probe runs 16 and every cost is scaled by N / max(16, cores).
 """
 
 from __future__ import annotations
@@ -322,7 +345,7 @@ def measure_cpu(refresh: bool = False) -> dict[str, float]:
 # would run them. Rank counts above _MAX_PROBE_RANKS are extrapolated (see CpuHost).
 _MAX_PROBE_RANKS = 16
 _PROBE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
-_PROBE_SIZES = (4 * 1024, 256 * 1024, 2 * 1024 * 1024)  # bytes per call, as the ledger counts
+_PROBE_SIZES = (4 * 1024, 512 * 1024, 8 * 1024 * 1024)  # bytes per call, as the ledger counts
 _PROBE_REPEATS = (9, 5, 3)  # calls timed per size (fixed, so every rank issues the same calls)
 
 
@@ -382,6 +405,14 @@ def _probe_rank(rank: int, world: int, store_path: str) -> dict[str, Any]:
         torch.mm(a, b)
     dist.barrier()
     out["matmul_flops"] = max(4, 2 * world) * 2 * 256**3 / (time.perf_counter() - t0)
+    src, dst = torch.ones(2 * 1024 * 1024), torch.empty(2 * 1024 * 1024)  # 8 MiB: past caches
+    dst.copy_(src)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(8):
+        dst.copy_(src)
+    dist.barrier()
+    out["copy_bytes_per_s"] = 8 * 2 * src.numel() * 4 / (time.perf_counter() - t0)
     x = torch.ones(8, requires_grad=True)
     (x * 2.0).sum().backward()
     dist.barrier()
@@ -427,6 +458,7 @@ def _probe_main(world: int, result_path: str) -> None:
                            for i, (n, _) in enumerate(ranks[0]["comm"][k])]
                        for k in ranks[0]["comm"]},
               "matmul_flops": sum(r["matmul_flops"] for r in ranks) / world,
+              "copy_bytes_per_s": sum(r["copy_bytes_per_s"] for r in ranks) / world,
               "small_op_s": sum(r["small_op_s"] for r in ranks) / world}
     Path(result_path).write_text(json.dumps(merged))
 
@@ -509,6 +541,7 @@ class HostCalibration:
     # group size -> (latency s, s per ring byte); all ops pooled (gloo's rings cost alike)
     collective_fit: tuple[tuple[int, tuple[float, float]], ...]
     flops_per_rank: float  # a large GEMM's rate with every rank busy
+    bytes_per_s_per_rank: float  # memory-bound work (copies, element-wise) with every rank busy
     op_overhead_s: float  # framework cost of one op with every rank busy
     scale: float = 1.0  # > 1 when world exceeds the probed rank count (extrapolated)
 
@@ -551,6 +584,7 @@ class CpuHost:
         scale = max(1.0, world / max(probed, self.cores))
         return HostCalibration(world=world, cores=self.cores, collective_fit=fits,
                                flops_per_rank=probe["matmul_flops"] / shape / scale,
+                               bytes_per_s_per_rank=probe["copy_bytes_per_s"] / scale,
                                op_overhead_s=probe["small_op_s"] * scale, scale=scale)
 
 

@@ -6,6 +6,11 @@ bandwidth when that is slower; attention and element-wise work are added the sam
 Communication: the collectives of `schedule.collective_schedule`, each a ring over the
 bandwidth its group's placement sees (group size = the axis size; stride between its ranks:
 x 1, y Gx, z Gx*Gy, data Gx*Gy*Gz), minus the part the engine's overlap hides.
+
+On the `cpu` machine (N ranks time-sharing this host's cores) the rates come from its probe
+(`Machine.calibration(N)`, see fourfold.plan.machines): GEMM, memory and per-op rates with all N
+ranks busy, each collective call a fitted latency + ring volume x seconds per byte of its group
+size, and overlap scaled down to what spare cores can hide (none when N >= cores).
 """
 
 from __future__ import annotations
@@ -72,8 +77,7 @@ def _rates(machine: Machine, dtype: str, world_size: int,
     dev = machine.device
     if calibration is not None:
         # every rank time-shares the host's cores and memory: the probe ran them all at once
-        return _Rates(calibration.flops_per_rank,
-                      dev.hbm_gbps * 1e9 / max(world_size, 1) * calibration.scale,
+        return _Rates(calibration.flops_per_rank, calibration.bytes_per_s_per_rank,
                       calibration.op_overhead_s, dev.gemm_half_dim)
     return _Rates(machine.peak_flops_per_rank(dtype, world_size) * dev.gemm_efficiency,
                   machine.hbm_bytes_per_s_per_rank(world_size), dev.op_overhead_us * 1e-6,
