@@ -26,14 +26,14 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    preset: str = "debug"
-    n_layers: int = 2
-    dim: int = 192
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    ffn_dim: int = 512
+    preset: str = "small"
+    n_layers: int = 4
+    dim: int = 256
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 768
     vocab_size: int = 512
-    max_seq_len: int = 256
+    max_seq_len: int = 512
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
@@ -54,7 +54,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
+    steps: int = 400
     batch_size: int = 16  # sequences per optimizer step, whole job
     seq_len: int = 128
     lr: float = 3e-3
@@ -154,6 +154,9 @@ SECTIONS: dict[str, type] = {
 PRESETS: dict[str, dict[str, Any]] = {
     "debug": dict(n_layers=2, dim=192, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=512,
                   max_seq_len=256),
+    # the built-in default: trains in a few minutes on a laptop CPU with the byte tokenizer
+    "small": dict(n_layers=4, dim=256, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=512,
+                  max_seq_len=512),
     "15m": dict(n_layers=6, dim=288, n_heads=6, n_kv_heads=6, ffn_dim=768, vocab_size=8192,
                 max_seq_len=512),
     "125m": dict(n_layers=12, dim=768, n_heads=12, n_kv_heads=12, ffn_dim=2048, vocab_size=32000,
