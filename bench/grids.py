@@ -73,7 +73,8 @@ def worker(args: argparse.Namespace, out_path: str) -> None:
 
     from fourfold.config import ParallelConfig
     from fourfold.models import build_model
-    from fourfold.parallel import Grid, GridError, GridShape, init_distributed, parallelize
+    from fourfold.parallel import (Grid, GridError, GridShape, init_distributed, leave_job,
+                                   parallelize)
 
     rank, world, device = init_distributed("gloo", 600)
     torch.set_num_threads(1)
@@ -123,10 +124,7 @@ def worker(args: argparse.Namespace, out_path: str) -> None:
     if rank == 0:
         Path(out_path).write_text("".join(json.dumps(r) + "\n" for r in rows))
     dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_job(0)  # destroy the process group, flush, os._exit
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def worker(a: argparse.Namespace) -> None:
 
     from fourfold.config import ParallelConfig
     from fourfold.models import build_model
-    from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
+    from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
 
     rank, world, device = init_distributed("gloo", 600)
     torch.set_num_threads(1)
@@ -180,10 +180,7 @@ def worker(a: argparse.Namespace) -> None:
     if rank == 0:
         Path(a.worker).write_text("".join(json.dumps(r) + "\n" for r in rows))
     dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_job(0)  # destroy the process group, flush, os._exit
 
 
 def main() -> None:

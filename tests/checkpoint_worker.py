@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import traceback
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 from fourfold.config import CheckpointConfig, ParallelConfig, TrainConfig, model_config
 from fourfold.models import build_model
-from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
+from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
 from fourfold.train.checkpoint import (CheckpointManager, build_mesh, load_hf_into,
                                        placements_for)
 from fourfold.train.optim import build_optimizer
@@ -178,10 +177,7 @@ def main() -> int:
     if rank == 0:
         (out_dir / f"{phase}_{world}.json").write_text(json.dumps(results))
     dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_job(0)  # destroy the process group, flush, os._exit
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 from fourfold.config import ParallelConfig, model_config
 from fourfold.models import build_model

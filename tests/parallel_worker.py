@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import traceback
 
 import torch
@@ -14,7 +13,7 @@ import torch.distributed as dist
 
 from fourfold.config import ParallelConfig, model_config
 from fourfold.models import build_model
-from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
+from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
 
 STEPS = 3
 BATCH = 8  # sequences per step, whole job (test_parallel.py uses the same numbers)
@@ -146,10 +145,7 @@ def main() -> int:
             for r in results:
                 f.write(json.dumps(r) + "\n")
     dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_job(0)  # destroy the process group, flush, os._exit
 
 
 if __name__ == "__main__":

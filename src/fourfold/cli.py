@@ -434,15 +434,10 @@ def _report_error(message: str) -> None:
 
 
 def _leave_job(code: int) -> None:
-    """End a rank process that joined a torch.distributed job: tear the process group down,
-    flush, and `os._exit`. With gloo, letting the interpreter shut down normally after
-    destroy_process_group occasionally aborts the process (and fails a finished job)."""
+    """End a rank process that joined a torch.distributed job (see parallel.leave_job)."""
     dist_module = sys.modules.get("torch.distributed")
-    if dist_module is None or not dist_module.is_available() or not dist_module.is_initialized():
-        return
-    try:
-        dist_module.destroy_process_group()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if dist_module is None:
+        return  # never imported torch.distributed: nothing to leave
+    from fourfold.parallel import leave_job
+
+    leave_job(code)

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fourfold.parallel.grid import Axis, Grid
+from fourfold.parallel.grid import Grid
 
 LEDGER_KEYS = ("x", "y", "z", "data", "all")
 

@@ -114,15 +114,18 @@ class ParallelModel:
         """Clip gradients by their total norm over the whole grid (each element counted once);
         returns the norm before clipping. The same formula as torch.nn.utils.clip_grad_norm_."""
         layouts = self.layouts()
-        total = torch.zeros((), dtype=torch.float64)
-        grads = []
+        by_replicas: dict[int, list[torch.Tensor]] = {}
         for name, p in self.module.named_parameters():
-            if p.grad is None:
-                continue
-            grads.append(p.grad)
-            replicas = layouts[name].replicas(self.grid.shape)
-            total += p.grad.detach().double().pow(2).sum().cpu() / replicas
-        total = self.comm.all_reduce(total.to(self.grid.device), "tensor").wait().cpu()
+            if p.grad is not None:
+                replicas = layouts[name].replicas(self.grid.shape)
+                by_replicas.setdefault(replicas, []).append(p.grad.detach())
+        grads = [g for group in by_replicas.values() for g in group]
+        total = torch.zeros((), dtype=torch.float64, device=self.grid.device)
+        for replicas, group in by_replicas.items():
+            # one fused norm per tensor; elements held by several ranks are counted once
+            norms = torch._foreach_norm(group, 2.0)
+            total += torch.stack(norms).double().pow(2).sum() / replicas
+        total = self.comm.all_reduce(total, "tensor").wait().cpu()
         norm = float(total.sqrt())
         if max_norm > 0:
             coef = max_norm / (norm + 1e-6)
