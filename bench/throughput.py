@@ -7,7 +7,9 @@ The same model shapes are trained three ways, in float32 and in bfloat16 (autoca
 - plain:    a nanoGPT-style loop written here: its own small Llama (RMSNorm, RoPE, SwiGLU, SDPA
             attention), fused AdamW, clipping; random tokens;
 - hf:       transformers' LlamaForCausalLM (SDPA attention) with the same shapes and the same
-            loop as plain; random tokens.
+            loop as plain; random tokens;
+- fourfold+compile (not in the default set: compiling takes minutes on a CPU): fourfold with
+            train.compile = true (each transformer block compiled by torch.compile).
 
 Each row runs warmup steps, then times steps (the three ways take turns; each keeps its
 fastest step). MFU = flops_per_token(model, seq) * tokens/s /
@@ -43,7 +45,8 @@ SHAPES: dict[str, tuple[ModelConfig, int, int]] = {
     "35m": (model_config("15m", n_layers=6, dim=512, n_heads=8, n_kv_heads=8, ffn_dim=1376,
                          vocab_size=32000, max_seq_len=512), 512, 2),
 }
-IMPLEMENTATIONS = ("fourfold", "plain", "hf")
+IMPLEMENTATIONS = ("fourfold", "fourfold+compile", "plain", "hf")
+DEFAULT_IMPLEMENTATIONS = ("fourfold", "plain", "hf")
 DTYPES = ("float32", "bfloat16")
 LR = 3e-4
 
@@ -193,7 +196,7 @@ def build_step(impl: str, c: ModelConfig, seq: int, batch: int, dtype: str,
                run_dir: str) -> tuple[Callable[[], None], int]:
     """A function that runs one training step, and the model's parameter count."""
     torch.manual_seed(0)
-    if impl == "fourfold":
+    if impl in ("fourfold", "fourfold+compile"):
         from fourfold.train.trainer import Trainer
 
         model_keys = [f"model.{f.name}={getattr(c, f.name)}" for f in fields(c)
@@ -202,7 +205,8 @@ def build_step(impl: str, c: ModelConfig, seq: int, batch: int, dtype: str,
                                  f"train.seq_len={seq}", f"train.batch_size={batch}",
                                  f"train.dtype={dtype}", "train.device=cpu",
                                  f"train.lr={LR}", "train.warmup_steps=0",
-                                 "data.path=builtin:stdlib", "data.tokenizer=byte"])
+                                 "data.path=builtin:stdlib", "data.tokenizer=byte",
+                                 f"train.compile={impl == 'fourfold+compile'}"])
         trainer = Trainer(cfg, run_dir, progress=False)
         return (lambda: trainer.train_step() and None), trainer.pmodel.module.num_params()
     if impl == "plain":
@@ -251,17 +255,17 @@ def run(shapes: list[str], dtypes: list[str], impls: list[str], warmup: int,
                     mfu = flops_per_token(c, seq) * tps / peaks[dtype]
                     rows.append(Row(shape, dtype, impl, built[impl][1], tokens, best[impl], tps,
                                     mfu))
-                    print(f"  {shape:>4} {dtype:>8} {impl:>8}: {tps:9,.0f} tok/s", flush=True)
+                    print(f"  {shape:>4} {dtype:>8} {impl:>16}: {tps:9,.0f} tok/s", flush=True)
                 del built
     return rows, peaks
 
 
 def format_table(rows: list[Row], peaks: dict[str, float]) -> str:
-    head = (f"{'shape':>5} {'dtype':>8} {'impl':>8} {'params':>8} {'tok/step':>8} "
+    head = (f"{'shape':>5} {'dtype':>8} {'impl':>16} {'params':>8} {'tok/step':>8} "
             f"{'best s/step':>11} {'tok/s':>9} {'MFU':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.shape:>5} {r.dtype:>8} {r.impl:>8} {r.params / 1e6:7.1f}M "
+        lines.append(f"{r.shape:>5} {r.dtype:>8} {r.impl:>16} {r.params / 1e6:7.1f}M "
                      f"{r.tokens_per_step:8d} {r.seconds_per_step:11.2f} {r.tokens_per_s:9,.0f} "
                      f"{100 * r.mfu:5.1f}%")
     lines.append("")
@@ -285,7 +289,7 @@ def main() -> None:
                         type=lambda v: _csv(v, tuple(SHAPES), "--shapes"))
     parser.add_argument("--dtypes", default="float32,bfloat16",
                         type=lambda v: _csv(v, DTYPES, "--dtypes"))
-    parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS),
+    parser.add_argument("--impls", default=",".join(DEFAULT_IMPLEMENTATIONS),
                         type=lambda v: _csv(v, IMPLEMENTATIONS, "--impls"))
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per row")
