@@ -1,0 +1,102 @@
+"""The Llama-family model: parity with Hugging Face transformers, the KV cache, presets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fourfold.config import PRESETS, model_config
+from fourfold.models import KVCache, build_model, flops_per_token
+from fourfold.models.hf import (config_from_hf, config_to_hf, fourfold_to_hf_name,
+                                hf_to_fourfold_name, state_dict_from_hf, state_dict_to_hf)
+from fourfold.models.llama import Llama
+
+
+def tiny_hf(**overrides) -> tuple[LlamaForCausalLM, object]:
+    cfg = model_config("debug", **overrides)
+    hf_cfg = {k: v for k, v in config_to_hf(cfg).items() if k != "architectures"}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**hf_cfg)).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so a mix-up would show
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    return model, cfg
+
+
+@pytest.mark.parametrize("overrides", [{}, {"bias": True}, {"tie_embeddings": True},
+                                       {"n_kv_heads": 1, "rope_theta": 500000.0}])
+def test_logits_equal_hugging_face_llama(overrides: dict) -> None:
+    hf, cfg = tiny_hf(**overrides)
+    ours = build_model(cfg).eval()
+    ours.load_state_dict(state_dict_from_hf(hf.state_dict(), cfg), strict=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (hf(tokens).logits - ours(tokens)).abs().max().item()
+    assert diff < 1e-4
+
+
+def test_config_and_names_round_trip() -> None:
+    cfg = model_config("debug", bias=True, tie_embeddings=True)
+    back = config_from_hf(config_to_hf(cfg))
+    for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                "max_seq_len", "rope_theta", "tie_embeddings", "bias"):
+        assert getattr(back, key) == getattr(cfg, key), key
+    model = build_model(cfg)
+    for name in model.state_dict():
+        assert hf_to_fourfold_name(fourfold_to_hf_name(name)) == name
+    hf_state = state_dict_to_hf(model.state_dict(), cfg)
+    assert "lm_head.weight" not in hf_state  # tied: HF re-ties it from the embedding
+    with pytest.raises(KeyError, match="unknown Hugging Face parameter"):
+        hf_to_fourfold_name("model.layers.0.self_attn.rotary.weight")
+
+
+def test_kv_cache_decoding_equals_full_forward() -> None:
+    cfg = model_config("debug")
+    model = build_model(cfg, seed=0).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache.empty(cfg.n_layers)
+        parts = [model(tokens[:, :10], cache=cache)]  # prefill
+        parts += [model(tokens[:, t:t + 1], cache=cache) for t in range(10, 16)]
+        parts.append(model(tokens[:, 16:], cache=cache))  # a chunk after a cached prefix
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
+    assert cache.length == 24
+
+
+def test_sequence_longer_than_the_model_allows_is_refused() -> None:
+    cfg = model_config("debug", max_seq_len=16)
+    with pytest.raises(ValueError, match="longer than max_seq_len 16"):
+        build_model(cfg)(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_same_seed_same_weights() -> None:
+    a, b = build_model(model_config("debug"), seed=5), build_model(model_config("debug"), seed=5)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values()))
+
+
+@pytest.mark.parametrize("preset,billions", [("8b", 8.03), ("70b", 70.55), ("405b", 405.85)])
+def test_llama3_presets_have_llama3_sizes(preset: str, billions: float) -> None:
+    with torch.device("meta"):  # no memory: shapes only
+        model = Llama(model_config(preset))
+    assert model.num_params() / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_small_presets_build_and_debug_is_about_a_million() -> None:
+    assert 0.8e6 < build_model(model_config("debug")).num_params() < 1.3e6
+    for name in PRESETS:
+        cfg = model_config(name)
+        assert cfg.dim % cfg.n_heads == 0 and cfg.n_heads % cfg.n_kv_heads == 0, name
+
+
+def test_flops_per_token_is_6n_plus_attention() -> None:
+    cfg = model_config("debug")
+    model = build_model(cfg)
+    # N: every weight that takes part in a GEMM (the output layer too; the embedding lookup
+    # and the norms do no matmul)
+    n = model.num_params() - model.embed.weight.numel() - sum(
+        p.numel() for name, p in model.named_parameters() if "norm" in name)
+    assert flops_per_token(cfg, 64) == 6 * n + 12 * cfg.n_layers * cfg.dim * 64
