@@ -14,6 +14,7 @@ import torch.distributed as dist
 from fourfold.config import ParallelConfig, model_config
 from fourfold.models import build_model
 from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
+from fourfold.train.goldfish import goldfish_mask
 
 STEPS = 3
 BATCH = 8  # sequences per step, whole job (test_parallel.py uses the same numbers)
@@ -31,7 +32,14 @@ def batches(vocab: int, accum: int) -> list[list[tuple[torch.Tensor, torch.Tenso
     return out
 
 
-def train(pmodel, steps_data, shard: tuple[int, int], optimizer: str) -> list[float]:
+def loss_mask(inputs: torch.Tensor, targets: torch.Tensor, goldfish: bool) -> torch.Tensor:
+    if goldfish:  # the trainer's rule: drop ~1/k of the tokens, chosen by hashing h tokens
+        return goldfish_mask(inputs, targets, k=4, h=3).float()
+    return torch.ones(targets.shape)
+
+
+def train(pmodel, steps_data, shard: tuple[int, int], optimizer: str, goldfish: bool = False
+          ) -> list[float]:
     index, count = shard
     params = [p for _, p in pmodel.named_parameters()]
     # SGD keeps the weights' comparison tight: Adam divides tiny gradients by their own
@@ -46,12 +54,12 @@ def train(pmodel, steps_data, shard: tuple[int, int], optimizer: str) -> list[fl
         for inputs, targets in micro_batches:
             b = inputs.shape[0] // count
             local.append((inputs[index * b:(index + 1) * b], targets[index * b:(index + 1) * b]))
-        count_tokens = pmodel.reduce_over_batch(
-            torch.tensor(float(sum(t.numel() for _, t in local))))
+        masks = [loss_mask(x, y, goldfish) for x, y in local]
+        count_tokens = pmodel.reduce_over_batch(torch.stack([m.sum() for m in masks]).sum())
         total = torch.zeros(())
-        for i, (inputs, targets) in enumerate(local):
+        for i, ((inputs, targets), mask) in enumerate(zip(local, masks)):
             pmodel.set_requires_gradient_sync(i == len(local) - 1)
-            loss = pmodel(inputs, targets).sum() / count_tokens
+            loss = (pmodel(inputs, targets) * mask).sum() / count_tokens
             loss.backward()
             pmodel.finish_backward()
             total += loss.detach()
@@ -117,7 +125,8 @@ def main() -> int:
                 data = batches(cfg.vocab_size, accum)
                 ref_model = build(cfg, variant)
                 ref = parallelize(ref_model, Grid.single())
-                ref_losses, _ = train(ref, data, (0, 1), variant.get("opt", "sgd"))
+                ref_losses, _ = train(ref, data, (0, 1), variant.get("opt", "sgd"),
+                                      variant.get("goldfish", False))
                 ref_state = ref_model.state_dict()
 
                 model = build(cfg, variant)
@@ -128,7 +137,8 @@ def main() -> int:
                                       bucket_mb=0.05)
                 pmodel = parallelize(model, grid, pcfg)
                 pmodel.ledger.reset()
-                losses, memory = train(pmodel, data, grid.batch_shard, variant.get("opt", "sgd"))
+                losses, memory = train(pmodel, data, grid.batch_shard, variant.get("opt", "sgd"),
+                                       variant.get("goldfish", False))
                 ledger = pmodel.ledger.snapshot()
                 state = pmodel.full_state_dict()
                 max_w = max(float((state[k] - ref_state[k]).abs().max()) for k in ref_state)

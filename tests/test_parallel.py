@@ -3,8 +3,8 @@
 One torchrun launch per world size checks many (grid, variant) cases; see parallel_worker.py.
 Variants: biases + tied embeddings, gradient accumulation + activation checkpointing,
 overlap switched off, AdamW (losses only: Adam magnifies rounding noise in tiny gradients),
-a Hugging Face LlamaForCausalLM parallelized with one call, and a non-Llama module that gets
-the generic plan.
+a Hugging Face LlamaForCausalLM parallelized with one call, a non-Llama module that gets
+the generic plan, and the goldfish loss (the same mask and loss on every grid).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ WORKER = Path(__file__).with_name("parallel_worker.py")
 
 VARIANTS = [{}, {"bias": True, "tie": True}, {"accum": 2, "ckpt": True},
             {"overlap": False, "bias": True}, {"opt": "adamw"},
-            {"hf": True, "bias": True}, {"generic": True}]
+            {"hf": True, "bias": True}, {"generic": True}, {"goldfish": True, "accum": 2}]
 
 GRIDS = {  # (data, z, y, x)
     2: [[1, 1, 1, 2], [1, 1, 2, 1], [1, 2, 1, 1], [2, 1, 1, 1]],
@@ -52,7 +52,8 @@ def run_worker(nproc: int, grids: list, variants: list, tmp_path: Path) -> list[
 
 @pytest.mark.parametrize("nproc", [2, 4, 8])
 def test_grids_match_single_process(nproc: int, tmp_path: Path) -> None:
-    variants = VARIANTS if nproc == 2 else VARIANTS[:3] + [{"opt": "adamw"}, {"hf": True}]
+    variants = VARIANTS if nproc == 2 else VARIANTS[:3] + [{"opt": "adamw"}, {"hf": True},
+                                                           {"goldfish": True}]
     results = run_worker(nproc, GRIDS[nproc], variants, tmp_path)
     assert len(results) == len(GRIDS[nproc]) * len(variants)
     for r in results:
