@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -23,18 +22,7 @@ from fourfold.train.checkpoint import list_checkpoints
 from fourfold.train.metrics import read_metrics
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fourfold_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The built-in corpus is cached in a temporary directory; one thread (tiny models)."""
-    old_cache, old_threads = os.environ.get("FOURFOLD_CACHE"), torch.get_num_threads()
-    os.environ["FOURFOLD_CACHE"] = str(tmp_path_factory.mktemp("fourfold-cache"))
-    torch.set_num_threads(1)
-    yield Path(os.environ["FOURFOLD_CACHE"])
-    torch.set_num_threads(old_threads)
-    if old_cache is None:
-        del os.environ["FOURFOLD_CACHE"]
-    else:
-        os.environ["FOURFOLD_CACHE"] = old_cache
+pytestmark = pytest.mark.usefixtures("fourfold_cache")  # tests/conftest.py
 
 
 OVERRIDES = ["model.preset=debug", "train.batch_size=8", "train.seq_len=32", "train.steps=6",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -22,20 +21,7 @@ REQUIRED_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak
                  "param_bytes", "grad_bytes", "optimizer_bytes"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fourfold_cache(tmp_path_factory: pytest.TempPathFactory):
-    """The built-in corpus and the CPU peak probe are cached in a temporary directory; one
-    thread, because these tiny models gain nothing from more and a busy machine (tests run in
-    parallel) makes several threads spin-wait for each other."""
-    old_cache, old_threads = os.environ.get("FOURFOLD_CACHE"), torch.get_num_threads()
-    os.environ["FOURFOLD_CACHE"] = str(tmp_path_factory.mktemp("fourfold-cache"))
-    torch.set_num_threads(1)
-    yield Path(os.environ["FOURFOLD_CACHE"])
-    torch.set_num_threads(old_threads)
-    if old_cache is None:
-        del os.environ["FOURFOLD_CACHE"]
-    else:
-        os.environ["FOURFOLD_CACHE"] = old_cache
+pytestmark = pytest.mark.usefixtures("fourfold_cache")  # tests/conftest.py
 
 
 def small_config(*overrides: str) -> Config:
