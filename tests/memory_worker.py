@@ -123,7 +123,7 @@ def main() -> None:
         grid = Grid.build(shape, device) if world > 1 else Grid.single()
         try:
             cases = run_cases(shape, grid)
-        except Exception:  # reported to the caller, which fails with the traceback
+        except Exception:  # noqa: BLE001  reported to the caller, which fails with the traceback
             cases = [{"shape": shape_list, "error": traceback.format_exc()}]
         # every rank's numbers: ranks of one grid may hold different shares
         gathered = [cases]

@@ -68,17 +68,28 @@ def predict_param_memory(model_cfg: ModelConfig, shape: GridShape,
 
 def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
                                precision: Precision) -> dict[str, int]:
-    """Per token on a rank: what one block keeps for backward (`block`), and the block input a
-    checkpointed block keeps instead (`checkpoint`)."""
+    """Per token on a rank: what one block keeps for backward (`block`), the block input a
+    checkpointed block keeps instead (`checkpoint`), and what the embedding and the final norm
+    keep (`outside`). Measured against autograd's saved tensors in tests/test_memory_model.py.
+
+    Attention assumes a fused SDPA kernel (flash / memory-efficient, as on CPU and CUDA for a
+    causal mask): it keeps q, k, v and its output, which it lays out so that the o projection's
+    input is a view of it, plus an fp32 log-sum-exp per head; no T x T scores."""
     gx, gy = shape.x, shape.y
-    d, f, kv = model.dim, model.ffn_dim, model.n_kv_heads * model.head_dim
-    residual_like = 4 * d // gx  # both norms' inputs and outputs live split over x
-    attention = (d + 2 * kv) // gy + 2 * d // gy  # q, k, v; attention output (+ o input)
-    mlp = 3 * f // gy  # gate, up, and their product (down's input)
-    norm_stats = 2 * 4  # an fp32 rstd per norm
+    d, f = model.dim, model.ffn_dim
+    heads_dim = model.n_heads * model.head_dim
+    # per norm: its input, the normalized tensor (saved by the weight multiply), its output
+    residual_like = 6 * d // gx
+    # k and v are saved after the GQA repeat, so they are as wide as q
+    attention = 4 * heads_dim // gy
+    mlp = 4 * f // gy  # gate out (silu's input), silu out, up out, their product (down's input)
+    stats = 4 * (2 + model.n_heads // gy)  # an fp32 rstd per norm, an fp32 lse per local head
     act, residual = precision.act_bytes, precision.residual_bytes
-    return {"block": residual_like * residual + (attention + mlp) * act + norm_stats,
-            "checkpoint": d // gx * residual}
+    # final norm (input, normalized, output) and its rstd; token ids (int64) and the
+    # embedding's ownership mask (bool)
+    outside = 3 * d // gx * residual + 4 + 9
+    return {"block": residual_like * residual + (attention + mlp) * act + stats,
+            "checkpoint": d // gx * residual, "outside": outside}
 
 
 def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int,
@@ -93,7 +104,7 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
         activations = n * (model.n_layers * per_token["checkpoint"] + per_token["block"])
     else:
         activations = n * model.n_layers * per_token["block"]
-    activations += 2 * n * (model.dim // gx) * precision.residual_bytes  # embedding, final norm
+    activations += n * per_token["outside"]
     layer_block = sum(lin.out_features * lin.in_features for lin in block_linears(model))
     layer_block //= gx * gy
     vocab_block = model.vocab_size * model.dim // (gx * gy)
