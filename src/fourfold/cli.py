@@ -197,10 +197,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_memorization(args: argparse.Namespace) -> int:
-    from fourfold.eval.memorization import memorization_main
+    from fourfold.eval.memorization import MemorizationAuditError, memorization_main
 
+    if args.nproc < 1:
+        raise MemorizationAuditError(f"--nproc {args.nproc}: must be at least 1")
+    if args.nproc > 1 and not _inside_job():
+        from fourfold.launch import launch_local
+        from fourfold.parallel.grid import GridShape
+
+        GridShape.resolve(args.x, args.y, args.z, "auto", args.nproc)  # one error, not N
+        argv = ["eval", "memorization", str(args.run_dir), "--data", str(args.data),
+                "--docs", str(args.docs), "--prefix", str(args.prefix),
+                "--suffix", str(args.suffix), "--x", str(args.x), "--y", str(args.y),
+                "--z", str(args.z)] + (["--json"] if args.json else [])
+        return launch_local(args.nproc, argv)
     return memorization_main(str(args.run_dir), str(args.data), args.docs, args.prefix,
-                             args.suffix, args.json)
+                             args.suffix, args.json, x=args.x, y=args.y, z=args.z)
 
 
 def cmd_plan(argv: list[str]) -> int:
@@ -352,6 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--suffix", type=int, default=32, metavar="S",
                      help="tokens generated and compared (default 32)")
     mem.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    mem.add_argument("--nproc", type=int, default=1, metavar="N",
+                     help="audit on N local ranks (ignored inside torchrun/srun jobs)")
+    for axis in ("x", "y", "z"):
+        mem.add_argument(f"--{axis}", type=int, default=1, metavar="N",
+                         help=f"grid size along {axis} on several ranks (default 1; "
+                              "the remaining ranks replicate over data)")
     mem.set_defaults(handler=cmd_eval_memorization)
 
     # Registered for --help only: main() hands `plan`'s arguments to the planner unparsed.

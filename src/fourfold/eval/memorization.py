@@ -9,6 +9,10 @@ generated tokens are compared with the true ones three ways:
 - token match: the fraction of positions where the generated token equals the true one;
 - ROUGE-L F1: longest common subsequence of generated and true tokens, which still credits a
   continuation that drifts by a token and then falls back into the memorized text.
+
+On a process grid every rank audits the same documents through the parallelized model (full
+recomputation, no cache) and picks each token with a parallel argmax over the vocabulary shards,
+so every rank, and a single process, reach the same report.
 """
 
 from __future__ import annotations
@@ -16,12 +20,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from fourfold.models.llama import KVCache, Llama
+
+if TYPE_CHECKING:
+    from fourfold.parallel import ParallelModel
 
 
 class MemorizationAuditError(ValueError):
@@ -39,6 +46,30 @@ def greedy_next(logits: torch.Tensor) -> torch.Tensor:
     """The greedy choice (B,) from the last position's logits (B, T, V). On a grid whose logits
     are vocabulary shards, a parallel argmax goes here."""
     return logits[:, -1, :].argmax(dim=-1)
+
+
+def vocab_parallel_greedy_next(pmodel: ParallelModel) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A `pick` for greedy_decode on a grid: from this rank's vocabulary shard of the logits
+    (B, T, V/Gy), the global argmax (B,) over all y-ranks, ties to the lowest global index
+    (torch.argmax's choice on whole logits). On a grid with whole logits it is greedy_next."""
+    vocab_start = getattr(pmodel.criterion, "vocab_start", None)
+    if vocab_start is None or pmodel.grid.size("y") == 1:
+        return greedy_next
+    comm = pmodel.comm
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        last = logits[:, -1, :]
+        local_index = last.argmax(dim=-1)
+        local_value = last.gather(-1, local_index[:, None]).squeeze(-1)
+        # float64 carries both the (float32 or lower) logit and the vocabulary index exactly.
+        mine = torch.stack([local_value.double(), (local_index + vocab_start).double()])[None]
+        gathered = comm.all_gather(mine, "y").wait()  # (Gy, 2, B)
+        values, indices = gathered[:, 0], gathered[:, 1]
+        best = values.max(dim=0).values
+        candidates = torch.where(values == best, indices, torch.full_like(indices, float("inf")))
+        return candidates.min(dim=0).values.long()
+
+    return pick
 
 
 def greedy_decode(model: NextLogits, prompts: torch.Tensor, n_new: int,
@@ -154,13 +185,17 @@ def _default_cache_factory(model: NextLogits) -> Callable[[], Any] | None:
 
 def audit_memorization(model: NextLogits, documents: Sequence[Sequence[int] | np.ndarray],
                        prefix: int, suffix: int, batch_size: int = 8,
-                       new_cache: Callable[[], Any] | None = None) -> MemorizationReport:
+                       new_cache: Callable[[], Any] | None = None,
+                       pick: Callable[[torch.Tensor], torch.Tensor] = greedy_next,
+                       device: torch.device | None = None) -> MemorizationReport:
     """Prompt with each document's first `prefix` tokens, greedily generate `suffix` tokens and
     compare them with the document's next `suffix` tokens. Documents shorter than prefix+suffix
     are skipped (counted in the report).
 
     `new_cache` makes a fresh cache per batch; by default a KVCache for a fourfold Llama and none
-    (recompute the whole sequence each step) for other callables. Runs on one process.
+    (recompute the whole sequence each step) for other callables. `pick` chooses the next token
+    from the logits (see vocab_parallel_greedy_next); `device` is where the tokens go (default:
+    the model's parameters' device). On a grid use audit_memorization_on_grid.
     """
     if prefix < 1 or suffix < 1:
         raise MemorizationAuditError(f"prefix = {prefix}, suffix = {suffix}: both must be at "
@@ -184,14 +219,15 @@ def audit_memorization(model: NextLogits, documents: Sequence[Sequence[int] | np
     if isinstance(model, torch.nn.Module):
         model.eval()
     try:
-        device = _model_device(model)
+        device = device if device is not None else _model_device(model)
         rows: list[DocumentResult] = []
         # Every prompt has exactly `prefix` tokens, so any documents batch together unpadded.
         for start in range(0, len(usable), batch_size):
             chunk = usable[start:start + batch_size]
             tokens = torch.from_numpy(np.stack([doc for _, doc in chunk])).to(device)
             cache = new_cache() if new_cache is not None else None
-            generated = greedy_decode(model, tokens[:, :prefix], suffix, cache=cache).cpu()
+            generated = greedy_decode(model, tokens[:, :prefix], suffix, cache=cache,
+                                      pick=pick).cpu()
             truth = tokens[:, prefix:].cpu()
             for (index, _), gen_row, true_row in zip(chunk, generated.tolist(), truth.tolist()):
                 rows.append(score_continuation(index, gen_row, true_row))
@@ -209,6 +245,32 @@ def audit_memorization(model: NextLogits, documents: Sequence[Sequence[int] | np
         rows=rows)
 
 
+def audit_memorization_on_grid(pmodel: ParallelModel,
+                               documents: Sequence[Sequence[int] | np.ndarray],
+                               prefix: int, suffix: int,
+                               batch_size: int = 8) -> MemorizationReport:
+    """audit_memorization through a parallelized model. Collective: every rank of the grid calls
+    it with the same documents (the batch is not split) and gets the same report. Decodes with
+    full recomputation (the parallel model has no KV cache)."""
+    module = pmodel.module
+    if isinstance(module, Llama) and prefix + suffix > module.cfg.max_seq_len:
+        raise MemorizationAuditError(
+            f"prefix + suffix = {prefix + suffix} tokens: longer than the model's max_seq_len "
+            f"{module.cfg.max_seq_len}; use at most {module.cfg.max_seq_len} in all")
+
+    def forward(tokens: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        return pmodel(tokens)
+
+    was_training = pmodel.training
+    pmodel.eval()
+    try:
+        return audit_memorization(forward, documents, prefix, suffix, batch_size,
+                                  pick=vocab_parallel_greedy_next(pmodel),
+                                  device=pmodel.grid.device)
+    finally:
+        pmodel.train(was_training)
+
+
 def _model_device(model: NextLogits) -> torch.device:
     if isinstance(model, torch.nn.Module):
         for p in model.parameters():
@@ -217,17 +279,38 @@ def _model_device(model: NextLogits) -> torch.device:
 
 
 def memorization_main(run_dir: str, data: str, docs: int, prefix: int, suffix: int,
-                      as_json: bool) -> int:
+                      as_json: bool, x: int = 1, y: int = 1, z: int = 1) -> int:
     """`fourfold eval memorization RUN_DIR --data DATA`: audit a trained run on its training
-    documents, print a table (or JSON), return the exit code."""
-    from fourfold.data import documents, resolve_data_path  # noqa: PLC0415 (heavy, optional)
-    from fourfold.train.runs import load_trained  # noqa: PLC0415
+    documents, print a table (or JSON), return the exit code.
+
+    Inside a multi-rank job (torchrun, srun, `--nproc`) every rank joins a grid of x*y*z
+    tensor-parallel ranks (the rest replicate over data) and runs the audit; rank 0 prints.
+    """
+    from fourfold.data import documents, resolve_data_path
+    from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
+    from fourfold.train.runs import load_trained
 
     if docs < 1:
         raise MemorizationAuditError(f"--docs {docs}: must be at least 1")
+    for axis, size in (("x", x), ("y", y), ("z", z)):
+        if size < 1:
+            raise MemorizationAuditError(f"--{axis} {size}: must be at least 1")
     model, cfg = load_trained(run_dir)
     data_dir = resolve_data_path(data, cfg.data.tokenizer)
     texts = documents(data_dir, "train", docs)
-    report = audit_memorization(model, texts, prefix=prefix, suffix=suffix)
-    print(report.to_json() if as_json else report.format_table())
+
+    p = cfg.parallel
+    backend = "gloo" if p.backend == "auto" and cfg.train.device == "cpu" else p.backend
+    rank, world, device = init_distributed(backend, p.timeout_s)
+    shape = GridShape.resolve(x, y, z, "auto", world)
+    if world == 1:
+        # One process: the plain model with its KV cache is the fast path.
+        report = audit_memorization(model, texts, prefix=prefix, suffix=suffix)
+    else:
+        grid = Grid.build(shape, device, timeout_s=p.timeout_s)
+        model.to(device)
+        pmodel = parallelize(model, grid, p)
+        report = audit_memorization_on_grid(pmodel, texts, prefix=prefix, suffix=suffix)
+    if rank == 0:
+        print(report.to_json() if as_json else report.format_table(), flush=True)
     return 0
