@@ -70,6 +70,12 @@ class Handle:
         return self._result
 
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older
+# releases in our supported range only have the old ones.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _wire_dtype(t: torch.Tensor, backend: str) -> torch.dtype:
     if backend == "gloo" and t.dtype in (torch.bfloat16, torch.float16):
         return torch.float32
@@ -149,7 +155,7 @@ class Comm:
         out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=buf.dtype, device=t.device)
         self.ledger.record(axis, out.numel() * t.element_size())
         try:
-            work = dist.all_gather_into_tensor(out, buf, group=group, async_op=True)
+            work = _all_gather_tensor(out, buf, group=group, async_op=True)
         except RuntimeError as e:
             raise self.error("all-gather", axis, e) from None
         handle = Handle(self, work, out, "all-gather", axis,
@@ -168,7 +174,7 @@ class Comm:
         buf, dtype = self._to_wire(t.contiguous())
         out = torch.empty((t.shape[0] // size, *t.shape[1:]), dtype=buf.dtype, device=t.device)
         try:
-            work = dist.reduce_scatter_tensor(out, buf, group=group, async_op=True)
+            work = _reduce_scatter_tensor(out, buf, group=group, async_op=True)
         except RuntimeError as e:
             raise self.error("reduce-scatter", axis, e) from None
         handle = Handle(self, work, out, "reduce-scatter", axis,
