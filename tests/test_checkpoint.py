@@ -1,4 +1,4 @@
-"""Checkpoints: exact resume, resharding across grids (4 ranks -> 2 ranks of another shape ->
+"""Checkpoints: exact resume, resharding across grids (8 ranks -> 4 ranks; 4 ranks -> 2 ranks of another shape ->
 one process), damaged and failed checkpoints, and starting from a Hugging Face checkpoint.
 
 Two torchrun launches (checkpoint_worker.py) check many things each; the single-process checks
@@ -78,6 +78,27 @@ def grids_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     saved = run_worker(4, "save", SAVE_SHAPE, out, hf_dir)
     loaded = run_worker(2, "load", LOAD_SHAPE, out, hf_dir)
     return {"out": out, "save": saved, "load": loaded}
+
+
+@pytest.fixture(scope="module")
+def eight_to_four_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The issue's larger example: saved by 8 ranks (data 2, z 2, x 2), resumed on 4 ranks of
+    another shape (y 2, x 2)."""
+    out = tmp_path_factory.mktemp("ckpt8")
+    hf_dir = out / "hf"
+    write_hf_checkpoint(hf_dir)
+    saved = run_worker(8, "save", [2, 2, 1, 2], out, hf_dir)
+    loaded = run_worker(4, "load", [1, 1, 2, 2], out, hf_dir)
+    return {"save": saved, "load": loaded}
+
+
+def test_reshard_eight_ranks_to_four_ranks(eight_to_four_run: dict) -> None:
+    reference = eight_to_four_run["save"][0]["losses"][worker.SAVE_AT:]
+    assert eight_to_four_run["save"][0]["resumed_losses"] == reference  # same grid: bit-exact
+    for rank, r in enumerate(eight_to_four_run["load"]):
+        assert r["max_weight_diff"] == 0.0, f"rank {rank}: weights differ after resharding"
+        for a, b in zip(r["continued_losses"], reference, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (r["continued_losses"], reference)
 
 
 def test_four_rank_stop_and_resume_is_exact(grids_run: dict) -> None:
