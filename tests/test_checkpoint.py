@@ -1,5 +1,6 @@
-"""Checkpoints: exact resume, resharding across grids (8 ranks -> 4 ranks; 4 ranks -> 2 ranks of another shape ->
-one process), damaged and failed checkpoints, and starting from a Hugging Face checkpoint.
+"""Checkpoints: exact resume, resharding across grids (8 ranks -> 4 ranks; 4 ranks -> 2 ranks
+of another shape -> one process), damaged and failed checkpoints, and starting from a Hugging
+Face checkpoint.
 
 Two torchrun launches (checkpoint_worker.py) check many things each; the single-process checks
 run here.
