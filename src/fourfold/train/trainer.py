@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 import warnings
@@ -449,15 +450,26 @@ class Trainer:
         with (self.run_dir / SAMPLES_FILE).open("a") as f:
             f.write(f"--- step {self.step} ---\n{text}\n")
 
+    def _devices(self) -> float:
+        """How many times the probed peak the job can reach: one device per rank on GPUs; on
+        CPUs, ranks that share a machine share its cores (the probe ran on one rank's threads)."""
+        if self.device.type != "cpu":
+            return float(self.world_size)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        share = min(1.0, cores / (local * torch.get_num_threads()))
+        return self.world_size * share
+
     def _mfu(self, tokens_per_s: float) -> float | None:
         if not self.peak_flops:
             return None
-        mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
+        mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self._devices())
         if mfu > 1.0 and self.device.type == "cpu" and not self._peak_refreshed:
             # the cached probe was taken on a busy machine: measure again (keeps the max)
             self._peak_refreshed = True
             self.peak_flops = cpu_peak_flops(self.cfg.train.dtype, refresh=True)
-            mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
+            mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self._devices())
         return mfu
 
     def _log_step(self, metrics: MetricsLog | None, stats: StepStats, tokens_per_s: float,
