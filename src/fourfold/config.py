@@ -7,7 +7,6 @@ one line that names the key and what is allowed. The CLI turns ConfigError into 
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
 import tomllib
@@ -404,8 +403,3 @@ def dump_toml(data: dict[str, dict[str, Any]]) -> str:
             lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
-
-
-def replace(cfg: Config, **sections: Any) -> Config:
-    """A copy of cfg with whole sections replaced (used by tests and the API)."""
-    return dataclasses.replace(cfg, **sections)

@@ -202,22 +202,5 @@ class _AllReduceSumBothWays(torch.autograd.Function):
         return ctx.comm.all_reduce(grad.clone(), ctx.axis).wait(), None, None
 
 
-class _ReduceForward(torch.autograd.Function):
-    """Sum partial results over an axis in forward; the gradient of a replicated result is
-    already complete on every rank, so backward is the identity."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:  # type: ignore[override]
-        return comm.all_reduce(t.clone(), axis).wait()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad, None, None
-
-
 def all_reduce_both_ways(t: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
     return _AllReduceSumBothWays.apply(t, comm, axis)
-
-
-def reduce_forward(t: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
-    return _ReduceForward.apply(t, comm, axis)

@@ -33,15 +33,6 @@ class OverlapOptions:
     gemm_tuning: bool = False  # time the equivalent matmul layouts per shape, keep the fastest
 
 
-class ZShardedWeight:
-    """Protocol of modules whose weight is split over z: `weight` holds this rank's shard and
-    the gathered block has `block_shape`."""
-
-    weight: nn.Parameter
-    block_shape: tuple[int, ...]
-    needs_backward_gather: bool
-
-
 class Engine:
     def __init__(self, comm: Comm, options: OverlapOptions) -> None:
         self.comm = comm

@@ -46,6 +46,7 @@ class ParallelModel:
         self.comm = comm
         self.engine = engine
         self._forward = module
+        self._grad_groups: tuple[list[nn.Parameter], list[nn.Parameter]] | None = None
         self._is_hf = hasattr(module, "config") and hasattr(module.config, "model_type")
         # vocab_start is None when the logits are whole (one process, or the generic plan)
         self.criterion: nn.Module | Any = (
@@ -104,10 +105,12 @@ class ParallelModel:
         """Wait for the engine's pending communication; call after every backward."""
         if self.engine is None:
             return
-        layouts = self.layouts()
-        named = list(self.module.named_parameters())
-        z_replicated = [p for n, p in named if "z" not in layouts[n].split_axes]
-        self.engine.finish_backward(z_replicated, [p for _, p in named])
+        if self._grad_groups is None:  # the parameters and their layouts never change
+            layouts = self.layouts()
+            named = list(self.module.named_parameters())
+            self._grad_groups = ([p for n, p in named if "z" not in layouts[n].split_axes],
+                                 [p for _, p in named])
+        self.engine.finish_backward(*self._grad_groups)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
