@@ -10,14 +10,13 @@ the table says when they do not).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-WORKER = Path(__file__).resolve().parent.parent / "tests" / "memory_worker.py"
+# the measuring worker lives beside the test that holds the model to it
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import memory_worker  # noqa: E402
 
 GRIDS = {  # (data, z, y, x); the debug model has 2 kv heads, so y is at most 2
     1: [[1, 1, 1, 1]],
@@ -29,18 +28,10 @@ GRIDS = {  # (data, z, y, x); the debug model has 2 kv heads, so y is at most 2
 
 def run(nproc: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "memory.jsonl"
-        env = dict(os.environ, FOURFOLD_MEM_SHAPES=json.dumps(GRIDS[nproc]),
-                   FOURFOLD_MEM_OUT=str(out), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, str(WORKER)]
-        if nproc > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(nproc), str(WORKER)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
-                              check=False)
-        if proc.returncode != 0:
-            sys.exit(f"error: {nproc}-rank worker failed:\n{proc.stderr[-3000:]}")
-        return [json.loads(line) for line in out.read_text().splitlines()]
+        results, stderr = memory_worker.launch(nproc, GRIDS[nproc], Path(tmp) / "memory.jsonl")
+    if results is None:
+        sys.exit(f"error: {nproc}-rank worker failed:\n{stderr[-3000:]}")
+    return results
 
 
 def main() -> None:

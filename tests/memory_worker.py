@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -141,6 +144,23 @@ def main() -> None:
     if world > 1:
         dist.barrier()
     leave_job(0)
+
+
+def launch(nproc: int, grids: list, out: Path, timeout_s: float = 600
+           ) -> tuple[list[dict] | None, str]:
+    """Run this worker on `nproc` ranks (torchrun when more than one) over `grids`; returns
+    (its JSON lines, or None when the launch failed, and the launch's stderr)."""
+    env = dict(os.environ, FOURFOLD_MEM_SHAPES=json.dumps(grids), FOURFOLD_MEM_OUT=str(out),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, __file__]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), __file__]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s,
+                          check=False)
+    if proc.returncode != 0:
+        return None, proc.stderr
+    return [json.loads(line) for line in out.read_text().splitlines()], proc.stderr
 
 
 if __name__ == "__main__":

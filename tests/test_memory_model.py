@@ -5,15 +5,11 @@ states are checked exactly in test_parallel.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import memory_worker
 import pytest
 
-WORKER = Path(__file__).with_name("memory_worker.py")
 TOLERANCE = 0.15
 
 GRIDS = {  # (data, z, y, x); the debug model has 2 kv heads, so y is at most 2
@@ -25,17 +21,9 @@ GRIDS = {  # (data, z, y, x); the debug model has 2 kv heads, so y is at most 2
 
 
 def run_memory_worker(nproc: int, grids: list, out: Path) -> list[dict]:
-    """Launch the worker (torchrun for several ranks) and read its JSON lines."""
-    env = dict(os.environ, FOURFOLD_MEM_SHAPES=json.dumps(grids), FOURFOLD_MEM_OUT=str(out),
-               OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(WORKER)]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), str(WORKER)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in out.read_text().splitlines()]
+    results, stderr = memory_worker.launch(nproc, grids, out, timeout_s=300)
+    assert results is not None, stderr[-4000:]
+    return results
 
 
 @pytest.mark.parametrize("nproc", sorted(GRIDS))

@@ -80,7 +80,7 @@ import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fourfold.plan.errors import PlanError
 
@@ -305,17 +305,36 @@ def _fit_half_dim(rates: dict[int, float]) -> tuple[float, float]:
     return best[2], best[1]
 
 
-def measure_cpu(refresh: bool = False) -> dict[str, float]:
-    """Measure (or read from the cache) this CPU's matmul rate and memory bandwidth (~1 s)."""
-    path = cache_dir() / "cpu_probe.json"
-    key = _probe_key()
+def _cached_probe(path: Path, key: str, refresh: bool,
+                  measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A probe's result from its cache file when the key matches, else measured and cached
+    (written atomically; a damaged cache is measured again, a read-only one only costs a
+    re-measurement next time)."""
     if not refresh and path.is_file():
         try:
             cached = json.loads(path.read_text())
             if cached.get("key") == key:
                 return cached
         except (OSError, ValueError):
-            pass  # a damaged cache is measured again
+            pass
+    result = dict(measure(), key=key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(result, indent=2))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return result
+
+
+def measure_cpu(refresh: bool = False) -> dict[str, float]:
+    """Measure (or read from the cache) this CPU's matmul rate and memory bandwidth (~1 s)."""
+    return _cached_probe(cache_dir() / "cpu_probe.json", _probe_key(), refresh,
+                         _probe_cpu)
+
+
+def _probe_cpu() -> dict[str, Any]:
     import torch
 
     # One thread, scaled by the core count: ranks split the cores anyway, and a busy host
@@ -328,17 +347,8 @@ def measure_cpu(refresh: bool = False) -> dict[str, float]:
         torch.set_num_threads(threads)
     peak, half_dim = _fit_half_dim(rates)
     peak *= os.cpu_count() or 1
-    result: dict[str, Any] = {"key": key, "peak_flops": peak, "gemm_half_dim": half_dim,
-                              "copy_bytes_per_s": _time_copy(0.1),
-                              "rates": {str(k): v for k, v in rates.items()}}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home only costs a re-measurement next time
-    return result
+    return {"peak_flops": peak, "gemm_half_dim": half_dim, "copy_bytes_per_s": _time_copy(0.1),
+            "rates": {str(k): v for k, v in rates.items()}}
 
 
 # The comm probe: N local gloo ranks, timed together, as a training job of N ranks on this host
@@ -497,23 +507,8 @@ def measure_cpu_comm(world: int, refresh: bool = False) -> dict[str, Any]:
     """Probe (or read from the cache) what `world` gloo ranks on this host pay: collectives by
     group size and buffer size, the matmul rate and the small-op cost per rank (~2-4 s)."""
     path = cache_dir() / f"cpu_comm_{world}ranks_{os.cpu_count() or 1}cores.json"
-    key = f"{_probe_key()}|{world}"
-    if not refresh and path.is_file():
-        try:
-            cached = json.loads(path.read_text())
-            if cached.get("key") == key:
-                return cached
-        except (OSError, ValueError):
-            pass  # a damaged cache is measured again
-    result = dict(_run_comm_probe(world), key=key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return result
+    return _cached_probe(path, f"{_probe_key()}|{world}", refresh,
+                         lambda: _run_comm_probe(world))
 
 
 def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
