@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import difflib
 import math
-import tomllib
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
+
+import tomllib
+
+
+def cache_root() -> Path:
+    """Where fourfold keeps what it measures or prepares once (the built-in corpus, CPU probes,
+    GEMM layout choices): $FOURFOLD_CACHE, else ~/.cache/fourfold."""
+    env = os.environ.get("FOURFOLD_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fourfold"
 
 
 class ConfigError(ValueError):

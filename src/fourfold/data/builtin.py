@@ -15,6 +15,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from fourfold.config import cache_root
 from fourfold.data.errors import DataError
 from fourfold.data.manifest import MANIFEST_FILE
 from fourfold.data.prepare import prepare
@@ -27,12 +28,6 @@ SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "id
 MAX_CORPUS_BYTES = 16 << 20
 BUILTIN_VERSION = 1  # bump when the file selection changes, so old caches are not reused
 BUILTIN_VAL_FRACTION = 0.01  # ~6 files of ~600: a validation split of ~100k tokens
-
-
-def default_cache_dir() -> Path:
-    """$FOURFOLD_CACHE, else ~/.cache/fourfold."""
-    env = os.environ.get("FOURFOLD_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "fourfold"
 
 
 def stdlib_files(max_bytes: int = MAX_CORPUS_BYTES) -> list[Path]:
@@ -59,7 +54,7 @@ def builtin_corpus(tokenizer: str = "byte", cache_dir: Path | None = None) -> Pa
     temporary directory and renames it into place; the others wait and then reuse it.
     """
     check_spec(tokenizer)
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
     root.mkdir(parents=True, exist_ok=True)
     target = root / _cache_key(tokenizer)
     if (target / MANIFEST_FILE).is_file():

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from fourfold.config import cache_root
 from fourfold.parallel.comm import Comm
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -45,10 +46,9 @@ VARIANTS: dict[str, list[tuple[str, Matmul]]] = {
 
 
 def default_cache_path(device: torch.device) -> Path:
-    root = Path(os.environ.get("FOURFOLD_CACHE", Path.home() / ".cache" / "fourfold"))
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
             else f"cpu-{torch.get_num_threads()}threads")
-    return root / f"gemm-{name.replace(' ', '_')}.json"
+    return cache_root() / f"gemm-{name.replace(' ', '_')}.json"
 
 
 class GemmTuner:

@@ -77,11 +77,13 @@ import platform
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import tomllib
+
+from fourfold.config import cache_root
 from fourfold.plan.errors import PlanError
 
 GIB = 1024**3
@@ -241,9 +243,7 @@ def _generic_node(key: str) -> Machine:
 
 def cache_dir() -> Path:
     """Where measured numbers are kept: $FOURFOLD_CACHE, else ~/.cache/fourfold."""
-    root = os.environ.get("FOURFOLD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                             "fourfold")
-    return Path(root) / "plan"
+    return cache_root() / "plan"
 
 
 def _probe_key() -> str:

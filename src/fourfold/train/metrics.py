@@ -14,6 +14,8 @@ from typing import Any, TextIO
 
 import torch
 
+from fourfold.config import cache_root
+
 # Dense peak FLOP/s per device: (bfloat16, tf32, float32). Matched on a substring of
 # torch.cuda.get_device_name(); earlier entries win, so the more specific names come first.
 GPU_PEAK_FLOPS: tuple[tuple[str, tuple[float, float, float]], ...] = (
@@ -28,12 +30,6 @@ GPU_PEAK_FLOPS: tuple[tuple[str, tuple[float, float, float]], ...] = (
 )
 
 PROBE_SECONDS = 0.5
-
-
-def cache_dir() -> Path:
-    """$FOURFOLD_CACHE, else ~/.cache/fourfold."""
-    env = os.environ.get("FOURFOLD_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "fourfold"
 
 
 def gpu_peak_flops(device_name: str, dtype: str, tf32: bool) -> float | None:
@@ -80,11 +76,11 @@ def _cpu_model() -> str:
 
 def cpu_peak_flops(dtype: str, refresh: bool = False) -> float:
     """Peak FLOP/s of this CPU for `dtype`, measured once by a short matmul probe and cached
-    in cache_dir()/cpu_peak.json keyed by CPU model, thread count and dtype. A probe taken
+    in cache_root()/cpu_peak.json keyed by CPU model, thread count and dtype. A probe taken
     while the machine was busy reads low, so the cache keeps the highest figure seen, and
     `refresh` probes again (the trainer does when its MFU would exceed 100%)."""
     key = f"{_cpu_model()}|threads={torch.get_num_threads()}|{dtype}"
-    path = cache_dir() / "cpu_peak.json"
+    path = cache_root() / "cpu_peak.json"
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
