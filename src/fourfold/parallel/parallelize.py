@@ -47,6 +47,7 @@ class ParallelModel:
         self.engine = engine
         self._forward = module
         self._grad_groups: tuple[list[nn.Parameter], list[nn.Parameter]] | None = None
+        self._layouts: dict[str, Layout] | None = None
         self._is_hf = hasattr(module, "config") and hasattr(module.config, "model_type")
         # vocab_start is None when the logits are whole (one process, or the generic plan)
         self.criterion: nn.Module | Any = (
@@ -147,7 +148,12 @@ class ParallelModel:
     # ---- layouts and state --------------------------------------------------------------------
 
     def layouts(self) -> dict[str, Layout]:
-        """The Layout of every parameter, by name."""
+        """The Layout of every parameter, by name (fixed once the model is parallelized)."""
+        if self._layouts is None:
+            self._layouts = self._find_layouts()
+        return dict(self._layouts)
+
+    def _find_layouts(self) -> dict[str, Layout]:
         by_id: dict[int, Layout] = {}
         for module in self.module.modules():
             if isinstance(module, (Linear3D, ParallelEmbedding)):
