@@ -11,6 +11,12 @@ The same model shapes are trained three ways, in float32 and in bfloat16 (autoca
 - fourfold+compile (not in the default set: compiling takes minutes on a CPU): fourfold with
             train.compile = true (each transformer block compiled by torch.compile).
 
+Each runs in its own process, as its user would run it: fourfold's Trainer tunes malloc for
+its process on CPU (fourfold.train.host_memory: freed memory is kept for reuse instead of being
+returned to the kernel and zero-filled again on the next step); the plain and HF loops run with
+glibc's defaults unless --same-malloc gives them the same tuning (a comparison of the models and
+loops alone).
+
 Each row runs warmup steps, then times steps (the three ways take turns; each keeps its
 fastest step). MFU = flops_per_token(model, seq) * tokens/s /
 peak, where peak is a matmul FLOP/s probe of this machine in that dtype (so MFU is relative to
@@ -25,10 +31,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import multiprocessing as mp
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +45,7 @@ from torch import nn
 
 from fourfold.config import ModelConfig, load_config, model_config
 from fourfold.models.llama import flops_per_token
+from fourfold.train.host_memory import keep_freed_host_memory
 
 # name -> (model config, sequence length, sequences per step)
 SHAPES: dict[str, tuple[ModelConfig, int, int]] = {
@@ -226,37 +236,62 @@ def build_step(impl: str, c: ModelConfig, seq: int, batch: int, dtype: str,
     raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLEMENTATIONS)}")
 
 
+def _worker(conn: Connection, impl: str, shape: str, dtype: str, run_dir: str,
+            same_malloc: bool) -> None:
+    """One implementation in its own process: build it, then run a step whenever asked."""
+    if same_malloc:
+        keep_freed_host_memory()
+    c, seq, batch = SHAPES[shape]
+    step, params = build_step(impl, c, seq, batch, dtype, run_dir)
+    conn.send(params)
+    while conn.recv() == "step":
+        t0 = time.perf_counter()
+        step()
+        conn.send(time.perf_counter() - t0)
+
+
 def run(shapes: list[str], dtypes: list[str], impls: list[str], warmup: int,
-        steps: int) -> tuple[list[Row], dict[str, float]]:
-    """Time every implementation on every shape and dtype. The implementations of one row
-    group take turns step by step and each keeps its fastest step, so that load from other
+        steps: int, same_malloc: bool = False) -> tuple[list[Row], dict[str, float]]:
+    """Time every implementation on every shape and dtype.
+
+    Each implementation runs in its own process, as its user would run it (so fourfold's
+    malloc tuning helps fourfold alone unless `same_malloc`). The processes take turns step by
+    step, one computing at a time, and each keeps its fastest step, so that load from other
     processes on a shared machine does not favour whichever ran at a quiet moment."""
     peaks = {d: measure_peak_flops(torch.bfloat16 if d == "bfloat16" else torch.float32)
              for d in dtypes}
     rows: list[Row] = []
+    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
             c, seq, batch = SHAPES[shape]
             tokens = batch * seq
             for dtype in dtypes:
-                built = {impl: build_step(impl, c, seq, batch, dtype, f"{tmp}/{shape}")
-                         for impl in impls}
-                for step, _ in built.values():
-                    for _ in range(warmup):
-                        step()
-                best = {impl: math.inf for impl in impls}
-                for _ in range(steps):
-                    for impl, (step, _) in built.items():
-                        t0 = time.perf_counter()
-                        step()
-                        best[impl] = min(best[impl], time.perf_counter() - t0)
+                workers: dict[str, tuple[Connection, BaseProcess, int]] = {}
+                try:
+                    for impl in impls:  # built one after another: building is work too
+                        conn, child = ctx.Pipe()
+                        proc = ctx.Process(target=_worker, daemon=True, args=(
+                            child, impl, shape, dtype, f"{tmp}/{shape}-{impl}", same_malloc))
+                        proc.start()
+                        workers[impl] = (conn, proc, conn.recv())
+                    best = {impl: math.inf for impl in impls}
+                    for i in range(warmup + steps):
+                        for impl, (conn, _, _) in workers.items():
+                            conn.send("step")
+                            seconds = conn.recv()
+                            if i >= warmup:
+                                best[impl] = min(best[impl], seconds)
+                finally:
+                    for conn, proc, _ in workers.values():
+                        conn.send("stop")
+                        proc.join(timeout=60)
                 for impl in impls:
                     tps = tokens / best[impl]
                     mfu = flops_per_token(c, seq) * tps / peaks[dtype]
-                    rows.append(Row(shape, dtype, impl, built[impl][1], tokens, best[impl], tps,
-                                    mfu))
+                    rows.append(Row(shape, dtype, impl, workers[impl][2], tokens, best[impl],
+                                    tps, mfu))
                     print(f"  {shape:>4} {dtype:>8} {impl:>16}: {tps:9,.0f} tok/s", flush=True)
-                del built
     return rows, peaks
 
 
@@ -293,10 +328,13 @@ def main() -> None:
                         type=lambda v: _csv(v, IMPLEMENTATIONS, "--impls"))
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per row")
+    parser.add_argument("--same-malloc", action="store_true",
+                        help="give the plain and HF loops fourfold's malloc tuning too")
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup not negative")
-    rows, peaks = run(args.shapes, args.dtypes, args.impls, args.warmup, args.steps)
+    rows, peaks = run(args.shapes, args.dtypes, args.impls, args.warmup, args.steps,
+                      args.same_malloc)
     print()
     print(format_table(rows, peaks))
 

@@ -28,6 +28,7 @@ from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_p
 from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
 from fourfold.train.checkpoint import CheckpointError, CheckpointManager, hf_model_config
+from fourfold.train.host_memory import keep_freed_host_memory
 from fourfold.train.metrics import (MetricsLog, cpu_peak_flops, device_peak_flops,
                                     peak_memory_bytes)
 from fourfold.train.optim import build_optimizer, lr_at, set_lr
@@ -98,6 +99,8 @@ class Trainer:
         backend = "gloo" if p.backend == "auto" and t.device == "cpu" else p.backend
         self.rank, self.world_size, dist_device = init_distributed(backend, p.timeout_s)
         self.device = _choose_device(t.device, dist_device, self.world_size)
+        if self.device.type == "cpu":
+            keep_freed_host_memory()  # no fresh zero-filled pages every step
         if p.auto:
             shape = _planned_grid(cfg, self.world_size, self.rank)
             p.x, p.y, p.z, p.data = shape.x, shape.y, shape.z, shape.data

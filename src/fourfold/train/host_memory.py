@@ -1,0 +1,63 @@
+"""Keep freed host memory in the process instead of handing it back to the kernel.
+
+PyTorch has a caching allocator for GPU memory but not for CPU tensors: every activation,
+gradient and logits tensor of a CPU training step is a fresh `malloc`, and glibc serves big
+ones with `mmap` and returns them with `munmap` (or trims its heap) when they are freed. The
+next step then touches brand-new pages, and the kernel zero-fills each 4 KiB page on its first
+touch. On the 35M-parameter bench shape that was about 160,000 page faults per step (640 MiB of
+zero-filled memory) and about a tenth of the step's time.
+
+`keep_freed_host_memory()` tells glibc to behave like a caching allocator: serve every block,
+however big, from its heap (no `mmap`), grow the heap in large steps and never trim it. After a
+step or two the heap has grown to the step's peak and later steps reuse it: no page faults.
+(Raising the mmap threshold instead is not enough: its ceiling is 32 MiB, below a logits
+tensor, and big blocks then come from the heap only if it happens to have grown after the
+tuning.) The price is that the process keeps its peak host memory until it exits, which is
+what a training process does anyway.
+
+It only changes glibc's tuning (`mallopt`); on other C libraries, or when the user tunes malloc
+through the environment (MALLOC_* variables or GLIBC_TUNABLES), it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+# mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_MAX = -4
+
+_TOP_PAD = 1 << 30  # grow the heap 1 GiB at a time (virtual: untouched pages cost nothing)
+_TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: the largest, i.e. never trim in practice
+
+_done = False
+
+
+def _user_tunes_malloc() -> bool:
+    return "GLIBC_TUNABLES" in os.environ or any(name.startswith("MALLOC_") for name in os.environ)
+
+
+def keep_freed_host_memory() -> bool:
+    """Tune glibc malloc to reuse freed memory (see the module docstring). Returns whether
+    it did; safe to call more than once."""
+    global _done
+    if _done:
+        return True
+    if not sys.platform.startswith("linux") or _user_tunes_malloc():
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    ok = all(mallopt(param, value) == 1 for param, value in (
+        (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD), (_M_TOP_PAD, _TOP_PAD),
+        (_M_MMAP_MAX, 0)))
+    _done = ok
+    return ok
