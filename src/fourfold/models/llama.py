@@ -34,19 +34,22 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables (max_seq_len, head_dim) in the rotate-half layout that HF uses."""
+    """cos and sin tables (max_seq_len, head_dim) in the rotate-half layout that HF uses, with
+    the sign of rotate-half folded into sin: sin's first half is negated."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     t = torch.arange(max_seq_len, dtype=torch.float64)
     freqs = torch.outer(t, inv_freq)  # (T, head_dim/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (T, head_dim)
-    return emb.cos().float(), emb.sin().float()
+    sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)]).double()
+    return emb.cos().float(), (emb.sin() * sign).float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, n_head, T, head_dim); cos/sin: (T, head_dim)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    # x: (B, n_head, T, head_dim); cos/sin: (T, head_dim), sin signed (see rope_tables).
+    # HF's rotate_half(x) = cat(-x2, x1) is the halves swapped (a flip of a (2, half) view)
+    # times that sign; a flip's backward is a flip, where slicing and cat would zero-fill.
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return (x * cos + swapped * sin).to(x.dtype)
 
 
 @dataclass
@@ -129,14 +132,33 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
+class _CrossEntropyFunction(torch.autograd.Function):
+    """F.cross_entropy(reduction="none") in float32 with less memory traffic: the forward keeps
+    only the log-sum-exp per token (not a (tokens, vocab) log-softmax), and the backward makes
+    the logits' gradient, softmax minus one-hot, in one fresh tensor."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        lf = logits.float()
+        lse = torch.logsumexp(lf, dim=-1)
+        ctx.save_for_backward(logits, targets, lse)
+        return lse - lf.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        logits, targets, lse = ctx.saved_tensors
+        g = torch.sub(logits.float(), lse.unsqueeze(-1)).exp_()  # softmax
+        g.scatter_add_(-1, targets.unsqueeze(-1), torch.full_like(grad, -1.0).unsqueeze(-1))
+        return g.mul_(grad.unsqueeze(-1)).to(logits.dtype), None
+
+
 class CrossEntropy(nn.Module):
     """Per-token cross-entropy, unreduced: (B, T) losses. Swapped for a vocabulary-parallel
     version when the output layer is split."""
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         B, T, V = logits.shape
-        return F.cross_entropy(logits.float().view(B * T, V), targets.reshape(B * T),
-                               reduction="none").view(B, T)
+        return _CrossEntropyFunction.apply(logits.view(B * T, V), targets.reshape(B * T)).view(B, T)
 
 
 class Llama(nn.Module):
