@@ -132,33 +132,14 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
-class _CrossEntropyFunction(torch.autograd.Function):
-    """F.cross_entropy(reduction="none") in float32 with less memory traffic: the forward keeps
-    only the log-sum-exp per token (not a (tokens, vocab) log-softmax), and the backward makes
-    the logits' gradient, softmax minus one-hot, in one fresh tensor."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        lf = logits.float()
-        lse = torch.logsumexp(lf, dim=-1)
-        ctx.save_for_backward(logits, targets, lse)
-        return lse - lf.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        logits, targets, lse = ctx.saved_tensors
-        g = torch.sub(logits.float(), lse.unsqueeze(-1)).exp_()  # softmax
-        g.scatter_add_(-1, targets.unsqueeze(-1), torch.full_like(grad, -1.0).unsqueeze(-1))
-        return g.mul_(grad.unsqueeze(-1)).to(logits.dtype), None
-
-
 class CrossEntropy(nn.Module):
     """Per-token cross-entropy, unreduced: (B, T) losses. Swapped for a vocabulary-parallel
     version when the output layer is split."""
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         B, T, V = logits.shape
-        return _CrossEntropyFunction.apply(logits.view(B * T, V), targets.reshape(B * T)).view(B, T)
+        return F.cross_entropy(logits.float().reshape(B * T, V), targets.reshape(B * T),
+                               reduction="none").view(B, T)
 
 
 class Llama(nn.Module):

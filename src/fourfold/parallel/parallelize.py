@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fourfold.config import ParallelConfig
+from fourfold.models.llama import CrossEntropy
 from fourfold.parallel.comm import Comm, CommLedger
 from fourfold.parallel.embedding import ParallelEmbedding, VocabParallelCrossEntropy
 from fourfold.parallel.engine import Engine, OverlapOptions
@@ -28,12 +29,6 @@ _NORMAL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _TRANSPOSED = ("o_proj", "down_proj")
 _OUTPUT = ("output", "lm_head")
 _EMBEDDING = ("embed", "embed_tokens")
-
-
-def _plain_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    B, T, V = logits.shape
-    return nn.functional.cross_entropy(logits.float().reshape(B * T, V), targets.reshape(B * T),
-                                       reduction="none").view(B, T)
 
 
 class ParallelModel:
@@ -52,7 +47,7 @@ class ParallelModel:
         # vocab_start is None when the logits are whole (one process, or the generic plan)
         self.criterion: nn.Module | Any = (
             VocabParallelCrossEntropy(comm, vocab_start) if vocab_start is not None
-            else _plain_cross_entropy)
+            else CrossEntropy())
 
     # ---- running ----------------------------------------------------------------------------
 
