@@ -18,9 +18,10 @@ glibc's defaults unless --same-malloc gives them the same tuning (a comparison o
 loops alone).
 
 Each row runs warmup steps, then times steps (the three ways take turns; each keeps its
-fastest step). MFU = flops_per_token(model, seq) * tokens/s /
-peak, where peak is a matmul FLOP/s probe of this machine in that dtype (so MFU is relative to
-what this CPU's matmul reaches, not to a datasheet number).
+fastest step). MFU = flops_per_token(model, seq) * tokens/s / peak, where peak is the best
+matmul FLOP/s that probes of this machine in that dtype reached over the whole run (at the
+start and after every timed round), so MFU is relative to what this CPU's matmul reaches, not
+to a datasheet number.
 
     python bench/throughput.py                      # both shapes, both dtypes, all three ways
     python bench/throughput.py --shapes 15m --dtypes float32 --steps 5
@@ -257,10 +258,12 @@ def run(shapes: list[str], dtypes: list[str], impls: list[str], warmup: int,
     Each implementation runs in its own process, as its user would run it (so fourfold's
     malloc tuning helps fourfold alone unless `same_malloc`). The processes take turns step by
     step, one computing at a time, and each keeps its fastest step, so that load from other
-    processes on a shared machine does not favour whichever ran at a quiet moment."""
-    peaks = {d: measure_peak_flops(torch.bfloat16 if d == "bfloat16" else torch.float32)
-             for d in dtypes}
-    rows: list[Row] = []
+    processes on a shared machine does not favour whichever ran at a quiet moment. The matmul
+    peak is probed in the same way: at the start and again after every timed round, keeping
+    the best, so MFU's numerator and denominator are both best-of figures from the same span."""
+    torch_dtype = {d: torch.bfloat16 if d == "bfloat16" else torch.float32 for d in dtypes}
+    peaks = {d: measure_peak_flops(torch_dtype[d]) for d in dtypes}
+    timed: list[tuple[str, str, str, int, float]] = []
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
@@ -282,16 +285,23 @@ def run(shapes: list[str], dtypes: list[str], impls: list[str], warmup: int,
                             seconds = conn.recv()
                             if i >= warmup:
                                 best[impl] = min(best[impl], seconds)
+                        if i >= warmup:
+                            peaks[dtype] = max(peaks[dtype],
+                                               measure_peak_flops(torch_dtype[dtype], 0.3))
                 finally:
                     for conn, proc, _ in workers.values():
                         conn.send("stop")
                         proc.join(timeout=60)
                 for impl in impls:
-                    tps = tokens / best[impl]
-                    mfu = flops_per_token(c, seq) * tps / peaks[dtype]
-                    rows.append(Row(shape, dtype, impl, workers[impl][2], tokens, best[impl],
-                                    tps, mfu))
-                    print(f"  {shape:>4} {dtype:>8} {impl:>16}: {tps:9,.0f} tok/s", flush=True)
+                    timed.append((shape, dtype, impl, workers[impl][2], best[impl]))
+                    print(f"  {shape:>4} {dtype:>8} {impl:>16}: {tokens / best[impl]:9,.0f} "
+                          "tok/s", flush=True)
+    rows = []
+    for shape, dtype, impl, params, seconds in timed:
+        c, seq, batch = SHAPES[shape]
+        tps = batch * seq / seconds
+        rows.append(Row(shape, dtype, impl, params, batch * seq, seconds, tps,
+                        flops_per_token(c, seq) * tps / peaks[dtype]))
     return rows, peaks
 
 
