@@ -29,6 +29,8 @@ def test_grid_resolve_errors_name_the_numbers() -> None:
         GridShape.resolve(4, 1, 1, "auto", 6)
     with pytest.raises(GridError, match="= 4 but the job has 8 ranks"):
         GridShape.resolve(2, 2, 1, 1, 8)
+    with pytest.raises(GridError, match="parallel.y = 0: must be at least 1"):
+        GridShape.resolve(2, 0, 1, "auto", 8)  # named, not a division by zero
 
 
 def test_layout_shards_tile_the_full_tensor() -> None:

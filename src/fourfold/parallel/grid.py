@@ -22,6 +22,11 @@ class GridError(ValueError):
     """A grid that cannot work for this job or model; the message is one line for the user."""
 
 
+def _check_axis(axis: str, size: int) -> None:
+    if size < 1:
+        raise GridError(f"parallel.{axis} = {size}: must be at least 1")
+
+
 @dataclass(frozen=True)
 class GridShape:
     data: int = 1
@@ -31,8 +36,7 @@ class GridShape:
 
     def __post_init__(self) -> None:
         for axis in AXES:
-            if getattr(self, axis) < 1:
-                raise GridError(f"parallel.{axis} = {getattr(self, axis)}: must be at least 1")
+            _check_axis(axis, getattr(self, axis))
 
     @property
     def size(self) -> int:
@@ -65,6 +69,8 @@ class GridShape:
     @classmethod
     def resolve(cls, x: int, y: int, z: int, data: int | str, world_size: int) -> "GridShape":
         """Fill data="auto" from the world size and check the product."""
+        for axis, size in (("x", x), ("y", y), ("z", z)):
+            _check_axis(axis, size)  # before dividing by their product
         tensor = x * y * z
         if data == "auto":
             if world_size % tensor:
