@@ -47,6 +47,7 @@ from torch import nn
 from fourfold.config import ModelConfig, load_config, model_config
 from fourfold.models.llama import flops_per_token
 from fourfold.train.host_memory import keep_freed_host_memory
+from fourfold.train.metrics import measure_matmul_flops
 
 # name -> (model config, sequence length, sequences per step)
 SHAPES: dict[str, tuple[ModelConfig, int, int]] = {
@@ -161,17 +162,10 @@ class Row:
 
 
 def measure_peak_flops(dtype: torch.dtype, seconds: float = 1.0) -> float:
-    """Best achieved FLOP/s of square matmuls in `dtype` on this CPU (current thread count)."""
-    best = 0.0
-    for n in (512, 1024, 2048):
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        torch.mm(a, b)
-        deadline = time.perf_counter() + seconds / 3
-        while time.perf_counter() < deadline:
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            best = max(best, 2.0 * n ** 3 / (time.perf_counter() - t0))
-    return best
+    """Best achieved FLOP/s of square matmuls in `dtype` on this CPU (current thread count):
+    the trainer's probe, at three sizes."""
+    cpu = torch.device("cpu")
+    return max(measure_matmul_flops(cpu, dtype, seconds / 3, size=n) for n in (512, 1024, 2048))
 
 
 def autocast(dtype: str) -> contextlib.AbstractContextManager:

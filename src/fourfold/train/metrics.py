@@ -43,9 +43,11 @@ def gpu_peak_flops(device_name: str, dtype: str, tf32: bool) -> float | None:
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype,
-                         seconds: float = PROBE_SECONDS) -> float:
-    """Achieved FLOP/s of square matmuls on this device with the current thread count."""
-    n = 1024 if device.type != "cpu" else 512
+                         seconds: float = PROBE_SECONDS, size: int | None = None) -> float:
+    """Achieved FLOP/s of square matmuls (size x size; by default 512 on a CPU, 1024 on an
+    accelerator) on this device with the current thread count: the best of as many groups of
+    four as fit in `seconds` (at least one)."""
+    n = size or (1024 if device.type != "cpu" else 512)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     torch.mm(a, b)  # warm up kernels and thread pools
