@@ -40,13 +40,9 @@ def model_config(args: argparse.Namespace):
 
 
 def all_grids(n: int) -> list[tuple[int, int, int, int]]:
-    out = []
-    for d in range(1, n + 1):
-        for z in range(1, n + 1):
-            for y in range(1, n + 1):
-                if n % (d * z * y) == 0:
-                    out.append((d, z, y, n // (d * z * y)))
-    return out
+    """Every (data, z, y, x) grid of n ranks, in lexicographic order."""
+    from fourfold.plan import grid_shapes
+    return sorted((s.data, s.z, s.y, s.x) for s in grid_shapes(n))
 
 
 def run_grids(args: argparse.Namespace) -> list[dict]:
