@@ -359,7 +359,7 @@ _PROBE_SIZES = (4 * 1024, 512 * 1024, 8 * 1024 * 1024)  # bytes per call, as the
 _PROBE_REPEATS = (9, 5, 3)  # calls timed per size (fixed, so every rank issues the same calls)
 
 
-def _ring_volume(op: str, group_size: int, nbytes: float) -> float:
+def ring_volume(op: str, group_size: int, nbytes: float) -> float:
     """Bytes one rank sends in a ring collective (all-reduce 2(p-1)/p of the buffer,
     all-gather / reduce-scatter (p-1)/p of the full buffer)."""
     share = (group_size - 1) / group_size
@@ -437,12 +437,11 @@ def _probe_rank(rank: int, world: int, store_path: str) -> dict[str, Any]:
 
 def _probe_main(world: int, result_path: str) -> None:
     """Entry of the probe's subprocess: fork `world` ranks after torch is imported once (a
-    fresh interpreter per rank would cost a torch import each), merge their results."""
-    import tempfile
-
+    fresh interpreter per rank would cost a torch import each), merge their results. The ranks'
+    files go next to `result_path`, in the caller's temporary directory."""
     import torch  # noqa: F401  (imported before the fork, so each rank skips it)
 
-    tmp = tempfile.mkdtemp(prefix="fourfold-probe-")
+    tmp = os.path.dirname(result_path)
     pids = []
     for rank in range(world):
         pid = os.fork()
@@ -546,7 +545,7 @@ class HostCalibration:
             if size <= group_size:
                 fit = f
         latency, per_byte = fit
-        return self.scale * (latency + per_byte * _ring_volume(op, group_size, nbytes))
+        return self.scale * (latency + per_byte * ring_volume(op, group_size, nbytes))
 
     @property
     def overlap_efficiency(self) -> float:
@@ -569,7 +568,7 @@ class CpuHost:
         for name, points in probe["comm"].items():
             op, size = name.split("/")
             by_size.setdefault(int(size), []).extend(
-                (_ring_volume(op, int(size), n), t) for n, t in points)
+                (ring_volume(op, int(size), n), t) for n, t in points)
         fits = tuple(sorted((size, fit_latency_bandwidth(pts)) for size, pts in by_size.items()))
         if not fits:  # one rank: no collectives were probed, and none will be issued
             fits = ((1, (0.0, 0.0)),)

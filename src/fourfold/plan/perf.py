@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from fourfold.config import ModelConfig
 from fourfold.models.llama import flops_per_token
 from fourfold.parallel.grid import AXES, GridShape
-from fourfold.plan.machines import HostCalibration, Machine
+from fourfold.plan.machines import HostCalibration, Machine, ring_volume
 from fourfold.plan.memory import Precision
 from fourfold.plan.schedule import Collective, block_linears, collective_schedule, local_param_numel
 
@@ -94,13 +94,6 @@ def _gemm(m: int, n: int, k: int, rates: _Rates, elem_bytes: int, batch: int = 1
     return batch * max(flop_time, memory_time)
 
 
-def gemm_seconds(m: int, n: int, k: int, machine: Machine, dtype: str, world_size: int,
-                 elem_bytes: int, batch: int = 1) -> float:
-    """Time of `batch` GEMMs (m x k) @ (k x n) on one rank."""
-    return _gemm(m, n, k, _rates(machine, dtype, world_size, machine.calibration(world_size)),
-                 elem_bytes, batch)
-
-
 def collective_seconds(c: Collective, shape: GridShape, machine: Machine,
                        calibration: HostCalibration | None = None) -> float:
     """One call of a collective over its axis: on the cpu machine the probe's fitted latency +
@@ -110,11 +103,8 @@ def collective_seconds(c: Collective, shape: GridShape, machine: Machine,
     if calibration is not None:
         return calibration.collective_seconds(c.op, p, c.nbytes)
     bw = machine.bandwidth_gbps(p, axis_stride(shape, c.axis)) * 1e9
-    if c.op == "all_reduce":
-        volume, steps = 2 * (p - 1) / p * c.nbytes, 2 * (p - 1)
-    else:
-        volume, steps = (p - 1) / p * c.nbytes, p - 1
-    return volume / bw + steps * machine.network.latency_us * 1e-6
+    steps = 2 * (p - 1) if c.op == "all_reduce" else p - 1
+    return ring_volume(c.op, p, c.nbytes) / bw + steps * machine.network.latency_us * 1e-6
 
 
 @dataclass(frozen=True)
