@@ -14,6 +14,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from fourfold.launch import threads_per_rank
+
 Axis = Literal["x", "y", "z", "data"]
 AXES: tuple[Axis, ...] = ("x", "y", "z", "data")  # innermost first
 
@@ -191,8 +193,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> tuple[i
 
 def _split_cores(local_world: int) -> None:
     """Ranks sharing a machine split its cores rather than each taking all of them."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, (cores or 1) // max(1, local_world)))
+    torch.set_num_threads(threads_per_rank(local_world))
 
 
 def _slurm_first_host() -> str:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from fourfold.config import Config, ConfigError, validate
 from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_path
+from fourfold.launch import cores_available
 from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
 from fourfold.train.checkpoint import CheckpointError, CheckpointManager, hf_model_config
@@ -164,6 +165,7 @@ class Trainer:
         self.tokens_per_step = t.batch_size * t.seq_len
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_flops = device_peak_flops(self.device, t.dtype) if self.is_main else None
+        self._peak_devices = self._devices()  # fixed for the run: world, threads, cores
         self._peak_refreshed = False
         self.progress_choice = progress
         self.losses: list[float] = []
@@ -459,20 +461,18 @@ class Trainer:
         if self.device.type != "cpu":
             return float(self.world_size)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)
-        share = min(1.0, cores / (local * torch.get_num_threads()))
+        share = min(1.0, cores_available() / (local * torch.get_num_threads()))
         return self.world_size * share
 
     def _mfu(self, tokens_per_s: float) -> float | None:
         if not self.peak_flops:
             return None
-        mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self._devices())
+        mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self._peak_devices)
         if mfu > 1.0 and self.device.type == "cpu" and not self._peak_refreshed:
             # the cached probe was taken on a busy machine: measure again (keeps the max)
             self._peak_refreshed = True
             self.peak_flops = cpu_peak_flops(self.cfg.train.dtype, refresh=True)
-            mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self._devices())
+            mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self._peak_devices)
         return mfu
 
     def _log_step(self, metrics: MetricsLog | None, stats: StepStats, tokens_per_s: float,
