@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -87,8 +88,7 @@ def straggler_report(times: list[float], factor: float = STRAGGLER_FACTOR,
     """One line naming the ranks much slower than the median, or None."""
     if len(times) < 2:
         return None
-    median = sorted(times)[len(times) // 2] if len(times) % 2 else \
-        0.5 * (sorted(times)[len(times) // 2 - 1] + sorted(times)[len(times) // 2])
+    median = statistics.median(times)
     slow = [(r, t) for r, t in enumerate(times)
             if t > factor * median and t - median > min_gap_s]
     if not slow:
