@@ -300,8 +300,7 @@ def memorization_main(run_dir: str, data: str, docs: int, prefix: int, suffix: i
     texts = documents(data_dir, "train", docs)
 
     p = cfg.parallel
-    backend = "gloo" if p.backend == "auto" and cfg.train.device == "cpu" else p.backend
-    rank, world, device = init_distributed(backend, p.timeout_s)
+    rank, world, device = init_distributed(p.backend, p.timeout_s, device=cfg.train.device)
     shape = GridShape.resolve(x, y, z, "auto", world)
     if world == 1:
         # One process: the plain model with its KV cache is the fast path.

@@ -162,9 +162,14 @@ class Grid:
                    world_group=dist.group.WORLD if world > 1 else None)
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> tuple[int, int, torch.device]:
+def init_distributed(backend: str = "auto", timeout_s: float = 300.0, *,
+                     device: str = "auto") -> tuple[int, int, torch.device]:
     """Join the job described by torchrun (RANK, WORLD_SIZE, MASTER_ADDR) or Slurm (SLURM_*)
-    variables; a no-op on a single process. Returns (rank, world_size, device)."""
+    variables; a no-op on a single process. Returns (rank, world_size, device). Backend "auto"
+    is gloo for a run asked to use the CPU (`device`, as in train.device), otherwise NCCL when
+    CUDA is there and gloo when not."""
+    if backend == "auto" and device == "cpu":
+        backend = "gloo"
     env = os.environ
     if "RANK" not in env and "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         env["RANK"] = env["SLURM_PROCID"]

@@ -97,8 +97,8 @@ class Trainer:
         self.run_dir = Path(run_dir)
         t, p = cfg.train, cfg.parallel
 
-        backend = "gloo" if p.backend == "auto" and t.device == "cpu" else p.backend
-        self.rank, self.world_size, dist_device = init_distributed(backend, p.timeout_s)
+        self.rank, self.world_size, dist_device = init_distributed(p.backend, p.timeout_s,
+                                                                   device=t.device)
         self.device = _choose_device(t.device, dist_device, self.world_size)
         if self.device.type == "cpu":
             keep_freed_host_memory()  # no fresh zero-filled pages every step
