@@ -53,7 +53,7 @@ def vocab_parallel_greedy_next(pmodel: ParallelModel) -> Callable[[torch.Tensor]
     (B, T, V/Gy), the global argmax (B,) over all y-ranks, ties to the lowest global index
     (torch.argmax's choice on whole logits). On a grid with whole logits it is greedy_next."""
     vocab_start = getattr(pmodel.criterion, "vocab_start", None)
-    if vocab_start is None or pmodel.grid.size("y") == 1:
+    if vocab_start is None:  # whole logits (y = 1 included)
         return greedy_next
     comm = pmodel.comm
 

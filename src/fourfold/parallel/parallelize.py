@@ -44,10 +44,11 @@ class ParallelModel:
         self._grad_groups: tuple[list[nn.Parameter], list[nn.Parameter]] | None = None
         self._layouts: dict[str, Layout] | None = None
         self._is_hf = hasattr(module, "config") and hasattr(module.config, "model_type")
-        # vocab_start is None when the logits are whole (one process, or the generic plan)
+        # The logits are whole on one process, under the generic plan (vocab_start is None) and
+        # when y = 1: then the plain loss, without a custom Function and size-1 all-reduces.
         self.criterion: nn.Module | Any = (
-            VocabParallelCrossEntropy(comm, vocab_start) if vocab_start is not None
-            else CrossEntropy())
+            VocabParallelCrossEntropy(comm, vocab_start)
+            if vocab_start is not None and grid.size("y") > 1 else CrossEntropy())
 
     # ---- running ----------------------------------------------------------------------------
 
