@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fourfold.config import Config, ConfigError, ModelConfig, validate
+from fourfold.parallel.grid import GridShape
 from fourfold.plan.errors import PlanError
+from fourfold.plan.schedule import local_param_numel
 
 R_D_STAR = 15.4
 R_N_STAR = 5.3
@@ -145,13 +147,9 @@ def data_constrained_optimum(law: ScalingLaw, compute: float,
 
 
 def count_params(model: ModelConfig) -> int:
-    """All parameters of the Llama model built from `model` (tied weights once)."""
-    d, f, kv = model.dim, model.ffn_dim, model.n_kv_heads * model.head_dim
-    per_layer = 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d
-    if model.bias:
-        per_layer += 2 * d + 2 * kv + 2 * f + d
-    embeddings = model.vocab_size * d * (1 if model.tie_embeddings else 2)
-    return model.n_layers * per_layer + embeddings + d
+    """All parameters of the Llama model built from `model` (tied weights once): the memory
+    model's count on a one-rank grid."""
+    return sum(local_param_numel(model, GridShape()).values())
 
 
 def model_for_params(n_params: float, vocab_size: int, seq_len: int) -> ModelConfig:
