@@ -9,7 +9,6 @@ sees the same global batches.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +16,9 @@ import numpy as np
 import torch
 
 from fourfold.data.errors import DataError
-from fourfold.data.manifest import Manifest
+from fourfold.data.manifest import Manifest, sha256_file
 from fourfold.data.tokenizers import load_tokenizer
 
-HASH_CHUNK_BYTES = 8 << 20
 DOC_SCAN_TOKENS = 1 << 22
 
 
@@ -219,12 +217,9 @@ def verify(data_dir: str | Path) -> Manifest:
             if path.stat().st_size != shard.tokens * itemsize:
                 raise DataError(f"{path}: {path.stat().st_size} bytes, manifest.json says "
                                 f"{shard.tokens * itemsize}")
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                while block := f.read(HASH_CHUNK_BYTES):
-                    digest.update(block)
-            if digest.hexdigest() != shard.sha256:
-                raise DataError(f"{path}: sha256 {digest.hexdigest()[:16]}... does not match "
+            digest = sha256_file(path)
+            if digest != shard.sha256:
+                raise DataError(f"{path}: sha256 {digest[:16]}... does not match "
                                 f"manifest.json ({shard.sha256[:16]}...); the file changed or is "
                                 "corrupt, prepare the data again")
     tok = load_tokenizer(data_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -9,6 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from fourfold.data.errors import DataError
+
+
+def sha256_file(path: Path, chunk_bytes: int = 8 << 20) -> str:
+    """Hex sha256 of a file, read in chunks (shards and checkpoint files can be big)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            digest.update(block)
+    return digest.hexdigest()
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"

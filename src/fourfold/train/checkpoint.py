@@ -32,7 +32,6 @@ keeps that order.)
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -50,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from fourfold.config import CheckpointConfig, ConfigError
+from fourfold.data.manifest import sha256_file
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.layout import Layout
 
@@ -57,7 +57,6 @@ CHECKPOINT_DIR = "checkpoints"
 MANIFEST_FILE = "manifest.json"
 MESH_AXES = ("data", "y", "x", "z")  # DeviceMesh dim order; see the module docstring
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_HASH_CHUNK = 8 << 20
 _MODEL, _OPTIM, _EXTRA, _RNG = "model/", "optim/", "extra", "rng/rank"
 
 
@@ -111,7 +110,7 @@ def verify_checkpoint(path: Path) -> str | None:
             return f"{name} is missing"
         if size != entry["bytes"]:
             return f"{name} has {size} bytes, the manifest says {entry['bytes']} (truncated?)"
-        if _sha256(file) != entry["sha256"]:
+        if sha256_file(file) != entry["sha256"]:
             return f"{name} fails its sha256 checksum"
     return None
 
@@ -402,7 +401,7 @@ class CheckpointManager:
             mine.append(tmp / ".metadata")
         try:
             hashes: dict[str, Any] | str = {
-                f.name: {"sha256": _sha256(f), "bytes": f.stat().st_size} for f in mine}
+                f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size} for f in mine}
         except OSError as e:
             hashes = _os_reason(e)
         gathered = self._gather(hashes)
@@ -649,14 +648,6 @@ def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _write_synced(path: Path, data: bytes) -> None:
