@@ -19,7 +19,7 @@ def step():  # tensors of a training step's sizes (1 MiB .. 120 MiB), then freed
 step()  # the trainer tunes malloc after the process has been at work for a while
 tuned = keep_freed_host_memory() if sys.argv[1] == "tuned" else False
 faults = []
-for _ in range(8):
+for _ in range(12):  # glibc's heap settles its layout within about six rounds
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)

@@ -9,7 +9,8 @@ zero-filled memory) and about a tenth of the step's time.
 
 `keep_freed_host_memory()` tells glibc to behave like a caching allocator: serve every block,
 however big, from its heap (no `mmap`), grow the heap in large steps and never trim it. After a
-step or two the heap has grown to the step's peak and later steps reuse it: no page faults.
+few steps the heap has grown to the step's peak and settled its layout, and later steps reuse
+it: no page faults (on the bench shape 0-5 per step from the third step on).
 (Raising the mmap threshold instead is not enough: its ceiling is 32 MiB, below a logits
 tensor, and big blocks then come from the heap only if it happens to have grown after the
 tuning.) The price is that the process keeps its peak host memory until it exits, which is
