@@ -10,16 +10,37 @@ import pytest
 import torch
 
 
+# What a launcher or a scheduler sets for a rank: a test that starts fourfold as a fresh job
+# (its own launcher, or one process) must not hand these down from the environment it runs in.
+JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS",
+                 "SLURM_LOCALID")
+
+
+def outside_job_env(**extra: str) -> dict[str, str]:
+    """This process's environment without the job variables, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in JOB_VARIABLES}
+    env.update(extra)
+    return env
+
+
 @pytest.fixture(scope="module")
-def fourfold_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A private FOURFOLD_CACHE (built-in corpus, CPU peak probe) for one test module, and one
-    thread: these tiny models gain nothing from more, and on a busy machine several threads
-    spin-wait for each other."""
-    old_cache, old_threads = os.environ.get("FOURFOLD_CACHE"), torch.get_num_threads()
-    os.environ["FOURFOLD_CACHE"] = str(tmp_path_factory.mktemp("fourfold-cache"))
+def one_thread() -> Iterator[None]:
+    """One thread for a test module: these tiny models gain nothing from more, and on a busy
+    machine several threads spin-wait for each other."""
+    old_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield Path(os.environ["FOURFOLD_CACHE"])
+    yield
     torch.set_num_threads(old_threads)
+
+
+@pytest.fixture(scope="module")
+def fourfold_cache(tmp_path_factory: pytest.TempPathFactory, one_thread: None) -> Iterator[Path]:
+    """A private FOURFOLD_CACHE (built-in corpus, CPU peak probe) for one test module, on one
+    thread."""
+    old_cache = os.environ.get("FOURFOLD_CACHE")
+    os.environ["FOURFOLD_CACHE"] = str(tmp_path_factory.mktemp("fourfold-cache"))
+    yield Path(os.environ["FOURFOLD_CACHE"])
     if old_cache is None:
         del os.environ["FOURFOLD_CACHE"]
     else:

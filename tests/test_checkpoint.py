@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -33,13 +32,7 @@ SAVE_SHAPE = [1, 2, 1, 2]  # (data, z, y, x): z and x split
 LOAD_SHAPE = [1, 1, 2, 1]  # y split: every parameter's blocks change
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread; several threads on a busy machine crawl."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_worker(nproc: int, phase: str, shape: list[int], out: Path, hf_dir: Path) -> list[dict]:

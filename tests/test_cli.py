@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,8 @@ import torch
 
 from fourfold import cli
 from fourfold.cli import main
+
+from conftest import outside_job_env
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # A run small enough to train in a couple of seconds on a laptop CPU.
@@ -157,24 +158,17 @@ def test_rank_argv_drops_nproc_and_fixes_the_run_dir() -> None:
     assert rank_args.nproc == 1 and rank_args.resume is False and rank_args.max_restarts == 2
 
 
-def _console_env() -> dict[str, str]:
-    env = dict(os.environ)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        env.pop(name, None)
-    return env
-
-
 def test_subprocess_exit_codes_without_traceback(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "fourfold", "train", "--set",
                              "model.n_heads=5"], capture_output=True, text=True, cwd=tmp_path,
-                            env=_console_env(), timeout=120)
+                            env=outside_job_env(), timeout=120)
     assert result.returncode == 2
     assert_one_line_error(result.stderr, "model.n_heads = 5")
 
     script = Path(sysconfig.get_path("scripts")) / "fourfold"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "fourfold"]
     result = subprocess.run([*command, "report", str(tmp_path / "nowhere")],
-                            capture_output=True, text=True, env=_console_env(), timeout=120)
+                            capture_output=True, text=True, env=outside_job_env(), timeout=120)
     assert result.returncode == 2
     assert_one_line_error(result.stderr, "nowhere")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from fourfold.launch import describe_failure, first_exit_code, threads_per_rank
+
+from conftest import outside_job_env
 
 # The debug preset on the built-in corpus, a few steps: seconds per launch.
 TINY = ["--set", "model.preset=debug", "--set", "data.path=builtin:stdlib",
@@ -63,10 +64,8 @@ def test_failure_line_names_the_rank_that_failed() -> None:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS"):
-        env.pop(name, None)
+    env = outside_job_env()
+    env.pop("OMP_NUM_THREADS", None)  # the launcher sets it for its ranks
     return env
 
 

@@ -10,7 +10,6 @@ halves of the vocabulary, so with y = 2 each rank's shard holds some of them.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,8 @@ from fourfold.config import load_config
 from fourfold.eval.memorization import greedy_decode, memorization_main
 from fourfold.models.llama import build_model
 from fourfold.train.runs import save_weights
+
+from conftest import outside_job_env
 
 PREFIX, SUFFIX, N_DOCS = 8, 12, 6
 VOCAB = 192  # y = 2 splits it at 96: upper-case letters (65..90) left, lower-case (97..122) right
@@ -64,9 +65,7 @@ def run_and_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _audit_on_ranks(run: Path, data: Path, nproc: int, grid: list[str]) -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
-        env.pop(name, None)
+    env = outside_job_env(PYTHONUNBUFFERED="1")
     done = subprocess.run(
         [sys.executable, "-m", "fourfold", "eval", "memorization", str(run), "--data", str(data),
          "--docs", str(N_DOCS), "--prefix", str(PREFIX), "--suffix", str(SUFFIX), "--json",

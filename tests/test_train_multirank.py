@@ -21,6 +21,7 @@ OVERRIDES = ["model.preset=debug", "train.batch_size=8", "train.seq_len=64", "tr
              "train.eval_batches=2", "train.sample_tokens=8", "train.log_every=1"]
 
 
+@pytest.mark.usefixtures("one_thread")  # as each rank has: tiny models only lose with more
 def test_two_data_ranks_match_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                           ) -> None:
     from safetensors.torch import load_file
@@ -38,12 +39,7 @@ def test_two_data_ranks_match_one_process(tmp_path: Path, monkeypatch: pytest.Mo
     assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
 
     monkeypatch.setenv("FOURFOLD_CACHE", env["FOURFOLD_CACHE"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank has; tiny models only lose with more threads
-    try:
-        single = train(load_config(None, OVERRIDES), tmp_path / "single", progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    single = train(load_config(None, OVERRIDES), tmp_path / "single", progress=False)
 
     summary = json.loads((grid_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["grid"] == "data=2 z=1 y=1 x=1"

@@ -18,14 +18,7 @@ def _greedy_without_cache(model: torch.nn.Module, prompt: list[int], n: int) -> 
     return tokens[len(prompt):]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Token-by-token decoding of a tiny model is fastest on one thread, above all on a busy
-    machine where several threads spin-wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # token-by-token decoding of a tiny model
 
 
 @pytest.fixture(scope="module")
