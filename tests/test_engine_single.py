@@ -1,4 +1,4 @@
-"""Engine pieces that need no second process: layouts, grid arithmetic, GEMM layout tuning."""
+"""Engine pieces that need no second process: layouts, grid arithmetic, GEMM tuning."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 from fourfold.config import ParallelConfig, model_config
 from fourfold.models import build_model
 from fourfold.parallel import Grid, GridError, GridShape, Layout, parallelize
+from fourfold.parallel import gemm
 from fourfold.parallel.gemm import VARIANTS, GemmTuner
 
 
@@ -63,6 +64,9 @@ def test_gemm_variants_agree(kind: str) -> None:
     b = torch.randn(12, 16) if kind == "forward" else (
         torch.randn(16, 12) if kind == "input_grad" else torch.randn(24, 12))
     outs = [fn(a, b) for _, fn in VARIANTS[kind]]
+    assert any(name.startswith("onednn:") for name, _ in VARIANTS[kind])
+    for out in outs:
+        assert out.is_contiguous()
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-5)
 
@@ -75,6 +79,41 @@ def test_gemm_tuner_caches_its_choice(tmp_path) -> None:
     assert len(tuner.choices) == 1
     again = GemmTuner(None, tmp_path / "gemm.json")
     assert again.choices == tuner.choices
+
+
+def test_gemm_tuner_keys_token_counts_by_power_of_two(tmp_path) -> None:
+    tuner = GemmTuner(None, tmp_path / "gemm.json", repeats=1)
+    b = torch.randn(8, 16)
+    for n in (5, 7, 8, 9):  # 5..8 share a bucket; 9 opens the next
+        a = torch.randn(n, 16)
+        torch.testing.assert_close(tuner.matmul("forward", a, b), a @ b.t(), rtol=1e-5,
+                                   atol=1e-5)
+    assert sorted(tuner.choices) == ["forward:(16, 16)x(8, 16):torch.float32",
+                                     "forward:(8, 16)x(8, 16):torch.float32"]
+    assert set(tuner.choices.values()) <= {name for name, _ in VARIANTS["forward"]}
+
+
+def test_gemm_tuner_skips_a_variant_that_cannot_run(tmp_path, monkeypatch) -> None:
+    def no_onednn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this build has no oneDNN")
+
+    monkeypatch.setattr(gemm, "_onednn_linear", no_onednn)
+    tuner = GemmTuner(None, None, repeats=1)
+    a, b, x = torch.randn(32, 8), torch.randn(8, 16), torch.randn(32, 16)
+    for kind, bb, want in (("forward", b.t().contiguous(), a @ b), ("input_grad", b, a @ b),
+                           ("weight_grad", x, a.t() @ x)):
+        torch.testing.assert_close(tuner.matmul(kind, a, bb), want, rtol=1e-5, atol=1e-5)
+    assert not any(v.startswith("onednn:") for v in tuner.choices.values())
+
+
+def test_gemm_tuner_ignores_a_stale_cache(tmp_path) -> None:
+    path = tmp_path / "gemm.json"
+    # an older cache stored variant indices, not names: unknown choices are tuned again
+    path.write_text('{"forward:(32, 16)x(8, 16):torch.float32": 2, "nonsense": "a@bT"}')
+    tuner = GemmTuner(None, path, repeats=1)
+    assert tuner.choices == {}
+    tuner.matmul("forward", torch.randn(32, 16), torch.randn(8, 16))
+    assert list(tuner.choices) == ["forward:(32, 16)x(8, 16):torch.float32"]
 
 
 def test_tuned_single_process_model_trains_like_the_plain_one(tmp_path, monkeypatch) -> None:

@@ -30,7 +30,7 @@ class OverlapOptions:
     prefetch: bool = True  # next layer's z all-gather one layer ahead
     data_grad: bool = True  # bucketed data all-reduce during backward
     bucket_bytes: int = 25 * 2**20
-    gemm_tuning: bool = False  # time the equivalent matmul layouts per shape, keep the fastest
+    gemm_tuning: bool = True  # time the equivalent matmuls per shape, keep the fastest
 
 
 class Engine:
@@ -136,7 +136,9 @@ class Engine:
         for handle, param in pending:
             grad = handle.wait().view_as(param)
             if param.grad is None:
-                param.grad = grad.to(param.dtype).clone()
+                # the block is this pass's own tensor (a GEMM's output or a collective's
+                # buffer), so it becomes the gradient without a copy
+                param.grad = grad.to(param.dtype)
             else:
                 param.grad.add_(grad)
             pid = id(param)

@@ -35,6 +35,9 @@ class _FanOut(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         engine: Engine = ctx.engine
+        if engine.comm.grid.size(ctx.axis) == 1:
+            engine.flush()
+            return grad, None, None
         if engine.options.input_grad:
             handle = engine.comm.all_reduce(grad.contiguous().clone(), ctx.axis, async_op=True)
             engine.flush()  # dW GEMMs of the consumers run under the all-reduce

@@ -229,8 +229,9 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
                 ) -> ParallelModel:
     """Parallelize `model` (with its full weights, the same on every rank) over `grid`.
 
-    On a one-process grid the model is left as it is (unless GEMM layout tuning is on, which
-    needs fourfold's own linear layers). Modules are replaced in place.
+    Modules are replaced in place. On a one-process grid with GEMM tuning off the model is
+    left as it is; with tuning on (the default) its linears become fourfold's own, whose GEMMs
+    the tuner chooses.
     """
     comm = Comm(grid)
     options = overlap_options(config)
