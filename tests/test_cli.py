@@ -147,15 +147,17 @@ def test_run_dir_names() -> None:
 
 
 def test_rank_argv_drops_nproc_and_fixes_the_run_dir() -> None:
-    args = cli.build_parser().parse_args(
-        ["train", "cfg.toml", "--set", "train.steps=5", "--nproc", "4", "--no-resume",
-         "--max-restarts", "2"])
-    argv = cli._rank_argv(args, Path("runs/x"))
-    assert argv == ["train", "cfg.toml", "--set", "train.steps=5", "--out", "runs/x",
-                    "--no-resume", "--max-restarts", "2"]
-    assert "--nproc" not in argv
+    typed = ["train", "cfg.toml", "--set", "train.steps=5", "--nproc", "4", "--no-resume",
+             "--max-restarts", "2"]
+    argv = cli._rank_argv(typed, Path("runs/x"))
+    assert argv == ["train", "cfg.toml", "--set", "train.steps=5", "--no-resume",
+                    "--max-restarts", "2", "--out", "runs/x"]
     rank_args = cli.build_parser().parse_args(argv)
     assert rank_args.nproc == 1 and rank_args.resume is False and rank_args.max_restarts == 2
+    assert rank_args.out == "runs/x" and rank_args.overrides == ["train.steps=5"]
+    typed = ["eval", "memorization", "run", "--data", "d", "--nproc=2", "--y", "2", "--json"]
+    assert cli._rank_argv(typed) == ["eval", "memorization", "run", "--data", "d", "--y", "2",
+                                     "--json"]
 
 
 def test_subprocess_exit_codes_without_traceback(tmp_path: Path) -> None:

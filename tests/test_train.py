@@ -97,6 +97,16 @@ def test_load_trained_gives_the_same_logits(finished_run) -> None:
         torch.testing.assert_close(model(tokens), trained(tokens), rtol=0, atol=0)
 
 
+def test_load_trained_takes_the_newest_checkpoint_of_an_unfinished_run(tmp_path: Path) -> None:
+    Trainer(small_config("train.steps=4", "checkpoint.every=2"), tmp_path, progress=False).fit()
+    finished, _ = load_trained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()  # as if the run died after its last checkpoint
+    unfinished, _ = load_trained(tmp_path)
+    tokens = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(unfinished(tokens), finished(tokens), rtol=0, atol=0)
+
+
 def test_load_trained_names_a_missing_or_incomplete_run_dir(tmp_path: Path) -> None:
     with pytest.raises(RunDirError, match="nowhere"):
         load_trained(tmp_path / "nowhere")

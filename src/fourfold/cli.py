@@ -91,20 +91,19 @@ def default_run_dir(env: dict[str, str] | None = None, now: float | None = None)
     return Path("runs") / stamp
 
 
-def _rank_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
-    """The `fourfold train ...` arguments each launched rank runs: ours minus --nproc, with the
-    run directory made explicit (the ranks must not each pick a timestamp of their own)."""
-    argv = ["train"]
-    if args.config is not None:
-        argv.append(args.config)
-    for item in args.overrides:
-        argv += ["--set", item]
-    argv += ["--out", str(run_dir)]
-    if args.resume is not None:
-        argv.append("--resume" if args.resume else "--no-resume")
-    if args.max_restarts is not None:
-        argv += ["--max-restarts", str(args.max_restarts)]
-    return argv
+def _rank_argv(argv: list[str], run_dir: Path | None = None) -> list[str]:
+    """What each rank that --nproc launches runs: the command as typed, minus --nproc; with
+    `run_dir`, `--out run_dir` is added (the ranks must not each pick a timestamp of their own)."""
+    out: list[str] = []
+    skip = False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == "--nproc":
+            skip = True
+        elif not item.startswith("--nproc="):
+            out.append(item)
+    return out + (["--out", str(run_dir)] if run_dir is not None else [])
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -128,7 +127,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         # Mistakes the ranks would each find (and each print) are reported once, here.
         p = cfg.parallel
         GridShape.resolve(p.x, p.y, p.z, p.data, args.nproc)
-        return launch_local(args.nproc, _rank_argv(args, run_dir),
+        return launch_local(args.nproc,
+                            _rank_argv(args.argv, None if args.out else run_dir),
                             max_restarts=cfg.train.max_restarts)
 
     from fourfold.train.trainer import train
@@ -206,11 +206,7 @@ def cmd_eval_memorization(args: argparse.Namespace) -> int:
         from fourfold.parallel.grid import GridShape
 
         GridShape.resolve(args.x, args.y, args.z, "auto", args.nproc)  # one error, not N
-        argv = ["eval", "memorization", str(args.run_dir), "--data", str(args.data),
-                "--docs", str(args.docs), "--prefix", str(args.prefix),
-                "--suffix", str(args.suffix), "--x", str(args.x), "--y", str(args.y),
-                "--z", str(args.z)] + (["--json"] if args.json else [])
-        return launch_local(args.nproc, argv)
+        return launch_local(args.nproc, _rank_argv(args.argv))
     return memorization_main(str(args.run_dir), str(args.data), args.docs, args.prefix,
                              args.suffix, args.json, x=args.x, y=args.y, z=args.z)
 
@@ -248,12 +244,9 @@ def convert_to_hf(run_dir: Path, out_dir: Path) -> list[Path]:
     from safetensors.torch import save_file
 
     from fourfold.models.hf import config_to_hf, state_dict_to_hf
-    from fourfold.train.runs import WEIGHTS_FILE, load_trained
+    from fourfold.train.runs import load_trained
 
-    if (run_dir / WEIGHTS_FILE).exists():
-        model, cfg = load_trained(run_dir)
-    else:  # a run still training, or one that died: take its newest complete checkpoint
-        model, cfg = _model_from_checkpoint(run_dir)
+    model, cfg = load_trained(run_dir)  # a run still training: its newest complete checkpoint
     hf_state = state_dict_to_hf(model.state_dict(), cfg.model)
     # safetensors refuses tensors that share memory (a tied embedding), and wants them
     # contiguous: each saved tensor gets its own copy.
@@ -264,24 +257,6 @@ def convert_to_hf(run_dir: Path, out_dir: Path) -> list[Path]:
     save_file(hf_state, str(weights), metadata={"format": "pt"})
     config.write_text(json.dumps(config_to_hf(cfg.model), indent=2) + "\n")
     return [config, weights]
-
-
-def _model_from_checkpoint(run_dir: Path):
-    from fourfold.config import load_config
-    from fourfold.models.llama import Llama
-    from fourfold.parallel import Grid
-    from fourfold.train.checkpoint import CheckpointManager, load_weights_from_checkpoint
-    from fourfold.train.runs import CONFIG_FILE, load_trained
-
-    if not (run_dir / CONFIG_FILE).exists():
-        return load_trained(run_dir)  # raises the one-line "not a run directory" error
-    cfg = load_config(run_dir / CONFIG_FILE)
-    path = CheckpointManager(run_dir, cfg.checkpoint, Grid.single()).latest_valid()
-    if path is None:
-        return load_trained(run_dir)  # no weights and no checkpoint: its error names both
-    model = Llama(cfg.model)
-    load_weights_from_checkpoint(path, model)
-    return model, cfg
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,6 +367,7 @@ def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] == "plan":
         return cmd_plan(argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = argv  # as typed: what --nproc's ranks run again
     handler: Callable[[argparse.Namespace], int] = args.handler
     return handler(args)
 

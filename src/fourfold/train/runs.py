@@ -1,5 +1,6 @@
 """The files of a finished run (RUN_DIR): config.toml, model.safetensors, summary.json,
-metrics.jsonl; and loading a trained model back for generation or evaluation."""
+metrics.jsonl; and loading a trained model back (from model.safetensors or, for an unfinished
+run, its newest checkpoint) for generation, evaluation or export."""
 
 from __future__ import annotations
 
@@ -58,22 +59,31 @@ def load_weights(model: Llama, path: Path) -> None:
 
 
 def load_trained(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, Config]:
-    """The trained model (in eval mode) and the config of a finished run."""
+    """The trained model (in eval mode) and the config of a run: its model.safetensors, or,
+    for a run still training or one that died, the weights of its newest complete checkpoint."""
     run = Path(run_dir)
     if not run.is_dir():
         raise RunDirError(f"run directory {str(run_dir)!r} does not exist")
     if not (run / CONFIG_FILE).is_file():
         raise RunDirError(f"run directory {str(run_dir)!r} has no {CONFIG_FILE}; is it a "
                           "fourfold RUN_DIR?")
-    if not (run / WEIGHTS_FILE).is_file():
-        raise RunDirError(f"run directory {str(run_dir)!r} has no {WEIGHTS_FILE}; the run did "
-                          "not finish (train it to the end first)")
     try:
         cfg = load_config(run / CONFIG_FILE)
     except ConfigError as e:
         raise RunDirError(f"{run / CONFIG_FILE}: {e}") from None
     model = Llama(cfg.model)
-    load_weights(model, run / WEIGHTS_FILE)
+    if (run / WEIGHTS_FILE).is_file():
+        load_weights(model, run / WEIGHTS_FILE)
+    else:
+        from fourfold.parallel.grid import Grid
+        from fourfold.train.checkpoint import CheckpointManager, load_weights_from_checkpoint
+
+        path = CheckpointManager(run, cfg.checkpoint, Grid.single()).latest_valid()
+        if path is None:
+            raise RunDirError(f"run directory {str(run_dir)!r} has no {WEIGHTS_FILE} and no "
+                              "complete checkpoint; train it to the end, or with "
+                              "checkpoint.every > 0")
+        load_weights_from_checkpoint(path, model)
     model.to(device)
     model.eval()
     return model, cfg
