@@ -132,10 +132,23 @@ def phase_load(grid: Grid, run_dir: Path, out_dir: Path, save_dir: Path) -> dict
     result["resumed_losses"] = [train_step(resumed, resumed_opt, s)
                                 for s in range(resumed_extra["step"] + 1, STEPS + 1)]
 
+    # a file that only rank 1 hashes is damaged (same size): every rank must skip the checkpoint
+    newest = manager.latest_valid()
+    names = sorted(json.loads((newest / "manifest.json").read_text())["files"])
+    victim = newest / next(n for i, n in enumerate(names) if i % grid.world_size == 1)
+    if grid.rank == 0:
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    fresh = CheckpointManager(run_dir, CheckpointConfig(), grid)
+    result["after_damage"] = str(fresh.latest_valid())
+
     # every rank's step time reaches every rank, in rank order
+    from fourfold.parallel.comm import Comm
     from fourfold.train.resilience import gather_step_times
 
-    result["step_times"] = gather_step_times(0.25 + grid.rank)
+    result["step_times"] = gather_step_times(0.25 + grid.rank, Comm(grid))
 
     # Hugging Face checkpoint, read slice by slice
     hf_dir = Path(os.environ["FOURFOLD_TEST_HF"])

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fourfold.config import CheckpointConfig
+from fourfold.data.manifest import sha256_file
 from fourfold.models import build_model
 from fourfold.parallel import Grid, parallelize
 from fourfold.train.checkpoint import (CheckpointError, CheckpointManager, list_checkpoints,
@@ -86,13 +87,33 @@ def eight_to_four_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"save": saved, "load": loaded}
 
 
-def test_reshard_eight_ranks_to_four_ranks(eight_to_four_run: dict) -> None:
-    reference = eight_to_four_run["save"][0]["losses"][worker.SAVE_AT:]
-    assert eight_to_four_run["save"][0]["resumed_losses"] == reference  # same grid: bit-exact
-    for rank, r in enumerate(eight_to_four_run["load"]):
+def check_load_phase(save: list[dict], load: list[dict]) -> None:
+    """Everything a `load` launch checked, on each of its ranks."""
+    reference = save[0]["losses"][worker.SAVE_AT:]
+    n = len(load)
+    for rank, r in enumerate(load):
+        # resharded onto this grid: the same weights, and training goes on as before
         assert r["max_weight_diff"] == 0.0, f"rank {rank}: weights differ after resharding"
+        assert r["extra_step"] == worker.SAVE_AT
         for a, b in zip(r["continued_losses"], reference, strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (r["continued_losses"], reference)
+        # saved after step SAVE_AT + 1 on this grid and resumed from it, bit for bit
+        assert r["resumed_losses"] == r["continued_losses"][1:]
+        # then a byte of a file that rank 1 alone hashed was flipped: no rank takes it
+        assert r["after_damage"] == "None", f"rank {rank}"
+        # the straggler report's all-gather: every rank's time, in rank order
+        assert r["step_times"] == [0.25 + i for i in range(n)]
+        # a Hugging Face checkpoint loaded slice by slice onto this grid
+        assert r["hf_logits_shape_ok"], f"rank {rank}"
+        assert r["hf_logits_scale"] > 0.05, r  # random weights give logits of this size
+        assert r["hf_logits_max_diff"] < 1e-5, f"rank {rank}: {r['hf_logits_max_diff']}"
+
+
+def test_reshard_eight_ranks_to_four_ranks(eight_to_four_run: dict) -> None:
+    save = eight_to_four_run["save"]
+    reference = save[0]["losses"][worker.SAVE_AT:]
+    assert save[0]["resumed_losses"] == reference  # same grid: bit-exact
+    check_load_phase(save, eight_to_four_run["load"])
 
 
 def test_four_rank_stop_and_resume_is_exact(grids_run: dict) -> None:
@@ -105,27 +126,8 @@ def test_four_rank_stop_and_resume_is_exact(grids_run: dict) -> None:
     assert r["resumed_losses"] == r["losses"][worker.SAVE_AT:]
 
 
-def test_reshard_four_ranks_to_two_ranks(grids_run: dict) -> None:
-    reference = grids_run["save"][0]["losses"][worker.SAVE_AT:]
-    for rank, r in enumerate(grids_run["load"]):
-        assert r["max_weight_diff"] == 0.0, f"rank {rank}: weights differ after resharding"
-        assert r["extra_step"] == worker.SAVE_AT
-        for a, b in zip(r["continued_losses"], reference, strict=True):
-            assert abs(a - b) <= 1e-5 * abs(b), (r["continued_losses"], reference)
-
-
-def test_two_rank_stop_and_resume_is_exact(grids_run: dict) -> None:
-    r = grids_run["load"][0]
-    assert r["step_times"] == [0.25, 1.25]  # (the straggler report's all-gather, on 2 ranks)
-    # the run saved after step SAVE_AT + 1 and resumed from it
-    assert r["resumed_losses"] == r["continued_losses"][1:]
-
-
-def test_hf_init_from_on_two_ranks(grids_run: dict) -> None:
-    for rank, r in enumerate(grids_run["load"]):
-        assert r["hf_logits_shape_ok"], f"rank {rank}"
-        assert r["hf_logits_scale"] > 0.05, r  # random weights give logits of this size
-        assert r["hf_logits_max_diff"] < 1e-5, f"rank {rank}: {r['hf_logits_max_diff']}"
+def test_four_ranks_to_two_ranks(grids_run: dict) -> None:
+    check_load_phase(grids_run["save"], grids_run["load"])
 
 
 def test_reshard_four_ranks_to_one_process(grids_run: dict) -> None:
@@ -201,6 +203,24 @@ def test_truncated_newest_checkpoint_falls_back_with_warning(tmp_path: Path) -> 
         assert fresh.latest_valid() == previous
     pmodel, optimizer = worker.build(Grid.single(), seed=8)
     assert fresh.load(previous, pmodel, optimizer) == {"step": 1}
+
+
+def test_verify_shares_split_the_hashing(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    files = {}
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+        (path / name).write_bytes(name.encode() * 100)
+        files[name] = {"sha256": sha256_file(path / name), "bytes": (path / name).stat().st_size}
+    (path / "manifest.json").write_text(json.dumps({"files": files}))
+    assert all(verify_checkpoint(path, (i, 2)) is None for i in range(2))
+    data = bytearray((path / "__0_0.distcp").read_bytes())
+    data[7] ^= 1  # same size: only its hash can tell
+    (path / "__0_0.distcp").write_bytes(bytes(data))
+    # sorted: .metadata, __0_0, __1_0 -> share (1, 2) hashes __0_0 alone
+    assert verify_checkpoint(path, (0, 2)) is None
+    assert "__0_0.distcp fails its sha256" in (verify_checkpoint(path, (1, 2)) or "")
+    assert "__0_0.distcp fails its sha256" in (verify_checkpoint(path) or "")
 
 
 def test_corrupted_checkpoint_fails_its_checksum(tmp_path: Path) -> None:

@@ -87,7 +87,8 @@ def test_grid_audit_equals_one_process(run_and_data: tuple[Path, Path],
         SUFFIX if i % 2 == 0 else i for i in range(N_DOCS)]
 
     assert _audit_on_ranks(run, data, 2, ["--y", "2"]) == single
-    assert _audit_on_ranks(run, data, 2, ["--x", "2"]) == single
+    # x = 2 and two data replicas, each decoding half of the documents
+    assert _audit_on_ranks(run, data, 4, ["--x", "2"]) == single
 
 
 def test_grid_that_does_not_fit_is_one_error(run_and_data: tuple[Path, Path]) -> None:

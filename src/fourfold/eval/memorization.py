@@ -197,6 +197,18 @@ def audit_memorization(model: NextLogits, documents: Sequence[Sequence[int] | np
     from the logits (see vocab_parallel_greedy_next); `device` is where the tokens go (default:
     the model's parameters' device). On a grid use audit_memorization_on_grid.
     """
+    usable = _usable_documents(model, documents, prefix, suffix, batch_size)
+    if new_cache is None:
+        new_cache = _default_cache_factory(model)
+    device = device if device is not None else _model_device(model)
+    rows = _decode_and_score(model, usable, prefix, suffix, batch_size, new_cache, pick, device)
+    return _report(prefix, suffix, len(documents), rows)
+
+
+def _usable_documents(model: object, documents: Sequence[Sequence[int] | np.ndarray],
+                      prefix: int, suffix: int, batch_size: int
+                      ) -> list[tuple[int, np.ndarray]]:
+    """(index, first prefix + suffix tokens) of each document long enough; checks the sizes."""
     if prefix < 1 or suffix < 1:
         raise MemorizationAuditError(f"prefix = {prefix}, suffix = {suffix}: both must be at "
                                      "least 1 token")
@@ -206,20 +218,23 @@ def audit_memorization(model: NextLogits, documents: Sequence[Sequence[int] | np
         raise MemorizationAuditError(
             f"prefix + suffix = {prefix + suffix} tokens: longer than the model's max_seq_len "
             f"{model.cfg.max_seq_len}; use at most {model.cfg.max_seq_len} in all")
-    if new_cache is None:
-        new_cache = _default_cache_factory(model)
     usable = [(i, np.asarray(doc, dtype=np.int64)[:prefix + suffix])
               for i, doc in enumerate(documents) if len(doc) >= prefix + suffix]
     if not usable:
         raise MemorizationAuditError(
             f"none of the {len(documents)} documents has prefix + suffix = {prefix + suffix} "
             "tokens; use a shorter --prefix or --suffix")
+    return usable
 
+
+def _decode_and_score(model: NextLogits, usable: list[tuple[int, np.ndarray]], prefix: int,
+                      suffix: int, batch_size: int, new_cache: Callable[[], Any] | None,
+                      pick: Callable[[torch.Tensor], torch.Tensor],
+                      device: torch.device) -> list[DocumentResult]:
     was_training = getattr(model, "training", False)
     if isinstance(model, torch.nn.Module):
         model.eval()
     try:
-        device = device if device is not None else _model_device(model)
         rows: list[DocumentResult] = []
         # Every prompt has exactly `prefix` tokens, so any documents batch together unpadded.
         for start in range(0, len(usable), batch_size):
@@ -231,14 +246,18 @@ def audit_memorization(model: NextLogits, documents: Sequence[Sequence[int] | np
             truth = tokens[:, prefix:].cpu()
             for (index, _), gen_row, true_row in zip(chunk, generated.tolist(), truth.tolist()):
                 rows.append(score_continuation(index, gen_row, true_row))
+        return rows
     finally:
         if isinstance(model, torch.nn.Module) and was_training:
             model.train()
 
+
+def _report(prefix: int, suffix: int, n_documents: int,
+            rows: list[DocumentResult]) -> MemorizationReport:
     n = len(rows)
     return MemorizationReport(
         prefix=prefix, suffix=suffix, documents_audited=n,
-        documents_too_short=len(documents) - n,
+        documents_too_short=n_documents - n,
         exact_match_rate=sum(r.exact_match for r in rows) / n,
         token_match_rate=sum(r.token_match for r in rows) / n,
         rouge_l=sum(r.rouge_l for r in rows) / n,
@@ -250,13 +269,12 @@ def audit_memorization_on_grid(pmodel: ParallelModel,
                                prefix: int, suffix: int,
                                batch_size: int = 8) -> MemorizationReport:
     """audit_memorization through a parallelized model. Collective: every rank of the grid calls
-    it with the same documents (the batch is not split) and gets the same report. Decodes with
-    full recomputation (the parallel model has no KV cache)."""
-    module = pmodel.module
-    if isinstance(module, Llama) and prefix + suffix > module.cfg.max_seq_len:
-        raise MemorizationAuditError(
-            f"prefix + suffix = {prefix + suffix} tokens: longer than the model's max_seq_len "
-            f"{module.cfg.max_seq_len}; use at most {module.cfg.max_seq_len} in all")
+    it with the same documents and gets the same report. The documents are split over the data
+    replicas (each tensor-parallel group decodes its share); the rows are gathered over data.
+    Decodes with full recomputation (the parallel model has no KV cache)."""
+    usable = _usable_documents(pmodel.module, documents, prefix, suffix, batch_size)
+    grid = pmodel.grid
+    mine = usable[grid.coord("data")::grid.size("data")]
 
     def forward(tokens: torch.Tensor, cache: Any = None) -> torch.Tensor:
         return pmodel(tokens)
@@ -264,11 +282,13 @@ def audit_memorization_on_grid(pmodel: ParallelModel,
     was_training = pmodel.training
     pmodel.eval()
     try:
-        return audit_memorization(forward, documents, prefix, suffix, batch_size,
-                                  pick=vocab_parallel_greedy_next(pmodel),
-                                  device=pmodel.grid.device)
+        rows = _decode_and_score(forward, mine, prefix, suffix, batch_size, None,
+                                 vocab_parallel_greedy_next(pmodel), grid.device)
     finally:
         pmodel.train(was_training)
+    shares = pmodel.comm.all_gather_objects(rows, "data")
+    rows = sorted((r for share in shares for r in share), key=lambda r: r.document)
+    return _report(prefix, suffix, len(documents), rows)
 
 
 def _model_device(model: NextLogits) -> torch.device:

@@ -164,6 +164,18 @@ class Comm:
             handle.wait()
         return handle
 
+    def all_gather_objects(self, obj: object, axis: str) -> list[object]:
+        """Every rank's picklable `obj` over `axis`, in axis order (small things: reports)."""
+        group = self._group(axis)
+        if group is None or self._size(axis) == 1:
+            return [obj]
+        out: list[object] = [None] * self._size(axis)
+        try:
+            dist.all_gather_object(out, obj, group=group)
+        except RuntimeError as e:
+            raise self.error("all-gather", axis, e) from None
+        return out
+
     def reduce_scatter(self, t: torch.Tensor, axis: str, async_op: bool = False) -> Handle:
         """Sum `t` over `axis` and keep this rank's 1/size slice of dim 0."""
         group = self._group(axis)

@@ -89,9 +89,10 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=step_of, reverse=True)
 
 
-def verify_checkpoint(path: Path) -> str | None:
+def verify_checkpoint(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
     """None when every file listed in the manifest exists with its size and sha256; otherwise
-    why not (one short phrase)."""
+    why not (one short phrase). With share = (index, count), only every count-th file from the
+    index-th is hashed (sizes are checked for all): the ranks of a job split the reading."""
     manifest_path = path / MANIFEST_FILE
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -102,7 +103,8 @@ def verify_checkpoint(path: Path) -> str | None:
         return f"unreadable manifest.json ({type(e).__name__})"
     if ".metadata" not in files:
         return "the manifest lists no DCP .metadata"
-    for name, entry in sorted(files.items()):
+    index, count = share
+    for i, (name, entry) in enumerate(sorted(files.items())):
         file = path / name
         try:
             size = file.stat().st_size
@@ -110,7 +112,7 @@ def verify_checkpoint(path: Path) -> str | None:
             return f"{name} is missing"
         if size != entry["bytes"]:
             return f"{name} has {size} bytes, the manifest says {entry['bytes']} (truncated?)"
-        if sha256_file(file) != entry["sha256"]:
+        if i % count == index and sha256_file(file) != entry["sha256"]:
             return f"{name} fails its sha256 checksum"
     return None
 
@@ -471,24 +473,30 @@ class CheckpointManager:
 
     def latest_valid(self) -> Path | None:
         """The newest checkpoint that passes verification. A damaged one (checksum, truncated,
-        missing files) is skipped with a warning that names it. Rank 0 checks; every rank gets
-        the answer (collective on a grid)."""
+        missing files) is skipped with a warning that names it. Collective on a grid: the
+        ranks split the hashing and agree on the answer."""
         self.wait()
-        found: str | None = None
-        if self.rank == 0:
-            for path in list_checkpoints(self.run_dir):
-                reason = None if path.name in self._verified else verify_checkpoint(path)
-                if reason is None:
-                    self._verified.add(path.name)
-                    found = str(path)
-                    break
+        # rank 0 lists them, and knows which it wrote or checked already (_finish runs there)
+        listed = ([(p.name, p.name in self._verified) for p in list_checkpoints(self.run_dir)]
+                  if self.rank == 0 else [])
+        if self.distributed:
+            box = [listed]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            listed = box[0]
+        for name, verified in listed:
+            path = self.root / name
+            reason = None
+            if not verified:
+                share = (self.rank, self.grid.world_size) if self.distributed else (0, 1)
+                reasons = self._gather(verify_checkpoint(path, share), to_all=True)
+                reason = next((r for r in reasons if r is not None), None)
+            if reason is None:
+                self._verified.add(name)
+                return path
+            if self.rank == 0:
                 warnings.warn(f"checkpoint {path} is damaged ({reason}); skipping it for the "
                               "previous one", stacklevel=2)
-        if self.distributed:
-            box = [found]
-            dist.broadcast_object_list(box, src=0, group=self.group)
-            found = box[0]
-        return Path(found) if found is not None else None
+        return None
 
     def load(self, path: str | Path, pmodel: Any, optimizer: torch.optim.Optimizer | None,
              restore_rng: bool = True) -> Any:
@@ -545,11 +553,14 @@ class CheckpointManager:
 def load_weights_from_checkpoint(path: str | Path, model: torch.nn.Module) -> None:
     """Load the weights of a checkpoint (from any grid) into a whole, unparallelized model on
     this process, e.g. to export a run whose model.safetensors was never written."""
+    from fourfold.config import ParallelConfig
     from fourfold.parallel import parallelize
 
     grid = Grid.single()
     manager = CheckpointManager(Path(path).parent.parent, CheckpointConfig(), grid)
-    manager.load(path, parallelize(model, grid), None, restore_rng=False)
+    # without GEMM tuning a one-process grid leaves the model's modules as they are
+    pmodel = parallelize(model, grid, ParallelConfig(gemm_tuning=False))
+    manager.load(path, pmodel, None, restore_rng=False)
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from fourfold.parallel.comm import Comm
 
 SPIKE_WINDOW = 20  # accepted losses in the running mean
 SPIKE_MIN_HISTORY = 5  # no spike verdicts before this many accepted losses
@@ -71,16 +72,13 @@ class LossGuard:
 # stragglers
 
 
-def gather_step_times(seconds: float, group: Any = None,
-                      device: torch.device | str = "cpu") -> list[float]:
-    """Every rank's step time, in rank order (collective over `group`, the world by default;
-    on one process just [seconds])."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+def gather_step_times(seconds: float, comm: Comm | None = None) -> list[float]:
+    """Every rank's step time, in rank order (collective over the whole grid of `comm`; on one
+    process just [seconds])."""
+    if comm is None or comm.grid.world_size == 1:
         return [float(seconds)]
-    mine = torch.tensor([float(seconds)], dtype=torch.float64, device=device)
-    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)
-    return [float(t.item()) for t in out]
+    mine = torch.tensor([float(seconds)], dtype=torch.float64, device=comm.grid.device)
+    return [float(t) for t in comm.all_gather(mine, "all").wait().tolist()]
 
 
 def straggler_report(times: list[float], factor: float = STRAGGLER_FACTOR,

@@ -575,7 +575,7 @@ class Trainer:
         """All-gather every rank's step time and name the ranks much slower than the rest."""
         if self.world_size == 1:
             return
-        times = gather_step_times(stats.seconds, device=self.device)
+        times = gather_step_times(stats.seconds, self.pmodel.comm)
         line = straggler_report(times)
         if line is None:
             return
