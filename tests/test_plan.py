@@ -339,8 +339,10 @@ def test_cpu_machine_fits_the_comm_probe_and_caches_it(tmp_path, monkeypatch):
     assert cal.collective_seconds("all_gather", 4, 8e6) == pytest.approx(4e-3 + 0.75 * 8e6 * 2e-9)
     assert cal.overlap_efficiency == 0.0  # 8 ranks on at most 8 cores: nothing spare to hide in
     assert (tmp_path / "cache" / "plan" / f"cpu_comm_8ranks_{cal.cores}cores.json").is_file()
-    cpu.calibration(8)
-    assert calls == [8]  # the second time comes from the cache
+    assert cpu.calibration(8) is cal  # fitted once per machine and world size
+    assert calls == [8]
+    assert load_machine("cpu").calibration(8) == cal  # a new machine reads the probe's file
+    assert calls == [8]
     pred = predict_step(TINY, GridShape(z=8), 8, 16, 1, False, cpu, Precision.of("float32"))
     assert sum(pred.hidden_s.values()) == 0
     # every z collective costs its probed latency: 8 ms per call at least

@@ -8,6 +8,7 @@ one line that names the key and what is allowed. The CLI turns ConfigError into 
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -19,9 +20,21 @@ import tomllib
 
 def cache_root() -> Path:
     """Where fourfold keeps what it measures or prepares once (the built-in corpus, CPU probes,
-    GEMM layout choices): $FOURFOLD_CACHE, else ~/.cache/fourfold."""
+    GEMM choices): $FOURFOLD_CACHE, else ~/.cache/fourfold."""
     env = os.environ.get("FOURFOLD_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "fourfold"
+
+
+def write_cache_json(path: Path, obj: Any) -> None:
+    """Write a cache file under cache_root() atomically (ranks on one node may race here). An
+    unwritable cache is ignored: it only costs measuring again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(obj, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass
 
 
 class ConfigError(ValueError):

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from fourfold.config import cache_root
+from fourfold.config import cache_root, write_cache_json
 from fourfold.parallel.comm import Comm
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -143,15 +142,8 @@ class GemmTuner:
         return choice
 
     def _save(self) -> None:
-        if self.cache_path is None or (self.comm is not None and not self.comm.grid.is_main):
-            return
-        try:
-            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.cache_path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(self.choices, indent=1, sort_keys=True))
-            tmp.replace(self.cache_path)
-        except OSError:
-            pass  # a cache we cannot write only costs re-tuning next time
+        if self.cache_path is not None and (self.comm is None or self.comm.grid.is_main):
+            write_cache_json(self.cache_path, self.choices)
 
 
 def _sync(device: torch.device) -> None:

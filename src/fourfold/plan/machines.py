@@ -83,7 +83,7 @@ from typing import Any, Callable
 
 import tomllib
 
-from fourfold.config import cache_root
+from fourfold.config import cache_root, write_cache_json
 from fourfold.plan.errors import PlanError
 
 GIB = 1024**3
@@ -142,6 +142,9 @@ class Machine:
     note: str = ""
     # Set only for the `cpu` machine: ranks share this host's cores, costs come from probes.
     host: "CpuHost | None" = None
+    # world size -> HostCalibration: a search asks once per grid; the probe is read, fitted once
+    _calibrations: dict[int, "HostCalibration"] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def bandwidth_gbps(self, group_size: int, stride: int) -> float:
         return self.network.gbps(group_size, stride, self.gpus_per_node)
@@ -159,7 +162,11 @@ class Machine:
 
     def calibration(self, world_size: int) -> "HostCalibration | None":
         """The probed costs of `world_size` ranks on this host (cpu machine only, else None)."""
-        return self.host.calibration(world_size) if self.host is not None else None
+        if self.host is None:
+            return None
+        if world_size not in self._calibrations:
+            self._calibrations[world_size] = self.host.calibration(world_size)
+        return self._calibrations[world_size]
 
     def hbm_bytes_per_s_per_rank(self, world_size: int) -> float:
         return self.device.hbm_gbps * 1e9 / self.ranks_per_device(world_size)
@@ -318,13 +325,7 @@ def _cached_probe(path: Path, key: str, refresh: bool,
         except (OSError, ValueError):
             pass
     result = dict(measure(), key=key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    write_cache_json(path, result)
     return result
 
 

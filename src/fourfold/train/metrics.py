@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import platform
 import resource
 import sys
@@ -14,7 +13,7 @@ from typing import Any, TextIO
 
 import torch
 
-from fourfold.config import cache_root
+from fourfold.config import cache_root, write_cache_json
 
 # Dense peak FLOP/s per device: (bfloat16, tf32, float32). Matched on a substring of
 # torch.cuda.get_device_name(); earlier entries win, so the more specific names come first.
@@ -96,13 +95,7 @@ def cpu_peak_flops(dtype: str, refresh: bool = False) -> float:
         peak = max(peak, float(known))
     cached = cached if isinstance(cached, dict) else {}
     cached[key] = peak
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        tmp.replace(path)  # atomic: ranks on one node may race here
-    except OSError:
-        pass  # an unwritable cache only costs a re-probe next time
+    write_cache_json(path, cached)
     return peak
 
 
