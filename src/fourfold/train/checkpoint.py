@@ -316,11 +316,15 @@ class CheckpointManager:
 
     def _snapshot(self, pmodel: Any, optimizer: torch.optim.Optimizer | None,
                   extra: Any) -> dict[str, Any]:
-        """A CPU copy of everything to save, as DCP's flat state dict."""
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to("cpu", copy=True)
+        """Everything to save, on CPU, as DCP's flat state dict: a copy for an asynchronous
+        save (training goes on changing the tensors), the tensors themselves for a synchronous
+        save of CPU tensors."""
+        copy = self.cfg.async_save
 
-        state = self._tensor_state(pmodel, optimizer, copy)
+        def to_cpu(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to("cpu", copy=copy)
+
+        state = self._tensor_state(pmodel, optimizer, to_cpu)
         state[_EXTRA] = _to_bytes(extra)
         state[f"{_RNG}{self.rank}"] = _to_bytes(rng_state())
         return state
