@@ -9,7 +9,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 
 from fourfold.launch import describe_failure, first_exit_code, threads_per_rank
 
@@ -74,9 +73,9 @@ def _fourfold(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           text=True, cwd=cwd, env=_env(), timeout=300)
 
 
-def test_train_on_two_local_ranks_matches_one_process(tmp_path: Path) -> None:
-    """One launch checks: exit code 0, only rank 0 prints, the run files, the grid used, and
-    that two data-parallel ranks train the same model as one process."""
+def test_train_on_two_local_ranks(tmp_path: Path) -> None:
+    """One launch checks: exit code 0, only rank 0 prints, the run files and the grid used.
+    (test_train_multirank compares two data ranks with one process, under torchrun.)"""
     two = _fourfold("train", *TINY, "--nproc", "2", "--out", str(tmp_path / "two"), cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "Traceback" not in two.stderr
@@ -86,14 +85,7 @@ def test_train_on_two_local_ranks_matches_one_process(tmp_path: Path) -> None:
         assert (run / name).is_file(), name
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["grid"].startswith("data=2")
-    assert summary["steps"] == 3
-
-    one = _fourfold("train", *TINY, "--out", str(tmp_path / "one"), cwd=tmp_path)
-    assert one.returncode == 0, one.stderr[-3000:]
-    single = json.loads((tmp_path / "one" / "summary.json").read_text())
-    assert single["world_size"] == 1
-    assert summary["final_loss"] == pytest.approx(single["final_loss"], rel=1e-4)
-    assert summary["val_loss"] == pytest.approx(single["val_loss"], rel=1e-4)
+    assert summary["steps"] == 3 and summary["final_loss"] > 0
 
 
 def test_failed_ranks_give_one_line_and_their_exit_code(tmp_path: Path) -> None:

@@ -1,20 +1,19 @@
 """The trainer on two gloo ranks (data = 2, grad_accum = 2) against one process: the same
-losses, validation losses and final weights, from one torchrun launch.
-
-Run as a script, this file is the rank worker: `torchrun ... test_train_multirank.py RUN_DIR
---set ...`.
+losses, validation losses and final weights, from one launch the way users start it:
+`torchrun --nproc-per-node 2 -m fourfold train ...` (test_launch covers `--nproc`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import outside_job_env
 
 OVERRIDES = ["model.preset=debug", "train.batch_size=8", "train.seq_len=64", "train.steps=4",
              "train.warmup_steps=2", "train.grad_accum=2", "train.eval_every=2",
@@ -30,13 +29,15 @@ def test_two_data_ranks_match_one_process(tmp_path: Path, monkeypatch: pytest.Mo
     from fourfold.train import train
     from fourfold.train.metrics import read_metrics
 
-    env = {**os.environ, "FOURFOLD_CACHE": str(tmp_path / "cache")}
+    env = outside_job_env(FOURFOLD_CACHE=str(tmp_path / "cache"))
     grid_dir = tmp_path / "grid"
+    sets = [arg for item in [*OVERRIDES, "parallel.data=2"] for arg in ("--set", item)]
     launch = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         __file__, str(grid_dir), *OVERRIDES, "parallel.data=2"],
+         "-m", "fourfold", "train", *sets, "--out", str(grid_dir)],
         env=env, capture_output=True, text=True, timeout=300)
     assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
+    assert launch.stdout.count("run files:") == 1  # rank 0 only
 
     monkeypatch.setenv("FOURFOLD_CACHE", env["FOURFOLD_CACHE"])
     single = train(load_config(None, OVERRIDES), tmp_path / "single", progress=False)
@@ -58,28 +59,3 @@ def test_two_data_ranks_match_one_process(tmp_path: Path, monkeypatch: pytest.Mo
     for name, value in single_weights.items():
         torch.testing.assert_close(grid_weights[name], value, rtol=0, atol=2e-5, msg=name)
     assert summary["sample"]  # rank 0 sampled from the gathered weights
-
-
-def _rank_main(run_dir: str, overrides: list[str]) -> int:
-    import torch.distributed as dist
-
-    from fourfold.config import load_config
-    from fourfold.train import train
-
-    code = 0
-    try:
-        train(load_config(None, overrides), Path(run_dir), progress=False)
-    except Exception:  # noqa: BLE001 - report any failure through the exit code
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os._exit(code)  # gloo can abort at interpreter exit after destroy_process_group
-
-
-if __name__ == "__main__":
-    _rank_main(sys.argv[1], sys.argv[2:])
