@@ -119,24 +119,29 @@ class GemmTuner:
         return out.reshape(*a.shape[:-1], out.shape[-1])
 
     def _tune(self, kind: str, key: str, a: torch.Tensor, b: torch.Tensor) -> str:
-        names, times = [], []
-        for name, fn in variants_for(kind, a.device):
-            names.append(name)
+        """Time the variants in turns (one call each per round) and keep each one's fastest
+        call, so that a machine whose speed drifts does not favour whichever ran first."""
+        variants = variants_for(kind, a.device)
+        runs = []
+        for _, fn in variants:  # warm-up, and which variants run at all here
             try:
-                fn(a, b)  # warm-up
-            except RuntimeError:  # e.g. a PyTorch build without oneDNN
-                times.append(math.inf)
-                continue
-            _sync(a.device)
-            start = time.perf_counter()
-            for _ in range(self.repeats):
                 fn(a, b)
-            _sync(a.device)
-            times.append(time.perf_counter() - start)
-        t = torch.tensor(times, dtype=torch.float64)
+                runs.append(True)
+            except RuntimeError:  # e.g. a PyTorch build without oneDNN
+                runs.append(False)
+        best = [math.inf] * len(variants)
+        for _ in range(self.repeats):
+            for i, (_, fn) in enumerate(variants):
+                if runs[i]:
+                    _sync(a.device)
+                    start = time.perf_counter()
+                    fn(a, b)
+                    _sync(a.device)
+                    best[i] = min(best[i], time.perf_counter() - start)
+        t = torch.tensor(best, dtype=torch.float64)
         if self.comm is not None and self.comm.grid.world_size > 1:
             t = self.comm.all_reduce(t.to(self.comm.grid.device), "all").wait().cpu()
-        choice = names[int(torch.argmin(t))]
+        choice = variants[int(torch.argmin(t))][0]
         self.choices[key] = choice
         self._save()
         return choice
