@@ -19,8 +19,8 @@ returned to the kernel and zero-filled again on the next step); the plain and HF
 glibc's defaults unless --same-malloc gives them the same tuning (a comparison of the models and
 loops alone).
 
-Each row runs warmup steps, then times steps (the three ways take turns; each keeps its
-fastest step). MFU = flops_per_token(model, seq) * tokens/s / peak, where peak is the best
+Each row runs warmup steps, then times steps (the three ways take turns, with a pause between
+turns; each keeps its fastest step). MFU = flops_per_token(model, seq) * tokens/s / peak, where peak is the best
 matmul FLOP/s that probes of this machine in that dtype reached over the whole run (at the
 start and after every timed round), so MFU is relative to what this CPU's matmul reaches, not
 to a datasheet number.
@@ -63,6 +63,11 @@ IMPLEMENTATIONS = ("fourfold", "fourfold+compile", "fourfold-untuned", "plain", 
 DEFAULT_IMPLEMENTATIONS = ("fourfold", "plain", "hf")
 DTYPES = ("float32", "bfloat16")
 LR = 3e-4
+# A pause before each turn: work that lingers after a process's step (its OpenMP threads
+# spinning, the kernel taking back freed memory) otherwise slows the next process's step.
+# Measured on the 35m float32 row: fourfold alone 1.44 s/step; taking turns with no pause
+# 1.63 s; with 0.3 s, 1.45 s.
+TURN_GAP_S = 0.3
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,6 +283,7 @@ def run(shapes: list[str], dtypes: list[str], impls: list[str], warmup: int,
                     best = {impl: math.inf for impl in impls}
                     for i in range(warmup + steps):
                         for impl, (conn, _, _) in workers.items():
+                            time.sleep(TURN_GAP_S)
                             conn.send("step")
                             seconds = conn.recv()
                             if i >= warmup:
