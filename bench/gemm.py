@@ -1,6 +1,7 @@
-"""Matmul layout tuning on this machine: for the GEMMs of a linear layer (forward, input
-gradient, weight gradient) at the shapes of a ~35M-parameter model, time each equivalent
-layout and show what choosing the fastest gains over the plain one.
+"""GEMM tuning on this machine: for the GEMMs of a linear layer (forward, input gradient,
+weight gradient) at the shapes of a ~35M-parameter model, time each equivalent way (the
+matmul layouts, and oneDNN's matmul on CPU) and show what choosing the fastest gains over the
+plain one.
 
     python bench/gemm.py [--tokens 4096] [--dtype float32|bfloat16] [--repeats 5]
 """

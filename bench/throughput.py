@@ -10,8 +10,8 @@ The same model shapes are trained three ways, in float32 and in bfloat16 (autoca
             loop as plain; random tokens;
 - fourfold+compile (not in the default set: compiling takes minutes on a CPU): fourfold with
             train.compile = true (each transformer block compiled by torch.compile);
-- fourfold-untuned (not in the default set): fourfold with parallel.gemm_tuning = false, so
-            every GEMM is torch.matmul's plain layout, as in the plain and HF loops.
+- fourfold+gemm (not in the default set): fourfold with parallel.gemm_tuning = true (each
+            linear's GEMMs tuned once per shape: matmul layouts, and oneDNN beside MKL).
 
 Each runs in its own process, as its user would run it: fourfold's Trainer tunes malloc for
 its process on CPU (fourfold.train.host_memory: freed memory is kept for reuse instead of being
@@ -59,7 +59,7 @@ SHAPES: dict[str, tuple[ModelConfig, int, int]] = {
     "35m": (model_config("15m", n_layers=6, dim=512, n_heads=8, n_kv_heads=8, ffn_dim=1376,
                          vocab_size=32000, max_seq_len=512), 512, 2),
 }
-IMPLEMENTATIONS = ("fourfold", "fourfold+compile", "fourfold-untuned", "plain", "hf")
+IMPLEMENTATIONS = ("fourfold", "fourfold+compile", "fourfold+gemm", "plain", "hf")
 DEFAULT_IMPLEMENTATIONS = ("fourfold", "plain", "hf")
 DTYPES = ("float32", "bfloat16")
 LR = 3e-4
@@ -219,7 +219,7 @@ def build_step(impl: str, c: ModelConfig, seq: int, batch: int, dtype: str,
                                  f"train.lr={LR}", "train.warmup_steps=0",
                                  "data.path=builtin:stdlib", "data.tokenizer=byte",
                                  f"train.compile={impl == 'fourfold+compile'}",
-                                 f"parallel.gemm_tuning={impl != 'fourfold-untuned'}"])
+                                 f"parallel.gemm_tuning={impl == 'fourfold+gemm'}"])
         trainer = Trainer(cfg, run_dir, progress=False)
         return (lambda: trainer.train_step() and None), trainer.pmodel.module.num_params()
     if impl == "plain":

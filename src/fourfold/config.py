@@ -119,7 +119,7 @@ class ParallelConfig:
     prefetch_weights: bool = True  # next layer's z all-gather one layer ahead
     overlap_data_grad: bool = True  # bucketed data-parallel all-reduce during backward
     bucket_mb: float = 25.0
-    gemm_tuning: bool = True  # time the equivalent matmuls per GEMM shape once, keep the fastest
+    gemm_tuning: bool = False  # time the equivalent matmuls per GEMM shape once, keep the fastest
     machine: str = "cpu"  # planner machine preset or MACHINE.toml, for parallel.auto
 
 

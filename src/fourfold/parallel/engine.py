@@ -30,7 +30,7 @@ class OverlapOptions:
     prefetch: bool = True  # next layer's z all-gather one layer ahead
     data_grad: bool = True  # bucketed data all-reduce during backward
     bucket_bytes: int = 25 * 2**20
-    gemm_tuning: bool = True  # time the equivalent matmuls per shape, keep the fastest
+    gemm_tuning: bool = False  # time the equivalent matmuls per shape, keep the fastest
 
 
 class Engine:

@@ -229,8 +229,8 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
                 ) -> ParallelModel:
     """Parallelize `model` (with its full weights, the same on every rank) over `grid`.
 
-    Modules are replaced in place. On a one-process grid with GEMM tuning off the model is
-    left as it is; with tuning on (the default) its linears become fourfold's own, whose GEMMs
+    Modules are replaced in place. On a one-process grid with GEMM tuning off (the default)
+    the model is left as it is; with tuning on its linears become fourfold's own, whose GEMMs
     the tuner chooses.
     """
     comm = Comm(grid)
