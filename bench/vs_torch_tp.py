@@ -2,6 +2,7 @@
 torch.distributed.tensor.parallel column/row-wise plans (Megatron-style 1D tensor parallelism),
 with FSDP2 fully_shard over the data axis when there is one. Prints step time and bytes moved per
 step per rank (fourfold: its ledger; PyTorch: the closed-form count of what its plan issues).
+fourfold's rows are bench/grids.py's, on a few grids of the same rank count.
 
     python bench/vs_torch_tp.py [--nproc 4] [--layers 2 --dim 512 --seq 256 --batch 8]
 """
@@ -16,26 +17,22 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from grids import add_model_args, model_config, run_grids  # noqa: E402
+
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--dim", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--ffn", type=int, default=1536)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=4)
+    add_model_args(ap)
+    ap.set_defaults(nproc=4, dim=512, ffn=1536, vocab=8192, seq=256, batch=8, steps=4)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return ap.parse_args()
 
 
-def model_cfg(a: argparse.Namespace):
-    from fourfold.config import ModelConfig
-    return ModelConfig(preset="custom", n_layers=a.layers, dim=a.dim, n_heads=a.heads,
-                       n_kv_heads=a.heads, ffn_dim=a.ffn, vocab_size=a.vocab, max_seq_len=a.seq)
+# fourfold's rows: these grids of each rank count, run by bench/grids.py (data x z x y x x)
+FOURFOLD_GRIDS = {2: "1x1x2x1,1x1x1x2,1x2x1x1",
+                  4: "1x1x4x1,1x1x2x2,1x2x2x1,2x1x2x1",
+                  8: "2x1x4x1,2x1x2x2,1x2x2x2,2x2x2x1"}
 
 
 def torch_tp_bytes(cfg, tp: int, dp: int, tokens: int, local_params: int) -> dict[str, int]:
@@ -96,43 +93,16 @@ def worker(a: argparse.Namespace) -> None:
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    loss_parallel, parallelize_module)
 
-    from fourfold.config import ParallelConfig
     from fourfold.models import build_model
-    from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
+    from fourfold.parallel import init_distributed, leave_job
 
-    rank, world, device = init_distributed("gloo", 600)
+    rank, world, _ = init_distributed("gloo", 600)
     torch.set_num_threads(1)
-    cfg = model_cfg(a)
+    cfg = model_config(a)
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, cfg.vocab_size, (a.batch, a.seq + 1), generator=g)
             for _ in range(a.steps)]
     rows = []
-
-    # --- fourfold on several grids of the same size
-    grids = {4: [(1, 1, 4, 1), (1, 1, 2, 2), (1, 2, 2, 1), (2, 1, 2, 1)],
-             8: [(2, 1, 4, 1), (2, 1, 2, 2), (1, 2, 2, 2), (2, 2, 2, 1)],
-             2: [(1, 1, 2, 1), (1, 1, 1, 2), (1, 2, 1, 1)]}[world]
-    for d, z, y, x in grids:
-        grid = Grid.build(GridShape(d, z, y, x), device)
-        pm = parallelize(build_model(cfg, seed=1), grid, ParallelConfig(x=x, y=y, z=z, data=d))
-        opt = torch.optim.AdamW(list(pm.parameters()), lr=1e-3)
-        index, count = grid.batch_shard
-        b = a.batch // count
-
-        def step(i: int) -> None:
-            local = data[i][index * b:(index + 1) * b]
-            pm.ledger.reset()
-            loss = pm(local[:, :-1], local[:, 1:]).sum() / (a.batch * a.seq)
-            loss.backward()
-            pm.finish_backward()
-            pm.clip_grad_norm_(1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        t = time_steps(step, a.steps)
-        led = pm.ledger.snapshot()
-        rows.append({"who": "fourfold", "grid": f"d{d} z{z} y{y} x{x}", "step_s": t,
-                     "bytes": led["x"] + led["y"] + led["z"] + led["data"]})
 
     # --- PyTorch tensor parallelism (+ FSDP2 over data)
     for tp, dp in ((world, 1), (world // 2, 2)):
@@ -188,24 +158,29 @@ def main() -> None:
     if a.worker:
         worker(a)
         return
+    if a.nproc not in FOURFOLD_GRIDS:
+        sys.exit(f"--nproc {a.nproc}: choose from {', '.join(map(str, FOURFOLD_GRIDS))}")
+    rows = []
+    for r in run_grids(argparse.Namespace(**{**vars(a), "grids": FOURFOLD_GRIDS[a.nproc]})):
+        d, z, y, x = r["grid"]
+        rows.append({"who": "fourfold", "grid": f"d{d} z{z} y{y} x{x}", "step_s": r["step_s"],
+                     "bytes": sum(r["bytes"][axis] for axis in ("x", "y", "z", "data"))})
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"fourfold-vs-tp-{os.getpid()}.jsonl"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             str(a.nproc), __file__, "--worker", str(out)]
-    for k in ("layers", "dim", "heads", "ffn", "vocab", "seq", "batch", "steps"):
-        argv += [f"--{k}", str(getattr(a, k))]
+    for k in ("layers", "dim", "heads", "kv_heads", "ffn", "vocab", "seq", "batch", "steps"):
+        argv += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     proc = subprocess.run(argv, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                           text=True)
     if proc.returncode != 0:
         sys.exit(f"worker failed:\n{proc.stderr[-3000:]}")
-    cfg = model_cfg(a)
+    rows += [json.loads(line) for line in out.read_text().splitlines()]
+    out.unlink()
     print(f"{a.nproc} ranks; model {a.layers} layers, dim {a.dim}, ffn {a.ffn}, vocab {a.vocab}; "
           f"batch {a.batch} x seq {a.seq}; fp32")
     print(f"{'framework':<18} {'grid':<16} {'step s':>8} {'MiB/step/rank':>14}")
-    for line in out.read_text().splitlines():
-        r = json.loads(line)
+    for r in rows:
         print(f"{r['who']:<18} {r['grid']:<16} {r['step_s']:>8.3f} {r['bytes'] / 2**20:>14.2f}")
-    out.unlink()
-    del cfg
 
 
 if __name__ == "__main__":
