@@ -54,7 +54,7 @@ $FOURFOLD_CACHE/plan/, keyed by host, torch version, and for the second rank and
   as a job's axis groups do, time all-reduce, all-gather and reduce-scatter at 4 KiB, 256 KiB
   and 2 MiB for every group size p dividing N (median call, slowest rank); then, still all
   busy, a 256^3 matmul, an 8 MiB copy and a small autograd op loop.
-From these (`CpuHost.calibration(N)` -> `HostCalibration`):
+From these (`host_calibration(N, ...)` -> `HostCalibration`):
 - a collective over p ranks costs latency_p + ring volume x seconds_per_byte_p, both fitted by
   least squares over the three ops and three sizes of group size p. On an oversubscribed host
   the latency (ms, not us: every ring step waits for a descheduled rank) dominates small
@@ -140,8 +140,8 @@ class Machine:
     network: Network
     reserved_gib: float = 2.0
     note: str = ""
-    # Set only for the `cpu` machine: ranks share this host's cores, costs come from probes.
-    host: "CpuHost | None" = None
+    # True only for the `cpu` machine: ranks share this host's cores, costs come from probes.
+    probed_host: bool = False
     # world size -> HostCalibration: a search asks once per grid; the probe is read, fitted once
     _calibrations: dict[int, "HostCalibration"] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False)
@@ -162,10 +162,11 @@ class Machine:
 
     def calibration(self, world_size: int) -> "HostCalibration | None":
         """The probed costs of `world_size` ranks on this host (cpu machine only, else None)."""
-        if self.host is None:
+        if not self.probed_host:
             return None
         if world_size not in self._calibrations:
-            self._calibrations[world_size] = self.host.calibration(world_size)
+            self._calibrations[world_size] = host_calibration(
+                world_size, cores=self.gpus_per_node, gemm_half_dim=self.device.gemm_half_dim)
         return self._calibrations[world_size]
 
     def hbm_bytes_per_s_per_rank(self, world_size: int) -> float:
@@ -353,7 +354,7 @@ def _probe_cpu() -> dict[str, Any]:
 
 
 # The comm probe: N local gloo ranks, timed together, as a training job of N ranks on this host
-# would run them. Rank counts above _MAX_PROBE_RANKS are extrapolated (see CpuHost).
+# would run them. Rank counts above _MAX_PROBE_RANKS are extrapolated (see host_calibration).
 _MAX_PROBE_RANKS = 16
 _PROBE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 _PROBE_SIZES = (4 * 1024, 512 * 1024, 8 * 1024 * 1024)  # bytes per call, as the ledger counts
@@ -555,32 +556,27 @@ class HostCalibration:
         return min(1.0, max(0.0, (self.cores - self.world) / self.world))
 
 
-@dataclass(frozen=True)
-class CpuHost:
-    """This host's cores, and the single-thread GEMM shape fitted by `measure_cpu`."""
-
-    cores: int
-    gemm_half_dim: float
-
-    def calibration(self, world: int) -> HostCalibration:
-        probed = min(world, _MAX_PROBE_RANKS)
-        probe = measure_cpu_comm(probed)
-        by_size: dict[int, list[tuple[float, float]]] = {}
-        for name, points in probe["comm"].items():
-            op, size = name.split("/")
-            by_size.setdefault(int(size), []).extend(
-                (ring_volume(op, int(size), n), t) for n, t in points)
-        fits = tuple(sorted((size, fit_latency_bandwidth(pts)) for size, pts in by_size.items()))
-        if not fits:  # one rank: no collectives were probed, and none will be issued
-            fits = ((1, (0.0, 0.0)),)
-        # the probe times 256^3 GEMMs; undo their shape loss to get a large GEMM's rate
-        shape = (256 / (256 + self.gemm_half_dim)) ** 3
-        # beyond the probed count, ranks time-share the cores further: costs grow with them
-        scale = max(1.0, world / max(probed, self.cores))
-        return HostCalibration(world=world, cores=self.cores, collective_fit=fits,
-                               flops_per_rank=probe["matmul_flops"] / shape / scale,
-                               bytes_per_s_per_rank=probe["copy_bytes_per_s"] / scale,
-                               op_overhead_s=probe["small_op_s"] * scale, scale=scale)
+def host_calibration(world: int, cores: int, gemm_half_dim: float) -> HostCalibration:
+    """What `world` ranks on this host of `cores` cores pay, fitted from the comm probe (run
+    once per rank count and cached); gemm_half_dim is the single-thread GEMM shape law's."""
+    probed = min(world, _MAX_PROBE_RANKS)
+    probe = measure_cpu_comm(probed)
+    by_size: dict[int, list[tuple[float, float]]] = {}
+    for name, points in probe["comm"].items():
+        op, size = name.split("/")
+        by_size.setdefault(int(size), []).extend(
+            (ring_volume(op, int(size), n), t) for n, t in points)
+    fits = tuple(sorted((size, fit_latency_bandwidth(pts)) for size, pts in by_size.items()))
+    if not fits:  # one rank: no collectives were probed, and none will be issued
+        fits = ((1, (0.0, 0.0)),)
+    # the probe times 256^3 GEMMs; undo their shape loss to get a large GEMM's rate
+    shape = (256 / (256 + gemm_half_dim)) ** 3
+    # beyond the probed count, ranks time-share the cores further: costs grow with them
+    scale = max(1.0, world / max(probed, cores))
+    return HostCalibration(world=world, cores=cores, collective_fit=fits,
+                           flops_per_rank=probe["matmul_flops"] / shape / scale,
+                           bytes_per_s_per_rank=probe["copy_bytes_per_s"] / scale,
+                           op_overhead_s=probe["small_op_s"] * scale, scale=scale)
 
 
 def cpu_machine(refresh: bool = False) -> Machine:
@@ -595,7 +591,7 @@ def cpu_machine(refresh: bool = False) -> Machine:
     return Machine("cpu", device, gpus_per_node=os.cpu_count() or 1,
                    network=Network(latency_us=50.0, intra_node_gbps=2.0, inter_node_gbps=2.0),
                    reserved_gib=0.5,
-                   host=CpuHost(cores=os.cpu_count() or 1, gemm_half_dim=probe["gemm_half_dim"]),
+                   probed_host=True,
                    note="compute and gloo collectives probed with the job's rank count")
 
 
