@@ -19,11 +19,11 @@ returned to the kernel and zero-filled again on the next step); the plain and HF
 glibc's defaults unless --same-malloc gives them the same tuning (a comparison of the models and
 loops alone).
 
-Each row runs warmup steps, then times steps (the three ways take turns, with a pause between
-turns; each keeps its fastest step). MFU = flops_per_token(model, seq) * tokens/s / peak, where peak is the best
-matmul FLOP/s that probes of this machine in that dtype reached over the whole run (at the
-start and after every timed round), so MFU is relative to what this CPU's matmul reaches, not
-to a datasheet number.
+Each row runs warmup steps, then times steps (the ways take turns, with a pause between turns;
+each keeps its fastest step). MFU = flops_per_token(model, seq) * tokens/s / peak, where peak
+is the best matmul FLOP/s that probes of this machine in that dtype reached over the whole run
+(at the start and after every timed round), so MFU is relative to what this CPU's matmul
+reaches, not to a datasheet number.
 
     python bench/throughput.py                      # both shapes, both dtypes, all three ways
     python bench/throughput.py --shapes 15m --dtypes float32 --steps 5

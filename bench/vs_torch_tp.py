@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from grids import add_model_args, model_config, run_grids  # noqa: E402
+from grids import MODEL_ARGS, add_model_args, model_config, run_grids  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -168,8 +168,8 @@ def main() -> None:
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"fourfold-vs-tp-{os.getpid()}.jsonl"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             str(a.nproc), __file__, "--worker", str(out)]
-    for k in ("layers", "dim", "heads", "kv_heads", "ffn", "vocab", "seq", "batch", "steps"):
-        argv += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+    for name in MODEL_ARGS:
+        argv += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
     proc = subprocess.run(argv, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                           text=True)
     if proc.returncode != 0:

@@ -9,7 +9,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from fourfold.launch import describe_failure, first_exit_code, threads_per_rank
 
 from conftest import outside_job_env
