@@ -63,10 +63,10 @@ IMPLEMENTATIONS = ("fourfold", "fourfold+compile", "fourfold+gemm", "plain", "hf
 DEFAULT_IMPLEMENTATIONS = ("fourfold", "plain", "hf")
 DTYPES = ("float32", "bfloat16")
 LR = 3e-4
-# A pause before each turn: work that lingers after a process's step (its OpenMP threads
-# spinning, the kernel taking back freed memory) otherwise slows the next process's step.
-# Measured on the 35m float32 row: fourfold alone 1.44 s/step; taking turns with no pause
-# 1.63 s; with 0.3 s, 1.45 s.
+# A pause before each turn (--turn-gap): work that lingers after a process's step (its OpenMP
+# threads spinning, the kernel taking back freed memory) otherwise slows the next process's
+# step. Measured on the 35m float32 row: fourfold alone 1.44 s/step; taking turns with
+# --turn-gap 0, 1.63 s; with 0.3 s, 1.45 s.
 TURN_GAP_S = 0.3
 
 
@@ -254,7 +254,8 @@ def _worker(conn: Connection, impl: str, shape: str, dtype: str, run_dir: str,
 
 
 def run(shapes: list[str], dtypes: list[str], impls: list[str], warmup: int,
-        steps: int, same_malloc: bool = False) -> tuple[list[Row], dict[str, float]]:
+        steps: int, same_malloc: bool = False,
+        turn_gap_s: float = TURN_GAP_S) -> tuple[list[Row], dict[str, float]]:
     """Time every implementation on every shape and dtype.
 
     Each implementation runs in its own process, as its user would run it (so fourfold's
@@ -283,7 +284,7 @@ def run(shapes: list[str], dtypes: list[str], impls: list[str], warmup: int,
                     best = {impl: math.inf for impl in impls}
                     for i in range(warmup + steps):
                         for impl, (conn, _, _) in workers.items():
-                            time.sleep(TURN_GAP_S)
+                            time.sleep(turn_gap_s)
                             conn.send("step")
                             seconds = conn.recv()
                             if i >= warmup:
@@ -343,11 +344,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per row")
     parser.add_argument("--same-malloc", action="store_true",
                         help="give the plain and HF loops fourfold's malloc tuning too")
+    parser.add_argument("--turn-gap", type=float, default=TURN_GAP_S, metavar="SECONDS",
+                        help=f"pause before each turn (default {TURN_GAP_S})")
     args = parser.parse_args()
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be at least 1 and --warmup not negative")
+    if args.steps < 1 or args.warmup < 0 or args.turn_gap < 0:
+        parser.error("--steps must be at least 1, --warmup and --turn-gap not negative")
     rows, peaks = run(args.shapes, args.dtypes, args.impls, args.warmup, args.steps,
-                      args.same_malloc)
+                      args.same_malloc, args.turn_gap)
     print()
     print(format_table(rows, peaks))
 
