@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -230,6 +231,22 @@ def test_compile_failure_falls_back_with_a_warning(tmp_path: Path,
         compiled = train(small_config("train.steps=3", "train.compile=true"), tmp_path / "b",
                          progress=False).losses
     assert compiled == reference
+
+
+def test_compile_runs_the_parallel_linears_and_matches_eager(tmp_path: Path) -> None:
+    """train.compile with GEMM tuning on: the blocks hold Linear3D layers (collectives, deferred
+    GEMMs, oneDNN calls that Inductor cannot lower), which run eagerly between compiled
+    regions. It used to fail at the first step and fall back to eager with a warning."""
+    cfg = ("train.steps=3", "parallel.gemm_tuning=true")
+    reference = train(small_config(*cfg), tmp_path / "a", progress=False).losses
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(small_config(*cfg, "train.compile=true"), tmp_path / "b",
+                          progress=False)
+        compiled = trainer.fit().losses
+    assert not [w for w in caught if "torch.compile failed" in str(w.message)]
+    assert trainer._compiled, "the blocks were uncompiled"
+    assert compiled == pytest.approx(reference, rel=1e-4)
 
 
 def test_plain_progress_lines_every_log_every_steps() -> None:

@@ -112,6 +112,7 @@ class Linear3D(nn.Module):
             self.register_parameter("bias", None)
         engine.register(self)
 
+    @torch.compiler.disable  # collectives and deferred GEMMs: compiled code runs around it
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_fan_out:
             x = fan_out(x, self.engine, self.out_axis)
@@ -173,6 +174,7 @@ class ReplicatedLinear3D(Linear3D):
     def __init__(self, linear: nn.Linear, grid: Grid, engine: Engine) -> None:
         super().__init__(linear, grid, engine, transposed=False, own_fan_out=True)
 
+    @torch.compiler.disable  # as Linear3D.forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _SplitLastDim.apply(x, self.engine.comm, "x")
         y = super().forward(x)
