@@ -11,7 +11,9 @@ The same model shapes are trained three ways, in float32 and in bfloat16 (autoca
 - fourfold+compile (not in the default set: compiling takes minutes on a CPU): fourfold with
             train.compile = true (each transformer block compiled by torch.compile);
 - fourfold+gemm (not in the default set): fourfold with parallel.gemm_tuning = true (each
-            linear's GEMMs tuned once per shape: matmul layouts, and oneDNN beside MKL).
+            linear's GEMMs tuned once per shape: matmul layouts, and oneDNN beside MKL);
+- fourfold+compile+gemm (not in the default set): both;
+- plain+compile (not in the default set): the plain loop with its model under torch.compile.
 
 Each runs in its own process, as its user would run it: fourfold's Trainer tunes malloc for
 its process on CPU (fourfold.train.host_memory: freed memory is kept for reuse instead of being
@@ -59,7 +61,8 @@ SHAPES: dict[str, tuple[ModelConfig, int, int]] = {
     "35m": (model_config("15m", n_layers=6, dim=512, n_heads=8, n_kv_heads=8, ffn_dim=1376,
                          vocab_size=32000, max_seq_len=512), 512, 2),
 }
-IMPLEMENTATIONS = ("fourfold", "fourfold+compile", "fourfold+gemm", "plain", "hf")
+IMPLEMENTATIONS = ("fourfold", "fourfold+compile", "fourfold+gemm", "fourfold+compile+gemm",
+                   "plain", "plain+compile", "hf")
 DEFAULT_IMPLEMENTATIONS = ("fourfold", "plain", "hf")
 DTYPES = ("float32", "bfloat16")
 LR = 3e-4
@@ -218,13 +221,14 @@ def build_step(impl: str, c: ModelConfig, seq: int, batch: int, dtype: str,
                                  f"train.dtype={dtype}", "train.device=cpu",
                                  f"train.lr={LR}", "train.warmup_steps=0",
                                  "data.path=builtin:stdlib", "data.tokenizer=byte",
-                                 f"train.compile={impl == 'fourfold+compile'}",
-                                 f"parallel.gemm_tuning={impl == 'fourfold+gemm'}"])
+                                 f"train.compile={'+compile' in impl}",
+                                 f"parallel.gemm_tuning={'+gemm' in impl}"])
         trainer = Trainer(cfg, run_dir, progress=False)
         return (lambda: trainer.train_step() and None), trainer.pmodel.module.num_params()
-    if impl == "plain":
+    if impl in ("plain", "plain+compile"):
         model = PlainLlama(c)
-        return (simple_loop(model, model, c.vocab_size, batch, seq, dtype),
+        loss_of = torch.compile(model) if impl == "plain+compile" else model
+        return (simple_loop(model, loss_of, c.vocab_size, batch, seq, dtype),
                 sum(p.numel() for p in model.parameters()))
     if impl == "hf":
         model = hf_llama(c)
@@ -298,7 +302,7 @@ def run(shapes: list[str], dtypes: list[str], impls: list[str], warmup: int,
                         proc.join(timeout=60)
                 for impl in impls:
                     timed.append((shape, dtype, impl, workers[impl][2], best[impl]))
-                    print(f"  {shape:>4} {dtype:>8} {impl:>16}: {tokens / best[impl]:9,.0f} "
+                    print(f"  {shape:>4} {dtype:>8} {impl:>21}: {tokens / best[impl]:9,.0f} "
                           "tok/s", flush=True)
     rows = []
     for shape, dtype, impl, params, seconds in timed:
@@ -310,11 +314,11 @@ def run(shapes: list[str], dtypes: list[str], impls: list[str], warmup: int,
 
 
 def format_table(rows: list[Row], peaks: dict[str, float]) -> str:
-    head = (f"{'shape':>5} {'dtype':>8} {'impl':>16} {'params':>8} {'tok/step':>8} "
+    head = (f"{'shape':>5} {'dtype':>8} {'impl':>21} {'params':>8} {'tok/step':>8} "
             f"{'best s/step':>11} {'tok/s':>9} {'MFU':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.shape:>5} {r.dtype:>8} {r.impl:>16} {r.params / 1e6:7.1f}M "
+        lines.append(f"{r.shape:>5} {r.dtype:>8} {r.impl:>21} {r.params / 1e6:7.1f}M "
                      f"{r.tokens_per_step:8d} {r.seconds_per_step:11.2f} {r.tokens_per_s:9,.0f} "
                      f"{100 * r.mfu:5.1f}%")
     lines.append("")
