@@ -55,34 +55,29 @@ class _Linear3DFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight_shard: torch.Tensor,  # type: ignore[override]
                 module: "Linear3D") -> torch.Tensor:
         engine = module.engine
-        dtype, x_dtype = _compute_dtype(x), x.dtype
+        dtype = _compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
-            w = engine.gather_weight(module, "forward").to(dtype)  # (out_local, in_local)
-            x = x.to(dtype)
-            y = engine.matmul("forward", x, w)  # partial sum over in_axis
+            w = engine.gather_weight(module, "forward")  # (out_local, in_local)
+            y = engine.matmul("forward", x.to(dtype), w.to(dtype))  # partial sum over in_axis
             y = engine.comm.all_reduce(y, module.in_axis).wait()
-        ctx.module, ctx.dtype, ctx.x_dtype = module, dtype, x_dtype
-        # Saved in the compute dtype, as autocast saves nn.Linear's: the backward does not cast
-        # them again. A z-sharded weight is gathered again in backward instead of kept.
-        ctx.keep_weight = engine.comm.grid.size("z") == 1
-        ctx.save_for_backward(x, w if ctx.keep_weight else None)
+        ctx.module, ctx.dtype, ctx.x_dtype = module, dtype, x.dtype
+        ctx.save_for_backward(x)
         return y
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
         module: Linear3D = ctx.module
         engine = module.engine
-        x, w = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
         dtype = ctx.dtype
         with torch.autocast(grad_out.device.type, enabled=False):
-            if not ctx.keep_weight:
-                w = engine.gather_weight(module, "backward").to(dtype)
+            w = engine.gather_weight(module, "backward")
             dy = grad_out.to(dtype)
             # partial over out_axis; summed by the fan-out that produced x
-            grad_in = engine.matmul("input_grad", dy, w).to(ctx.x_dtype)
+            grad_in = engine.matmul("input_grad", dy, w.to(dtype)).to(ctx.x_dtype)
 
             def weight_grad() -> None:
-                block = engine.matmul("weight_grad", dy, x)
+                block = engine.matmul("weight_grad", dy, x.to(dtype))
                 engine.reduce_scatter_weight_grad(module.weight, block.float())
 
             engine.defer(weight_grad)
