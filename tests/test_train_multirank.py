@@ -1,6 +1,7 @@
-"""The trainer on two gloo ranks (data = 2, grad_accum = 2) against one process: the same
-losses, validation losses and final weights, from one launch the way users start it:
-`torchrun --nproc-per-node 2 -m fourfold train ...` (test_launch covers `--nproc`).
+"""The trainer on two gloo ranks against one process, launched the way users start it:
+`torchrun --nproc-per-node 2 -m fourfold train ...` (test_launch covers `--nproc`). Data = 2 with
+grad_accum = 2: the same losses, validation losses and final weights; x = 2 under
+train.compile: the same losses as one uncompiled process.
 """
 
 from __future__ import annotations
@@ -20,6 +21,18 @@ OVERRIDES = ["model.preset=debug", "train.batch_size=8", "train.seq_len=64", "tr
              "train.eval_batches=2", "train.sample_tokens=8", "train.log_every=1"]
 
 
+def torchrun_train(items: list[str], out: Path, env: dict[str, str]
+                   ) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node 2 -m fourfold train --set ITEM ... --out OUT`, checked."""
+    sets = [arg for item in items for arg in ("--set", item)]
+    launch = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "fourfold", "train", *sets, "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
+    return launch
+
+
 @pytest.mark.usefixtures("one_thread")  # as each rank has: tiny models only lose with more
 def test_two_data_ranks_match_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                           ) -> None:
@@ -31,12 +44,7 @@ def test_two_data_ranks_match_one_process(tmp_path: Path, monkeypatch: pytest.Mo
 
     env = outside_job_env(FOURFOLD_CACHE=str(tmp_path / "cache"))
     grid_dir = tmp_path / "grid"
-    sets = [arg for item in [*OVERRIDES, "parallel.data=2"] for arg in ("--set", item)]
-    launch = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "fourfold", "train", *sets, "--out", str(grid_dir)],
-        env=env, capture_output=True, text=True, timeout=300)
-    assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
+    launch = torchrun_train([*OVERRIDES, "parallel.data=2"], grid_dir, env)
     assert launch.stdout.count("run files:") == 1  # rank 0 only
 
     monkeypatch.setenv("FOURFOLD_CACHE", env["FOURFOLD_CACHE"])
@@ -59,3 +67,30 @@ def test_two_data_ranks_match_one_process(tmp_path: Path, monkeypatch: pytest.Mo
     for name, value in single_weights.items():
         torch.testing.assert_close(grid_weights[name], value, rtol=0, atol=2e-5, msg=name)
     assert summary["sample"]  # rank 0 sampled from the gathered weights
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_compiled_tensor_parallel_ranks_match_one_process(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """train.compile on an x = 2 grid: the blocks compile once (their Linear3D layers run
+    eagerly between the compiled regions) and train as one uncompiled process does. Dynamo used
+    to trace into each Linear3D, recompile per layer and give up at its recompile limit."""
+    from fourfold.config import load_config
+    from fourfold.train import train
+    from fourfold.train.metrics import read_metrics
+
+    overrides = ["model.preset=debug", "train.batch_size=4", "train.seq_len=64",
+                 "train.steps=3", "train.warmup_steps=1", "train.eval_every=0",
+                 "train.eval_batches=0", "train.sample_tokens=0", "train.log_every=1"]
+    env = outside_job_env(FOURFOLD_CACHE=str(tmp_path / "cache"))
+    grid_dir = tmp_path / "grid"
+    launch = torchrun_train([*overrides, "parallel.x=2", "train.compile=true"], grid_dir, env)
+    assert "recompile_limit" not in launch.stderr, launch.stderr[-3000:]
+    assert "torch.compile failed" not in launch.stderr, launch.stderr[-3000:]
+
+    monkeypatch.setenv("FOURFOLD_CACHE", env["FOURFOLD_CACHE"])
+    single = train(load_config(None, overrides), tmp_path / "single", progress=False)
+    losses = [r["loss"] for r in read_metrics(grid_dir / "metrics.jsonl") if "loss" in r]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(single.losses), rtol=1e-4,
+                               atol=0)
