@@ -233,7 +233,8 @@ def test_compile_failure_falls_back_with_a_warning(tmp_path: Path,
     assert compiled == reference
 
 
-def test_compile_runs_the_parallel_linears_and_matches_eager(tmp_path: Path) -> None:
+def test_compile_runs_the_parallel_linears_and_matches_eager(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """train.compile with GEMM tuning on: the blocks hold Linear3D layers (collectives, deferred
     GEMMs, oneDNN calls that Inductor cannot lower), which run eagerly between compiled
     regions. It used to fail at the first step and fall back to eager with a warning."""
@@ -246,6 +247,7 @@ def test_compile_runs_the_parallel_linears_and_matches_eager(tmp_path: Path) -> 
         compiled = trainer.fit().losses
     assert not [w for w in caught if "torch.compile failed" in str(w.message)]
     assert trainer._compiled, "the blocks were uncompiled"
+    assert "compiling the transformer blocks" in capsys.readouterr().err  # a long first step
     assert compiled == pytest.approx(reference, rel=1e-4)
 
 

@@ -376,6 +376,9 @@ class Trainer:
                 self._record_resume(metrics, progress)
             if validating and t.eval_every > 0 and self.step == 0:
                 self._validate(metrics, progress)
+            if not self._compile_verified and self.step < t.steps:
+                progress.message("compiling the transformer blocks during the first step "
+                                 "(train.compile)")
             interval_tokens, interval_seconds = 0, 0.0
             while self.step < t.steps:
                 stats = self.train_step()
