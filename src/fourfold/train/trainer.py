@@ -371,14 +371,18 @@ class Trainer:
         try:
             if self.is_main:
                 progress.message(self._describe())
+            if not self._compile_verified:  # both make the first step long
+                progress.message("train.compile: the transformer blocks compile at their "
+                                 "first use")
+            tuner = self.pmodel.engine.tuner if self.pmodel.engine is not None else None
+            if tuner is not None:
+                progress.message("parallel.gemm_tuning: GEMM shapes not yet in "
+                                 f"{tuner.cache_path} are timed at their first use")
             validating = t.eval_batches > 0
             if self.resumed_from is not None:
                 self._record_resume(metrics, progress)
             if validating and t.eval_every > 0 and self.step == 0:
                 self._validate(metrics, progress)
-            if not self._compile_verified and self.step < t.steps:
-                progress.message("compiling the transformer blocks during the first step "
-                                 "(train.compile)")
             interval_tokens, interval_seconds = 0, 0.0
             while self.step < t.steps:
                 stats = self.train_step()
