@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fourfold-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test check bench clean
 
 setup: $(STAMP)
 
@@ -19,8 +19,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/fourfold train --out runs/demo
 
+# Everything, as CI runs it; prints the slowest tests.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
+
+# The quick loop while you work (about a minute): leaves out tests that start ranks, compile
+# or take seconds each. Run `make test` before you push.
+check: $(STAMP)
+	$(PY) -m pytest -q --durations=10 -m "not ranks and not compile and not slow"
 
 clean:
 	rm -rf runs .cache

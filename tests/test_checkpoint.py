@@ -109,6 +109,7 @@ def check_load_phase(save: list[dict], load: list[dict]) -> None:
         assert r["hf_logits_max_diff"] < 1e-5, f"rank {rank}: {r['hf_logits_max_diff']}"
 
 
+@pytest.mark.ranks
 def test_reshard_eight_ranks_to_four_ranks(eight_to_four_run: dict) -> None:
     save = eight_to_four_run["save"]
     reference = save[0]["losses"][worker.SAVE_AT:]
@@ -116,6 +117,7 @@ def test_reshard_eight_ranks_to_four_ranks(eight_to_four_run: dict) -> None:
     check_load_phase(save, eight_to_four_run["load"])
 
 
+@pytest.mark.ranks
 def test_four_rank_stop_and_resume_is_exact(grids_run: dict) -> None:
     r = grids_run["save"][0]
     assert r["bad_offsets"] == [], "DTensor offsets differ from Layout.offsets"
@@ -126,10 +128,12 @@ def test_four_rank_stop_and_resume_is_exact(grids_run: dict) -> None:
     assert r["resumed_losses"] == r["losses"][worker.SAVE_AT:]
 
 
+@pytest.mark.ranks
 def test_four_ranks_to_two_ranks(grids_run: dict) -> None:
     check_load_phase(grids_run["save"], grids_run["load"])
 
 
+@pytest.mark.ranks
 def test_reshard_four_ranks_to_one_process(grids_run: dict) -> None:
     out = grids_run["out"]
     pmodel, optimizer = worker.build(Grid.single(), seed=11)
@@ -265,6 +269,7 @@ FAILED_WRITE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_failed_write_keeps_earlier_checkpoints(tmp_path: Path) -> None:
     script = FAILED_WRITE.format(tests=str(Path(__file__).parent), root=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

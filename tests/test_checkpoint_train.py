@@ -174,6 +174,7 @@ def _train_command(run_dir: Path, *extra: str) -> list[str]:
             *sets, *extra]
 
 
+@pytest.mark.ranks
 def test_sigkill_of_one_rank_recovers_to_the_same_weights(tmp_path: Path,
                                                           fourfold_cache: Path) -> None:
     from safetensors.torch import load_file

@@ -160,6 +160,7 @@ def test_rank_argv_drops_nproc_and_fixes_the_run_dir() -> None:
                                      "--json"]
 
 
+@pytest.mark.slow
 def test_subprocess_exit_codes_without_traceback(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "fourfold", "train", "--set",
                              "model.n_heads=5"], capture_output=True, text=True, cwd=tmp_path,

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.ranks
+
 WORKER = Path(__file__).with_name("fault_worker.py")
 
 

@@ -35,6 +35,7 @@ def _faults(mode: str) -> tuple[bool, list[int]]:
     return out[0] == "True", [int(v) for v in out[1:]]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning")
 def test_tuned_heap_reuses_pages_that_the_default_heap_faults_in_again():
     tuned, faults = _faults("tuned")

@@ -9,6 +9,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from fourfold.launch import describe_failure, first_exit_code, threads_per_rank
 
 from conftest import outside_job_env
@@ -72,6 +74,7 @@ def _fourfold(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           text=True, cwd=cwd, env=_env(), timeout=300)
 
 
+@pytest.mark.ranks
 def test_train_on_two_local_ranks(tmp_path: Path) -> None:
     """One launch checks: exit code 0, only rank 0 prints, the run files and the grid used.
     (test_train_multirank compares two data ranks with one process, under torchrun.)"""
@@ -87,6 +90,7 @@ def test_train_on_two_local_ranks(tmp_path: Path) -> None:
     assert summary["steps"] == 3 and summary["final_loss"] > 0
 
 
+@pytest.mark.ranks
 def test_failed_ranks_give_one_line_and_their_exit_code(tmp_path: Path) -> None:
     # Every rank finds the missing data directory after the launch.
     result = _fourfold("train", *TINY, "--set", f"data.path={tmp_path / 'missing'}",

@@ -75,6 +75,7 @@ def _audit_on_ranks(run: Path, data: Path, nproc: int, grid: list[str]) -> dict:
     return json.loads(done.stdout[done.stdout.index("{"):])  # one report: only rank 0 prints
 
 
+@pytest.mark.ranks
 def test_grid_audit_equals_one_process(run_and_data: tuple[Path, Path],
                                        capsys: pytest.CaptureFixture[str]) -> None:
     run, data = run_and_data
@@ -91,6 +92,7 @@ def test_grid_audit_equals_one_process(run_and_data: tuple[Path, Path],
     assert _audit_on_ranks(run, data, 4, ["--x", "2"]) == single
 
 
+@pytest.mark.ranks
 def test_grid_that_does_not_fit_is_one_error(run_and_data: tuple[Path, Path]) -> None:
     run, data = run_and_data
     done = subprocess.run(

@@ -10,6 +10,8 @@ from pathlib import Path
 import memory_worker
 import pytest
 
+pytestmark = pytest.mark.ranks
+
 TOLERANCE = 0.15
 
 GRIDS = {  # (data, z, y, x); the debug model has 2 kv heads, so y is at most 2

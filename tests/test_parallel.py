@@ -22,6 +22,8 @@ from fourfold.parallel import GridShape
 from fourfold.plan.memory import predict_param_memory
 from fourfold.plan.schedule import predict_comm_bytes
 
+pytestmark = pytest.mark.ranks
+
 BATCH, SEQ, STEPS = 8, 16, 3  # as in parallel_worker.py
 
 WORKER = Path(__file__).with_name("parallel_worker.py")

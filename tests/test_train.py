@@ -233,6 +233,7 @@ def test_compile_failure_falls_back_with_a_warning(tmp_path: Path,
     assert compiled == reference
 
 
+@pytest.mark.compile
 def test_compile_runs_the_parallel_linears_and_matches_eager(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """train.compile with GEMM tuning on: the blocks hold Linear3D layers (collectives, deferred

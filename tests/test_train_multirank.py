@@ -33,6 +33,7 @@ def torchrun_train(items: list[str], out: Path, env: dict[str, str]
     return launch
 
 
+@pytest.mark.ranks
 @pytest.mark.usefixtures("one_thread")  # as each rank has: tiny models only lose with more
 def test_two_data_ranks_match_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                           ) -> None:
@@ -69,6 +70,8 @@ def test_two_data_ranks_match_one_process(tmp_path: Path, monkeypatch: pytest.Mo
     assert summary["sample"]  # rank 0 sampled from the gathered weights
 
 
+@pytest.mark.ranks
+@pytest.mark.compile
 @pytest.mark.usefixtures("one_thread")
 def test_compiled_tensor_parallel_ranks_match_one_process(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch
