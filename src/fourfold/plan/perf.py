@@ -218,7 +218,7 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     step = compute + sum(comm[a] - hidden[a] for a in AXES)
     tokens = global_batch * seq_len
     flops = flops_per_token(model, seq_len) * tokens
-    peak = machine.peak_flops_per_rank(precision.name, world) * world
+    peak = machine.job_peak_flops(precision.name, world)
     return StepPrediction(step_s=step, compute_s=compute, comm_s=comm, hidden_s=hidden,
                           comm_bytes=comm_bytes, tokens_per_s=tokens / step,
                           mfu=flops / (step * peak), flops_per_step=flops)
