@@ -50,12 +50,12 @@ import torch.distributed as dist
 
 from fourfold.config import CheckpointConfig, ConfigError
 from fourfold.data.manifest import sha256_file
-from fourfold.parallel.grid import Grid
+from fourfold.parallel.grid import Axis, Grid
 from fourfold.parallel.layout import Layout
 
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST_FILE = "manifest.json"
-MESH_AXES = ("data", "y", "x", "z")  # DeviceMesh dim order; see the module docstring
+MESH_AXES: tuple[Axis, ...] = ("data", "y", "x", "z")  # DeviceMesh dims; see the docstring
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _MODEL, _OPTIM, _EXTRA, _RNG = "model/", "optim/", "extra", "rng/rank"
 
@@ -129,9 +129,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 
 def mesh_tensor(grid: Grid) -> torch.Tensor:
-    """Global ranks arranged as (data, y, x, z): ranks are numbered (data, z, y, x), x fastest."""
-    s = grid.shape
-    return torch.arange(s.size).reshape(s.data, s.z, s.y, s.x).permute(0, 2, 3, 1).contiguous()
+    """Global ranks arranged as the mesh's (data, y, x, z), from the grid's own rank order."""
+    return grid.shape.rank_grid(MESH_AXES)
 
 
 def placements_for(layout: Layout, ndim: int, name: str = "tensor") -> list[Any]:
