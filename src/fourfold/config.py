@@ -17,6 +17,8 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import tomllib
 
+from fourfold.errors import FourfoldError
+
 
 def cache_root() -> Path:
     """Where fourfold keeps what it measures or prepares once (the built-in corpus, CPU probes,
@@ -37,7 +39,7 @@ def write_cache_json(path: Path, obj: Any) -> None:
         pass
 
 
-class ConfigError(ValueError):
+class ConfigError(FourfoldError, ValueError):
     """A user mistake in the configuration; its message is one line meant for the user."""
 
 

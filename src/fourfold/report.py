@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fourfold.errors import FourfoldError
+
 METRICS_FILE = "metrics.jsonl"
 REPORT_DIR = "report"
 
 
-class ReportError(ValueError):
+class ReportError(FourfoldError, ValueError):
     """A run directory without usable metrics; the message is one line for the user."""
 
 

@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from fourfold.errors import FourfoldError
 from fourfold.launch import threads_per_rank
 
 Axis = Literal["x", "y", "z", "data"]
@@ -23,7 +24,7 @@ AXES: tuple[Axis, ...] = ("x", "y", "z", "data")  # the rank order, innermost fi
 RANK_ORDER: tuple[Axis, ...] = AXES[::-1]  # the same, outermost first: (data, z, y, x)
 
 
-class GridError(ValueError):
+class GridError(FourfoldError, ValueError):
     """A grid that cannot work for this job or model; the message is one line for the user."""
 
 

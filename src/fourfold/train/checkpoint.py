@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from fourfold.config import CheckpointConfig, ConfigError
 from fourfold.data.manifest import sha256_file
+from fourfold.errors import EXIT_FAILED, FourfoldError
 from fourfold.parallel.grid import Axis, Grid
 from fourfold.parallel.layout import Layout
 
@@ -60,8 +61,10 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _MODEL, _OPTIM, _EXTRA, _RNG = "model/", "optim/", "extra", "rng/rank"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FourfoldError, RuntimeError):
     """A checkpoint that cannot be written or read; the message is one line for the user."""
+
+    exit_code = EXIT_FAILED
 
 
 class InitFromError(ConfigError):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from fourfold.config import Config, ConfigError, validate
 from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_path
+from fourfold.errors import EXIT_FAILED, FourfoldError
 from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
 from fourfold.train.checkpoint import CheckpointError, CheckpointManager, hf_model_config
@@ -46,8 +47,10 @@ MAX_GATHERED_SAMPLE_PARAMS = 2_000_000_000
 MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 3
 
 
-class TrainingError(RuntimeError):
+class TrainingError(FourfoldError, RuntimeError):
     """Training cannot go on (a NaN loss under nan_policy = "stop"); one line for the user."""
+
+    exit_code = EXIT_FAILED
 
     def __init__(self, message: str, step: int) -> None:
         super().__init__(message)
