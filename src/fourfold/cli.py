@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fourfold.errors import EXIT_FAILED, EXIT_USAGE, FourfoldError, first_line
+from fourfold.parsing import ArgumentParser
 
 EXIT_OK = 0
 EXIT_TRAINING_FAILED = EXIT_FAILED  # also: a command whose module is missing
@@ -239,19 +240,11 @@ def _version() -> str:
         return "unknown"
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse without prefix matching: `--nproc` must not also answer to `--np`."""
-
-    def __init__(self, *args: object, **options: object) -> None:
-        options.setdefault("allow_abbrev", False)
-        super().__init__(*args, **options)  # type: ignore[arg-type]
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="fourfold",
+    parser = ArgumentParser(prog="fourfold",
                      description="Train Llama-family models with 4D hybrid parallelism.")
     parser.add_argument("--version", action="version", version=f"fourfold {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     sub.required = True
 
     train = sub.add_parser("train", help="train a model (on N local ranks with --nproc N)",
@@ -292,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = sub.add_parser("eval", help="evaluate a trained model")
     eval_sub = evaluate.add_subparsers(dest="eval_command", metavar="EVAL",
-                                       parser_class=_Parser)
+                                       parser_class=ArgumentParser)
     eval_sub.required = True
     mem = eval_sub.add_parser("memorization",
                               help="how much training text the model reproduces verbatim")
@@ -354,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str]) -> int:
     try:
         return _dispatch(argv)
-    except SystemExit as exit_:  # argparse: --help, --version, a usage error
+    except SystemExit as exit_:  # argparse: --help, --version
         code = exit_.code
         return code if isinstance(code, int) else (EXIT_OK if code is None else EXIT_USAGE)
     except KeyboardInterrupt:

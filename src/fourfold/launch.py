@@ -18,6 +18,8 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from fourfold.errors import first_line
+
 # Set in the environment of the ranks that launch_local starts: they leave error messages to
 # the launcher's summary line instead of printing them.
 LAUNCHED_BY_FOURFOLD = "FOURFOLD_LOCAL_LAUNCH"
@@ -155,7 +157,7 @@ def _describe_outcome(failure: object) -> str:
             name = str(-code)
         return f"killed by signal {name}"
     raw = getattr(failure, "message", "") or ""
-    message = _first_line(raw.get("message", "") if isinstance(raw, dict) else raw)
+    message = first_line(str(raw.get("message", "") if isinstance(raw, dict) else raw))
     # Without an error file elastic fills `message` with a hint about @record, which says
     # nothing about this failure.
     detail = "" if not message or "pytorch.org/docs" in message else f": {message}"
@@ -174,8 +176,3 @@ def first_exit_code(failure: object) -> int:
         if code is not None and code < 0 and not _stopped_by_launcher(code):
             return 128 - code
     return 1
-
-
-def _first_line(text: str) -> str:
-    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-    return lines[0] if lines else ""

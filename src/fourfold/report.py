@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from fourfold.errors import FourfoldError
+from fourfold.train.runs import METRICS_FILE
 
-METRICS_FILE = "metrics.jsonl"
 REPORT_DIR = "report"
 
 

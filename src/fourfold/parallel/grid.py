@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fourfold.errors import FourfoldError
+from fourfold.intmath import divisors
 from fourfold.launch import threads_per_rank
 
 Axis = Literal["x", "y", "z", "data"]
@@ -94,7 +95,7 @@ class GridShape:
             if world_size % tensor:
                 raise GridError(f"parallel.x*y*z = {x}*{y}*{z} = {tensor} does not divide the "
                                 f"world size {world_size}; choose x*y*z among "
-                                f"{_divisors(world_size)}")
+                                f"{', '.join(map(str, divisors(world_size)))}")
             data = world_size // tensor
         shape = cls(data=int(data), z=z, y=y, x=x)
         if shape.size != world_size:
@@ -102,10 +103,6 @@ class GridShape:
                             f"{world_size} ranks; set parallel.data = \"auto\" or make the product "
                             f"{world_size}")
         return shape
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 @dataclass

@@ -14,9 +14,10 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import NoReturn
 
 from fourfold.config import PRESETS, ConfigError, ModelConfig, load_config, model_config
+from fourfold.errors import FourfoldError
+from fourfold.parsing import ArgumentParser
 from fourfold.parallel.grid import AXES
 from fourfold.plan.errors import PlanError
 from fourfold.plan.machines import GIB, Machine, load_machine
@@ -26,13 +27,6 @@ from fourfold.plan.scaling import (count_params, data_constrained_optimum, datas
                                    training_config)
 from fourfold.plan.search import Plan, plan
 from fourfold.plan.sweep import format_sweep, gpu_counts, plot_sweep, run_sweep
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises PlanError instead of exiting, so the CLI owns the exit code."""
-
-    def error(self, message: str) -> NoReturn:
-        raise PlanError(f"{message} (see `fourfold plan --help`)")
 
 
 def _positive_number(text: str) -> float:
@@ -46,8 +40,9 @@ def _positive_number(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="fourfold plan", description="Predict time and memory of every 4D "
-                "configuration and pick the best; scaling-law answers; weak-scaling sweeps.")
+    p = ArgumentParser(prog="fourfold plan", description="Predict time and memory of every 4D "
+                "configuration and pick the best; scaling-law answers; weak-scaling sweeps.",
+                       usage_error=PlanError)
     p.add_argument("--model", help="a preset (" + ", ".join(PRESETS) + ") or a CONFIG.toml")
     p.add_argument("--gpus", type=int, help="GPU count (for --sweep: the largest)")
     p.add_argument("--machine", help="preset (perlmutter, frontier, alps, dgx-h100, cpu), a "
@@ -280,6 +275,6 @@ def plan_main(argv: list[str]) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(plan_main(sys.argv[1:]))
-    except PlanError as e:
+    except FourfoldError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(e.exit_code)

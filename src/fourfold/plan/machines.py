@@ -85,6 +85,7 @@ from typing import Any, Callable
 import tomllib
 
 from fourfold.config import cache_root, write_cache_json
+from fourfold.intmath import divisors
 from fourfold.plan.errors import PlanError
 
 GIB = 1024**3
@@ -429,10 +430,6 @@ def ring_volume(op: str, group_size: int, nbytes: float) -> float:
     return (2 * share if op == "all_reduce" else share) * nbytes
 
 
-def _divisors(n: int) -> list[int]:
-    return [p for p in range(2, n + 1) if n % p == 0]
-
-
 def _probe_rank(rank: int, world: int, store_path: str) -> dict[str, Any]:
     """One rank of the comm probe: collectives over every group size, all groups at once,
     then a matmul and a small-op loop with every rank busy."""
@@ -443,7 +440,7 @@ def _probe_rank(rank: int, world: int, store_path: str) -> dict[str, Any]:
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     out: dict[str, Any] = {"comm": {}}
-    for p in _divisors(world):
+    for p in divisors(world)[1:]:  # every group size but 1
         # consecutive ranks, as the x axis; on loopback the stride does not matter
         groups = [dist.new_group(list(range(g, g + p))) for g in range(0, world, p)]
         group = groups[rank // p]

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from fourfold.config import CheckpointConfig, ConfigError
 from fourfold.data.manifest import sha256_file
 from fourfold.errors import EXIT_FAILED, FourfoldError
+from fourfold.errors import first_line as _one_line  # the shared helper, under its old name
 from fourfold.parallel.grid import Axis, Grid
 from fourfold.parallel.layout import Layout
 
@@ -680,11 +681,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _one_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
 
 
 def _os_reason(error: OSError) -> str:

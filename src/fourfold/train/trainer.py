@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from fourfold.config import Config, ConfigError, validate
 from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_path
-from fourfold.errors import EXIT_FAILED, FourfoldError
+from fourfold.errors import EXIT_FAILED, FourfoldError, first_line
 from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
 from fourfold.train.checkpoint import CheckpointError, CheckpointManager, hf_model_config
@@ -201,7 +201,7 @@ class Trainer:
 
     def _uncompile(self, error: BaseException) -> None:
         warnings.warn(f"torch.compile failed ({type(error).__name__}: "
-                      f"{str(error).splitlines()[0] if str(error) else ''}); training without "
+                      f"{first_line(str(error))}); training without "
                       "compile", stacklevel=2)
         for block in self._compiled:
             block._compiled_call_impl = None  # what nn.Module.compile() set

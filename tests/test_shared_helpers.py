@@ -1,0 +1,39 @@
+"""The helpers every layer shares: one copy each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fourfold.errors import UsageError
+from fourfold.files import atomic_path, atomic_write_text
+from fourfold.intmath import divisors
+from fourfold.parsing import ArgumentParser
+
+
+def test_divisors() -> None:
+    assert divisors(1) == [1]
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert divisors(7) == [1, 7]
+
+
+def test_atomic_write_replaces_whole_or_not_at_all(tmp_path: Path) -> None:
+    path = tmp_path / "f.json"
+    atomic_write_text(path, "old")
+    with pytest.raises(RuntimeError):
+        with atomic_path(path) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("crash mid-write")
+    assert path.read_text() == "old"
+    atomic_write_text(path, "new", durable=True)
+    assert path.read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]  # no temporary left
+
+
+def test_parser_has_no_prefix_matching_and_raises_its_usage_error() -> None:
+    parser = ArgumentParser(prog="fourfold x")
+    parser.add_argument("--nproc", type=int, default=1)
+    assert parser.parse_args(["--nproc", "2"]).nproc == 2
+    with pytest.raises(UsageError, match=r"unrecognized arguments: --np 2 \(see `fourfold x"):
+        parser.parse_args(["--np", "2"])
