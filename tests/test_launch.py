@@ -9,7 +9,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from fourfold.launch import describe_failure, first_exit_code, threads_per_rank
+from fourfold.host import threads_per_rank
+from fourfold.launch import describe_failure, first_exit_code
 
 from conftest import outside_job_env
 

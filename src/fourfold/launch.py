@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from fourfold.errors import first_line
+from fourfold.host import threads_per_rank
 
 # Set in the environment of the ranks that launch_local starts: they leave error messages to
 # the launcher's summary line instead of printing them.
@@ -38,18 +39,6 @@ def write_error_file(message: str) -> bool:
     except OSError:
         return False
     return True
-
-
-def cores_available() -> int:
-    """CPU cores this process may run on (the affinity mask, not the machine's total)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def threads_per_rank(nproc: int, cores: int | None = None) -> int:
-    """Ranks split the machine's cores: max(1, cores // nproc) threads each."""
-    return max(1, (cores if cores is not None else cores_available()) // max(1, nproc))
 
 
 @contextmanager

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from fourfold.errors import FourfoldError
+from fourfold.host import threads_per_rank
 from fourfold.intmath import divisors
-from fourfold.launch import threads_per_rank
 
 Axis = Literal["x", "y", "z", "data"]
 AXES: tuple[Axis, ...] = ("x", "y", "z", "data")  # the rank order, innermost first

@@ -17,9 +17,9 @@ from torch import nn
 
 from fourfold.config import ParallelConfig
 from fourfold.intmath import divisors
-from fourfold.models.llama import CrossEntropy
 from fourfold.parallel.comm import Comm, CommLedger
-from fourfold.parallel.embedding import ParallelEmbedding, VocabParallelCrossEntropy
+from fourfold.parallel.embedding import (CrossEntropy, ParallelEmbedding,
+                                         VocabParallelCrossEntropy)
 from fourfold.parallel.engine import Engine, OverlapOptions
 from fourfold.parallel.grid import Grid, GridError
 from fourfold.parallel.layout import REPLICATED, Layout

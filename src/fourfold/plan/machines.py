@@ -85,6 +85,7 @@ from typing import Any, Callable
 import tomllib
 
 from fourfold.config import cache_root, write_cache_json
+from fourfold.host import cores_available
 from fourfold.intmath import divisors
 from fourfold.plan.errors import PlanError
 
@@ -304,7 +305,7 @@ def cache_dir() -> Path:
 def _probe_key() -> str:
     import torch
 
-    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|" \
+    return f"{platform.node()}|{platform.machine()}|{cores_available()}|" \
            f"{torch.get_num_threads()}|{torch.__version__}"
 
 
@@ -410,7 +411,7 @@ def _probe_cpu() -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
     peak, half_dim = _fit_half_dim(rates)
-    peak *= os.cpu_count() or 1
+    peak *= cores_available()
     return {"peak_flops": peak, "gemm_half_dim": half_dim, "copy_bytes_per_s": _time_copy(0.1),
             "rates": {str(k): v for k, v in rates.items()}}
 
@@ -565,7 +566,7 @@ def _run_comm_probe(world: int) -> dict[str, Any]:
 def measure_cpu_comm(world: int, refresh: bool = False) -> dict[str, Any]:
     """Probe (or read from the cache) what `world` gloo ranks on this host pay: collectives by
     group size and buffer size, the matmul rate and the small-op cost per rank (~2-4 s)."""
-    path = cache_dir() / f"cpu_comm_{world}ranks_{os.cpu_count() or 1}cores.json"
+    path = cache_dir() / f"cpu_comm_{world}ranks_{cores_available()}cores.json"
     return _cached_probe(path, f"{_probe_key()}|{world}", refresh,
                          lambda: _run_comm_probe(world))
 
@@ -659,7 +660,7 @@ def cpu_machine(refresh: bool = False) -> Machine:
                     gemm_efficiency=1.0, gemm_half_dim=probe["gemm_half_dim"],
                     op_overhead_us=20.0, shared_host=True,
                     note="measured by a matmul probe (float32; bfloat16 assumed equal)")
-    return Machine("cpu", device, gpus_per_node=os.cpu_count() or 1,
+    return Machine("cpu", device, gpus_per_node=cores_available(),
                    network=Network(latency_us=50.0, intra_node_gbps=2.0, inter_node_gbps=2.0),
                    reserved_gib=0.5,
                    probed_host=True,
