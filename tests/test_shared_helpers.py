@@ -37,3 +37,23 @@ def test_parser_has_no_prefix_matching_and_raises_its_usage_error() -> None:
     assert parser.parse_args(["--nproc", "2"]).nproc == 2
     with pytest.raises(UsageError, match=r"unrecognized arguments: --np 2 \(see `fourfold x"):
         parser.parse_args(["--np", "2"])
+
+
+def test_python_3_10_reads_toml_through_tomli(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    import sys
+    import tomllib
+    import types
+
+    import fourfold.files
+
+    tomli = types.ModuleType("tomli")
+    tomli.loads = tomllib.loads  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tomli", tomli)
+    monkeypatch.setattr(sys, "version_info", (3, 10, 12, "final", 0))
+    spec = importlib.util.spec_from_file_location("files_on_310", fourfold.files.__file__)
+    assert spec is not None and spec.loader is not None
+    files_on_310 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(files_on_310)
+    assert files_on_310.tomllib is tomli
+    assert fourfold.files.tomllib is tomllib  # this interpreter (3.11+) uses the stdlib

@@ -15,10 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-import tomllib
-
 from fourfold.errors import FourfoldError
-from fourfold.files import atomic_write_text
+from fourfold.files import atomic_write_text, tomllib
 from fourfold.intmath import divisors
 
 

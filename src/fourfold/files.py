@@ -1,11 +1,20 @@
-"""Writing a file so that a reader sees the old version or the new one, never half of either."""
+"""Files: writing one so that a reader sees the old version or the new one, never half of
+either; and the TOML parser on every Python fourfold supports."""
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: tomli is the package tomllib was made from, with the same API
+    import tomli as tomllib
+
+__all__ = ["atomic_path", "atomic_write_text", "tomllib"]
 
 
 @contextmanager

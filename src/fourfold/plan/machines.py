@@ -82,9 +82,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import tomllib
-
 from fourfold.config import cache_root, write_cache_json
+from fourfold.files import tomllib
 from fourfold.host import cores_available
 from fourfold.intmath import divisors
 from fourfold.plan.errors import PlanError
