@@ -24,6 +24,22 @@ def test_grid_rank_order_x_innermost() -> None:
     assert shape.axis_groups("data")[0] == [0, 8]
 
 
+def test_stride_and_rank_grid_follow_the_one_rank_order() -> None:
+    from fourfold.train.checkpoint import MESH_AXES, mesh_tensor
+
+    shape = GridShape(data=2, z=3, y=2, x=4)  # unequal sizes: a swapped axis shows
+    assert [shape.stride(a) for a in ("x", "y", "z", "data")] == [1, 4, 8, 24]
+    for axis in ("x", "y", "z", "data"):  # neighbours in a group are `stride` ranks apart
+        group = shape.axis_groups(axis)[0]
+        assert all(b - a == shape.stride(axis) for a, b in zip(group, group[1:]))
+    mesh = mesh_tensor(Grid(shape=shape))
+    assert list(mesh.shape) == [getattr(shape, a) for a in MESH_AXES]
+    for rank in range(shape.size):
+        c = shape.coords(rank)
+        assert mesh[tuple(c[a] for a in MESH_AXES)].item() == rank
+    assert shape.rank_grid().flatten().tolist() == list(range(shape.size))
+
+
 def test_grid_resolve_errors_name_the_numbers() -> None:
     assert GridShape.resolve(2, 2, 1, "auto", 8).data == 2
     with pytest.raises(GridError, match="does not divide the world size 6"):

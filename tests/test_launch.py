@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fourfold.launch import describe_failure, first_exit_code, threads_per_rank
+from fourfold.host import threads_per_rank
+from fourfold.launch import describe_failure, first_exit_code
 
 from conftest import outside_job_env
 

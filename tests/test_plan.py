@@ -306,6 +306,21 @@ def test_plan_reads_a_config_file(tmp_path, capsys):
     assert out["global_batch"] == 12 and out["seq_len"] == 128
 
 
+def test_plan_labels_a_custom_model_file_with_its_name(tmp_path, capsys):
+    path = tmp_path / "mine.toml"
+    path.write_text("[model]\nn_layers = 8\ndim = 512\n")  # the default preset, reshaped
+    assert plan_main(["--model", str(path), "--gpus", "2", "--machine", "dgx-h100"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("model custom from mine.toml (") and "small" not in header
+    assert plan_main(["--model", str(path), "--gpus", "2", "--machine", "dgx-h100",
+                      "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["preset"] == "custom"
+    same = tmp_path / "same.toml"
+    same.write_text('[model]\npreset = "15m"\n')  # a preset as it is keeps its name
+    assert plan_main(["--model", str(same), "--gpus", "2", "--machine", "dgx-h100"]) == 0
+    assert capsys.readouterr().out.startswith("model 15m (")
+
+
 def fake_comm_probe(latency_s: float, per_byte_s: float, flops: float = 1e10):
     """A comm probe result from a known latency + ring volume x seconds-per-byte law."""
     def probe(world: int) -> dict:

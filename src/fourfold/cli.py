@@ -15,9 +15,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from fourfold.errors import EXIT_FAILED, EXIT_USAGE, FourfoldError, first_line
+from fourfold.parsing import ArgumentParser
+
 EXIT_OK = 0
-EXIT_TRAINING_FAILED = 1  # also: a command whose module is missing
-EXIT_USAGE = 2
+EXIT_TRAINING_FAILED = EXIT_FAILED  # also: a command whose module is missing
 EXIT_INTERRUPTED = 130
 
 
@@ -25,45 +27,11 @@ EXIT_INTERRUPTED = 130
 # Errors
 
 
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    """Exception classes that mean "the user asked for something impossible" (exit 2).
-
-    Looked up only when an exception reaches main, so that no subcommand pays for importing
-    the others; a module that is not installed simply contributes nothing.
-    """
-    types: list[type[BaseException]] = [FileNotFoundError, NotADirectoryError]
-    for module, name in (("fourfold.config", "ConfigError"),
-                         ("fourfold.data.errors", "DataError"),
-                         ("fourfold.parallel.grid", "GridError"),
-                         ("fourfold.plan.errors", "PlanError"),
-                         ("fourfold.eval.memorization", "MemorizationAuditError"),
-                         ("fourfold.report", "ReportError")):
-        found = _lookup(module, name)
-        if found is not None:
-            types.append(found)
-    return tuple(types)
-
-
-def _training_error_type() -> type[BaseException] | None:
-    return _lookup("fourfold.train.trainer", "TrainingError")
-
-
-def _lookup(module: str, name: str) -> type[BaseException] | None:
-    import importlib
-
-    try:
-        found = getattr(importlib.import_module(module), name, None)
-    except ImportError:
-        return None
-    return found if isinstance(found, type) and issubclass(found, BaseException) else None
-
-
 def _message(error: BaseException) -> str:
     """One line for the user: a missing file names the path, anything else its message."""
     if isinstance(error, (FileNotFoundError, NotADirectoryError)) and error.filename:
         return f"{error.filename}: {error.strerror or 'not found'}"
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0]
+    return first_line(error)
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,19 +240,11 @@ def _version() -> str:
         return "unknown"
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse without prefix matching: `--nproc` must not also answer to `--np`."""
-
-    def __init__(self, *args: object, **options: object) -> None:
-        options.setdefault("allow_abbrev", False)
-        super().__init__(*args, **options)  # type: ignore[arg-type]
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="fourfold",
+    parser = ArgumentParser(prog="fourfold",
                      description="Train Llama-family models with 4D hybrid parallelism.")
     parser.add_argument("--version", action="version", version=f"fourfold {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     sub.required = True
 
     train = sub.add_parser("train", help="train a model (on N local ranks with --nproc N)",
@@ -325,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = sub.add_parser("eval", help="evaluate a trained model")
     eval_sub = evaluate.add_subparsers(dest="eval_command", metavar="EVAL",
-                                       parser_class=_Parser)
+                                       parser_class=ArgumentParser)
     eval_sub.required = True
     mem = eval_sub.add_parser("memorization",
                               help="how much training text the model reproduces verbatim")
@@ -387,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str]) -> int:
     try:
         return _dispatch(argv)
-    except SystemExit as exit_:  # argparse: --help, --version, a usage error
+    except SystemExit as exit_:  # argparse: --help, --version
         code = exit_.code
         return code if isinstance(code, int) else (EXIT_OK if code is None else EXIT_USAGE)
     except KeyboardInterrupt:
@@ -400,15 +360,10 @@ def _run(argv: list[str]) -> int:
         print(f"error: this command needs {error.name}, which is not installed",
               file=sys.stderr, flush=True)
         return EXIT_TRAINING_FAILED
-    except Exception as error:  # noqa: BLE001 (sorted below; the rest re-raised)
-        if isinstance(error, _user_error_types()):
-            _report_error(_message(error))
-            return EXIT_USAGE
-        training_error = _training_error_type()
-        if training_error is not None and isinstance(error, training_error):
-            _report_error(_message(error))
-            return EXIT_TRAINING_FAILED
-        raise
+    except (FourfoldError, FileNotFoundError, NotADirectoryError) as error:
+        # every error meant for the user is a FourfoldError that knows its exit code
+        _report_error(_message(error))
+        return error.exit_code if isinstance(error, FourfoldError) else EXIT_USAGE
 
 
 def _report_error(message: str) -> None:

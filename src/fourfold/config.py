@@ -15,7 +15,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-import tomllib
+from fourfold.errors import FourfoldError
+from fourfold.files import atomic_write_text, tomllib
+from fourfold.intmath import divisors
 
 
 def cache_root() -> Path:
@@ -30,14 +32,12 @@ def write_cache_json(path: Path, obj: Any) -> None:
     unwritable cache is ignored: it only costs measuring again next time."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(obj, indent=1))
-        tmp.replace(path)
+        atomic_write_text(path, json.dumps(obj, indent=1))
     except OSError:
         pass
 
 
-class ConfigError(ValueError):
+class ConfigError(FourfoldError, ValueError):
     """A user mistake in the configuration; its message is one line meant for the user."""
 
 
@@ -342,7 +342,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def _nearest_divisors(n: int, near: int) -> str:
-    divs = [d for d in range(1, n + 1) if n % d == 0]
+    divs = divisors(n)
     divs.sort(key=lambda d: (abs(d - near), d))
     return ", ".join(str(d) for d in sorted(divs[:3]))
 

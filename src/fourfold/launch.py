@@ -18,6 +18,9 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from fourfold.errors import first_line
+from fourfold.host import threads_per_rank
+
 # Set in the environment of the ranks that launch_local starts: they leave error messages to
 # the launcher's summary line instead of printing them.
 LAUNCHED_BY_FOURFOLD = "FOURFOLD_LOCAL_LAUNCH"
@@ -36,18 +39,6 @@ def write_error_file(message: str) -> bool:
     except OSError:
         return False
     return True
-
-
-def cores_available() -> int:
-    """CPU cores this process may run on (the affinity mask, not the machine's total)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def threads_per_rank(nproc: int, cores: int | None = None) -> int:
-    """Ranks split the machine's cores: max(1, cores // nproc) threads each."""
-    return max(1, (cores if cores is not None else cores_available()) // max(1, nproc))
 
 
 @contextmanager
@@ -155,7 +146,7 @@ def _describe_outcome(failure: object) -> str:
             name = str(-code)
         return f"killed by signal {name}"
     raw = getattr(failure, "message", "") or ""
-    message = _first_line(raw.get("message", "") if isinstance(raw, dict) else raw)
+    message = first_line(str(raw.get("message", "") if isinstance(raw, dict) else raw))
     # Without an error file elastic fills `message` with a hint about @record, which says
     # nothing about this failure.
     detail = "" if not message or "pytorch.org/docs" in message else f": {message}"
@@ -174,8 +165,3 @@ def first_exit_code(failure: object) -> int:
         if code is not None and code < 0 and not _stopped_by_launcher(code):
             return 128 - code
     return 1
-
-
-def _first_line(text: str) -> str:
-    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-    return lines[0] if lines else ""

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-METRICS_FILE = "metrics.jsonl"
+from fourfold.errors import FourfoldError
+from fourfold.train.runs import METRICS_FILE
+
 REPORT_DIR = "report"
 
 
-class ReportError(ValueError):
+class ReportError(FourfoldError, ValueError):
     """A run directory without usable metrics; the message is one line for the user."""
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fourfold.data.errors import DataError
+from fourfold.files import atomic_write_text
 
 
 def sha256_file(path: Path, chunk_bytes: int = 8 << 20) -> str:
@@ -132,10 +132,5 @@ class Manifest:
 
     def save(self, data_dir: str | Path) -> None:
         """Write manifest.json atomically (temporary name, then rename)."""
-        path = Path(data_dir) / MANIFEST_FILE
-        tmp = path.with_name(f".{MANIFEST_FILE}.tmp{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.write(json.dumps(self.to_json(), indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write_text(Path(data_dir) / MANIFEST_FILE,
+                          json.dumps(self.to_json(), indent=2) + "\n", durable=True)

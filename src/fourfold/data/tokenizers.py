@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from fourfold.data.errors import DataError
+from fourfold.files import atomic_path, atomic_write_text
 
 ALLOWED_SPECS = "byte, bpe:VOCAB_SIZE (257..1000000) or PATH/tokenizer.json"
 META_FILE = "fourfold_tokenizer.json"  # what kind of tokenizer a directory holds
@@ -61,7 +62,7 @@ class Tokenizer(ABC):
     def _write_meta(self, directory: Path, kind: str) -> None:
         meta = {"kind": kind, "spec": self.spec, "vocab_size": self.vocab_size,
                 "eos_id": self.eos_id}
-        _atomic_write_text(directory / META_FILE, json.dumps(meta, indent=2) + "\n")
+        atomic_write_text(directory / META_FILE, json.dumps(meta, indent=2) + "\n")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(spec={self.spec!r}, vocab_size={self.vocab_size})"
@@ -118,9 +119,8 @@ class HFTokenizer(Tokenizer):
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".{HF_FILE}.tmp{os.getpid()}"
-        self.hf.save(str(tmp))
-        os.replace(tmp, directory / HF_FILE)
+        with atomic_path(directory / HF_FILE) as tmp:
+            self.hf.save(str(tmp))
         self._write_meta(directory, "hf")
 
 
@@ -254,8 +254,3 @@ def _as_int_array(ids: TokenIds) -> np.ndarray:
         ids = ids.detach().cpu().numpy()
     return np.asarray(ids, dtype=np.int64).reshape(-1)
 
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

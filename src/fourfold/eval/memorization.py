@@ -25,13 +25,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from fourfold.errors import FourfoldError
 from fourfold.models.llama import KVCache, Llama
 
 if TYPE_CHECKING:
     from fourfold.parallel import ParallelModel
 
 
-class MemorizationAuditError(ValueError):
+class MemorizationAuditError(FourfoldError, ValueError):
     """A user mistake in an audit request; the message is one line meant for the user."""
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fourfold.config import ModelConfig
+from fourfold.parallel.embedding import CrossEntropy
 
 
 class RMSNorm(nn.Module):
@@ -130,16 +131,6 @@ class Block(nn.Module):
                 cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
         return x + self.ffn(self.ffn_norm(x))
-
-
-class CrossEntropy(nn.Module):
-    """Per-token cross-entropy, unreduced: (B, T) losses. Swapped for a vocabulary-parallel
-    version when the output layer is split."""
-
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        B, T, V = logits.shape
-        return F.cross_entropy(logits.float().reshape(B * T, V), targets.reshape(B * T),
-                               reduction="none").view(B, T)
 
 
 class Llama(nn.Module):

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from fourfold.errors import first_line
 from fourfold.parallel.grid import Grid
 
 LEDGER_KEYS = ("x", "y", "z", "data", "all")
@@ -101,7 +102,7 @@ class Comm:
         return CollectiveError(
             f"rank {self.grid.rank} (grid {self.grid.shape}): {op} over axis {axis}"
             f"{self._members(axis)} failed: "
-            f"{str(cause).splitlines()[0] if str(cause) else type(cause).__name__} "
+            f"{first_line(cause)} "
             "(another rank probably died or hangs; see its log)")
 
     def _group(self, axis: str) -> object | None:

@@ -105,3 +105,14 @@ class VocabParallelCrossEntropy(nn.Module):
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return _VocabParallelCrossEntropy.apply(logits, targets, self.comm, self.vocab_start)
+
+
+class CrossEntropy(nn.Module):
+    """Per-token cross-entropy, unreduced: (B, T) losses from whole logits (B, T, V). The
+    loss of a model whose output layer is not split; VocabParallelCrossEntropy replaces it
+    when the vocabulary is split over y."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        B, T, V = logits.shape
+        return F.cross_entropy(logits.float().reshape(B * T, V), targets.reshape(B * T),
+                               reduction="none").view(B, T)

@@ -1,6 +1,8 @@
 """The 4D process grid: rank <-> (data, z, y, x) and one process group per axis.
 
-Rank order: x innermost (neighbours, same node), then y, then z, then data.
+Rank order: x innermost (neighbours, same node), then y, then z, then data. `AXES` states it
+once; GridShape derives every rank arithmetic from it (coords, rank_of, stride, rank_grid), and
+the checkpoint's DeviceMesh and the planner's group strides ask GridShape.
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from fourfold.launch import threads_per_rank
+from fourfold.errors import FourfoldError
+from fourfold.host import threads_per_rank
+from fourfold.intmath import divisors
 
 Axis = Literal["x", "y", "z", "data"]
-AXES: tuple[Axis, ...] = ("x", "y", "z", "data")  # innermost first
+AXES: tuple[Axis, ...] = ("x", "y", "z", "data")  # the rank order, innermost first
+RANK_ORDER: tuple[Axis, ...] = AXES[::-1]  # the same, outermost first: (data, z, y, x)
 
 
-class GridError(ValueError):
+class GridError(FourfoldError, ValueError):
     """A grid that cannot work for this job or model; the message is one line for the user."""
 
 
@@ -48,13 +53,25 @@ class GridShape:
     def tensor_size(self) -> int:
         return self.z * self.y * self.x
 
+    def stride(self, axis: Axis) -> int:
+        """Distance in ranks between neighbours of an `axis` group: the product of the sizes
+        of the axes inside it (x: 1, y: x, z: x*y, data: x*y*z)."""
+        stride = 1
+        for inner in AXES[:AXES.index(axis)]:
+            stride *= getattr(self, inner)
+        return stride
+
     def coords(self, rank: int) -> dict[Axis, int]:
-        return {"x": rank % self.x, "y": (rank // self.x) % self.y,
-                "z": (rank // (self.x * self.y)) % self.z,
-                "data": rank // (self.x * self.y * self.z)}
+        return {a: (rank // self.stride(a)) % getattr(self, a) for a in AXES}
 
     def rank_of(self, coords: dict[Axis, int]) -> int:
-        return ((coords["data"] * self.z + coords["z"]) * self.y + coords["y"]) * self.x + coords["x"]
+        return sum(coords[a] * self.stride(a) for a in AXES)
+
+    def rank_grid(self, order: tuple[Axis, ...] = RANK_ORDER) -> torch.Tensor:
+        """All global ranks as a tensor with one dim per axis, dims in `order` (the layout of
+        a DeviceMesh whose dims are those axes)."""
+        ranks = torch.arange(self.size).reshape([getattr(self, a) for a in RANK_ORDER])
+        return ranks.permute([RANK_ORDER.index(a) for a in order]).contiguous()
 
     def axis_groups(self, axis: Axis) -> list[list[int]]:
         """All groups of ranks that differ only in `axis`, each in axis order."""
@@ -78,7 +95,7 @@ class GridShape:
             if world_size % tensor:
                 raise GridError(f"parallel.x*y*z = {x}*{y}*{z} = {tensor} does not divide the "
                                 f"world size {world_size}; choose x*y*z among "
-                                f"{_divisors(world_size)}")
+                                f"{', '.join(map(str, divisors(world_size)))}")
             data = world_size // tensor
         shape = cls(data=int(data), z=z, y=y, x=x)
         if shape.size != world_size:
@@ -86,10 +103,6 @@ class GridShape:
                             f"{world_size} ranks; set parallel.data = \"auto\" or make the product "
                             f"{world_size}")
         return shape
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 @dataclass

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from fourfold.config import ParallelConfig
-from fourfold.models.llama import CrossEntropy
+from fourfold.intmath import divisors
 from fourfold.parallel.comm import Comm, CommLedger
-from fourfold.parallel.embedding import ParallelEmbedding, VocabParallelCrossEntropy
+from fourfold.parallel.embedding import (CrossEntropy, ParallelEmbedding,
+                                         VocabParallelCrossEntropy)
 from fourfold.parallel.engine import Engine, OverlapOptions
 from fourfold.parallel.grid import Grid, GridError
 from fourfold.parallel.layout import REPLICATED, Layout
@@ -267,9 +268,8 @@ def _check_heads(model: nn.Module, grid: Grid) -> None:
     gy = grid.size("y")
     for what, n in (("attention heads", heads), ("key/value heads", kv)):
         if n and n % gy:
-            valid = [d for d in range(1, n + 1) if n % d == 0]
             raise GridError(f"parallel.y = {gy} does not divide the model's {n} {what}; "
-                            f"choose y among {', '.join(map(str, valid))}")
+                            f"choose y among {', '.join(map(str, divisors(n)))}")
 
 
 def _apply_llama_plan(model: nn.Module, grid: Grid, engine: Engine) -> int:

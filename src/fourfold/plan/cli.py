@@ -10,13 +10,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 from pathlib import Path
-from typing import NoReturn
 
 from fourfold.config import PRESETS, ConfigError, ModelConfig, load_config, model_config
+from fourfold.errors import FourfoldError
+from fourfold.parsing import ArgumentParser
 from fourfold.parallel.grid import AXES
 from fourfold.plan.errors import PlanError
 from fourfold.plan.machines import GIB, Machine, load_machine
@@ -26,13 +28,6 @@ from fourfold.plan.scaling import (count_params, data_constrained_optimum, datas
                                    training_config)
 from fourfold.plan.search import Plan, plan
 from fourfold.plan.sweep import format_sweep, gpu_counts, plot_sweep, run_sweep
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises PlanError instead of exiting, so the CLI owns the exit code."""
-
-    def error(self, message: str) -> NoReturn:
-        raise PlanError(f"{message} (see `fourfold plan --help`)")
 
 
 def _positive_number(text: str) -> float:
@@ -46,8 +41,9 @@ def _positive_number(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="fourfold plan", description="Predict time and memory of every 4D "
-                "configuration and pick the best; scaling-law answers; weak-scaling sweeps.")
+    p = ArgumentParser(prog="fourfold plan", description="Predict time and memory of every 4D "
+                "configuration and pick the best; scaling-law answers; weak-scaling sweeps.",
+                       usage_error=PlanError)
     p.add_argument("--model", help="a preset (" + ", ".join(PRESETS) + ") or a CONFIG.toml")
     p.add_argument("--gpus", type=int, help="GPU count (for --sweep: the largest)")
     p.add_argument("--machine", help="preset (perlmutter, frontier, alps, dgx-h100, cpu), a "
@@ -83,9 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
 # Inputs
 
 
+# The fields that make two models the same network (not init_from, not the preset's name).
+_SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                 "tie_embeddings", "bias")
+
+
 def resolve_model(spec: str) -> tuple[ModelConfig, int | None, int | None]:
     """(model, batch, seq_len) from a preset name or a CONFIG.toml (which also gives its
-    train.batch_size and train.seq_len)."""
+    train.batch_size and train.seq_len). A file whose model keys change its preset's shape
+    describes another model: its preset reads "custom", not the name it started from."""
     if spec in PRESETS:
         return model_config(spec), None, None
     path = Path(spec)
@@ -94,7 +96,12 @@ def resolve_model(spec: str) -> tuple[ModelConfig, int | None, int | None]:
             cfg = load_config(path)
         except ConfigError as e:
             raise PlanError(str(e)) from None
-        return cfg.model, cfg.train.batch_size, cfg.train.seq_len
+        model = cfg.model
+        if model.preset != "custom":
+            preset = model_config(model.preset)
+            if any(getattr(model, f) != getattr(preset, f) for f in _SHAPE_FIELDS):
+                model = dataclasses.replace(model, preset="custom")
+        return model, cfg.train.batch_size, cfg.train.seq_len
     raise PlanError(f"unknown model {spec!r}: choose a preset ({', '.join(PRESETS)}) or a "
                     "CONFIG.toml path")
 
@@ -112,10 +119,11 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}" if seconds < 10 else f"{seconds:.1f}s"
 
 
-def format_plan(result: Plan, top: int) -> str:
+def format_plan(result: Plan, top: int, model_label: str | None = None) -> str:
+    """The plan as a table; `model_label` names the model (default: its preset)."""
     m, model = result.machine, result.model
     rows = result.candidates if top <= 0 else result.candidates[:top]
-    header = [f"model {model.preset} ({format_count(count_params(model))} params, "
+    header = [f"model {model_label or model.preset} ({format_count(count_params(model))} params, "
               f"{model.n_layers} layers, dim {model.dim}) on {result.world_size} x "
               f"{m.device.name} ({m.name}: {m.gpus_per_node} per node, "
               f"{result.machine.usable_memory_bytes(result.world_size) / GIB:.1f} GiB usable)",
@@ -186,7 +194,9 @@ def _plan_mode(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan_json(result, args.top), indent=2))
     else:
-        print(format_plan(result, args.top))
+        label = (f"custom from {Path(args.model).name}"
+                 if model.preset == "custom" and args.model not in PRESETS else None)
+        print(format_plan(result, args.top, label))
     return 0
 
 
@@ -280,6 +290,6 @@ def plan_main(argv: list[str]) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(plan_main(sys.argv[1:]))
-    except PlanError as e:
+    except FourfoldError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(e.exit_code)

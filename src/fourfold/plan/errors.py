@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from fourfold.errors import FourfoldError
 
-class PlanError(ValueError):
+
+class PlanError(FourfoldError, ValueError):
     """A user mistake given to the planner (unknown model or machine, impossible batch, ...).
 
     Its message is one line meant for the user; the CLI prints it as `error: ...` and exits 2.

@@ -18,6 +18,7 @@ MACHINE.toml (every key optional except where noted; unknown keys are an error):
     name = "A100-40GB"
     peak_bf16_tflops = 312.0    # dense tensor-core peak
     peak_fp32_tflops = 19.5     # what float32 training runs at (no TF32)
+    peak_tf32_tflops = 156.0    # float32 GEMMs with TF32 on (omit where there is no TF32)
     memory_gib = 40.0
     hbm_gbps = 1555.0           # memory bandwidth, for memory-bound work (norms, optimizer)
     gemm_efficiency = 0.8       # fraction of peak a large, square GEMM reaches (calibrate!)
@@ -81,9 +82,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import tomllib
-
 from fourfold.config import cache_root, write_cache_json
+from fourfold.files import tomllib
+from fourfold.host import cores_available
+from fourfold.intmath import divisors
 from fourfold.plan.errors import PlanError
 
 GIB = 1024**3
@@ -100,11 +102,17 @@ class Device:
     gemm_half_dim: float = 96.0
     op_overhead_us: float = 5.0  # launch / framework cost of each kernel
     shared_host: bool = False
+    peak_tf32_tflops: float | None = None  # float32 GEMMs with TF32 on; None: no such mode
     note: str = "vendor datasheet (dense); efficiencies are estimates"
 
-    def peak_flops(self, dtype: str) -> float:
-        """Peak FLOP/s of one device for GEMMs in `dtype` (float32 or bfloat16)."""
-        return (self.peak_bf16_tflops if dtype == "bfloat16" else self.peak_fp32_tflops) * 1e12
+    def peak_flops(self, dtype: str, tf32: bool = False) -> float:
+        """Peak FLOP/s of one device for GEMMs in `dtype` (float32 or bfloat16); `tf32`: float32
+        GEMMs run on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32)."""
+        if dtype == "bfloat16":
+            return self.peak_bf16_tflops * 1e12
+        if tf32 and self.peak_tf32_tflops is not None:
+            return self.peak_tf32_tflops * 1e12
+        return self.peak_fp32_tflops * 1e12
 
 
 @dataclass(frozen=True)
@@ -157,8 +165,13 @@ class Machine:
         per_rank = self.device.memory_gib / self.ranks_per_device(world_size)
         return (per_rank - self.reserved_gib) * GIB
 
-    def peak_flops_per_rank(self, dtype: str, world_size: int) -> float:
-        return self.device.peak_flops(dtype) / self.ranks_per_device(world_size)
+    def peak_flops_per_rank(self, dtype: str, world_size: int, tf32: bool = False) -> float:
+        return self.device.peak_flops(dtype, tf32) / self.ranks_per_device(world_size)
+
+    def job_peak_flops(self, dtype: str, world_size: int, tf32: bool = False) -> float:
+        """Peak FLOP/s of a whole job of `world_size` ranks: the denominator of MFU, for the
+        planner's prediction and the trainer's log alike."""
+        return self.peak_flops_per_rank(dtype, world_size, tf32) * world_size
 
     def calibration(self, world_size: int) -> "HostCalibration | None":
         """The probed costs of `world_size` ranks on this host (cpu machine only, else None)."""
@@ -174,26 +187,60 @@ class Machine:
 
 
 # --------------------------------------------------------------------------------------------
-# Catalog. Peaks are dense (no sparsity) vendor numbers; float32 is the non-tensor-core rate
-# PyTorch uses by default (TF32 off). gemm_efficiency values are estimates of what a large
-# bf16 GEMM reaches; calibrate them with a MACHINE.toml for serious planning.
+# Catalog: the one table of device peaks (the trainer's logged MFU reads it too, through
+# `machine_for_torch_device`). Peaks are dense (no sparsity) vendor numbers per device as torch
+# sees it; float32 is the rate of float32 GEMMs with TF32 off (PyTorch's default), TF32 the
+# tensor-core rate with it on. gemm_efficiency values are estimates of what a large bf16 GEMM
+# reaches; calibrate them with a MACHINE.toml for serious planning.
+#
+# Figures that need care:
+# - MI250X: torch sees each of its two GCDs as a device, so the entry is one GCD (half of AMD's
+#   per-package figures). AMD lists per package 47.9 TFLOP/s FP32 *vector* and 95.7 FP32
+#   *matrix* (MFMA); float32 GEMMs (rocBLAS/hipBLASLt on gfx90a) run on the matrix cores, so a
+#   GCD's float32 GEMM peak is 95.7 / 2 = 47.9 (its vector rate, 23.9, is what element-wise
+#   work gets). bfloat16: 383 per package, 191.5 per GCD. CDNA2 has no TF32.
+# - B200: NVIDIA's HGX B200 datasheet (1000 W, 8 GPUs per board) gives 600 TFLOP/s FP32 for the
+#   board, 75 per GPU (the earlier Blackwell brief said 80; GB200's B200 at 1200 W is faster):
+#   the entry is the HGX part, 180 GB as DGX B200 ships it.
+# - MI300X: 1307.4 bfloat16, 653.7 TF32, 163.4 FP32 matrix (AMD datasheet, dense).
 
 DEVICES: dict[str, Device] = {
-    "a100-40gb": Device("A100-40GB", 312.0, 19.5, 40.0, 1555.0, gemm_efficiency=0.80),
-    "a100-80gb": Device("A100-80GB", 312.0, 19.5, 80.0, 2039.0, gemm_efficiency=0.80),
+    "a100-40gb": Device("A100-40GB", 312.0, 19.5, 40.0, 1555.0, gemm_efficiency=0.80,
+                        peak_tf32_tflops=156.0),
+    "a100-80gb": Device("A100-80GB", 312.0, 19.5, 80.0, 2039.0, gemm_efficiency=0.80,
+                        peak_tf32_tflops=156.0),
     "h100-sxm": Device("H100-SXM", 989.0, 67.0, 80.0, 3350.0, gemm_efficiency=0.70,
-                       gemm_half_dim=128.0),
+                       gemm_half_dim=128.0, peak_tf32_tflops=494.7),
+    "h100-pcie": Device("H100-PCIe", 756.0, 51.2, 80.0, 2000.0, gemm_efficiency=0.70,
+                        gemm_half_dim=128.0, peak_tf32_tflops=378.0),
     "h200": Device("H200", 989.0, 67.0, 141.0, 4800.0, gemm_efficiency=0.72,
-                   gemm_half_dim=128.0),
+                   gemm_half_dim=128.0, peak_tf32_tflops=494.7),
     "gh200": Device("GH200", 989.0, 67.0, 96.0, 4000.0, gemm_efficiency=0.72,
-                    gemm_half_dim=128.0),
-    "mi250x-gcd": Device("MI250X-GCD", 191.5, 23.9, 64.0, 1638.0, gemm_efficiency=0.60,
+                    gemm_half_dim=128.0, peak_tf32_tflops=494.7),
+    "mi250x-gcd": Device("MI250X-GCD", 191.5, 47.9, 64.0, 1638.0, gemm_efficiency=0.60,
                          gemm_half_dim=128.0),
     "mi300x": Device("MI300X", 1307.4, 163.4, 192.0, 5300.0, gemm_efficiency=0.55,
-                     gemm_half_dim=160.0),
+                     gemm_half_dim=160.0, peak_tf32_tflops=653.7),
     "b200": Device("B200", 2250.0, 75.0, 180.0, 7700.0, gemm_efficiency=0.70,
-                   gemm_half_dim=160.0),
+                   gemm_half_dim=160.0, peak_tf32_tflops=1100.0),
 }
+
+# torch.cuda.get_device_name() substring -> catalog key. The first match wins, so the more
+# specific names come first ("GH200" before "H200", "H100 PCIe" before "H100").
+TORCH_DEVICE_NAMES: tuple[tuple[str, str], ...] = (
+    ("GH200", "gh200"), ("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"),
+    ("A100-SXM4-80GB", "a100-80gb"), ("A100 80GB", "a100-80gb"), ("A100-PCIE-80GB", "a100-80gb"),
+    ("A100", "a100-40gb"), ("MI250X", "mi250x-gcd"), ("MI300X", "mi300x"), ("B200", "b200"),
+)
+
+
+def catalog_key_for_gpu(torch_name: str) -> str | None:
+    """The catalog key of a GPU by the name torch gives it, or None for an unknown one."""
+    for substring, key in TORCH_DEVICE_NAMES:
+        if substring in torch_name:
+            return key
+    return None
+
 
 _PAPER = "network: effective GB/s measured by the SC24 paper's authors"
 _ESTIMATE = "network: estimates (not measured)"
@@ -237,7 +284,7 @@ MACHINE_NAMES: tuple[str, ...] = tuple(_PRESETS) + ("cpu",)
 def _generic_node(key: str) -> Machine:
     device = DEVICES[key]
     per_node = 4 if key == "gh200" else 8
-    intra = {"a100-40gb": 230.0, "a100-80gb": 230.0, "mi250x-gcd": 50.0,
+    intra = {"a100-40gb": 230.0, "a100-80gb": 230.0, "h100-pcie": 50.0, "mi250x-gcd": 50.0,
              "mi300x": 300.0, "b200": 700.0}.get(key, 360.0)
     inter = {"a100-40gb": 20.0, "a100-80gb": 20.0, "mi250x-gcd": 20.0, "b200": 80.0}.get(key, 40.0)
     return Machine(key, device, gpus_per_node=per_node,
@@ -257,7 +304,7 @@ def cache_dir() -> Path:
 def _probe_key() -> str:
     import torch
 
-    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|" \
+    return f"{platform.node()}|{platform.machine()}|{cores_available()}|" \
            f"{torch.get_num_threads()}|{torch.__version__}"
 
 
@@ -313,27 +360,42 @@ def _fit_half_dim(rates: dict[int, float]) -> tuple[float, float]:
     return best[2], best[1]
 
 
+def _read_probe(path: Path, key: str) -> dict[str, Any] | None:
+    """A probe's cached result when its key matches (a damaged cache reads as none)."""
+    if not path.is_file():
+        return None
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return cached if isinstance(cached, dict) and cached.get("key") == key else None
+
+
 def _cached_probe(path: Path, key: str, refresh: bool,
                   measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """A probe's result from its cache file when the key matches, else measured and cached
     (written atomically; a damaged cache is measured again, a read-only one only costs a
     re-measurement next time)."""
-    if not refresh and path.is_file():
-        try:
-            cached = json.loads(path.read_text())
-            if cached.get("key") == key:
-                return cached
-        except (OSError, ValueError):
-            pass
+    cached = None if refresh else _read_probe(path, key)
+    if cached is not None:
+        return cached
     result = dict(measure(), key=key)
     write_cache_json(path, result)
     return result
 
 
 def measure_cpu(refresh: bool = False) -> dict[str, float]:
-    """Measure (or read from the cache) this CPU's matmul rate and memory bandwidth (~1 s)."""
-    return _cached_probe(cache_dir() / "cpu_probe.json", _probe_key(), refresh,
-                         _probe_cpu)
+    """Measure (or read from the cache) this CPU's matmul rate and memory bandwidth (~1 s).
+    This is the one CPU FLOP probe: the planner's `cpu` machine and the trainer's logged MFU
+    both read it. A probe taken while the host was busy reads low, so `refresh` (the trainer
+    asks for one when its MFU would exceed 100%) keeps the faster of the old and new result."""
+    path, key = cache_dir() / "cpu_probe.json", _probe_key()
+    old = _read_probe(path, key) if refresh else None
+    result = _cached_probe(path, key, refresh, _probe_cpu)
+    if old is not None and float(old["peak_flops"]) > float(result["peak_flops"]):
+        write_cache_json(path, old)
+        return old
+    return result
 
 
 def _probe_cpu() -> dict[str, Any]:
@@ -348,7 +410,7 @@ def _probe_cpu() -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
     peak, half_dim = _fit_half_dim(rates)
-    peak *= os.cpu_count() or 1
+    peak *= cores_available()
     return {"peak_flops": peak, "gemm_half_dim": half_dim, "copy_bytes_per_s": _time_copy(0.1),
             "rates": {str(k): v for k, v in rates.items()}}
 
@@ -368,10 +430,6 @@ def ring_volume(op: str, group_size: int, nbytes: float) -> float:
     return (2 * share if op == "all_reduce" else share) * nbytes
 
 
-def _divisors(n: int) -> list[int]:
-    return [p for p in range(2, n + 1) if n % p == 0]
-
-
 def _probe_rank(rank: int, world: int, store_path: str) -> dict[str, Any]:
     """One rank of the comm probe: collectives over every group size, all groups at once,
     then a matmul and a small-op loop with every rank busy."""
@@ -382,7 +440,7 @@ def _probe_rank(rank: int, world: int, store_path: str) -> dict[str, Any]:
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     out: dict[str, Any] = {"comm": {}}
-    for p in _divisors(world):
+    for p in divisors(world)[1:]:  # every group size but 1
         # consecutive ranks, as the x axis; on loopback the stride does not matter
         groups = [dist.new_group(list(range(g, g + p))) for g in range(0, world, p)]
         group = groups[rank // p]
@@ -507,7 +565,7 @@ def _run_comm_probe(world: int) -> dict[str, Any]:
 def measure_cpu_comm(world: int, refresh: bool = False) -> dict[str, Any]:
     """Probe (or read from the cache) what `world` gloo ranks on this host pay: collectives by
     group size and buffer size, the matmul rate and the small-op cost per rank (~2-4 s)."""
-    path = cache_dir() / f"cpu_comm_{world}ranks_{os.cpu_count() or 1}cores.json"
+    path = cache_dir() / f"cpu_comm_{world}ranks_{cores_available()}cores.json"
     return _cached_probe(path, f"{_probe_key()}|{world}", refresh,
                          lambda: _run_comm_probe(world))
 
@@ -579,6 +637,19 @@ def host_calibration(world: int, cores: int, gemm_half_dim: float) -> HostCalibr
                            op_overhead_s=probe["small_op_s"] * scale, scale=scale)
 
 
+def machine_for_torch_device(device: Any, refresh: bool = False) -> Machine | None:
+    """The catalog machine a torch.device runs on: this host for a CPU (probed; `refresh`
+    probes again), a generic node of its catalog entry for a known GPU, else None."""
+    if device.type == "cpu":
+        return cpu_machine(refresh)
+    if device.type == "cuda":
+        import torch
+
+        key = catalog_key_for_gpu(torch.cuda.get_device_name(device))
+        return _generic_node(key) if key is not None else None
+    return None
+
+
 def cpu_machine(refresh: bool = False) -> Machine:
     """This host as a machine: ranks share its cores and memory; gloo over loopback."""
     probe = measure_cpu(refresh)
@@ -588,7 +659,7 @@ def cpu_machine(refresh: bool = False) -> Machine:
                     gemm_efficiency=1.0, gemm_half_dim=probe["gemm_half_dim"],
                     op_overhead_us=20.0, shared_host=True,
                     note="measured by a matmul probe (float32; bfloat16 assumed equal)")
-    return Machine("cpu", device, gpus_per_node=os.cpu_count() or 1,
+    return Machine("cpu", device, gpus_per_node=cores_available(),
                    network=Network(latency_us=50.0, intra_node_gbps=2.0, inter_node_gbps=2.0),
                    reserved_gib=0.5,
                    probed_host=True,

@@ -5,7 +5,7 @@ or skinny GEMMs (each dimension d contributes d / (d + gemm_half_dim)), or at me
 bandwidth when that is slower; attention and element-wise work are added the same way.
 Communication: the collectives of `schedule.collective_schedule`, each a ring over the
 bandwidth its group's placement sees (group size = the axis size; stride between its ranks:
-x 1, y Gx, z Gx*Gy, data Gx*Gy*Gz), minus the part the engine's overlap hides.
+`GridShape.stride`, from the grid's rank order), minus the part the engine's overlap hides.
 
 On the `cpu` machine (N ranks time-sharing this host's cores) the rates come from its probe
 (`Machine.calibration(N)`, see fourfold.plan.machines): GEMM, memory and per-op rates with all N
@@ -56,12 +56,6 @@ class StepPrediction:
         return sum(self.comm_s[a] - self.hidden_s[a] for a in AXES)
 
 
-def axis_stride(shape: GridShape, axis: str) -> int:
-    """Distance in ranks between neighbours of an axis group (x innermost)."""
-    return {"x": 1, "y": shape.x, "z": shape.x * shape.y,
-            "data": shape.x * shape.y * shape.z}[axis]
-
-
 @dataclass(frozen=True)
 class _Rates:
     """What one rank gets: GEMM FLOP/s (large GEMMs), memory bytes/s, seconds per op."""
@@ -102,7 +96,7 @@ def collective_seconds(c: Collective, shape: GridShape, machine: Machine,
     p = getattr(shape, c.axis)
     if calibration is not None:
         return calibration.collective_seconds(c.op, p, c.nbytes)
-    bw = machine.bandwidth_gbps(p, axis_stride(shape, c.axis)) * 1e9
+    bw = machine.bandwidth_gbps(p, shape.stride(c.axis)) * 1e9
     steps = 2 * (p - 1) if c.op == "all_reduce" else p - 1
     return ring_volume(c.op, p, c.nbytes) / bw + steps * machine.network.latency_us * 1e-6
 
@@ -218,7 +212,7 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     step = compute + sum(comm[a] - hidden[a] for a in AXES)
     tokens = global_batch * seq_len
     flops = flops_per_token(model, seq_len) * tokens
-    peak = machine.peak_flops_per_rank(precision.name, world) * world
+    peak = machine.job_peak_flops(precision.name, world)
     return StepPrediction(step_s=step, compute_s=compute, comm_s=comm, hidden_s=hidden,
                           comm_bytes=comm_bytes, tokens_per_s=tokens / step,
                           mfu=flops / (step * peak), flops_per_step=flops)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fourfold.config import ModelConfig
+from fourfold.intmath import divisors
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.plan.errors import PlanError
 from fourfold.plan.machines import GIB, Machine
@@ -71,13 +72,13 @@ def grid_shapes(world_size: int) -> list[GridShape]:
     """Every (data, z, y, x) with data*z*y*x = world_size."""
     if world_size < 1:
         raise PlanError(f"GPU count {world_size}: must be at least 1")
-    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    sizes = divisors(world_size)
     shapes = []
-    for x in divisors:
-        for y in divisors:
+    for x in sizes:
+        for y in sizes:
             if (world_size // x) % y:
                 continue
-            for z in divisors:
+            for z in sizes:
                 if (world_size // (x * y)) % z:
                     continue
                 shapes.append(GridShape(data=world_size // (x * y * z), z=z, y=y, x=x))
@@ -106,10 +107,6 @@ def grid_problem(model: ModelConfig, shape: GridShape, global_batch: int) -> str
     return None
 
 
-def _divisors_descending(n: int) -> list[int]:
-    return [d for d in range(n, 0, -1) if n % d == 0]
-
-
 def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_len: int,
                   machine: Machine, precision: Precision, overlap: Overlap,
                   checkpointing: tuple[bool, ...] = (False, True),
@@ -120,7 +117,7 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
     usable = machine.usable_memory_bytes(world)
     local_batch = global_batch // (shape.data * shape.z)
     micro_options = ([local_batch // grad_accum] if grad_accum else
-                     _divisors_descending(local_batch))
+                     divisors(local_batch)[::-1])
     fitting: list[Candidate] = []
     smallest: tuple[int, int, bool, MemoryBreakdown] | None = None
     for ac in checkpointing:

@@ -50,18 +50,22 @@ import torch.distributed as dist
 
 from fourfold.config import CheckpointConfig, ConfigError
 from fourfold.data.manifest import sha256_file
-from fourfold.parallel.grid import Grid
+from fourfold.errors import EXIT_FAILED, FourfoldError
+from fourfold.errors import first_line as _one_line  # the shared helper, under its old name
+from fourfold.parallel.grid import Axis, Grid
 from fourfold.parallel.layout import Layout
 
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST_FILE = "manifest.json"
-MESH_AXES = ("data", "y", "x", "z")  # DeviceMesh dim order; see the module docstring
+MESH_AXES: tuple[Axis, ...] = ("data", "y", "x", "z")  # DeviceMesh dims; see the docstring
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _MODEL, _OPTIM, _EXTRA, _RNG = "model/", "optim/", "extra", "rng/rank"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FourfoldError, RuntimeError):
     """A checkpoint that cannot be written or read; the message is one line for the user."""
+
+    exit_code = EXIT_FAILED
 
 
 class InitFromError(ConfigError):
@@ -129,9 +133,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 
 def mesh_tensor(grid: Grid) -> torch.Tensor:
-    """Global ranks arranged as (data, y, x, z): ranks are numbered (data, z, y, x), x fastest."""
-    s = grid.shape
-    return torch.arange(s.size).reshape(s.data, s.z, s.y, s.x).permute(0, 2, 3, 1).contiguous()
+    """Global ranks arranged as the mesh's (data, y, x, z), from the grid's own rank order."""
+    return grid.shape.rank_grid(MESH_AXES)
 
 
 def placements_for(layout: Layout, ndim: int, name: str = "tensor") -> list[Any]:
@@ -678,11 +681,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _one_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
 
 
 def _os_reason(error: OSError) -> str:

@@ -1,9 +1,9 @@
-"""Training metrics: the metrics.jsonl writer, device peak FLOP/s for MFU, peak memory."""
+"""Training metrics: the metrics.jsonl writer, the job's peak FLOP/s for MFU (from the planner's
+hardware catalog), peak memory."""
 
 from __future__ import annotations
 
 import json
-import platform
 import resource
 import sys
 import time
@@ -13,32 +13,16 @@ from typing import Any, TextIO
 
 import torch
 
-from fourfold.config import cache_root, write_cache_json
-
-# Dense peak FLOP/s per device: (bfloat16, tf32, float32). Matched on a substring of
-# torch.cuda.get_device_name(); earlier entries win, so the more specific names come first.
-GPU_PEAK_FLOPS: tuple[tuple[str, tuple[float, float, float]], ...] = (
-    ("GH200", (989e12, 494.7e12, 66.9e12)),
-    ("H200", (989e12, 494.7e12, 66.9e12)),
-    ("H100 PCIe", (756e12, 378e12, 51.2e12)),
-    ("H100", (989e12, 494.7e12, 66.9e12)),  # SXM
-    ("A100", (312e12, 156e12, 19.5e12)),
-    ("MI250X", (191.5e12, 47.9e12, 47.9e12)),  # one GCD (torch sees each GCD as a device)
-    ("MI300X", (1307e12, 653.7e12, 163.4e12)),
-    ("B200", (2250e12, 1100e12, 80e12)),
-)
+from fourfold.plan.machines import DEVICES, catalog_key_for_gpu, machine_for_torch_device
 
 PROBE_SECONDS = 0.5
 
 
 def gpu_peak_flops(device_name: str, dtype: str, tf32: bool) -> float | None:
-    """Table peak for a known GPU name, or None."""
-    for key, (bf16, tf32_peak, fp32) in GPU_PEAK_FLOPS:
-        if key in device_name:
-            if dtype == "bfloat16":
-                return bf16
-            return tf32_peak if tf32 else fp32
-    return None
+    """Peak FLOP/s of a GPU by the name torch gives it, from the one hardware catalog
+    (fourfold.plan.machines.DEVICES), or None for a GPU the catalog does not know."""
+    key = catalog_key_for_gpu(device_name)
+    return None if key is None else DEVICES[key].peak_flops(dtype, tf32)
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype,
@@ -65,52 +49,19 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype,
     return best
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_peak_flops(dtype: str, refresh: bool = False) -> float:
-    """Peak FLOP/s of this CPU for `dtype`, measured once by a short matmul probe and cached
-    in cache_root()/cpu_peak.json keyed by CPU model, thread count and dtype. A probe taken
-    while the machine was busy reads low, so the cache keeps the highest figure seen, and
-    `refresh` probes again (the trainer does when its MFU would exceed 100%)."""
-    key = f"{_cpu_model()}|threads={torch.get_num_threads()}|{dtype}"
-    path = cache_root() / "cpu_peak.json"
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    known = cached.get(key) if isinstance(cached, dict) else None
-    if isinstance(known, (int, float)) and not refresh:
-        return float(known)
-    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    peak = measure_matmul_flops(torch.device("cpu"), torch_dtype)
-    if isinstance(known, (int, float)):
-        peak = max(peak, float(known))
-    cached = cached if isinstance(cached, dict) else {}
-    cached[key] = peak
-    write_cache_json(path, cached)
-    return peak
-
-
-def device_peak_flops(device: torch.device, dtype: str) -> float | None:
-    """Peak FLOP/s of one device for training in `dtype` ("float32" or "bfloat16")."""
+def job_peak_flops(device: torch.device, dtype: str, world_size: int,
+                   refresh: bool = False) -> float | None:
+    """Peak FLOP/s of a job of `world_size` ranks on `device`s, the denominator of the logged
+    MFU: the planner's `Machine.job_peak_flops` of the same catalog device (or, on a CPU, of
+    the same probe), so logged and planned MFU agree. `refresh` probes the CPU again. An
+    unknown GPU is measured; another device type gives None."""
+    tf32 = device.type == "cuda" and bool(torch.backends.cuda.matmul.allow_tf32)
+    machine = machine_for_torch_device(device, refresh)
+    if machine is not None:
+        return machine.job_peak_flops(dtype, world_size, tf32)
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        tf32 = torch.backends.cuda.matmul.allow_tf32
-        peak = gpu_peak_flops(name, dtype, tf32)
-        if peak is None:  # an unknown GPU: measure it
-            peak = measure_matmul_flops(device, torch.bfloat16 if dtype == "bfloat16"
-                                        else torch.float32)
-        return peak
-    if device.type == "cpu":
-        return cpu_peak_flops(dtype)
+        return world_size * measure_matmul_flops(
+            device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
     return None
 
 

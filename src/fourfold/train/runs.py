@@ -13,6 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from fourfold.config import Config, ConfigError, load_config
+from fourfold.files import atomic_path
 from fourfold.models.llama import Llama
 
 CONFIG_FILE = "config.toml"
@@ -32,9 +33,8 @@ def save_weights(state: Mapping[str, torch.Tensor], path: Path, tie_embeddings: 
     as embed.weight, because safetensors refuses tensors that share memory)."""
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.items()
                if not (tie_embeddings and name == "output.weight")}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "fourfold"})
-    tmp.replace(path)  # a crash mid-write never leaves a truncated model.safetensors
+    with atomic_path(path) as tmp:  # a crash mid-write never leaves a truncated file
+        save_file(tensors, str(tmp), metadata={"format": "fourfold"})
 
 
 def load_weights(model: Llama, path: Path) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import time
 import warnings
@@ -25,13 +24,12 @@ import torch.distributed as dist
 
 from fourfold.config import Config, ConfigError, validate
 from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_path
-from fourfold.launch import cores_available
+from fourfold.errors import EXIT_FAILED, FourfoldError, first_line
 from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
 from fourfold.train.checkpoint import CheckpointError, CheckpointManager, hf_model_config
 from fourfold.train.host_memory import keep_freed_host_memory
-from fourfold.train.metrics import (MetricsLog, cpu_peak_flops, device_peak_flops,
-                                    peak_memory_bytes)
+from fourfold.train.metrics import MetricsLog, job_peak_flops, peak_memory_bytes
 from fourfold.train.optim import build_optimizer, lr_at, set_lr
 from fourfold.train.progress import Progress
 from fourfold.train.resilience import (LossGuard, gather_step_times, restart_count,
@@ -49,8 +47,10 @@ MAX_GATHERED_SAMPLE_PARAMS = 2_000_000_000
 MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 3
 
 
-class TrainingError(RuntimeError):
+class TrainingError(FourfoldError, RuntimeError):
     """Training cannot go on (a NaN loss under nan_policy = "stop"); one line for the user."""
+
+    exit_code = EXIT_FAILED
 
     def __init__(self, message: str, step: int) -> None:
         super().__init__(message)
@@ -164,8 +164,9 @@ class Trainer:
         self.step = 0
         self.tokens_per_step = t.batch_size * t.seq_len
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
-        self.peak_flops = device_peak_flops(self.device, t.dtype) if self.is_main else None
-        self._peak_devices = self._devices()  # fixed for the run: world, threads, cores
+        # the whole job's peak, as the planner's MFU counts it (one hardware catalog)
+        self.peak_flops = (job_peak_flops(self.device, t.dtype, self.world_size)
+                           if self.is_main else None)
         self._peak_refreshed = False
         self.progress_choice = progress
         self.losses: list[float] = []
@@ -200,7 +201,7 @@ class Trainer:
 
     def _uncompile(self, error: BaseException) -> None:
         warnings.warn(f"torch.compile failed ({type(error).__name__}: "
-                      f"{str(error).splitlines()[0] if str(error) else ''}); training without "
+                      f"{first_line(str(error))}); training without "
                       "compile", stacklevel=2)
         for block in self._compiled:
             block._compiled_call_impl = None  # what nn.Module.compile() set
@@ -462,24 +463,16 @@ class Trainer:
         with (self.run_dir / SAMPLES_FILE).open("a") as f:
             f.write(f"--- step {self.step} ---\n{text}\n")
 
-    def _devices(self) -> float:
-        """How many times the probed peak the job can reach: one device per rank on GPUs; on
-        CPUs, ranks that share a machine share its cores (the probe ran on one rank's threads)."""
-        if self.device.type != "cpu":
-            return float(self.world_size)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        share = min(1.0, cores_available() / (local * torch.get_num_threads()))
-        return self.world_size * share
-
     def _mfu(self, tokens_per_s: float) -> float | None:
         if not self.peak_flops:
             return None
-        mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self._peak_devices)
+        mfu = self.flops_per_token * tokens_per_s / self.peak_flops
         if mfu > 1.0 and self.device.type == "cpu" and not self._peak_refreshed:
             # the cached probe was taken on a busy machine: measure again (keeps the max)
             self._peak_refreshed = True
-            self.peak_flops = cpu_peak_flops(self.cfg.train.dtype, refresh=True)
-            mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self._peak_devices)
+            self.peak_flops = job_peak_flops(self.device, self.cfg.train.dtype, self.world_size,
+                                             refresh=True) or self.peak_flops
+            mfu = self.flops_per_token * tokens_per_s / self.peak_flops
         return mfu
 
     def _log_step(self, metrics: MetricsLog | None, stats: StepStats, tokens_per_s: float,
