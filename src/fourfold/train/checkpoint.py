@@ -1,5 +1,4 @@
-"""Sharded, asynchronous, verifiable checkpoints with torch.distributed.checkpoint (DCP), and
-starting a run from a Hugging Face checkpoint.
+"""Sharded, asynchronous, verifiable checkpoints with torch.distributed.checkpoint (DCP).
 
 Layout on disk (RUN_DIR/checkpoints/):
 
@@ -48,7 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fourfold.config import CheckpointConfig, ConfigError
+from fourfold.config import CheckpointConfig
 from fourfold.data.manifest import sha256_file
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.layout import Layout
@@ -62,10 +61,6 @@ _MODEL, _OPTIM, _EXTRA, _RNG = "model/", "optim/", "extra", "rng/rank"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read; the message is one line for the user."""
-
-
-class InitFromError(ConfigError):
-    """model.init_from names something that is not a usable Hugging Face checkpoint."""
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -568,91 +563,6 @@ def load_weights_from_checkpoint(path: str | Path, model: torch.nn.Module) -> No
 
 
 # --------------------------------------------------------------------------------------------
-# Hugging Face checkpoints as a starting point
-
-
-def hf_model_config(path: str | Path) -> Any:
-    """The ModelConfig of a local Hugging Face checkpoint directory (config.json)."""
-    from fourfold.models.hf import config_from_hf
-
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        raise InitFromError(f"model.init_from = {str(path)!r}: no config.json there; expected a "
-                            "local Hugging Face checkpoint directory")
-    try:
-        return config_from_hf(json.loads(config_file.read_text()))
-    except (ValueError, KeyError) as e:
-        raise InitFromError(f"model.init_from = {str(path)!r}: config.json is not a supported "
-                            f"Llama-family config ({_one_line(e)})") from None
-
-
-def _hf_weight_files(root: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file holding it (single file or sharded index)."""
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: root / file for name, file in weight_map.items()}
-    single = root / "model.safetensors"
-    if not single.is_file():
-        raise InitFromError(f"model.init_from = {str(root)!r}: no model.safetensors or "
-                            "model.safetensors.index.json there (only safetensors are read)")
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}
-
-
-@torch.no_grad()
-def load_hf_into(pmodel: Any, path: str | Path) -> None:
-    """Fill every local shard of `pmodel` from a local Hugging Face safetensors checkpoint.
-    Each rank reads only the slices it owns (never the full model). Works for fourfold's Llama
-    (names mapped) and for HF modules parallelized directly (names as they are)."""
-    from safetensors import safe_open
-
-    from fourfold.models.hf import fourfold_to_hf_name
-
-    root = Path(path)
-    where = _hf_weight_files(root)
-    layouts = pmodel.layouts()
-    shape = pmodel.grid.shape
-    coords = shape.coords(pmodel.grid.rank)
-    handles: dict[Path, Any] = {}
-    try:
-        for name, param in pmodel.named_parameters():
-            hf_name = name if name in where else _hf_name(name, where, fourfold_to_hf_name)
-            file = where[hf_name]
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt").__enter__()
-            piece = handles[file].get_slice(hf_name)
-            full_shape = tuple(piece.get_shape())
-            layout = layouts[name]
-            local = layout.local_shape(full_shape, shape, name)
-            if local != tuple(param.shape):
-                raise InitFromError(f"model.init_from = {str(root)!r}: {hf_name} has shape "
-                                    f"{full_shape}, which does not fit {name} "
-                                    f"(local {tuple(param.shape)} on grid {shape})")
-            offsets = layout.offsets(full_shape, shape, coords)
-            block = piece[tuple(slice(o, o + n) for o, n in zip(offsets, local))]
-            param.copy_(block.to(param.dtype))
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
-
-
-def _hf_name(name: str, where: dict[str, Path], to_hf: Any) -> str:
-    try:
-        hf_name = to_hf(name)
-    except KeyError:
-        hf_name = name
-    if hf_name in where:
-        return hf_name
-    if hf_name == "lm_head.weight" and "model.embed_tokens.weight" in where:
-        return "model.embed_tokens.weight"  # tied word embeddings store one matrix
-    raise InitFromError(f"the Hugging Face checkpoint has no tensor {hf_name!r} (for {name}); "
-                        "is it a Llama-family model of the configured shape?")
-
-
-# --------------------------------------------------------------------------------------------
 # small helpers
 
 
@@ -703,8 +613,8 @@ def _dcp_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {_one_line(error)}"
 
 
-__all__ = ["CHECKPOINT_DIR", "CheckpointError", "CheckpointManager", "InitFromError",
-           "build_mesh", "checkpoint_root", "hf_model_config", "init_optimizer_state",
-           "list_checkpoints", "load_hf_into", "load_weights_from_checkpoint", "mesh_tensor",
+__all__ = ["CHECKPOINT_DIR", "CheckpointError", "CheckpointManager",
+           "build_mesh", "checkpoint_root", "init_optimizer_state",
+           "list_checkpoints", "load_weights_from_checkpoint", "mesh_tensor",
            "placements_for", "read_manifest",
            "rng_state", "set_rng_state", "step_of", "verify_checkpoint"]

@@ -28,7 +28,8 @@ from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_p
 from fourfold.launch import cores_available
 from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
-from fourfold.train.checkpoint import CheckpointError, CheckpointManager, hf_model_config
+from fourfold.models.hf import hf_model_config
+from fourfold.train.checkpoint import CheckpointError, CheckpointManager
 from fourfold.train.host_memory import keep_freed_host_memory
 from fourfold.train.metrics import (MetricsLog, cpu_peak_flops, device_peak_flops,
                                     peak_memory_bytes)
@@ -141,7 +142,7 @@ class Trainer:
         model.to(self.device)
         self.pmodel: ParallelModel = parallelize(model, self.grid, p)
         if init_from:
-            from fourfold.train.checkpoint import load_hf_into  # fine-tuning runs only
+            from fourfold.models.hf import load_hf_into  # fine-tuning runs only
 
             load_hf_into(self.pmodel, init_from)  # each rank reads just its own shards
         self._compiled: list[torch.nn.Module] = []
