@@ -175,7 +175,11 @@ class Trainer:
         self.train_seconds = 0.0
 
         self.guard = LossGuard(t.spike_threshold)
-        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint, self.grid)
+        # What a resumed run needs besides weights and optimizer state to go on exactly (the
+        # learning rate is a function of the step; the manager adds each rank's RNG states).
+        self.checkpoints = CheckpointManager(
+            self.run_dir, cfg.checkpoint, self.grid,
+            states={"trainer": self, "loader": self.loader, "guard": self.guard})
         self.resumed_from: Path | None = None
         self._rollbacks: tuple[Path | None, int] = (None, 0)  # (checkpoint, rollbacks to it)
         if cfg.checkpoint.resume:
@@ -513,7 +517,7 @@ class Trainer:
         """Checkpoint the state after the current step (collective on a grid; written in the
         background with checkpoint.async). Raises TrainingError for a failed write."""
         try:
-            self.checkpoints.save(self.step, self.pmodel, self.optimizer, self._checkpoint_extra())
+            self.checkpoints.save(self.step, self.pmodel, self.optimizer)
         except CheckpointError as e:
             raise TrainingError(str(e), self.step) from None
 
@@ -523,27 +527,26 @@ class Trainer:
         except CheckpointError as e:
             raise TrainingError(str(e), self.step) from None
 
-    def _checkpoint_extra(self) -> dict[str, Any]:
-        """Everything besides weights and optimizer a resumed run needs to go on exactly (the
-        learning rate is a function of the step; RNG states are saved by the manager)."""
-        return {"step": self.step, "loader": self.loader.state_dict(),
-                "guard": self.guard.state_dict(), "losses": list(self.losses),
-                "val_losses": list(self.val_losses), "skipped_steps": list(self.skipped_steps),
-                "train_seconds": self.train_seconds}
+    def state_dict(self) -> dict[str, Any]:
+        """The loop's own counters (a checkpoint part; see CheckpointManager)."""
+        return {"step": self.step, "losses": list(self.losses),
+                "val_losses": [list(v) for v in self.val_losses],
+                "skipped_steps": list(self.skipped_steps), "train_seconds": self.train_seconds}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.losses = [float(x) for x in state["losses"]]
+        self.val_losses = [(int(s), float(v)) for s, v in state["val_losses"]]
+        self.skipped_steps = [int(s) for s in state["skipped_steps"]]
+        self.train_seconds = float(state["train_seconds"])
 
     def _restore(self, path: Path) -> None:
-        """Load a checkpoint (from any grid) into this trainer. Collective on a grid."""
+        """Load a checkpoint (from any grid) into this trainer and its parts. Collective on a
+        grid."""
         try:
-            extra = self.checkpoints.load(path, self.pmodel, self.optimizer)
+            self.checkpoints.load(path, self.pmodel, self.optimizer)
         except CheckpointError as e:
             raise TrainingError(str(e), self.step) from None
-        self.step = int(extra["step"])
-        self.loader.load_state_dict(extra["loader"])
-        self.guard.load_state_dict(extra["guard"])
-        self.losses = list(extra["losses"])
-        self.val_losses = [tuple(v) for v in extra["val_losses"]]  # type: ignore[misc]
-        self.skipped_steps = list(extra["skipped_steps"])
-        self.train_seconds = float(extra["train_seconds"])
 
     def _record_resume(self, metrics: MetricsLog | None, progress: Progress) -> None:
         assert self.resumed_from is not None
