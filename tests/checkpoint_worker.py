@@ -24,8 +24,8 @@ import torch.distributed as dist
 from fourfold.config import CheckpointConfig, ParallelConfig, TrainConfig, model_config
 from fourfold.models import build_model
 from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
-from fourfold.train.checkpoint import (CheckpointManager, build_mesh, load_hf_into,
-                                       placements_for)
+from fourfold.models.hf import load_hf_into
+from fourfold.train.checkpoint import CheckpointManager, build_mesh, placements_for
 from fourfold.train.optim import build_optimizer
 
 STEPS = 5  # with SAVE_AT = 3 and checkpoint.every = SAVE_AT: one checkpoint
@@ -152,7 +152,7 @@ def phase_load(grid: Grid, run_dir: Path, out_dir: Path, save_dir: Path) -> dict
 
     # Hugging Face checkpoint, read slice by slice
     hf_dir = Path(os.environ["FOURFOLD_TEST_HF"])
-    from fourfold.train.checkpoint import hf_model_config
+    from fourfold.models.hf import hf_model_config
 
     hf_cfg = hf_model_config(hf_dir)
     model = build_model(hf_cfg, seed=123)

@@ -247,7 +247,7 @@ def test_compile_runs_the_parallel_linears_and_matches_eager(
                           progress=False)
         compiled = trainer.fit().losses
     assert not [w for w in caught if "torch.compile failed" in str(w.message)]
-    assert trainer._compiled, "the blocks were uncompiled"
+    assert trainer.compiler.active, "the blocks were uncompiled"
     err = capsys.readouterr().err  # a long first step is announced
     assert "train.compile: the transformer blocks compile" in err
     assert "parallel.gemm_tuning: GEMM shapes not yet in" in err

@@ -198,33 +198,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    paths = convert_to_hf(Path(args.run_dir), Path(args.out_dir))
-    for path in paths:
-        print(path)
-    return EXIT_OK
-
-
-def convert_to_hf(run_dir: Path, out_dir: Path) -> list[Path]:
-    """Write a trained run as a Hugging Face Llama checkpoint (config.json and
-    model.safetensors) that `LlamaForCausalLM.from_pretrained(out_dir)` loads."""
-    import json
-
-    from safetensors.torch import save_file
-
-    from fourfold.models.hf import config_to_hf, state_dict_to_hf
+    from fourfold.models.hf import save_hf_checkpoint
     from fourfold.train.runs import load_trained
 
-    model, cfg = load_trained(run_dir)  # a run still training: its newest complete checkpoint
-    hf_state = state_dict_to_hf(model.state_dict(), cfg.model)
-    # safetensors refuses tensors that share memory (a tied embedding), and wants them
-    # contiguous: each saved tensor gets its own copy.
-    hf_state = {name: t.detach().to("cpu").contiguous().clone() for name, t in hf_state.items()}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    weights = out_dir / "model.safetensors"
-    config = out_dir / "config.json"
-    save_file(hf_state, str(weights), metadata={"format": "pt"})
-    config.write_text(json.dumps(config_to_hf(cfg.model), indent=2) + "\n")
-    return [config, weights]
+    model, cfg = load_trained(Path(args.run_dir))  # a run still training: its newest checkpoint
+    for path in save_hf_checkpoint(model.state_dict(), cfg.model, Path(args.out_dir)):
+        print(path)
+    return EXIT_OK
 
 
 # --------------------------------------------------------------------------------------------

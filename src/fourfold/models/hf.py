@@ -1,15 +1,26 @@
 """Mapping between fourfold's Llama and Hugging Face LlamaForCausalLM (and Mistral/Qwen2-style
-checkpoints that share its layout). Both use the rotate-half RoPE layout, so weights move by
-name alone, without permutation."""
+checkpoints that share its layout), and the files on both sides: reading a local HF checkpoint
+into a (parallel) model, and writing a trained model as one. Both use the rotate-half RoPE
+layout, so weights move by name alone, without permutation."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from fourfold.config import ModelConfig
+from fourfold.config import ConfigError, ModelConfig
+
+HF_CONFIG_FILE = "config.json"
+HF_WEIGHTS_FILE = "model.safetensors"
+HF_WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+class InitFromError(ConfigError):
+    """model.init_from names something that is not a usable Hugging Face checkpoint."""
 
 # fourfold name pattern -> HF name pattern ({i} is the layer index)
 _LAYER_MAP = {
@@ -106,3 +117,116 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.bias,
         "mlp_bias": cfg.bias, "hidden_act": "silu", "torch_dtype": "float32",
     }
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a local Hugging Face checkpoint (model.init_from)
+
+
+def hf_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a local Hugging Face checkpoint directory (config.json)."""
+    config_file = Path(path) / HF_CONFIG_FILE
+    if not config_file.is_file():
+        raise InitFromError(f"model.init_from = {str(path)!r}: no config.json there; expected a "
+                            "local Hugging Face checkpoint directory")
+    try:
+        return config_from_hf(json.loads(config_file.read_text()))
+    except (ValueError, KeyError) as e:
+        raise InitFromError(f"model.init_from = {str(path)!r}: config.json is not a supported "
+                            f"Llama-family config ({_first_line(e)})") from None
+
+
+def _hf_weight_files(root: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it (single file or sharded index)."""
+    index = root / HF_WEIGHTS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: root / file for name, file in weight_map.items()}
+    single = root / HF_WEIGHTS_FILE
+    if not single.is_file():
+        raise InitFromError(f"model.init_from = {str(root)!r}: no model.safetensors or "
+                            "model.safetensors.index.json there (only safetensors are read)")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+@torch.no_grad()
+def load_hf_into(pmodel: Any, path: str | Path) -> None:
+    """Fill every local shard of `pmodel` from a local Hugging Face safetensors checkpoint.
+    Each rank reads only the slices it owns (never the full model). Works for fourfold's Llama
+    (names mapped) and for HF modules parallelized directly (names as they are).
+
+    `pmodel` is a parallel model (duck-typed: named_parameters(), layouts() of Layouts with
+    local_shape/offsets, and grid with shape and rank), so that models/ needs nothing from
+    parallel/."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    where = _hf_weight_files(root)
+    layouts = pmodel.layouts()
+    shape = pmodel.grid.shape
+    coords = shape.coords(pmodel.grid.rank)
+    handles: dict[Path, Any] = {}
+    try:
+        for name, param in pmodel.named_parameters():
+            hf_name = name if name in where else _hf_name(name, where, fourfold_to_hf_name)
+            file = where[hf_name]
+            if file not in handles:
+                handles[file] = safe_open(str(file), framework="pt").__enter__()
+            piece = handles[file].get_slice(hf_name)
+            full_shape = tuple(piece.get_shape())
+            layout = layouts[name]
+            local = layout.local_shape(full_shape, shape, name)
+            if local != tuple(param.shape):
+                raise InitFromError(f"model.init_from = {str(root)!r}: {hf_name} has shape "
+                                    f"{full_shape}, which does not fit {name} "
+                                    f"(local {tuple(param.shape)} on grid {shape})")
+            offsets = layout.offsets(full_shape, shape, coords)
+            block = piece[tuple(slice(o, o + n) for o, n in zip(offsets, local))]
+            param.copy_(block.to(param.dtype))
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+
+
+def _hf_name(name: str, where: dict[str, Path], to_hf: Any) -> str:
+    try:
+        hf_name = to_hf(name)
+    except KeyError:
+        hf_name = name
+    if hf_name in where:
+        return hf_name
+    if hf_name == "lm_head.weight" and "model.embed_tokens.weight" in where:
+        return "model.embed_tokens.weight"  # tied word embeddings store one matrix
+    raise InitFromError(f"the Hugging Face checkpoint has no tensor {hf_name!r} (for {name}); "
+                        "is it a Llama-family model of the configured shape?")
+
+# --------------------------------------------------------------------------------------------
+# Writing a Hugging Face checkpoint (fourfold convert --to hf)
+
+
+def save_hf_checkpoint(state: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                       out_dir: str | Path) -> list[Path]:
+    """Write a full fourfold state dict as a Hugging Face Llama checkpoint (config.json and
+    model.safetensors) that `LlamaForCausalLM.from_pretrained(out_dir)` loads; returns the two
+    paths."""
+    from safetensors.torch import save_file
+
+    hf_state = state_dict_to_hf(state, cfg)
+    # safetensors refuses tensors that share memory (a tied embedding), and wants them
+    # contiguous: each saved tensor gets its own copy.
+    hf_state = {name: t.detach().to("cpu").contiguous().clone() for name, t in hf_state.items()}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = out / HF_WEIGHTS_FILE
+    config = out / HF_CONFIG_FILE
+    save_file(hf_state, str(weights), metadata={"format": "pt"})
+    config.write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    return [config, weights]
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__

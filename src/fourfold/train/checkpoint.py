@@ -1,5 +1,4 @@
-"""Sharded, asynchronous, verifiable checkpoints with torch.distributed.checkpoint (DCP), and
-starting a run from a Hugging Face checkpoint.
+"""Sharded, asynchronous, verifiable checkpoints with torch.distributed.checkpoint (DCP).
 
 Layout on disk (RUN_DIR/checkpoints/):
 
@@ -32,9 +31,9 @@ keeps that order.)
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
+import pickle  # only to read DCP's index, restricted to its data classes
 import random
 import re
 import shutil
@@ -42,13 +41,13 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from fourfold.config import CheckpointConfig, ConfigError
+from fourfold.config import CheckpointConfig
 from fourfold.data.manifest import sha256_file
 from fourfold.errors import EXIT_FAILED, FourfoldError
 from fourfold.errors import first_line as _one_line  # the shared helper, under its old name
@@ -59,17 +58,15 @@ CHECKPOINT_DIR = "checkpoints"
 MANIFEST_FILE = "manifest.json"
 MESH_AXES: tuple[Axis, ...] = ("data", "y", "x", "z")  # DeviceMesh dims; see the docstring
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_MODEL, _OPTIM, _EXTRA, _RNG = "model/", "optim/", "extra", "rng/rank"
+# DCP keys: model/NAME and optim/NAME/KEY (sharded tensors); state/PART/... (a part whose
+# state is the same on every rank, saved once); rank<R>/PART/... (one per rank: RNG states).
+_MODEL, _OPTIM, _STATE, _EXTRA = "model/", "optim/", "state/", "extra"
 
 
 class CheckpointError(FourfoldError, RuntimeError):
     """A checkpoint that cannot be written or read; the message is one line for the user."""
 
     exit_code = EXIT_FAILED
-
-
-class InitFromError(ConfigError):
-    """model.init_from names something that is not a usable Hugging Face checkpoint."""
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -216,31 +213,153 @@ def _param_names(pmodel: Any) -> dict[int, str]:
     return {id(p): n for n, p in pmodel.named_parameters()}
 
 
-def rng_state() -> dict[str, Any]:
-    """Every random generator training may touch on this rank."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "numpy": np.random.get_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+class Stateful(Protocol):
+    """A part of a run that a checkpoint saves and restores: state_dict() returns JSON values
+    (dicts with str keys, lists, str, int, float, bool, None) and tensors, nested freely;
+    load_state_dict() takes what state_dict() returned (tuples come back as lists)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+class RandomState:
+    """Every random generator training may touch on this rank, as a Stateful part."""
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "python": {"version": version, "internal": list(internal), "gauss": gauss},
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
+                      "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        py = state["python"]
+        random.setstate((py["version"], tuple(py["internal"]), py["gauss"]))
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                             n["has_gauss"], n["cached"]))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _to_bytes(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
+# A part's state on disk: its JSON (tensors replaced by {_TENSOR_REF: i}) as a uint8 tensor
+# under PREFIX + "json", and tensor i under PREFIX + "tensor<i>". Nothing is pickled.
+_TENSOR_REF = "__tensor__"
+_JSON_KEY = "json"
 
 
-def _from_bytes(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+def encode_state(tree: Any, prefix: str) -> dict[str, torch.Tensor]:
+    """A Stateful part's state as flat DCP entries (tensors only) under `prefix`."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def plain(value: Any, where: str) -> Any:
+        if torch.is_tensor(value):
+            key = f"tensor{len(tensors)}"
+            tensors[prefix + key] = value.detach().to("cpu", copy=True)
+            return {_TENSOR_REF: len(tensors) - 1}
+        if isinstance(value, dict):
+            if _TENSOR_REF in value or not all(isinstance(k, str) for k in value):
+                raise CheckpointError(f"{prefix}{where}: state dict keys must be strings other "
+                                      f"than {_TENSOR_REF!r}")
+            return {k: plain(v, f"{where}.{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, np.generic):
+            return value.item()
+        if value is None or isinstance(value, (str, int, float, bool)):
+            return value
+        raise CheckpointError(f"{prefix}{where}: a {type(value).__name__} cannot be saved; "
+                              "a state dict holds tensors and JSON values only")
+
+    text = json.dumps(plain(tree, "state"))  # NaN and inf stay (a skipped step's loss is NaN)
+    tensors[prefix + _JSON_KEY] = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+    return tensors
+
+
+def decode_state(entries: dict[str, torch.Tensor], prefix: str) -> Any:
+    """What encode_state(tree, prefix) encoded, from the loaded entries."""
+    try:
+        tree = json.loads(bytes(entries[prefix + _JSON_KEY].numpy()).decode())
+    except (KeyError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{prefix}{_JSON_KEY}: unreadable saved state "
+                              f"({type(e).__name__})") from None
+
+    def restore(value: Any) -> Any:
+        if isinstance(value, dict):
+            if set(value) == {_TENSOR_REF}:
+                return entries[f"{prefix}tensor{value[_TENSOR_REF]}"]
+            return {k: restore(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [restore(v) for v in value]
+        return value
+
+    return restore(tree)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading DCP's index without running its code
+
+
+# DCP writes its .metadata index with pickle. These are the globals such an index refers to
+# (data classes, dtypes, sizes, paths); an index that names anything else is refused unread.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                     ("torch", "Size"), ("torch.serialization", "_get_layout"),
+                     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+                     ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+                     ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module in _METADATA_MODULES and not name.startswith("__"):
+            found = super().find_class(module, name)
+            if isinstance(found, type):  # a data class of the index, not a function
+                return found
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"the index names {module}.{name}, which a checkpoint "
+                                     "index never holds")
+
+
+def read_metadata(path: str | Path, name: str = ".metadata") -> Any:
+    """The DCP index (Metadata) of a checkpoint directory, read by an unpickler that builds
+    only the index's own data classes, so that a crafted file cannot run code."""
+    file = Path(path) / name
+    try:
+        with file.open("rb") as f:
+            return _MetadataUnpickler(f).load()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError,
+            TypeError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {name}: {_one_line(e)}") from None
+
+
+def _tensor_reader(path: Path) -> Any:
+    """A DCP FileSystemReader whose index is read by read_metadata (tensors themselves DCP
+    reads with torch.load(weights_only=True))."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class TensorReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            rank = kwargs.get("rank")
+            metadata = read_metadata(path, ".metadata" if rank is None else f"__{rank}.metadata")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return TensorReader(path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -251,17 +370,24 @@ class CheckpointManager:
     """Writes, finds, verifies and loads the checkpoints of one run. On a grid every rank
     constructs one (collective) and calls save/load/latest_valid at the same points.
 
-    Saved state: model parameters and optimizer state (by parameter name, as DTensors), the
-    caller's `extra` (any picklable object: step, scheduler, data loader, counters), and each
-    rank's RNG states (restored by load()).
+    Saved state: model parameters and optimizer state (by parameter name, as DTensors); each
+    part in `states` (name -> Stateful, the same state on every rank: trainer counters, data
+    loader, loss guard), collected at save() and restored by load(); the caller's `extra`
+    (JSON values and tensors); and each rank's RNG states. Everything is tensors plus JSON:
+    loading never unpickles anything from the checkpoint's data.
     """
 
-    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, grid: Grid) -> None:
+    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, grid: Grid,
+                 states: Mapping[str, Stateful] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.root = checkpoint_root(run_dir)
         self.cfg = cfg
         self.grid = grid
         self.rank = grid.rank
+        self.states: dict[str, Stateful] = dict(states or {})
+        if _EXTRA in self.states:
+            raise ValueError(f"{_EXTRA!r} is reserved for save()'s extra; name the part otherwise")
+        self.rank_states: dict[str, Stateful] = {"rng": RandomState()}
         self.distributed = grid.world_size > 1 and dist.is_initialized()
         # A group of its own: the writer thread's collectives never meet training traffic.
         self.group = dist.new_group(backend="gloo") if self.distributed else None
@@ -319,30 +445,38 @@ class CheckpointManager:
 
     def _snapshot(self, pmodel: Any, optimizer: torch.optim.Optimizer | None,
                   extra: Any) -> dict[str, Any]:
-        """Everything to save, on CPU, as DCP's flat state dict: a copy for an asynchronous
-        save (training goes on changing the tensors), the tensors themselves for a synchronous
-        save of CPU tensors."""
+        """Everything to save, on CPU, as DCP's flat state dict of tensors: a copy for an
+        asynchronous save (training goes on changing the tensors), the tensors themselves for
+        a synchronous save of CPU tensors. The parts' states are taken here, on the calling
+        thread."""
         copy = self.cfg.async_save
 
         def to_cpu(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to("cpu", copy=copy)
 
-        state = self._tensor_state(pmodel, optimizer, to_cpu)
-        state[_EXTRA] = _to_bytes(extra)
-        state[f"{_RNG}{self.rank}"] = _to_bytes(rng_state())
+        state, _ = self._tensor_state(pmodel, optimizer, to_cpu)
+        state.update(encode_state(extra, f"{_STATE}{_EXTRA}/"))
+        for name, part in self.states.items():
+            state.update(encode_state(part.state_dict(), f"{_STATE}{name}/"))
+        for name, part in self.rank_states.items():
+            state.update(encode_state(part.state_dict(), f"rank{self.rank}/{name}/"))
         return state
 
     def _tensor_state(self, pmodel: Any, optimizer: torch.optim.Optimizer | None,
-                      prepare: Any) -> dict[str, Any]:
+                      prepare: Any) -> tuple[dict[str, Any], set[str]]:
+        """Model and optimizer tensors by DCP key, and the keys of non-tensor optimizer values
+        (none in torch's AdamW), which are stored as JSON (load() sizes them from the
+        checkpoint's metadata)."""
         layouts = pmodel.layouts()
         state: dict[str, Any] = {}
+        json_keys: set[str] = set()
         full_shapes: dict[str, tuple[int, ...]] = {}
         for name, p in pmodel.named_parameters():
             full_shapes[name] = _full_shape(p, layouts[name], self.grid)
             state[_MODEL + name] = _wrap(prepare(p), layouts[name], full_shapes[name], self.mesh,
                                          name)
         if optimizer is None:
-            return state
+            return state, json_keys
         names = _param_names(pmodel)
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -350,14 +484,16 @@ class CheckpointManager:
                     continue
                 name = names[id(p)]
                 for key, value in optimizer.state[p].items():
+                    where = f"{_OPTIM}{name}/{key}"
                     if not torch.is_tensor(value):
-                        state[f"{_OPTIM}{name}/{key}"] = _to_bytes(value)
+                        state[where] = encode_state(value, where + "/")[where + "/" + _JSON_KEY]
+                        json_keys.add(where)
                     elif value.shape == p.shape and value.dim() > 0:  # shaped like the shard
-                        state[f"{_OPTIM}{name}/{key}"] = _wrap(prepare(value), layouts[name],
-                                                               full_shapes[name], self.mesh, name)
+                        state[where] = _wrap(prepare(value), layouts[name], full_shapes[name],
+                                             self.mesh, name)
                     else:  # a scalar such as AdamW's step: the same on every rank
-                        state[f"{_OPTIM}{name}/{key}"] = prepare(value)
-        return state
+                        state[where] = prepare(value)
+        return state, json_keys
 
     def _write(self, step: int, snapshot: dict[str, Any]) -> Path:
         """Write a snapshot on every rank and publish it; returns the final directory."""
@@ -508,18 +644,23 @@ class CheckpointManager:
     def load(self, path: str | Path, pmodel: Any, optimizer: torch.optim.Optimizer | None,
              restore_rng: bool = True) -> Any:
         """Load a checkpoint (written on any grid) into this rank's shards of the model and
-        optimizer (None: weights only), restore this rank's RNG states, and return the saved
-        `extra`."""
+        optimizer (None: weights only) and into every part in `states`, restore this rank's RNG states, and return the saved `extra`.
+
+        Only tensors are read: a checkpoint that holds pickled objects (one from an older
+        fourfold, or one made to run code when opened) is refused with a CheckpointError."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.wait()
         path = Path(path)
-        try:
-            metadata = dcp.FileSystemReader(path).read_metadata()
-        except Exception as e:
-            raise CheckpointError(f"cannot read checkpoint {path}: {_one_line(e)}") from None
-        saved_keys = set(metadata.state_dict_metadata)
+        metadata = read_metadata(path)
+        saved = metadata.state_dict_metadata
+        pickled = sorted(k for k, v in saved.items() if not isinstance(v, TensorStorageMetadata))
+        if pickled:
+            raise CheckpointError(f"checkpoint {path} holds pickled objects ({pickled[0]}"
+                                  f"{' ...' if len(pickled) > 1 else ''}); fourfold reads only "
+                                  "tensors and JSON and does not unpickle them")
         if optimizer is not None:
             init_optimizer_state(optimizer)
 
@@ -527,34 +668,50 @@ class CheckpointManager:
             return t.detach()  # DCP copies into the very storage of the parameter / state
 
         with torch.no_grad():
-            state = self._tensor_state(pmodel, optimizer, same)
-        missing = sorted(k for k in state if k not in saved_keys)
+            state, json_values = self._tensor_state(pmodel, optimizer, same)
+        missing = sorted(k for k in state if k not in saved)
         if missing:
             raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: it lacks "
                                   f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
-        rng_key = f"{_RNG}{self.rank}" if f"{_RNG}{self.rank}" in saved_keys else f"{_RNG}0"
-        state[_EXTRA] = b""
-        if restore_rng and rng_key in saved_keys:
-            state[rng_key] = b""
+        # Which parts to read: the extra and the shared parts, and this rank's own states (a
+        # checkpoint from fewer ranks: rank 0's). Their sizes come from the metadata.
+        rank_prefix = f"rank{self.rank}/"
+        if not any(k.startswith(rank_prefix) for k in saved):
+            rank_prefix = "rank0/"
+        prefixes = [f"{_STATE}{_EXTRA}/"] + [f"{_STATE}{name}/" for name in self.states]
+        if restore_rng:
+            prefixes += [f"{rank_prefix}{name}/" for name in self.rank_states]
+        for prefix in prefixes:
+            if prefix + _JSON_KEY not in saved:
+                raise CheckpointError(f"checkpoint {path} has no saved state {prefix[:-1]!r}; "
+                                      "was it written by this version of fourfold?")
+        wanted = [k for k in saved if any(k.startswith(p) for p in prefixes)] + sorted(json_values)
+        for key in wanted:
+            meta = saved[key]
+            state[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         try:
             with torch.no_grad(), _quiet_single_process():
-                dcp.load(state, storage_reader=dcp.FileSystemReader(path),
+                dcp.load(state, storage_reader=_tensor_reader(path),
                          process_group=self.group, no_dist=not self.distributed)
         except (Exception, CheckpointException) as e:
             raise CheckpointError(f"cannot load checkpoint {path}: {_dcp_reason(e)}") from None
-        for key, value in state.items():
-            if key.startswith(_OPTIM) and isinstance(value, bytes):  # non-tensor state values
-                name, field = key[len(_OPTIM):].rsplit("/", 1)
-                self._set_optimizer_value(pmodel, optimizer, name, field, _from_bytes(value))
-        if rng_key in state:
-            set_rng_state(_from_bytes(state[rng_key]))
-        return _from_bytes(state[_EXTRA])
-
-    @staticmethod
-    def _set_optimizer_value(pmodel: Any, optimizer: Any, name: str, field: str,
-                             value: Any) -> None:
         params = dict(pmodel.named_parameters())
-        optimizer.state[params[name]][field] = value
+        for key in json_values:
+            name, field = key[len(_OPTIM):].rsplit("/", 1)
+            value = decode_state({key + "/" + _JSON_KEY: state[key]}, key + "/")
+            optimizer.state[params[name]][field] = value  # type: ignore[union-attr]
+        for prefix in prefixes[1:]:
+            name = prefix[:-1].split("/", 1)[1]
+            part = self.states.get(name) if prefix.startswith(_STATE) else self.rank_states[name]
+            assert part is not None
+            try:
+                part.load_state_dict(decode_state(state, prefix))
+            except CheckpointError:
+                raise
+            except Exception as e:  # a part's own check of what it is given
+                raise CheckpointError(f"checkpoint {path}: cannot restore {name!r}: "
+                                      f"{type(e).__name__}: {_one_line(e)}") from None
+        return decode_state(state, f"{_STATE}{_EXTRA}/")
 
 
 def load_weights_from_checkpoint(path: str | Path, model: torch.nn.Module) -> None:
@@ -568,91 +725,6 @@ def load_weights_from_checkpoint(path: str | Path, model: torch.nn.Module) -> No
     # without GEMM tuning a one-process grid leaves the model's modules as they are
     pmodel = parallelize(model, grid, ParallelConfig(gemm_tuning=False))
     manager.load(path, pmodel, None, restore_rng=False)
-
-
-# --------------------------------------------------------------------------------------------
-# Hugging Face checkpoints as a starting point
-
-
-def hf_model_config(path: str | Path) -> Any:
-    """The ModelConfig of a local Hugging Face checkpoint directory (config.json)."""
-    from fourfold.models.hf import config_from_hf
-
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        raise InitFromError(f"model.init_from = {str(path)!r}: no config.json there; expected a "
-                            "local Hugging Face checkpoint directory")
-    try:
-        return config_from_hf(json.loads(config_file.read_text()))
-    except (ValueError, KeyError) as e:
-        raise InitFromError(f"model.init_from = {str(path)!r}: config.json is not a supported "
-                            f"Llama-family config ({_one_line(e)})") from None
-
-
-def _hf_weight_files(root: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file holding it (single file or sharded index)."""
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: root / file for name, file in weight_map.items()}
-    single = root / "model.safetensors"
-    if not single.is_file():
-        raise InitFromError(f"model.init_from = {str(root)!r}: no model.safetensors or "
-                            "model.safetensors.index.json there (only safetensors are read)")
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}
-
-
-@torch.no_grad()
-def load_hf_into(pmodel: Any, path: str | Path) -> None:
-    """Fill every local shard of `pmodel` from a local Hugging Face safetensors checkpoint.
-    Each rank reads only the slices it owns (never the full model). Works for fourfold's Llama
-    (names mapped) and for HF modules parallelized directly (names as they are)."""
-    from safetensors import safe_open
-
-    from fourfold.models.hf import fourfold_to_hf_name
-
-    root = Path(path)
-    where = _hf_weight_files(root)
-    layouts = pmodel.layouts()
-    shape = pmodel.grid.shape
-    coords = shape.coords(pmodel.grid.rank)
-    handles: dict[Path, Any] = {}
-    try:
-        for name, param in pmodel.named_parameters():
-            hf_name = name if name in where else _hf_name(name, where, fourfold_to_hf_name)
-            file = where[hf_name]
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt").__enter__()
-            piece = handles[file].get_slice(hf_name)
-            full_shape = tuple(piece.get_shape())
-            layout = layouts[name]
-            local = layout.local_shape(full_shape, shape, name)
-            if local != tuple(param.shape):
-                raise InitFromError(f"model.init_from = {str(root)!r}: {hf_name} has shape "
-                                    f"{full_shape}, which does not fit {name} "
-                                    f"(local {tuple(param.shape)} on grid {shape})")
-            offsets = layout.offsets(full_shape, shape, coords)
-            block = piece[tuple(slice(o, o + n) for o, n in zip(offsets, local))]
-            param.copy_(block.to(param.dtype))
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
-
-
-def _hf_name(name: str, where: dict[str, Path], to_hf: Any) -> str:
-    try:
-        hf_name = to_hf(name)
-    except KeyError:
-        hf_name = name
-    if hf_name in where:
-        return hf_name
-    if hf_name == "lm_head.weight" and "model.embed_tokens.weight" in where:
-        return "model.embed_tokens.weight"  # tied word embeddings store one matrix
-    raise InitFromError(f"the Hugging Face checkpoint has no tensor {hf_name!r} (for {name}); "
-                        "is it a Llama-family model of the configured shape?")
 
 
 # --------------------------------------------------------------------------------------------
@@ -693,16 +765,32 @@ def _dcp_reason(error: BaseException) -> str:
     if isinstance(failures, dict) and failures:
         rank, cause = sorted(failures.items())[0]
         inner = cause[0] if isinstance(cause, tuple) else cause
+        inner = _os_error_within(inner) or inner
         if isinstance(inner, OSError):
             return f"rank {rank}: {_os_reason(inner)}"
         return f"rank {rank}: {type(inner).__name__}: {_one_line(inner)}"
-    if isinstance(error, OSError):
-        return _os_reason(error)
+    os_error = _os_error_within(error)
+    if os_error is not None:
+        return _os_reason(os_error)
     return f"{type(error).__name__}: {_one_line(error)}"
 
 
-__all__ = ["CHECKPOINT_DIR", "CheckpointError", "CheckpointManager", "InitFromError",
-           "build_mesh", "checkpoint_root", "hf_model_config", "init_optimizer_state",
-           "list_checkpoints", "load_hf_into", "load_weights_from_checkpoint", "mesh_tensor",
+def _os_error_within(error: BaseException) -> OSError | None:
+    """The OSError behind an error, if any: torch.save's writer turns a failed write (a full
+    disk) into a RuntimeError about stream positions and keeps the OSError as its context."""
+    seen: BaseException | None = error
+    for _ in range(8):  # a short chain; never loop on a cycle
+        if seen is None:
+            return None
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+__all__ = ["CHECKPOINT_DIR", "CheckpointError", "CheckpointManager",
+           "build_mesh", "checkpoint_root", "init_optimizer_state",
+           "list_checkpoints", "load_weights_from_checkpoint", "mesh_tensor",
            "placements_for", "read_manifest",
-           "rng_state", "set_rng_state", "step_of", "verify_checkpoint"]
+           "RandomState", "Stateful", "decode_state", "encode_state", "read_metadata",
+           "step_of", "verify_checkpoint"]

@@ -1,39 +1,35 @@
 """The training loop: one code path from one CPU process to a 4D grid of GPUs.
 
-    cfg -> init_distributed -> Grid -> build_model -> parallelize -> Trainer.fit()
+    cfg -> build_run (train/build.py: grid, model, parallelize, optimizer, loaders) -> Run
+        -> Trainer.from_run(run).fit()          (Trainer(cfg, run_dir) does both)
 
 Every step fetches the whole step's batch for this rank, splits it into train.grad_accum
 micro-batches, and normalizes the loss by the number of counted tokens in the whole job's step
-(see parallel_api: exact against a single process for every grid shape and accumulation).
+(exact against a single process for every grid shape and accumulation).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import sys
 import time
-import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from fourfold.config import Config, ConfigError, validate
-from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_path
-from fourfold.errors import EXIT_FAILED, FourfoldError, first_line
-from fourfold.models.llama import Llama, build_model, flops_per_token
-from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
-from fourfold.train.checkpoint import CheckpointError, CheckpointManager, hf_model_config
-from fourfold.train.host_memory import keep_freed_host_memory
+from fourfold.config import Config
+from fourfold.data import Tokenizer
+from fourfold.errors import EXIT_FAILED, FourfoldError
+from fourfold.models.llama import Llama, flops_per_token
+from fourfold.parallel import Grid, ParallelModel
+from fourfold.train.build import Run, build_run
+from fourfold.train.checkpoint import CheckpointError, CheckpointManager
 from fourfold.train.metrics import MetricsLog, job_peak_flops, peak_memory_bytes
-from fourfold.train.optim import build_optimizer, lr_at, set_lr
+from fourfold.train.optim import lr_at, set_lr
 from fourfold.train.progress import Progress
-from fourfold.train.resilience import (LossGuard, gather_step_times, restart_count,
-                                       resume_record, straggler_report)
+from fourfold.train.resilience import (gather_step_times, restart_count, resume_record,
+                                       straggler_report)
 from fourfold.train.runs import (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, WEIGHTS_FILE,
                                  save_weights, write_summary)
 from fourfold.train.sampling import generate
@@ -83,87 +79,47 @@ class TrainResult:
 
 
 class Trainer:
-    """Builds everything a run needs from a Config and trains it.
+    """Trains the parts of a Run: steps, validation, logging, samples, checkpoints, recovery.
 
-    Usable alone from Python: `Trainer(cfg, run_dir).fit()`, or with a model built elsewhere
-    (`model=`, a fourfold Llama whose config matches cfg.model). On a grid, every rank constructs
-    a Trainer and calls the same methods in the same order (several of them are collective).
+    Usable alone from Python: `Trainer(cfg, run_dir).fit()` builds the run first (build_run),
+    also with a model built elsewhere (`model=`, a fourfold Llama whose config matches
+    cfg.model); `Trainer.from_run(build_run(cfg, run_dir))` takes parts built already. On a
+    grid, every rank constructs a Trainer and calls the same methods in the same order
+    (several of them are collective).
     """
 
     def __init__(self, cfg: Config, run_dir: str | Path, *, model: Llama | None = None,
                  progress: bool | None = None) -> None:
-        validate(cfg)
-        self.cfg = cfg
-        self.run_dir = Path(run_dir)
-        t, p = cfg.train, cfg.parallel
+        self._adopt(build_run(cfg, run_dir, model=model), progress)
 
-        self.rank, self.world_size, dist_device = init_distributed(p.backend, p.timeout_s,
-                                                                   device=t.device)
-        self.device = _choose_device(t.device, dist_device, self.world_size)
-        if self.device.type == "cpu":
-            keep_freed_host_memory()  # no fresh zero-filled pages every step
-        if p.auto:
-            shape = _planned_grid(cfg, self.world_size, self.rank)
-            p.x, p.y, p.z, p.data = shape.x, shape.y, shape.z, shape.data
-        shape = GridShape.resolve(p.x, p.y, p.z, p.data, self.world_size)
-        self.grid: Grid = Grid.build(shape, self.device, timeout_s=p.timeout_s)
+    @classmethod
+    def from_run(cls, run: Run, *, progress: bool | None = None) -> Trainer:
+        """A trainer over parts already built (resumes from run_dir's latest checkpoint when
+        checkpoint.resume is on; collective on a grid)."""
+        trainer = cls.__new__(cls)
+        trainer._adopt(run, progress)
+        return trainer
+
+    def _adopt(self, run: Run, progress: bool | None) -> None:
+        self.run = run
+        self.cfg = run.cfg  # resolved (see build_run); written as RUN_DIR/config.toml
+        self.run_dir = run.run_dir
+        self.rank, self.world_size, self.device = run.rank, run.world_size, run.device
+        self.grid: Grid = run.grid
         self.is_main = self.rank == 0
-        shard_index, shard_count = self.grid.batch_shard
-        if t.batch_size % (t.grad_accum * shard_count):
-            raise ConfigError(
-                f"train.batch_size = {t.batch_size} does not split into train.grad_accum = "
-                f"{t.grad_accum} micro-steps over data*z = {shard_count} batch shards; use a "
-                f"multiple of {t.grad_accum * shard_count}")
-        torch.manual_seed(t.seed)
-
-        if model is None and cfg.model.init_from and \
-                (Path(cfg.model.init_from) / "config.json").is_file():
-            # The architecture is the checkpoint's config.json (without one, cfg.model's);
-            # the path stays in the config.
-            cfg.model = dataclasses.replace(hf_model_config(cfg.model.init_from),
-                                            init_from=cfg.model.init_from)
-        self.data_dir = resolve_data_path(cfg.data.path, cfg.data.tokenizer)
-        self.tokenizer: Tokenizer = load_tokenizer(self.data_dir)
-        if cfg.model.vocab_size < self.tokenizer.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size = {cfg.model.vocab_size} is smaller than the tokenizer's "
-                f"{self.tokenizer.vocab_size} tokens ({self.data_dir}); set model.vocab_size to "
-                f"at least {self.tokenizer.vocab_size}")
-
-        init_from = cfg.model.init_from if model is None else ""
-        if model is None:
-            model = build_model(cfg.model, seed=t.seed)
-        elif model.cfg != cfg.model:
-            raise ConfigError("the model passed to Trainer does not match cfg.model; build it "
-                              "with build_model(cfg.model)")
-        # Set before parallelize, which converts the layers in place and keeps the flag.
-        model.activation_checkpointing = t.activation_checkpointing
-        model.to(self.device)
-        self.pmodel: ParallelModel = parallelize(model, self.grid, p)
-        if init_from:
-            from fourfold.train.checkpoint import load_hf_into  # fine-tuning runs only
-
-            load_hf_into(self.pmodel, init_from)  # each rank reads just its own shards
-        self._compiled: list[torch.nn.Module] = []
-        self._compile_verified = not t.compile
-        if t.compile:
-            self._compile()
-        self.optimizer = build_optimizer(self.pmodel.named_parameters(), t,
-                                         tied_output=cfg.model.tie_embeddings)
-
-        # The loader hands out whole steps; micro-batches are slices of them, so the data a
-        # step sees does not depend on grad_accum.
-        self.loader = BatchLoader(self.data_dir, "train", t.batch_size, t.seq_len, t.seed,
-                                  shard_index=shard_index, num_shards=shard_count)
-        # Validation batches are whole steps too (evaluated in micro-batch slices), so the
-        # validation set depends neither on grad_accum nor on the grid.
-        self.val_loader = BatchLoader(self.data_dir, "val", t.batch_size, t.seq_len, t.seed,
-                                      shard_index=shard_index, num_shards=shard_count)
+        self.data_dir = run.data_dir
+        self.tokenizer: Tokenizer = run.tokenizer
+        self.pmodel: ParallelModel = run.pmodel
+        self.compiler = run.compiler
+        self.optimizer = run.optimizer
+        self.loader, self.val_loader = run.loader, run.val_loader
+        self.guard = run.guard
+        t = self.cfg.train
         self._val_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
         self.step = 0
         self.tokens_per_step = t.batch_size * t.seq_len
-        self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
+        self.flops_per_token = flops_per_token(self.cfg.model, t.seq_len)
         # the whole job's peak, as the planner's MFU counts it (one hardware catalog)
         self.peak_flops = (job_peak_flops(self.device, t.dtype, self.world_size)
                            if self.is_main else None)
@@ -174,11 +130,14 @@ class Trainer:
         self.skipped_steps: list[int] = []
         self.train_seconds = 0.0
 
-        self.guard = LossGuard(t.spike_threshold)
-        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint, self.grid)
+        # What a resumed run needs besides weights and optimizer state to go on exactly (the
+        # learning rate is a function of the step; the manager adds each rank's RNG states).
+        self.checkpoints = CheckpointManager(
+            self.run_dir, self.cfg.checkpoint, self.grid,
+            states={"trainer": self, "loader": self.loader, "guard": self.guard})
         self.resumed_from: Path | None = None
         self._rollbacks: tuple[Path | None, int] = (None, 0)  # (checkpoint, rollbacks to it)
-        if cfg.checkpoint.resume:
+        if self.cfg.checkpoint.resume:
             path = self.checkpoints.latest_valid()  # collective on a grid
             if path is not None:
                 self._restore(path)
@@ -189,36 +148,6 @@ class Trainer:
     def _autocast(self) -> torch.autocast:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16,
                               enabled=self.cfg.train.dtype == "bfloat16")
-
-    def _compile(self) -> None:
-        """Compile each transformer block in place (the engine's hooks stay outside the
-        compiled regions); the whole module when it has no `layers`."""
-        module = self.pmodel.module
-        targets = list(getattr(module, "layers", [])) or [module]
-        for block in targets:
-            block.compile()
-        self._compiled = targets
-
-    def _uncompile(self, error: BaseException) -> None:
-        warnings.warn(f"torch.compile failed ({type(error).__name__}: "
-                      f"{first_line(str(error))}); training without "
-                      "compile", stacklevel=2)
-        for block in self._compiled:
-            block._compiled_call_impl = None  # what nn.Module.compile() set
-        self._compiled = []
-
-    @contextmanager
-    def _eager(self) -> Iterator[None]:
-        """Run the compiled blocks uncompiled for a while: token-by-token decoding with a
-        growing cache would recompile them for every new length."""
-        saved = [(block, block._compiled_call_impl) for block in self._compiled]
-        for block, _ in saved:
-            block._compiled_call_impl = None
-        try:
-            yield
-        finally:
-            for block, impl in saved:
-                block._compiled_call_impl = impl
 
     def _loss_mask(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         t = self.cfg.train
@@ -238,20 +167,15 @@ class Trainer:
 
     def train_step(self) -> StepStats:
         """One optimizer step (train.grad_accum micro-steps). Collective on a grid."""
-        if self._compile_verified:
+        if not self.compiler.pending:
             return self._train_step()
         loader_state = self.loader.state_dict()
-        try:
-            stats = self._train_step()
-        except TrainingError:
-            raise
-        except Exception as e:  # compile errors surface at the first call, not at compile()
-            self._uncompile(e)
+
+        def undo() -> None:  # what a first step that failed to compile changed
             self.optimizer.zero_grad(set_to_none=True)
             self.loader.load_state_dict(loader_state)
-            stats = self._train_step()
-        self._compile_verified = True
-        return stats
+
+        return self.compiler.first_step(self._train_step, undo, passthrough=(TrainingError,))
 
     def _train_step(self) -> StepStats:
         t = self.cfg.train
@@ -268,6 +192,20 @@ class Trainer:
         local_count = torch.stack([m.sum() for m in masks]).sum()
         global_count = self.pmodel.reduce_over_batch(local_count).clamp(min=1.0)
 
+        loss_value, grad_norm, what = self._update(step, micro, masks, global_count)
+        self.step = step
+        return StepStats(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm,
+                         skipped=what is not None, seconds=time.perf_counter() - start,
+                         token_fraction=float(global_count) / self.tokens_per_step,
+                         reason=what or "")
+
+    def _update(self, step: int, micro: list[tuple[torch.Tensor, torch.Tensor]],
+                masks: list[torch.Tensor], global_count: torch.Tensor
+                ) -> tuple[float, float, str | None]:
+        """Forward and backward over the micro-batches, then the update: the one place where
+        gradients are made and the optimizer steps. Returns the step's loss and gradient norm
+        (reduced over the grid) and why the update was skipped (None when it was applied)."""
+        t = self.cfg.train
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         for i, ((x, y), mask) in enumerate(zip(micro, masks)):
@@ -293,11 +231,7 @@ class Trainer:
         else:
             self.optimizer.step()
             self.guard.accept(loss_value)
-        self.step = step
-        return StepStats(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm,
-                         skipped=what is not None, seconds=time.perf_counter() - start,
-                         token_fraction=float(global_count) / self.tokens_per_step,
-                         reason=what or "")
+        return loss_value, grad_norm, what
 
     # ---- evaluation and samples -----------------------------------------------------------
 
@@ -331,7 +265,7 @@ class Trainer:
     def sample_text(self, model: Llama) -> str:
         """A continuation of a validation-text prompt by `model` (a whole, local model)."""
         prompt = self._sample_prompt()
-        with self._autocast(), self._eager():
+        with self._autocast(), self.compiler.eager():
             new = generate(model, prompt, self.cfg.train.sample_tokens,
                            temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K,
                            seed=self.cfg.train.seed, vocab_size=self.tokenizer.vocab_size)
@@ -372,7 +306,7 @@ class Trainer:
         try:
             if self.is_main:
                 progress.message(self._describe())
-            if not self._compile_verified:  # both make the first step long
+            if self.compiler.pending:  # both make the first step long
                 progress.message("train.compile: the transformer blocks compile at their "
                                  "first use")
             tuner = self.pmodel.engine.tuner if self.pmodel.engine is not None else None
@@ -505,7 +439,7 @@ class Trainer:
         """Checkpoint the state after the current step (collective on a grid; written in the
         background with checkpoint.async). Raises TrainingError for a failed write."""
         try:
-            self.checkpoints.save(self.step, self.pmodel, self.optimizer, self._checkpoint_extra())
+            self.checkpoints.save(self.step, self.pmodel, self.optimizer)
         except CheckpointError as e:
             raise TrainingError(str(e), self.step) from None
 
@@ -515,27 +449,26 @@ class Trainer:
         except CheckpointError as e:
             raise TrainingError(str(e), self.step) from None
 
-    def _checkpoint_extra(self) -> dict[str, Any]:
-        """Everything besides weights and optimizer a resumed run needs to go on exactly (the
-        learning rate is a function of the step; RNG states are saved by the manager)."""
-        return {"step": self.step, "loader": self.loader.state_dict(),
-                "guard": self.guard.state_dict(), "losses": list(self.losses),
-                "val_losses": list(self.val_losses), "skipped_steps": list(self.skipped_steps),
-                "train_seconds": self.train_seconds}
+    def state_dict(self) -> dict[str, Any]:
+        """The loop's own counters (a checkpoint part; see CheckpointManager)."""
+        return {"step": self.step, "losses": list(self.losses),
+                "val_losses": [list(v) for v in self.val_losses],
+                "skipped_steps": list(self.skipped_steps), "train_seconds": self.train_seconds}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.losses = [float(x) for x in state["losses"]]
+        self.val_losses = [(int(s), float(v)) for s, v in state["val_losses"]]
+        self.skipped_steps = [int(s) for s in state["skipped_steps"]]
+        self.train_seconds = float(state["train_seconds"])
 
     def _restore(self, path: Path) -> None:
-        """Load a checkpoint (from any grid) into this trainer. Collective on a grid."""
+        """Load a checkpoint (from any grid) into this trainer and its parts. Collective on a
+        grid."""
         try:
-            extra = self.checkpoints.load(path, self.pmodel, self.optimizer)
+            self.checkpoints.load(path, self.pmodel, self.optimizer)
         except CheckpointError as e:
             raise TrainingError(str(e), self.step) from None
-        self.step = int(extra["step"])
-        self.loader.load_state_dict(extra["loader"])
-        self.guard.load_state_dict(extra["guard"])
-        self.losses = list(extra["losses"])
-        self.val_losses = [tuple(v) for v in extra["val_losses"]]  # type: ignore[misc]
-        self.skipped_steps = list(extra["skipped_steps"])
-        self.train_seconds = float(extra["train_seconds"])
 
     def _record_resume(self, metrics: MetricsLog | None, progress: Progress) -> None:
         assert self.resumed_from is not None
@@ -620,17 +553,6 @@ def count_parameters(cfg: Config) -> int:
     return model.num_params()
 
 
-def _choose_device(requested: str, dist_device: torch.device, world_size: int) -> torch.device:
-    if world_size > 1:
-        return dist_device  # init_distributed picked it with the backend
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device = \"cuda\" but no CUDA device is available; use "
-                              "\"cpu\" or \"auto\"")
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
 def train(cfg: Config, run_dir: Path, *, progress: bool | None = None) -> TrainResult:
     """Train the model described by cfg, writing config.toml, metrics.jsonl,
     model.safetensors and summary.json into run_dir. On a grid every rank calls this.
@@ -642,24 +564,6 @@ def train(cfg: Config, run_dir: Path, *, progress: bool | None = None) -> TrainR
     return Trainer(cfg, run_dir, progress=progress).fit()
 
 
-__all__ = ["StepStats", "TrainResult", "Trainer", "TrainingError", "count_parameters", "train"]
+__all__ = ["Run", "StepStats", "TrainResult", "Trainer", "TrainingError", "build_run",
+           "count_parameters", "train"]
 
-
-def _planned_grid(cfg: Config, world_size: int, rank: int) -> GridShape:
-    """parallel.auto: rank 0 asks the planner for the fastest grid that fits and tells the
-    others (each rank's own CPU probe could differ, and all ranks must build the same grid)."""
-    choice: list[object] = [None]
-    if rank == 0:
-        from fourfold.plan import choose_grid  # the planner never imports the trainer
-
-        t = cfg.train
-        shape, why = choose_grid(cfg.model, world_size, cfg.parallel.machine, t.batch_size,
-                                 t.seq_len, dtype=t.dtype,
-                                 activation_checkpointing=t.activation_checkpointing,
-                                 grad_accum=t.grad_accum)
-        print(f"parallel.auto chose grid {shape}: {why}", file=sys.stderr, flush=True)
-        choice[0] = (shape.data, shape.z, shape.y, shape.x)
-    if world_size > 1:
-        dist.broadcast_object_list(choice, src=0)
-    data, z, y, x = choice[0]  # type: ignore[misc]
-    return GridShape(data=data, z=z, y=y, x=x)

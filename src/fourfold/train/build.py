@@ -1,0 +1,157 @@
+"""Building a training run from a Config: everything the loop needs, and the config resolved.
+
+    cfg -> the model of an HF config.json (model.init_from) -> init_distributed -> device
+        -> Grid (the planner's, with parallel.auto) -> tokenizer -> model -> parallelize
+        -> HF weights -> compile -> optimizer -> data loaders, loss guard
+
+The caller's Config is never changed: what the build decides (the planner's grid, the model of
+an HF checkpoint) goes into a copy, Run.cfg, which is what the run records as its config.toml.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fourfold.config import Config, ConfigError, validate
+from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_path
+from fourfold.models.hf import HF_CONFIG_FILE, hf_model_config
+from fourfold.models.llama import Llama, build_model
+from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
+from fourfold.train.compile import BlockCompiler
+from fourfold.train.host_memory import keep_freed_host_memory
+from fourfold.train.optim import build_optimizer
+from fourfold.train.resilience import LossGuard
+
+
+@dataclass
+class Run:
+    """The parts of one training run on this rank, as build_run made them."""
+
+    cfg: Config  # resolved: a copy of the caller's config with the build's decisions in it
+    run_dir: Path
+    rank: int
+    world_size: int
+    device: torch.device
+    grid: Grid
+    data_dir: Path
+    tokenizer: Tokenizer
+    pmodel: ParallelModel
+    compiler: BlockCompiler
+    optimizer: torch.optim.Optimizer
+    loader: BatchLoader  # whole steps; the trainer slices them into micro-batches
+    val_loader: BatchLoader
+    guard: LossGuard
+
+
+def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -> Run:
+    """Set up distribution, the device, the grid, data, model, optimizer and loaders for cfg.
+
+    model: a fourfold Llama built elsewhere, whose config equals cfg.model (then
+    model.init_from is not read). On a grid every rank calls this (it is collective). Raises
+    ConfigError / GridError / DataError for user mistakes.
+    """
+    validate(cfg)
+    cfg = copy.deepcopy(cfg)  # the caller's config stays as it was
+    t, p = cfg.train, cfg.parallel
+
+    init_from = cfg.model.init_from if model is None else ""
+    if init_from and (Path(init_from) / HF_CONFIG_FILE).is_file():
+        # The architecture is the checkpoint's config.json (without one, cfg.model's); the
+        # path stays in the config.
+        cfg.model = dataclasses.replace(hf_model_config(init_from), init_from=init_from)
+
+    rank, world_size, dist_device = init_distributed(p.backend, p.timeout_s, device=t.device)
+    device = _choose_device(t.device, dist_device, world_size)
+    if device.type == "cpu":
+        keep_freed_host_memory()  # no fresh zero-filled pages every step
+    if p.auto:
+        planned = _planned_grid(cfg, world_size, rank)
+        p = cfg.parallel = dataclasses.replace(p, x=planned.x, y=planned.y, z=planned.z,
+                                               data=planned.data)
+    shape = GridShape.resolve(p.x, p.y, p.z, p.data, world_size)
+    grid = Grid.build(shape, device, timeout_s=p.timeout_s)
+    shard_index, shard_count = grid.batch_shard
+    if t.batch_size % (t.grad_accum * shard_count):
+        raise ConfigError(
+            f"train.batch_size = {t.batch_size} does not split into train.grad_accum = "
+            f"{t.grad_accum} micro-steps over data*z = {shard_count} batch shards; use a "
+            f"multiple of {t.grad_accum * shard_count}")
+    torch.manual_seed(t.seed)
+
+    data_dir = resolve_data_path(cfg.data.path, cfg.data.tokenizer)
+    tokenizer = load_tokenizer(data_dir)
+    if cfg.model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size = {cfg.model.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size} tokens ({data_dir}); set model.vocab_size to at least "
+            f"{tokenizer.vocab_size}")
+
+    if model is None:
+        model = build_model(cfg.model, seed=t.seed)
+    elif model.cfg != cfg.model:
+        raise ConfigError("the model passed to Trainer does not match cfg.model; build it "
+                          "with build_model(cfg.model)")
+    # Set before parallelize, which converts the layers in place and keeps the flag.
+    model.activation_checkpointing = t.activation_checkpointing
+    model.to(device)
+    pmodel = parallelize(model, grid, p)
+    if init_from:
+        from fourfold.models.hf import load_hf_into
+
+        load_hf_into(pmodel, init_from)  # each rank reads just its own shards
+    compiler = BlockCompiler(pmodel.module, t.compile)
+    optimizer = build_optimizer(pmodel.named_parameters(), t,
+                                tied_output=cfg.model.tie_embeddings)
+
+    # The loader hands out whole steps; micro-batches are slices of them, so the data a step
+    # sees does not depend on grad_accum. Validation batches are whole steps too (evaluated in
+    # micro-batch slices), so the validation set depends neither on grad_accum nor on the grid.
+    loader = BatchLoader(data_dir, "train", t.batch_size, t.seq_len, t.seed,
+                         shard_index=shard_index, num_shards=shard_count)
+    val_loader = BatchLoader(data_dir, "val", t.batch_size, t.seq_len, t.seed,
+                             shard_index=shard_index, num_shards=shard_count)
+    return Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world_size=world_size, device=device,
+               grid=grid, data_dir=data_dir, tokenizer=tokenizer, pmodel=pmodel,
+               compiler=compiler, optimizer=optimizer, loader=loader, val_loader=val_loader,
+               guard=LossGuard(t.spike_threshold))
+
+
+def _choose_device(requested: str, dist_device: torch.device, world_size: int) -> torch.device:
+    if world_size > 1:
+        return dist_device  # init_distributed picked it with the backend
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device = \"cuda\" but no CUDA device is available; use "
+                              "\"cpu\" or \"auto\"")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _planned_grid(cfg: Config, world_size: int, rank: int) -> GridShape:
+    """parallel.auto: rank 0 asks the planner for the fastest grid that fits and tells the
+    others (each rank's own CPU probe could differ, and all ranks must build the same grid)."""
+    choice: list[object] = [None]
+    if rank == 0:
+        from fourfold.plan import choose_grid  # the planner never imports the trainer
+
+        t = cfg.train
+        shape, why = choose_grid(cfg.model, world_size, cfg.parallel.machine, t.batch_size,
+                                 t.seq_len, dtype=t.dtype,
+                                 activation_checkpointing=t.activation_checkpointing,
+                                 grad_accum=t.grad_accum)
+        print(f"parallel.auto chose grid {shape}: {why}", file=sys.stderr, flush=True)
+        choice[0] = (shape.data, shape.z, shape.y, shape.x)
+    if world_size > 1:
+        dist.broadcast_object_list(choice, src=0)
+    data, z, y, x = choice[0]  # type: ignore[misc]
+    return GridShape(data=data, z=z, y=y, x=x)
+
+
+__all__ = ["Run", "build_run"]

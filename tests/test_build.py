@@ -1,0 +1,59 @@
+"""build_run: the parts of a run from a Config, decided into a copy that the run records, never
+into the caller's Config."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from fourfold.config import load_config
+from fourfold.train import Trainer
+from fourfold.train.build import build_run
+
+pytestmark = pytest.mark.usefixtures("fourfold_cache")  # tests/conftest.py
+
+OVERRIDES = ["model.preset=debug", "train.batch_size=8", "train.seq_len=32", "train.steps=1",
+             "train.warmup_steps=0", "train.eval_every=0", "train.eval_batches=0",
+             "train.sample_tokens=0", "train.log_every=1", "train.device=cpu"]
+
+
+def test_build_run_resolves_a_copy_and_the_run_records_it(tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_dir = tmp_path / "hf"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=96,
+                                 num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=64)
+                     ).save_pretrained(hf_dir, safe_serialization=True)
+    cfg = load_config(None, [*OVERRIDES, f"model.init_from={hf_dir}", "parallel.auto=true"])
+    before = copy.deepcopy(cfg)
+
+    run = build_run(cfg, tmp_path / "run")
+    assert cfg == before, "build_run changed the caller's config"
+    # the decisions are in the copy: the HF config.json's model, the planner's grid
+    assert run.cfg is not cfg
+    assert (run.cfg.model.dim, run.cfg.model.vocab_size, run.cfg.model.init_from) == \
+        (64, 320, str(hf_dir))
+    assert cfg.model.dim != 64
+    assert (run.cfg.parallel.x, run.cfg.parallel.y, run.cfg.parallel.z,
+            run.cfg.parallel.data) == (1, 1, 1, 1)
+    assert cfg.parallel.data == "auto"
+    assert run.pmodel.module.cfg == run.cfg.model
+
+    Trainer.from_run(run, progress=False).fit()
+    saved = load_config(tmp_path / "run" / "config.toml")
+    assert saved.model == run.cfg.model and saved.parallel == run.cfg.parallel
+    assert cfg == before
+
+
+def test_trainer_leaves_the_callers_config_alone(tmp_path: Path) -> None:
+    cfg = load_config(None, [*OVERRIDES, "parallel.auto=true"])
+    before = copy.deepcopy(cfg)
+    trainer = Trainer(cfg, tmp_path, progress=False)
+    trainer.fit()
+    assert cfg == before
+    assert trainer.cfg.parallel.data == 1 and cfg.parallel.data == "auto"
