@@ -121,13 +121,6 @@ def verify_checkpoint(path: Path, share: tuple[int, int] = (0, 1)) -> str | None
     return None
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / MANIFEST_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot read {MANIFEST_FILE} ({e})") from None
-
-
 # --------------------------------------------------------------------------------------------
 # Layout -> DTensor
 
@@ -704,5 +697,5 @@ def _dcp_reason(error: BaseException) -> str:
 __all__ = ["CHECKPOINT_DIR", "CheckpointError", "CheckpointManager", "InitFromError",
            "build_mesh", "checkpoint_root", "hf_model_config", "init_optimizer_state",
            "list_checkpoints", "load_hf_into", "load_weights_from_checkpoint", "mesh_tensor",
-           "placements_for", "read_manifest",
+           "placements_for",
            "rng_state", "set_rng_state", "step_of", "verify_checkpoint"]

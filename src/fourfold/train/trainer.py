@@ -4,7 +4,8 @@
 
 Every step fetches the whole step's batch for this rank, splits it into train.grad_accum
 micro-batches, and normalizes the loss by the number of counted tokens in the whole job's step
-(see parallel_api: exact against a single process for every grid shape and accumulation).
+(tests/test_parallel.py holds it exact against a single process for every grid shape and
+accumulation).
 """
 
 from __future__ import annotations
