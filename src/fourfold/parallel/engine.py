@@ -2,7 +2,7 @@
 weight-gradient GEMMs and their z reduce-scatters, and the hand-off of final gradients to the
 data-parallel bucketer. One Engine belongs to one parallelized model; nothing here is global.
 
-The overlap schedule of one layer's backward (see DESIGN.md):
+The overlap schedule of one layer's backward (the layers are in linear.py):
   1. the layer's backward computes dI = dO W (partial over an axis) and defers dW = dO^T I;
   2. the fan-out op that produced the layer's input starts the dI all-reduce asynchronously,
      then runs the deferred dW GEMMs under it, and starts their z reduce-scatters;

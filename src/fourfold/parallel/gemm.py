@@ -5,9 +5,8 @@ the tuner times the equivalent ways once, keeps the fastest, and caches the choi
 on disk, so later runs (and reruns, bit for bit) make the same choices.
 
 The ways are the layouts of torch.matmul (MKL's sgemm for float32 on x86 CPUs, cuBLAS on GPUs)
-and, on CPUs, oneDNN's matmul (the kernel torch.compile's CPU backend uses for linears): on the
-AMD EPYC CPU we develop on it ran the forward and input-gradient GEMMs of a 35M-parameter
-model's linears 1-28% faster than MKL, 6% over all of a layer's GEMMs (bench/gemm.py).
+and, on CPUs, oneDNN's matmul (the kernel torch.compile's CPU backend uses for linears), which
+beats MKL for some shapes on some CPUs (bench/gemm.py measures it; the README has figures).
 
 All ranks must compute replicated values identically, so the timings are summed over the whole
 job before the choice (one tiny all-reduce per new shape, on the ledger under "all").

@@ -41,7 +41,6 @@ class ParallelModel:
         self.grid = grid
         self.comm = comm
         self.engine = engine
-        self._forward = module
         self._grad_groups: tuple[list[nn.Parameter], list[nn.Parameter]] | None = None
         self._layouts: dict[str, Layout] | None = None
         self._is_hf = hasattr(module, "config") and hasattr(module.config, "model_type")
@@ -58,18 +57,14 @@ class ParallelModel:
         if self.engine is not None:
             self.engine.begin_forward()
         if self._is_hf:
-            logits = self._forward(input_ids=tokens, use_cache=False).logits
+            logits = self.module(input_ids=tokens, use_cache=False).logits
         else:
-            logits = self._forward(tokens)
+            logits = self.module(tokens)
         if targets is None:
             return logits
         return self.criterion(logits, targets)
 
     forward = __call__
-
-    def compile(self) -> None:
-        """Compile the module's forward with torch.compile (parameters stay where they are)."""
-        self._forward = torch.compile(self.module)
 
     def train(self, mode: bool = True) -> "ParallelModel":
         self.module.train(mode)
@@ -177,18 +172,6 @@ class ParallelModel:
                 gathered[key] = _gather_full(tensor.detach(), layout, scratch)
             out[name] = gathered[key]
         return out
-
-    @torch.no_grad()
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load full tensors (unparallelized names) into the local shards."""
-        layouts = self.layouts()
-        coords = self.grid.shape.coords(self.grid.rank)
-        params = dict(self.module.named_parameters())
-        missing = [n for n in params if n not in state]
-        if missing:
-            raise KeyError(f"state dict lacks {missing[:3]}{'...' if len(missing) > 3 else ''}")
-        for name, p in params.items():
-            p.copy_(layouts[name].shard(state[name].to(p.dtype), self.grid.shape, coords))
 
     def memory_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         params = list(self.module.parameters())

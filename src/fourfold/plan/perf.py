@@ -51,10 +51,6 @@ class StepPrediction:
     flops_per_step: float  # model FLOPs of the whole job per step
     notes: list[str] = field(default_factory=list)
 
-    @property
-    def exposed_comm_s(self) -> float:
-        return sum(self.comm_s[a] - self.hidden_s[a] for a in AXES)
-
 
 @dataclass(frozen=True)
 class _Rates:

@@ -118,13 +118,6 @@ def verify_checkpoint(path: Path, share: tuple[int, int] = (0, 1)) -> str | None
     return None
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / MANIFEST_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot read {MANIFEST_FILE} ({e})") from None
-
-
 # --------------------------------------------------------------------------------------------
 # Layout -> DTensor
 
@@ -791,6 +784,6 @@ def _os_error_within(error: BaseException) -> OSError | None:
 __all__ = ["CHECKPOINT_DIR", "CheckpointError", "CheckpointManager",
            "build_mesh", "checkpoint_root", "init_optimizer_state",
            "list_checkpoints", "load_weights_from_checkpoint", "mesh_tensor",
-           "placements_for", "read_manifest",
+           "placements_for",
            "RandomState", "Stateful", "decode_state", "encode_state", "read_metadata",
            "step_of", "verify_checkpoint"]

@@ -91,10 +91,3 @@ def load_trained(run_dir: str | Path, device: str | torch.device = "cpu") -> tup
 
 def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:
     (run_dir / SUMMARY_FILE).write_text(json.dumps(dict(summary), indent=2) + "\n")
-
-
-def read_summary(run_dir: str | Path) -> dict[str, Any]:
-    path = Path(run_dir) / SUMMARY_FILE
-    if not path.is_file():
-        raise RunDirError(f"run directory {str(run_dir)!r} has no {SUMMARY_FILE}")
-    return json.loads(path.read_text())
