@@ -1,4 +1,4 @@
-"""Training: the loop, AdamW and its schedule, metrics, sampling, and run directories.
+"""Training: building a run, the loop, AdamW and its schedule, metrics, sampling, and run directories.
 
 Names are imported on first use, so that `import fourfold.train.goldfish` (or sampling) does
 not pull in the whole trainer, the parallel engine and the data pipeline.
@@ -10,6 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "Run": "fourfold.train.build",
+    "build_run": "fourfold.train.build",
     "RunDirError": "fourfold.train.runs",
     "load_trained": "fourfold.train.runs",
     "generate": "fourfold.train.sampling",
@@ -23,6 +25,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from fourfold.train.build import Run, build_run
     from fourfold.train.runs import RunDirError, load_trained
     from fourfold.train.sampling import generate
     from fourfold.train.trainer import StepStats, Trainer, TrainingError, TrainResult, train
