@@ -24,6 +24,7 @@ from fourfold.parallel.grid import Grid, GridError
 from fourfold.parallel.layout import REPLICATED, Layout
 from fourfold.parallel.linear import Linear3D, ReplicatedLinear3D
 from fourfold.parallel.norm import ParallelRMSNorm
+from fourfold.parallel.shards import TensorSpec, full_specs, materialize, stream_full
 
 _NORMAL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _TRANSPOSED = ("o_proj", "down_proj")
@@ -177,6 +178,16 @@ class ParallelModel:
             out[name] = gathered[key]
         return out
 
+    def full_tensor_specs(self) -> list[TensorSpec]:
+        """Name, dtype and full shape of each tensor `stream_full_tensors` yields, in order
+        (each shared tensor once). No communication."""
+        return full_specs(self.module, self.layouts(), self.grid)
+
+    def stream_full_tensors(self, dst: int = 0) -> Iterator[tuple[TensorSpec, torch.Tensor | None]]:
+        """The full tensors one at a time, on the CPU of rank `dst` (None on the others): no
+        rank holds the whole model. Collective: every rank runs the iterator to its end."""
+        return stream_full(self.module, self.layouts(), self.grid, dst)
+
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load full tensors (unparallelized names) into the local shards."""
@@ -227,7 +238,10 @@ def overlap_options(cfg: ParallelConfig | None) -> OverlapOptions:
 
 def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = None
                 ) -> ParallelModel:
-    """Parallelize `model` (with its full weights, the same on every rank) over `grid`.
+    """Parallelize `model` over `grid`: a model with its full weights, the same on every rank,
+    or one declared on the meta device (`build_model(cfg, seed, device="meta")`), of which
+    each rank materialises only its own shards, on grid.device, with the values a one-process
+    build of the same seed has.
 
     Modules are replaced in place. On a one-process grid with GEMM tuning off (the default)
     the model is left as it is; with tuning on its linears become fourfold's own, whose GEMMs
@@ -236,7 +250,9 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
     comm = Comm(grid)
     options = overlap_options(config)
     if grid.world_size == 1 and not options.gemm_tuning:
-        return ParallelModel(model, grid, comm, None, None)
+        pmodel = ParallelModel(model, grid, comm, None, None)
+        materialize(model, pmodel.layouts(), grid)
+        return pmodel
     engine = Engine(comm, options)
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     if set(_NORMAL + _TRANSPOSED) <= names:
@@ -245,6 +261,8 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
         _apply_generic_plan(model, grid, engine)
         vocab_start = None
     pmodel = ParallelModel(model, grid, comm, engine, vocab_start)
+    # a meta-device model's shards were cut as meta tensors; each rank computes just its own
+    materialize(model, pmodel.layouts(), grid)
     if vocab_start is None or not hasattr(model, "criterion"):
         return pmodel
     model.criterion = pmodel.criterion  # the model's own loss path uses the split vocabulary too

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from safetensors import SafetensorError
@@ -14,6 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from fourfold.config import Config, ConfigError, load_config
 from fourfold.models.llama import Llama
+from fourfold.safetensors_stream import write_streamed
+
+if TYPE_CHECKING:
+    from fourfold.parallel.parallelize import ParallelModel
 
 CONFIG_FILE = "config.toml"
 WEIGHTS_FILE = "model.safetensors"
@@ -35,6 +39,17 @@ def save_weights(state: Mapping[str, torch.Tensor], path: Path, tie_embeddings: 
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "fourfold"})
     tmp.replace(path)  # a crash mid-write never leaves a truncated model.safetensors
+
+
+def save_weights_streamed(pmodel: "ParallelModel", path: Path, tie_embeddings: bool,
+                          writer_rank: int = 0) -> None:
+    """Write the full model of a parallelized `pmodel` to safetensors, as save_weights does,
+    streaming one tensor at a time to `writer_rank`, which alone writes (via a temporary name):
+    no rank ever holds the whole model. Collective: every rank of the grid calls it."""
+    specs = pmodel.full_tensor_specs()
+    keep = {s.name: s.name for s in specs if not (tie_embeddings and s.name == "output.weight")}
+    write_streamed(path if pmodel.grid.rank == writer_rank else None, specs,
+                   pmodel.stream_full_tensors(writer_rank), {"format": "fourfold"}, keep)
 
 
 def load_weights(model: Llama, path: Path) -> None:
