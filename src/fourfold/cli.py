@@ -241,20 +241,18 @@ def convert_to_hf(run_dir: Path, out_dir: Path) -> list[Path]:
     model.safetensors) that `LlamaForCausalLM.from_pretrained(out_dir)` loads."""
     import json
 
-    from safetensors.torch import save_file
+    from fourfold.models.hf import config_to_hf, fourfold_to_hf_name
+    from fourfold.safetensors_stream import write_streamed
+    from fourfold.train.runs import trained_tensors
 
-    from fourfold.models.hf import config_to_hf, state_dict_to_hf
-    from fourfold.train.runs import load_trained
-
-    model, cfg = load_trained(run_dir)  # a run still training: its newest complete checkpoint
-    hf_state = state_dict_to_hf(model.state_dict(), cfg.model)
-    # safetensors refuses tensors that share memory (a tied embedding), and wants them
-    # contiguous: each saved tensor gets its own copy.
-    hf_state = {name: t.detach().to("cpu").contiguous().clone() for name, t in hf_state.items()}
+    # one tensor at a time (a run still training: its newest complete checkpoint, whole)
+    cfg, specs, tensors = trained_tensors(run_dir)
+    hf_names = {s.name: fourfold_to_hf_name(s.name) for s in specs
+                if not (cfg.model.tie_embeddings and s.name == "output.weight")}
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = out_dir / "model.safetensors"
     config = out_dir / "config.json"
-    save_file(hf_state, str(weights), metadata={"format": "pt"})
+    write_streamed(weights, specs, tensors, {"format": "pt"}, hf_names)
     config.write_text(json.dumps(config_to_hf(cfg.model), indent=2) + "\n")
     return [config, weights]
 

@@ -155,8 +155,6 @@ class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig, seed: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (), device="cpu"))
         self.seed = seed
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -169,7 +167,9 @@ class Llama(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        if self.embed.weight.device.type != "meta":
+        if not self.embed.weight.is_meta:
+            if self.seed is None:  # torch.manual_seed still makes the build reproducible
+                self.seed = int(torch.randint(0, 2**62, (), device="cpu"))
             self.reset_parameters()
 
     @torch.no_grad()
@@ -184,6 +184,9 @@ class Llama(nn.Module):
         """Block `index` of the initial value of parameter `name` (full shape `full_shape`), on
         the CPU, in float32. Defined tile by tile from (seed, name), so a block costs only the
         tiles it covers and equals the same block of the whole tensor on any grid."""
+        if self.seed is None:
+            raise ValueError("a model built on the meta device without a seed has no initial "
+                             "values; build it with build_model(cfg, seed=..., device=\"meta\")")
         shape = tuple(s.stop - s.start for s in index)
         std = self.cfg.init_std
         if name.endswith("norm.weight"):

@@ -37,7 +37,7 @@ from fourfold.train.progress import Progress
 from fourfold.train.resilience import (LossGuard, gather_step_times, restart_count,
                                        resume_record, straggler_report)
 from fourfold.train.runs import (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, WEIGHTS_FILE,
-                                 save_weights, write_summary)
+                                 load_weights, save_weights_streamed, write_summary)
 from fourfold.train.sampling import generate
 
 SAMPLE_PROMPT_TOKENS = 16
@@ -131,14 +131,15 @@ class Trainer:
                 f"at least {self.tokenizer.vocab_size}")
 
         init_from = cfg.model.init_from if model is None else ""
-        if model is None:
-            model = build_model(cfg.model, seed=t.seed)
+        if model is None:  # on the meta device: parallelize builds only this rank's shards
+            model = build_model(cfg.model, seed=t.seed, device="meta")
         elif model.cfg != cfg.model:
             raise ConfigError("the model passed to Trainer does not match cfg.model; build it "
                               "with build_model(cfg.model)")
+        else:
+            model.to(self.device)
         # Set before parallelize, which converts the layers in place and keeps the flag.
         model.activation_checkpointing = t.activation_checkpointing
-        model.to(self.device)
         self.pmodel: ParallelModel = parallelize(model, self.grid, p)
         if init_from:
             from fourfold.train.checkpoint import load_hf_into  # fine-tuning runs only
@@ -343,11 +344,12 @@ class Trainer:
             return module
         return None
 
-    def _model_from_state(self, state: dict[str, torch.Tensor]) -> Llama | None:
-        if sum(v.numel() for v in state.values()) > MAX_GATHERED_SAMPLE_PARAMS:
+    def _model_from_file(self) -> Llama | None:
+        if sum(math.prod(s.shape) for s in self.pmodel.full_tensor_specs()) \
+                > MAX_GATHERED_SAMPLE_PARAMS:
             return None
-        model = Llama(self.cfg.model)
-        model.load_state_dict(state, strict=False)
+        model = build_model(self.cfg.model, seed=0, device="meta")
+        load_weights(model, self.run_dir / WEIGHTS_FILE)  # the meta tensors take the file's
         return model.to(self.device)
 
     # ---- the run ------------------------------------------------------------------------
@@ -413,20 +415,18 @@ class Trainer:
                     self.save_checkpoint()
             self._wait_for_checkpoints()
 
-            # Collective: every rank takes part in gathering the full weights.
-            state = self.pmodel.full_state_dict()
-            if self.is_main:
-                save_weights(state, self.run_dir / WEIGHTS_FILE, self.cfg.model.tie_embeddings)
+            # Collective: the weights stream to the main rank one tensor at a time.
+            save_weights_streamed(self.pmodel, self.run_dir / WEIGHTS_FILE,
+                                  self.cfg.model.tie_embeddings)
             final_sample = None
             if self.is_main and t.sample_tokens > 0:
-                model = self._local_whole_model() or self._model_from_state(state)
+                model = self._local_whole_model() or self._model_from_file()
                 if model is None:
                     progress.message("no final sample: the model is too large to rebuild on "
                                      "one rank")
                 else:
                     final_sample = self.sample_text(model)
                     self._record_sample(progress, final_sample)
-            del state
             result = self._result(time.perf_counter() - started)
             if self.is_main:
                 write_summary(self.run_dir, self._summary(result, final_sample))
