@@ -142,3 +142,27 @@ def test_a_rank_of_a_sharded_build_holds_its_share_not_the_model(tmp_path: Path)
     for r in whole:  # the old way: every rank builds the whole model first
         assert r["after_build"] - r["baseline"] > full_bytes, (r, full_bytes)
     assert (tmp_path / "model.safetensors").stat().st_size > full_bytes
+
+
+def test_a_grid_too_small_for_the_model_fails_before_building(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from fourfold import cli
+    from fourfold.models import llama
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(llama.Llama, "__init__", never)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    code = cli.main(["train", "--set", "model.preset=70b", "--set", "train.device=cpu",
+                     "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    line = lines[0]
+    assert line.startswith("error: grid data=1 z=1 y=1 x=1 cannot hold model '70b'"), line
+    needed = float(line.split("a rank needs ")[1].split(" GiB")[0])
+    assert needed > 1000  # 70B parameters x 16 bytes of weights, gradients and AdamW states
+    assert "a grid that fits: parallel.x=" in line and "ranks, " in line, line

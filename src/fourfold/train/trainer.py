@@ -28,6 +28,7 @@ from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_p
 from fourfold.launch import cores_available
 from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
+from fourfold.plan.memory import check_grid_fits
 from fourfold.train.checkpoint import CheckpointError, CheckpointManager, hf_model_config
 from fourfold.train.host_memory import keep_freed_host_memory
 from fourfold.train.metrics import (MetricsLog, cpu_peak_flops, device_peak_flops,
@@ -122,6 +123,9 @@ class Trainer:
             # the path stays in the config.
             cfg.model = dataclasses.replace(hf_model_config(cfg.model.init_from),
                                             init_from=cfg.model.init_from)
+        # one line naming the memory needed and a grid that fits, not an OOM halfway through
+        check_grid_fits(cfg, self.grid.shape, self.device,
+                        int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.data_dir = resolve_data_path(cfg.data.path, cfg.data.tokenizer)
         self.tokenizer: Tokenizer = load_tokenizer(self.data_dir)
         if cfg.model.vocab_size < self.tokenizer.vocab_size:
