@@ -148,8 +148,8 @@ class CrossEntropy(nn.Module):
 
 
 class Llama(nn.Module):
-    """The decoder. Its initial weights are a function of `seed` (drawn from torch's global
-    generator when None): see `initial_block`. Built on the meta device (`build_model(...,
+    """The decoder. Its initial weights are a function of `seed` (when None, drawn from
+    torch's global generator, except on the meta device): see `initial_block`. Built on the meta device (`build_model(...,
     device="meta")`) it allocates nothing, and `parallelize` materialises each rank's shards."""
 
     def __init__(self, cfg: ModelConfig, seed: int | None = None) -> None:
