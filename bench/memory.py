@@ -70,13 +70,14 @@ def activations_table(nprocs: list[int]) -> None:
 
 
 def train_config(preset: str, nproc: int, steps: int, batch: int, seq: int, dtype: str,
-                 run_dir: Path) -> Path:
+                 run_dir: Path, async_checkpoint: bool) -> Path:
     data, z, y, x = TRAIN_GRIDS[nproc]
     cfg = load_config(None, [f"model.preset={preset}", f"train.steps={steps}",
                              f"train.batch_size={batch}", f"train.seq_len={seq}",
                              f"train.dtype={dtype}", "train.eval_batches=0",
                              "train.sample_tokens=0", "train.log_every=1",
                              f"checkpoint.every={max(1, steps - 1)}", "checkpoint.keep=1",
+                             f"checkpoint.async={'true' if async_checkpoint else 'false'}",
                              f"parallel.x={x}", f"parallel.y={y}", f"parallel.z={z}",
                              f"parallel.data={data}"])
     path = run_dir / "bench_config.toml"
@@ -98,22 +99,24 @@ def predicted(cfg_path: Path, rank: int) -> int:
 
 
 def train_table(preset: str, nprocs: list[int], steps: int, batch: int, seq: int,
-                dtype: str) -> None:
+                dtype: str, async_checkpoint: bool) -> None:
     from fourfold.models import build_model, model_config
 
     weights = 4 * build_model(model_config(preset), device="meta").num_params()
     print(f"{preset} preset ({weights / MIB:,.0f} MiB of float32 weights), {dtype}, {steps} "
-          f"steps of {batch} x {seq} tokens, a checkpoint, the streamed export; MiB per rank "
-          "above a process that only imported fourfold")
+          f"steps of {batch} x {seq} tokens, a checkpoint ({'async' if async_checkpoint else 'sync'}"
+          "), the streamed export; MiB per rank above a process that only imported fourfold")
     print(f"{'ranks':>5} {'data z y x':<11} {'rank':>4} {'measured':>9} {'predicted':>9} "
           f"{'error':>7} {'x weights':>9} {'1-proc meas':>11} {'1-proc pred':>11}")
     one_measured: float | None = None
     with tempfile.TemporaryDirectory() as tmp:
-        one_cfg = train_config(preset, 1, steps, batch, seq, dtype, Path(tmp) / "one")
+        one_cfg = train_config(preset, 1, steps, batch, seq, dtype, Path(tmp) / "one",
+                               async_checkpoint)
         one_predicted = predicted(one_cfg, 0)
         for nproc in nprocs:
             run_dir = Path(tmp) / f"run{nproc}"
-            cfg_path = train_config(preset, nproc, steps, batch, seq, dtype, run_dir)
+            cfg_path = train_config(preset, nproc, steps, batch, seq, dtype, run_dir,
+                                    async_checkpoint)
             results, stderr = rank_memory_worker.launch(
                 nproc, "train", Path(tmp) / f"mem{nproc}.jsonl",
                 {"FOURFOLD_RANK_MEM_CONFIG": str(cfg_path),
@@ -142,6 +145,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per step, whole job")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--sync-checkpoint", action="store_true",
+                    help="checkpoint.async = false: no host snapshot of the shards (on a CPU "
+                    "rank the snapshot holds its weights and AdamW states once more)")
     ap.add_argument("--activations", action="store_true",
                     help="the activation-memory table of the debug model instead")
     args = ap.parse_args()
@@ -149,7 +155,7 @@ def main() -> None:
         activations_table(args.nproc)
     else:
         train_table(args.preset, sorted(args.nproc), args.steps, args.batch_size, args.seq_len,
-                    args.dtype)
+                    args.dtype, not args.sync_checkpoint)
 
 
 if __name__ == "__main__":
