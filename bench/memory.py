@@ -1,10 +1,15 @@
-"""Activation memory per rank of the `debug` model on 1, 2, 4 and 8-rank CPU grids: measured
-(bytes autograd saves for backward, once per storage, weights excluded; see
-tests/memory_worker.py) beside the planner's prediction, with and without activation
-checkpointing. One torchrun launch per world size; rank 0's numbers (ranks of a grid agree;
-the table says when they do not).
+"""Memory per rank, measured beside the planner's prediction (plan/memory.py).
 
-    python bench/memory.py [--nproc 1 2 4 8]
+Default: a short training run of a preset (a few steps, a checkpoint, the final streamed
+export of model.safetensors) on 1, 2, 4 and 8 ranks; for each rank its peak resident memory
+(VmHWM) less that of a process that has only imported fourfold, the planner's prediction for
+that rank, and the one-process figures. One torchrun launch per world size.
+
+    python bench/memory.py [--preset 15m] [--nproc 1 2 4 8] [--steps 3]
+
+The `350m` preset needs about 20 GiB on 8 ranks of one host. With --activations: the
+activation bytes of the `debug` model (what autograd saves for backward, see
+tests/memory_worker.py) beside the planner's activation model, on every grid.
 """
 
 from __future__ import annotations
@@ -14,9 +19,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-# the measuring worker lives beside the test that holds the model to it
+# the measuring workers live beside the tests that hold the model to them
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import memory_worker  # noqa: E402
+import rank_memory_worker  # noqa: E402
+
+from fourfold.config import load_config  # noqa: E402
+from fourfold.parallel import GridShape  # noqa: E402
+from fourfold.plan.memory import Precision, predict_memory  # noqa: E402
+
+TRAIN_GRIDS = {1: (1, 1, 1, 1), 2: (1, 2, 1, 1), 4: (1, 2, 2, 1), 8: (1, 2, 2, 2)}  # data z y x
+MIB = 2**20
 
 GRIDS = {  # (data, z, y, x); the debug model has 2 kv heads, so y is at most 2
     1: [[1, 1, 1, 1]],
@@ -34,16 +47,12 @@ def run(nproc: int) -> list[dict]:
     return results
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nproc", type=int, nargs="+", default=sorted(GRIDS),
-                    choices=sorted(GRIDS), help="world sizes to run")
-    args = ap.parse_args()
+def activations_table(nprocs: list[int]) -> None:
     print("debug model, float32, 2 x 64 tokens per rank; activation MiB per rank")
     print(f"{'data z y x':<11} {'ckpt':>4} {'measured':>9} {'predicted':>9} {'error':>7} "
           f"{'ranks agree':>11}")
     worst = 0.0
-    for nproc in args.nproc:
+    for nproc in nprocs:
         results = run(nproc)
         for r in results:
             if "error" in r:
@@ -57,6 +66,95 @@ def main() -> None:
                   f"{r['measured'] / 2**20:9.3f} {r['predicted'] / 2**20:9.3f} {error:+7.3%} "
                   f"{'yes' if len(same) == 1 else 'no':>11}")
     print(f"largest error: {worst:.2%}")
+
+
+def train_config(preset: str, nproc: int, steps: int, batch: int, seq: int, dtype: str,
+                 run_dir: Path, async_checkpoint: bool) -> Path:
+    data, z, y, x = TRAIN_GRIDS[nproc]
+    cfg = load_config(None, [f"model.preset={preset}", f"train.steps={steps}",
+                             f"train.batch_size={batch}", f"train.seq_len={seq}",
+                             f"train.dtype={dtype}", "train.eval_batches=0",
+                             "train.sample_tokens=0", "train.log_every=1",
+                             f"checkpoint.every={max(1, steps - 1)}", "checkpoint.keep=1",
+                             f"checkpoint.async={'true' if async_checkpoint else 'false'}",
+                             f"parallel.x={x}", f"parallel.y={y}", f"parallel.z={z}",
+                             f"parallel.data={data}"])
+    path = run_dir / "bench_config.toml"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.save(path)
+    return path
+
+
+def predicted(cfg_path: Path, rank: int) -> int:
+    cfg = load_config(cfg_path)
+    p, t = cfg.parallel, cfg.train
+    shape = GridShape(data=int(p.data), z=p.z, y=p.y, x=p.x)
+    micro_tokens = t.batch_size // (shape.data * shape.z) // t.grad_accum * t.seq_len
+    return predict_memory(cfg.model, shape, micro_tokens, t.activation_checkpointing,
+                          Precision.of(t.dtype), bucket_bytes=int(p.bucket_mb * MIB),
+                          on_host=True, writer=rank == 0,
+                          async_checkpoint=cfg.checkpoint.async_save and cfg.checkpoint.every > 0
+                          ).total
+
+
+def train_table(preset: str, nprocs: list[int], steps: int, batch: int, seq: int,
+                dtype: str, async_checkpoint: bool) -> None:
+    from fourfold.models import build_model, model_config
+
+    weights = 4 * build_model(model_config(preset), device="meta").num_params()
+    print(f"{preset} preset ({weights / MIB:,.0f} MiB of float32 weights), {dtype}, {steps} "
+          f"steps of {batch} x {seq} tokens, a checkpoint ({'async' if async_checkpoint else 'sync'}"
+          "), the streamed export; MiB per rank above a process that only imported fourfold")
+    print(f"{'ranks':>5} {'data z y x':<11} {'rank':>4} {'measured':>9} {'predicted':>9} "
+          f"{'error':>7} {'x weights':>9} {'1-proc meas':>11} {'1-proc pred':>11}")
+    one_measured: float | None = None
+    with tempfile.TemporaryDirectory() as tmp:
+        one_cfg = train_config(preset, 1, steps, batch, seq, dtype, Path(tmp) / "one",
+                               async_checkpoint)
+        one_predicted = predicted(one_cfg, 0)
+        for nproc in nprocs:
+            run_dir = Path(tmp) / f"run{nproc}"
+            cfg_path = train_config(preset, nproc, steps, batch, seq, dtype, run_dir,
+                                    async_checkpoint)
+            results, stderr = rank_memory_worker.launch(
+                nproc, "train", Path(tmp) / f"mem{nproc}.jsonl",
+                {"FOURFOLD_RANK_MEM_CONFIG": str(cfg_path),
+                 "FOURFOLD_RANK_MEM_RUN": str(run_dir)}, timeout_s=3600)
+            if results is None:
+                sys.exit(f"error: {nproc}-rank run failed:\n{stderr[-3000:]}")
+            if nproc == 1:
+                one_measured = results[0]["peak"] - results[0]["baseline"]
+            for r in results:
+                measured = r["peak"] - r["baseline"]
+                pred = predicted(cfg_path, r["rank"])
+                one = f"{one_measured / MIB:11,.0f}" if one_measured is not None else \
+                    f"{'-':>11}"
+                print(f"{nproc:>5} {' '.join(map(str, TRAIN_GRIDS[nproc])):<11} {r['rank']:>4} "
+                      f"{measured / MIB:9,.0f} {pred / MIB:9,.0f} "
+                      f"{(pred - measured) / measured:+7.1%} {measured / weights:9.2f} "
+                      f"{one} {one_predicted / MIB:11,.0f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="15m", help="model preset of the training runs")
+    ap.add_argument("--nproc", type=int, nargs="+", default=sorted(GRIDS),
+                    choices=sorted(GRIDS), help="world sizes to run")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per step, whole job")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--sync-checkpoint", action="store_true",
+                    help="checkpoint.async = false: no host snapshot of the shards (on a CPU "
+                    "rank the snapshot holds its weights and AdamW states once more)")
+    ap.add_argument("--activations", action="store_true",
+                    help="the activation-memory table of the debug model instead")
+    args = ap.parse_args()
+    if args.activations:
+        activations_table(args.nproc)
+    else:
+        train_table(args.preset, sorted(args.nproc), args.steps, args.batch_size, args.seq_len,
+                    args.dtype, not args.sync_checkpoint)
 
 
 if __name__ == "__main__":

@@ -199,10 +199,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from fourfold.models.hf import save_hf_checkpoint
-    from fourfold.train.runs import load_trained
+    from fourfold.train.runs import trained_tensors
 
-    model, cfg = load_trained(Path(args.run_dir))  # a run still training: its newest checkpoint
-    for path in save_hf_checkpoint(model.state_dict(), cfg.model, Path(args.out_dir)):
+    # one tensor at a time (a run still training: its newest complete checkpoint, whole)
+    cfg, specs, tensors = trained_tensors(Path(args.run_dir))
+    for path in save_hf_checkpoint(specs, tensors, cfg.model, Path(args.out_dir)):
         print(path)
     return EXIT_OK
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
 from fourfold.config import ConfigError, ModelConfig
+from fourfold.errors import first_line
+from fourfold.files import atomic_write_text
+from fourfold.safetensors_stream import TensorSpec, write_streamed
 
 HF_CONFIG_FILE = "config.json"
 HF_WEIGHTS_FILE = "model.safetensors"
@@ -133,7 +136,7 @@ def hf_model_config(path: str | Path) -> ModelConfig:
         return config_from_hf(json.loads(config_file.read_text()))
     except (ValueError, KeyError) as e:
         raise InitFromError(f"model.init_from = {str(path)!r}: config.json is not a supported "
-                            f"Llama-family config ({_first_line(e)})") from None
+                            f"Llama-family config ({first_line(e)})") from None
 
 
 def _hf_weight_files(root: Path) -> dict[str, Path]:
@@ -207,26 +210,20 @@ def _hf_name(name: str, where: dict[str, Path], to_hf: Any) -> str:
 # Writing a Hugging Face checkpoint (fourfold convert --to hf)
 
 
-def save_hf_checkpoint(state: Mapping[str, torch.Tensor], cfg: ModelConfig,
-                       out_dir: str | Path) -> list[Path]:
-    """Write a full fourfold state dict as a Hugging Face Llama checkpoint (config.json and
-    model.safetensors) that `LlamaForCausalLM.from_pretrained(out_dir)` loads; returns the two
-    paths."""
-    from safetensors.torch import save_file
-
-    hf_state = state_dict_to_hf(state, cfg)
-    # safetensors refuses tensors that share memory (a tied embedding), and wants them
-    # contiguous: each saved tensor gets its own copy.
-    hf_state = {name: t.detach().to("cpu").contiguous().clone() for name, t in hf_state.items()}
+def save_hf_checkpoint(specs: Sequence[TensorSpec],
+                       tensors: Iterable[tuple[TensorSpec, torch.Tensor | None]],
+                       cfg: ModelConfig, out_dir: str | Path) -> list[Path]:
+    """Write a full fourfold model, given as tensor specs and the tensors one at a time (see
+    `write_streamed`: the writer never holds the whole model), as a Hugging Face Llama
+    checkpoint (config.json and model.safetensors) that `LlamaForCausalLM.from_pretrained(out_dir)`
+    loads; returns the two paths."""
+    hf_names = {s.name: fourfold_to_hf_name(s.name) for s in specs
+                if not s.name.startswith("rope_")
+                and not (cfg.tie_embeddings and s.name == "output.weight")}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = out / HF_WEIGHTS_FILE
     config = out / HF_CONFIG_FILE
-    save_file(hf_state, str(weights), metadata={"format": "pt"})
-    config.write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    write_streamed(weights, specs, tensors, {"format": "pt"}, hf_names)
+    atomic_write_text(config, json.dumps(config_to_hf(cfg), indent=2) + "\n")
     return [config, weights]
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__

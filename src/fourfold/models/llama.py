@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fourfold.config import ModelConfig
+from fourfold.models.init import normal_block
 from fourfold.parallel.embedding import CrossEntropy
 
 
@@ -37,11 +38,15 @@ class RMSNorm(nn.Module):
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables (max_seq_len, head_dim) in the rotate-half layout that HF uses, with
     the sign of rotate-half folded into sin: sin's first half is negated."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    t = torch.arange(max_seq_len, dtype=torch.float64)
+    # on the CPU even inside a meta-device build: buffers are small and computed, not drawn
+    cpu = torch.device("cpu")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu)
+                                / head_dim))
+    t = torch.arange(max_seq_len, dtype=torch.float64, device=cpu)
     freqs = torch.outer(t, inv_freq)  # (T, head_dim/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (T, head_dim)
-    sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)]).double()
+    sign = torch.cat([-torch.ones(head_dim // 2, device=cpu),
+                      torch.ones(head_dim // 2, device=cpu)]).double()
     return emb.cos().float(), (emb.sin() * sign).float()
 
 
@@ -134,9 +139,14 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The decoder. Its initial weights are a function of `seed` (when None, drawn from
+    torch's global generator, except on the meta device): see `initial_block`. Built on the meta device (`build_model(...,
+    device="meta")`) it allocates nothing, and `parallelize` materialises each rank's shards."""
+
+    def __init__(self, cfg: ModelConfig, seed: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.seed = seed
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -148,20 +158,37 @@ class Llama(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+        if not self.embed.weight.is_meta:
+            if self.seed is None:  # torch.manual_seed still makes the build reproducible
+                self.seed = int(torch.randint(0, 2**62, (), device="cpu"))
+            self.reset_parameters()
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        std = self.cfg.init_std
+        """Set every parameter to its initial value (whole tensors; see initial_block)."""
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            elif name.endswith(".bias"):
-                nn.init.zeros_(p)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                # residual projections scaled down with depth (GPT-2)
-                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layers))
-            else:
-                nn.init.normal_(p, 0.0, std)
+            p.copy_(self.initial_block(name, tuple(p.shape),
+                                       tuple(slice(0, n) for n in p.shape)))
+
+    def initial_block(self, name: str, full_shape: tuple[int, ...],
+                      index: tuple[slice, ...]) -> torch.Tensor:
+        """Block `index` of the initial value of parameter `name` (full shape `full_shape`), on
+        the CPU, in float32. Defined tile by tile from (seed, name), so a block costs only the
+        tiles it covers and equals the same block of the whole tensor on any grid."""
+        if self.seed is None:
+            raise ValueError("a model built on the meta device without a seed has no initial "
+                             "values; build it with build_model(cfg, seed=..., device=\"meta\")")
+        shape = tuple(s.stop - s.start for s in index)
+        std = self.cfg.init_std
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
+        if name == "output.weight" and self.cfg.tie_embeddings:
+            name = "embed.weight"
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            std = std / math.sqrt(2 * self.cfg.n_layers)  # residual projections (GPT-2)
+        return normal_block(self.seed, name, full_shape, index, std)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -192,13 +219,15 @@ class Llama(nn.Module):
         return self.criterion(logits, targets)
 
 
-def build_model(cfg: ModelConfig, seed: int | None = None) -> Llama:
-    """A freshly initialized model; with a seed, the same weights on every process."""
-    if seed is not None:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return Llama(cfg)
-    return Llama(cfg)
+def build_model(cfg: ModelConfig, seed: int | None = None,
+                device: torch.device | str | None = None) -> Llama:
+    """A freshly initialized model; with a seed, the same weights on every process (and on
+    every grid). With device="meta" nothing is allocated: `parallelize` then materialises and
+    initialises only each rank's own shards, to the same values."""
+    if device is None:
+        return Llama(cfg, seed)
+    with torch.device(device):
+        return Llama(cfg, seed)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

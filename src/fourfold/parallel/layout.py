@@ -64,12 +64,25 @@ class Layout:
             offs.append(index * size)
         return tuple(offs)
 
+    def full_shape(self, local_shape: tuple[int, ...], shape: GridShape) -> tuple[int, ...]:
+        """The full tensor's shape, from the shape of one rank's block."""
+        out = []
+        for size, axes in zip(local_shape, self._padded(len(local_shape))):
+            for a in axes:
+                size *= getattr(shape, a)
+            out.append(size)
+        return tuple(out)
+
+    def block_index(self, full_shape: tuple[int, ...], shape: GridShape,
+                    coords: dict[Axis, int]) -> tuple[slice, ...]:
+        """The slices of the full tensor that this rank's block covers."""
+        local = self.local_shape(full_shape, shape)
+        offs = self.offsets(full_shape, shape, coords)
+        return tuple(slice(o, o + n) for o, n in zip(offs, local))
+
     def shard(self, full: torch.Tensor, shape: GridShape, coords: dict[Axis, int]) -> torch.Tensor:
         """This rank's block of a full tensor (a copy, contiguous)."""
-        local = self.local_shape(tuple(full.shape), shape)
-        offs = self.offsets(tuple(full.shape), shape, coords)
-        index = tuple(slice(o, o + n) for o, n in zip(offs, local))
-        return full[index].clone().contiguous()
+        return full[self.block_index(tuple(full.shape), shape, coords)].clone().contiguous()
 
 
 REPLICATED = Layout(())

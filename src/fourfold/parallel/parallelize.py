@@ -25,6 +25,8 @@ from fourfold.parallel.grid import Grid, GridError
 from fourfold.parallel.layout import REPLICATED, Layout
 from fourfold.parallel.linear import Linear3D, ReplicatedLinear3D
 from fourfold.parallel.norm import ParallelRMSNorm
+from fourfold.parallel.shards import full_specs, materialize, stream_full
+from fourfold.safetensors_stream import TensorSpec
 
 _NORMAL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _TRANSPOSED = ("o_proj", "down_proj")
@@ -173,6 +175,16 @@ class ParallelModel:
             out[name] = gathered[key]
         return out
 
+    def full_tensor_specs(self) -> list[TensorSpec]:
+        """Name, dtype and full shape of each tensor `stream_full_tensors` yields, in order
+        (each shared tensor once). No communication."""
+        return full_specs(self.module, self.layouts(), self.grid)
+
+    def stream_full_tensors(self, dst: int = 0) -> Iterator[tuple[TensorSpec, torch.Tensor | None]]:
+        """The full tensors one at a time, on the CPU of rank `dst` (None on the others): no
+        rank holds the whole model. Collective: every rank runs the iterator to its end."""
+        return stream_full(self.module, self.layouts(), self.grid, dst)
+
     def memory_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         params = list(self.module.parameters())
         out = {"params": sum(p.numel() * p.element_size() for p in params),
@@ -211,7 +223,10 @@ def overlap_options(cfg: ParallelConfig | None) -> OverlapOptions:
 
 def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = None
                 ) -> ParallelModel:
-    """Parallelize `model` (with its full weights, the same on every rank) over `grid`.
+    """Parallelize `model` over `grid`: a model with its full weights, the same on every rank,
+    or one declared on the meta device (`build_model(cfg, seed, device="meta")`), of which
+    each rank materialises only its own shards, on grid.device, with the values a one-process
+    build of the same seed has.
 
     Modules are replaced in place. On a one-process grid with GEMM tuning off (the default)
     the model is left as it is; with tuning on its linears become fourfold's own, whose GEMMs
@@ -220,7 +235,9 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
     comm = Comm(grid)
     options = overlap_options(config)
     if grid.world_size == 1 and not options.gemm_tuning:
-        return ParallelModel(model, grid, comm, None, None)
+        pmodel = ParallelModel(model, grid, comm, None, None)
+        materialize(model, pmodel.layouts(), grid)
+        return pmodel
     engine = Engine(comm, options)
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     if set(_NORMAL + _TRANSPOSED) <= names:
@@ -229,6 +246,8 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
         _apply_generic_plan(model, grid, engine)
         vocab_start = None
     pmodel = ParallelModel(model, grid, comm, engine, vocab_start)
+    # a meta-device model's shards were cut as meta tensors; each rank computes just its own
+    materialize(model, pmodel.layouts(), grid)
     if vocab_start is None or not hasattr(model, "criterion"):
         return pmodel
     model.criterion = pmodel.criterion  # the model's own loss path uses the split vocabulary too

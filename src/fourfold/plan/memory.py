@@ -1,14 +1,31 @@
 """Memory per rank of a 4D configuration: parameters, gradients, AdamW states, activations
-(with and without activation checkpointing), gathered-weight buffers."""
+(with and without activation checkpointing), gathered-weight buffers, the data-parallel
+gradient buckets, and the transients of building the model in shards and of exporting it.
+
+What a rank holds that the model leaves out, and why:
+- the runtime itself: the Python interpreter, torch's libraries and (on a GPU) the CUDA
+  context; measure it as a process that has only imported fourfold (bench/memory.py does);
+- allocator slack: freed blocks that the caching allocator (CUDA) or glibc malloc (CPU, which
+  the trainer tunes to keep freed memory for reuse) keeps for the next step;
+- the token shards, which are memory-mapped and paged in and out by the kernel;
+- the optimizer step's temporaries (foreach AdamW works tensor group by tensor group) and the
+  gradient-norm reductions, a few tensors of one layer's size.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fourfold.config import ModelConfig
 from fourfold.parallel.grid import GridShape
 from fourfold.plan.errors import PlanError
 from fourfold.plan.schedule import block_linears, local_param_numel
+
+if TYPE_CHECKING:
+    import torch
+
+    from fourfold.config import Config
 
 GIB = 1024**3
 
@@ -50,11 +67,23 @@ class MemoryBreakdown:
     activations: int
     gathered_weights: int  # prefetched z all-gather buffers and the full dW before its scatter
     logits: int  # output-layer logits and the loss's fp32 workspace
+    comm_buffers: int = 0  # data-parallel gradient buckets in flight (flat copies)
+    startup: int = 0  # building in shards: one block of the largest tensor and one init tile
+    export: int = 0  # streaming the model out: the writer's full tensor (host), a block
+    checkpoint: int = 0  # an asynchronous checkpoint's snapshot, when it shares this memory
+
+    @property
+    def step(self) -> int:
+        """The transient bytes of a training step, on top of the model state."""
+        return (self.activations + self.gathered_weights + self.logits + self.comm_buffers
+                + self.checkpoint)
 
     @property
     def total(self) -> int:
-        return (self.params + self.grads + self.optimizer + self.activations
-                + self.gathered_weights + self.logits)
+        """Peak bytes: the model state plus the largest of the step, the build and the export
+        (which run one after the other)."""
+        return (self.params + self.grads + self.optimizer
+                + max(self.step, self.startup, self.export))
 
 
 def predict_param_memory(model_cfg: ModelConfig, shape: GridShape,
@@ -92,9 +121,29 @@ def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
             "checkpoint": d // gx * residual, "outside": outside}
 
 
+INIT_TILE_BYTES = 1024 * 1024 * 4  # fourfold.models.init: one float32 tile drawn at a time
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb
+
+
+def largest_tensor_numel(model: ModelConfig, shape: GridShape) -> tuple[int, int]:
+    """(elements of the largest full weight, of its largest block on a rank of `shape`)."""
+    tensors = [(lin.out_features * lin.in_features, shape.x * shape.y * shape.z)
+               for lin in block_linears(model)]
+    tensors.append((model.vocab_size * model.dim, shape.x * shape.y * shape.z))
+    full = max(n for n, _ in tensors)
+    return full, max(n // parts for n, parts in tensors)
+
+
 def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int,
-                   activation_checkpointing: bool, precision: Precision) -> MemoryBreakdown:
-    """Peak bytes per rank of one training step."""
+                   activation_checkpointing: bool, precision: Precision, *,
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, on_host: bool = False,
+                   writer: bool = False, async_checkpoint: bool = False) -> MemoryBreakdown:
+    """Peak bytes per rank: of one training step, of building the model in shards, and of
+    streaming it out at the end, whichever is largest, on top of the model state.
+
+    `on_host`: the rank computes in host memory (a CPU run), so that the host-side parts count:
+    the export writer's (`writer`) full copy of each tensor in turn, and the snapshot an
+    asynchronous checkpoint copies the shards into while training goes on."""
     gx, gy = shape.x, shape.y
     states = predict_param_memory(model, shape, precision)
     n = micro_batch_tokens
@@ -114,6 +163,71 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     if shape.z == 1:
         gathered = layer_block * precision.grad_bytes  # no gather buffers; still dW per layer
     logits = n * (model.vocab_size // gy) * (precision.act_bytes + 4)
+    # one bucket being filled (its flat copy) and one in flight over data
+    comm_buffers = 2 * bucket_bytes if shape.data > 1 else 0
+    full_numel, block_numel = largest_tensor_numel(model, shape)
+    # a block drawn on the host, then moved (or kept) on the device, plus the tile it came from
+    startup = block_numel * precision.param_bytes * (2 if on_host else 1) + INIT_TILE_BYTES
+    export = block_numel * precision.param_bytes  # the receive (or send) buffer of one block
+    if on_host and writer:
+        export += full_numel * precision.param_bytes
+    checkpoint = (states["params"] + states["optimizer"]
+                  if on_host and async_checkpoint else 0)
     return MemoryBreakdown(params=states["params"], grads=states["grads"],
                            optimizer=states["optimizer"], activations=activations,
-                           gathered_weights=gathered, logits=logits)
+                           gathered_weights=gathered, logits=logits, comm_buffers=comm_buffers,
+                           startup=startup, export=export, checkpoint=checkpoint)
+
+
+def rank_memory_capacity(device: "torch.device", local_ranks: int) -> int:
+    """Bytes one rank can use: its GPU's memory, or the host's memory shared by the ranks on
+    it (MemTotal: a run must not be refused for what other programs hold right now)."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 // max(1, local_ranks)
+    raise PlanError("cannot read the host's memory size from /proc/meminfo")
+
+
+def check_grid_fits(cfg: "Config", shape: GridShape, device: "torch.device",
+                    local_ranks: int) -> None:
+    """Raise a one-line PlanError, before anything is built, when a rank of `shape` cannot
+    hold the run of `cfg` (its peak per plan/memory.py), naming the bytes needed and a grid
+    that would fit (the planner's grid search, on as many ranks as it takes)."""
+    from fourfold.plan.search import grid_problem, grid_shapes
+
+    t, p = cfg.train, cfg.parallel
+    capacity = rank_memory_capacity(device, local_ranks)
+
+    def need(s: GridShape) -> MemoryBreakdown:
+        micro_tokens = t.batch_size // (s.data * s.z) // t.grad_accum * t.seq_len
+        return predict_memory(cfg.model, s, micro_tokens, t.activation_checkpointing,
+                              Precision.of(t.dtype), bucket_bytes=int(p.bucket_mb * 2**20),
+                              on_host=device.type == "cpu", writer=True,
+                              async_checkpoint=cfg.checkpoint.async_save
+                              and cfg.checkpoint.every > 0)
+
+    mem = need(shape)
+    if mem.total <= capacity:
+        return
+    suggestion = "no grid of up to 2^20 ranks does"
+    world = shape.size
+    while world <= 2**20:
+        fitting = [(need(s).total, s) for s in grid_shapes(world)
+                   if grid_problem(cfg.model, s, t.batch_size) is None]
+        fitting = [(n, s) for n, s in fitting if n <= capacity]
+        if fitting:
+            n, s = min(fitting, key=lambda f: (f[0], str(f[1])))
+            suggestion = (f"a grid that fits: parallel.x={s.x} y={s.y} z={s.z} data={s.data} "
+                          f"({world} ranks, {n / GIB:.2f} GiB each)")
+            break
+        world *= 2
+    state = mem.params + mem.grads + mem.optimizer
+    raise PlanError(f"grid {shape} cannot hold model {cfg.model.preset!r}: a rank needs "
+                    f"{mem.total / GIB:.2f} GiB ({state / GIB:.2f} GiB weights, gradients and "
+                    f"AdamW states + {(mem.total - state) / GIB:.2f} GiB at the peak of a step, "
+                    f"build or export) and has {capacity / GIB:.2f} GiB; {suggestion}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_p
 from fourfold.models.hf import HF_CONFIG_FILE, hf_model_config
 from fourfold.models.llama import Llama, build_model
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
+from fourfold.plan.memory import check_grid_fits
 from fourfold.train.compile import BlockCompiler
 from fourfold.train.host_memory import keep_freed_host_memory
 from fourfold.train.optim import build_optimizer
@@ -84,6 +86,8 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
             f"{t.grad_accum} micro-steps over data*z = {shard_count} batch shards; use a "
             f"multiple of {t.grad_accum * shard_count}")
     torch.manual_seed(t.seed)
+    # one line naming the memory needed and a grid that fits, not an OOM halfway through
+    check_grid_fits(cfg, grid.shape, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
     data_dir = resolve_data_path(cfg.data.path, cfg.data.tokenizer)
     tokenizer = load_tokenizer(data_dir)
@@ -93,14 +97,15 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
             f"{tokenizer.vocab_size} tokens ({data_dir}); set model.vocab_size to at least "
             f"{tokenizer.vocab_size}")
 
-    if model is None:
-        model = build_model(cfg.model, seed=t.seed)
+    if model is None:  # on the meta device: parallelize builds only this rank's shards
+        model = build_model(cfg.model, seed=t.seed, device="meta")
     elif model.cfg != cfg.model:
         raise ConfigError("the model passed to Trainer does not match cfg.model; build it "
                           "with build_model(cfg.model)")
+    else:
+        model.to(device)
     # Set before parallelize, which converts the layers in place and keeps the flag.
     model.activation_checkpointing = t.activation_checkpointing
-    model.to(device)
     pmodel = parallelize(model, grid, p)
     if init_from:
         from fourfold.models.hf import load_hf_into

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from fourfold.config import Config, ConfigError, load_config
 from fourfold.files import atomic_path
-from fourfold.models.llama import Llama
+from fourfold.models.llama import Llama, build_model
+from fourfold.safetensors_stream import TensorSpec, write_streamed
+
+if TYPE_CHECKING:
+    from fourfold.parallel.parallelize import ParallelModel
 
 CONFIG_FILE = "config.toml"
 WEIGHTS_FILE = "model.safetensors"
@@ -37,30 +41,59 @@ def save_weights(state: Mapping[str, torch.Tensor], path: Path, tie_embeddings: 
         save_file(tensors, str(tmp), metadata={"format": "fourfold"})
 
 
+def save_weights_streamed(pmodel: "ParallelModel", path: Path, tie_embeddings: bool,
+                          writer_rank: int = 0) -> None:
+    """Write the full model of a parallelized `pmodel` to safetensors, as save_weights does,
+    streaming one tensor at a time to `writer_rank`, which alone writes (via a temporary name):
+    no rank ever holds the whole model. Collective: every rank of the grid calls it."""
+    specs = pmodel.full_tensor_specs()
+    keep = {s.name: s.name for s in specs if not (tie_embeddings and s.name == "output.weight")}
+    write_streamed(path if pmodel.grid.rank == writer_rank else None, specs,
+                   pmodel.stream_full_tensors(writer_rank), {"format": "fourfold"}, keep)
+
+
+def read_specs(path: Path) -> list[TensorSpec]:
+    """Name, dtype and shape of each tensor in a safetensors file (its header only)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return [TensorSpec(name, _TORCH_DTYPES[f.get_slice(name).get_dtype()],
+                               tuple(f.get_slice(name).get_shape())) for name in f.keys()]
+    except (SafetensorError, OSError) as e:
+        raise RunDirError(f"{path}: cannot read model weights ({e})") from None
+
+
+def _check_fits(model: Llama, specs: list[TensorSpec], path: Path) -> None:
+    shapes = {s.name: s.shape for s in specs
+              if not (model.cfg.tie_embeddings and s.name == "output.weight")}
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()
+                if not (model.cfg.tie_embeddings and n == "output.weight")}
+    missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+    if missing or unexpected:
+        raise RunDirError(f"{path}: weights do not fit the model in config.toml "
+                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    for name, shape in expected.items():
+        if shapes[name] != shape:
+            raise RunDirError(f"{path}: {name} has shape {shapes[name]}, the model in "
+                              f"config.toml needs {shape}")
+
+
 def load_weights(model: Llama, path: Path) -> None:
-    """Load a model.safetensors written by save_weights into `model` (all names must match)."""
+    """Load a model.safetensors written by save_weights into `model` (all names must match);
+    a model built on the meta device takes the file's tensors as its parameters."""
+    _check_fits(model, read_specs(path), path)
     try:
         state = load_file(str(path))
     except (SafetensorError, OSError) as e:
         raise RunDirError(f"{path}: cannot read model weights ({e})") from None
     if model.cfg.tie_embeddings:
         state.pop("output.weight", None)
-    expected = {n for n in model.state_dict() if not (model.cfg.tie_embeddings
-                                                     and n == "output.weight")}
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise RunDirError(f"{path}: weights do not fit the model in config.toml "
-                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    for name, tensor in model.state_dict().items():
-        if name in state and tuple(state[name].shape) != tuple(tensor.shape):
-            raise RunDirError(f"{path}: {name} has shape {tuple(state[name].shape)}, the model in "
-                              f"config.toml needs {tuple(tensor.shape)}")
-    model.load_state_dict(state, strict=False)
+    on_meta = model.embed.weight.is_meta
+    model.load_state_dict(state, strict=False, assign=on_meta)
+    if on_meta and model.cfg.tie_embeddings:
+        model.output.weight = model.embed.weight
 
 
-def load_trained(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, Config]:
-    """The trained model (in eval mode) and the config of a run: its model.safetensors, or,
-    for a run still training or one that died, the weights of its newest complete checkpoint."""
+def _run_config(run_dir: str | Path) -> Config:
     run = Path(run_dir)
     if not run.is_dir():
         raise RunDirError(f"run directory {str(run_dir)!r} does not exist")
@@ -68,11 +101,18 @@ def load_trained(run_dir: str | Path, device: str | torch.device = "cpu") -> tup
         raise RunDirError(f"run directory {str(run_dir)!r} has no {CONFIG_FILE}; is it a "
                           "fourfold RUN_DIR?")
     try:
-        cfg = load_config(run / CONFIG_FILE)
+        return load_config(run / CONFIG_FILE)
     except ConfigError as e:
         raise RunDirError(f"{run / CONFIG_FILE}: {e}") from None
-    model = Llama(cfg.model)
+
+
+def load_trained(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, Config]:
+    """The trained model (in eval mode) and the config of a run: its model.safetensors, or,
+    for a run still training or one that died, the weights of its newest complete checkpoint."""
+    run = Path(run_dir)
+    cfg = _run_config(run)
     if (run / WEIGHTS_FILE).is_file():
+        model = build_model(cfg.model, seed=0, device="meta")  # the file fills it
         load_weights(model, run / WEIGHTS_FILE)
     else:
         from fourfold.parallel.grid import Grid
@@ -83,10 +123,42 @@ def load_trained(run_dir: str | Path, device: str | torch.device = "cpu") -> tup
             raise RunDirError(f"run directory {str(run_dir)!r} has no {WEIGHTS_FILE} and no "
                               "complete checkpoint; train it to the end, or with "
                               "checkpoint.every > 0")
+        model = Llama(cfg.model)
         load_weights_from_checkpoint(path, model)
     model.to(device)
     model.eval()
     return model, cfg
+
+
+def trained_tensors(run_dir: str | Path
+                    ) -> tuple[Config, list[TensorSpec], Iterator[tuple[TensorSpec, torch.Tensor]]]:
+    """The config of a run, and its trained weights as specs plus an iterator over the tensors,
+    one at a time (fourfold names; a tied output weight only as embed.weight): read tensor by
+    tensor from model.safetensors, so that an export never holds the whole model. A run without
+    one is loaded whole from its newest checkpoint."""
+    run = Path(run_dir)
+    weights = run / WEIGHTS_FILE
+    if not weights.is_file():
+        model, cfg = load_trained(run)  # raises the RunDirError that fits
+        state = {n: t for n, t in model.state_dict().items()
+                 if not (cfg.model.tie_embeddings and n == "output.weight")}
+        specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in state.items()]
+        return cfg, specs, iter(zip(specs, state.values()))
+    cfg = _run_config(run)
+    specs = read_specs(weights)
+    _check_fits(build_model(cfg.model, seed=0, device="meta"), specs, weights)
+
+    def tensors() -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+        with safe_open(str(weights), framework="pt") as f:
+            for spec in specs:
+                yield spec, f.get_tensor(spec.name)
+
+    return cfg, specs, tensors()
+
+
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                 "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                 "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:

@@ -21,7 +21,7 @@ import torch
 from fourfold.config import Config
 from fourfold.data import Tokenizer
 from fourfold.errors import EXIT_FAILED, FourfoldError
-from fourfold.models.llama import Llama, flops_per_token
+from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, ParallelModel
 from fourfold.train.build import Run, build_run
 from fourfold.train.checkpoint import CheckpointError, CheckpointManager
@@ -31,7 +31,7 @@ from fourfold.train.progress import Progress
 from fourfold.train.resilience import (gather_step_times, restart_count, resume_record,
                                        straggler_report)
 from fourfold.train.runs import (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, WEIGHTS_FILE,
-                                 save_weights, write_summary)
+                                 load_weights, save_weights_streamed, write_summary)
 from fourfold.train.sampling import generate
 
 SAMPLE_PROMPT_TOKENS = 16
@@ -278,11 +278,12 @@ class Trainer:
             return module
         return None
 
-    def _model_from_state(self, state: dict[str, torch.Tensor]) -> Llama | None:
-        if sum(v.numel() for v in state.values()) > MAX_GATHERED_SAMPLE_PARAMS:
+    def _model_from_file(self) -> Llama | None:
+        if sum(math.prod(s.shape) for s in self.pmodel.full_tensor_specs()) \
+                > MAX_GATHERED_SAMPLE_PARAMS:
             return None
-        model = Llama(self.cfg.model)
-        model.load_state_dict(state, strict=False)
+        model = build_model(self.cfg.model, seed=0, device="meta")
+        load_weights(model, self.run_dir / WEIGHTS_FILE)  # the meta tensors take the file's
         return model.to(self.device)
 
     # ---- the run ------------------------------------------------------------------------
@@ -348,20 +349,18 @@ class Trainer:
                     self.save_checkpoint()
             self._wait_for_checkpoints()
 
-            # Collective: every rank takes part in gathering the full weights.
-            state = self.pmodel.full_state_dict()
-            if self.is_main:
-                save_weights(state, self.run_dir / WEIGHTS_FILE, self.cfg.model.tie_embeddings)
+            # Collective: the weights stream to the main rank one tensor at a time.
+            save_weights_streamed(self.pmodel, self.run_dir / WEIGHTS_FILE,
+                                  self.cfg.model.tie_embeddings)
             final_sample = None
             if self.is_main and t.sample_tokens > 0:
-                model = self._local_whole_model() or self._model_from_state(state)
+                model = self._local_whole_model() or self._model_from_file()
                 if model is None:
                     progress.message("no final sample: the model is too large to rebuild on "
                                      "one rank")
                 else:
                     final_sample = self.sample_text(model)
                     self._record_sample(progress, final_sample)
-            del state
             result = self._result(time.perf_counter() - started)
             if self.is_main:
                 write_summary(self.run_dir, self._summary(result, final_sample))

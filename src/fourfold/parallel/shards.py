@@ -1,0 +1,116 @@
+"""Whole tensors that no rank holds: materialising a meta-device model shard by shard, and
+streaming full tensors to one rank, one tensor at a time.
+
+Materialising: a model declared on the meta device is parallelized as any other (the shards it
+cuts are meta too); then each rank asks the model for the initial value of just the block of
+each tensor it owns. The model answers through `initial_block` (see `ShardInitializer`), whose
+values must not depend on the grid, so every grid starts from the weights one process builds.
+
+Streaming: the owners of a tensor's blocks (one rank per distinct block: coordinate 0 on the
+axes that replicate it) send them to the destination rank, which assembles the full tensor on
+the CPU. Peak memory there is about the largest tensor; the other ranks send from their
+parameters and hold nothing extra.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fourfold.parallel.grid import Grid, GridError
+from fourfold.parallel.layout import REPLICATED, Layout
+from fourfold.safetensors_stream import TensorSpec
+
+
+class ShardInitializer(Protocol):
+    def initial_block(self, name: str, full_shape: tuple[int, ...],
+                      index: tuple[slice, ...]) -> torch.Tensor:
+        """Block `index` of parameter `name`'s initial value (full shape `full_shape`)."""
+        ...
+
+
+def has_meta_parameters(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, layouts: dict[str, Layout], grid: Grid) -> None:
+    """Replace every meta parameter of a parallelized `module` by this rank's block of its
+    initial value, on grid.device, keeping the Parameter objects (the engine and tied layers
+    hold them); then move the buffers there too."""
+    meta = [(n, p) for n, p in module.named_parameters() if p.is_meta]
+    if not meta:
+        return
+    init = getattr(module, "initial_block", None)
+    if init is None:
+        raise GridError(f"parameter {meta[0][0]} is on the meta device, and "
+                        f"{type(module).__name__} has no initial_block method to compute its "
+                        "shards; build the model on a real device")
+    shape, coords = grid.shape, grid.shape.coords(grid.rank)
+    for name, p in meta:
+        layout = layouts.get(name, REPLICATED)
+        full = layout.full_shape(tuple(p.shape), shape)
+        block = init(name, full, layout.block_index(full, shape, coords))
+        real = nn.Parameter(block.to(device=grid.device, dtype=p.dtype),
+                            requires_grad=p.requires_grad)
+        torch.utils.swap_tensors(p, real)
+    module.to(grid.device)  # the buffers (parameters are there already)
+
+
+def full_specs(module: nn.Module, layouts: dict[str, Layout], grid: Grid) -> list[TensorSpec]:
+    """Name, dtype and full shape of every parameter (each shared tensor once) and persistent
+    buffer, in the order `stream_full` sends them. No communication."""
+    out = [TensorSpec(n, p.dtype, layouts.get(n, REPLICATED).full_shape(tuple(p.shape),
+                                                                        grid.shape))
+           for n, p in module.named_parameters()]
+    return out + [TensorSpec(n, b.dtype, tuple(b.shape)) for n, b in _persistent_buffers(module)]
+
+
+def _persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    buffers = dict(module.named_buffers())
+    return [(n, t) for n, t in module.state_dict(keep_vars=True).items() if n in buffers]
+
+
+def stream_full(module: nn.Module, layouts: dict[str, Layout], grid: Grid, dst: int = 0
+                ) -> Iterator[tuple[TensorSpec, torch.Tensor | None]]:
+    """Each full tensor of `full_specs`, one at a time: on rank `dst` the whole tensor on the
+    CPU, on the other ranks None. Collective: every rank must run the iterator to its end."""
+    shape = grid.shape
+    for spec, tensor in zip(full_specs(module, layouts, grid), _tensors(module)):
+        layout = layouts.get(spec.name, REPLICATED)
+        if grid.world_size == 1:
+            yield spec, tensor.detach().to("cpu")
+            continue
+        out = torch.empty(spec.shape, dtype=spec.dtype) if grid.rank == dst else None
+        split = layout.split_axes
+        ranges = [range(getattr(shape, a)) if a in split else range(1) for a in _AXIS_ORDER]
+        for values in itertools.product(*ranges):
+            coords = dict(zip(_AXIS_ORDER, values))
+            owner = shape.rank_of(coords)
+            index = layout.block_index(spec.shape, shape, coords)
+            if owner == grid.rank == dst:
+                out[index] = tensor.detach().cpu()  # type: ignore[index]
+            elif grid.rank == owner:
+                dist.send(tensor.detach().contiguous(), dst)
+            elif grid.rank == dst:
+                block = torch.empty(tuple(s.stop - s.start for s in index), dtype=spec.dtype,
+                                    device=grid.device)
+                dist.recv(block, owner)
+                out[index] = block.cpu()  # type: ignore[index]
+                del block
+        yield spec, out
+        del out  # before the next tensor is allocated: one full tensor at a time
+
+
+_AXIS_ORDER = ("data", "z", "y", "x")
+
+
+def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    for _, p in module.named_parameters():
+        yield p
+    for _, b in _persistent_buffers(module):
+        yield b
