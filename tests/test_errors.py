@@ -12,7 +12,8 @@ from fourfold.eval.memorization import MemorizationAuditError
 from fourfold.parallel.grid import GridError
 from fourfold.plan.errors import PlanError
 from fourfold.report import ReportError
-from fourfold.train.checkpoint import CheckpointError, InitFromError
+from fourfold.models.hf import InitFromError
+from fourfold.train.checkpoint import CheckpointError
 from fourfold.train.runs import RunDirError
 from fourfold.train.trainer import TrainingError
 
