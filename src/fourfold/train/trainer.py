@@ -28,6 +28,7 @@ from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_p
 from fourfold.launch import cores_available
 from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
+from fourfold.parallel.grid import check_shared_directory
 from fourfold.train.checkpoint import CheckpointError, CheckpointManager, hf_model_config
 from fourfold.train.host_memory import keep_freed_host_memory
 from fourfold.train.metrics import (MetricsLog, cpu_peak_flops, device_peak_flops,
@@ -361,6 +362,7 @@ class Trainer:
             self.cfg.save(self.run_dir / CONFIG_FILE)
             if self.step == 0:  # a fresh run in a reused directory: drop the old samples
                 (self.run_dir / SAMPLES_FILE).unlink(missing_ok=True)
+        check_shared_directory(self.run_dir, self.grid)  # before any rank writes a shard
         metrics = (MetricsLog(self.run_dir / METRICS_FILE,
                               self.run_dir / "tensorboard" if t.tensorboard else None,
                               append=self.step > 0)
