@@ -321,14 +321,15 @@ def first_host(nodelist: str) -> str:
     return head + first + suffix
 
 
-def threads_for_rank(env: Mapping[str, str], local_world: int) -> int:
+def threads_for_rank(env: Mapping[str, str], local_world: int, cores: int | None = None) -> int:
     """CPU threads of one rank: the task's own cores where Slurm binds them
-    (SLURM_CPUS_PER_TASK), else the cores this process may use split among the ranks on its
-    node (not among all ranks of the job)."""
+    (SLURM_CPUS_PER_TASK), else the cores this process may use (`cores`, default: its
+    affinity) split among the ranks on its node, not among all ranks of the job."""
+    cores = cores_available() if cores is None else cores
     cpus_per_task = int(env.get("SLURM_CPUS_PER_TASK", "0") or 0) if is_slurm_step(env) else 0
     if cpus_per_task:
-        return max(1, min(cpus_per_task, cores_available()))
-    return threads_per_rank(local_world)
+        return max(1, min(cpus_per_task, cores))
+    return threads_per_rank(local_world, cores)
 
 
 def cuda_index(local_rank: int, local_world: int | None, visible: int) -> int:
@@ -380,7 +381,7 @@ def check_shared_directory(path: Path, grid: Grid) -> None:
     if grid.is_main:
         probe.parent.mkdir(parents=True, exist_ok=True)
         probe.write_text(token)
-    tokens: list[object] = [token]
+    tokens: list[object] = [token, str(path)]
     dist.broadcast_object_list(tokens, src=0)  # also the barrier: rank 0 wrote the file
     try:
         seen = probe.read_text() == tokens[0]
@@ -394,7 +395,7 @@ def check_shared_directory(path: Path, grid: Grid) -> None:
     if blind:
         hosts = sorted({host for _, host in blind})
         ranks = ", ".join(str(rank) for rank, _ in blind[:8]) + (" ..." if len(blind) > 8 else "")
-        raise GridError(f"run directory {path} is not shared by all ranks: rank(s) {ranks} on "
+        raise GridError(f"run directory {tokens[1]} is not shared by all ranks: rank(s) {ranks} on "
                         f"{', '.join(hosts)} do not see what rank 0 wrote there; use a "
                         "directory every node mounts (--out)")
 
