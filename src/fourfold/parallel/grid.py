@@ -388,7 +388,7 @@ def check_shared_directory(path: Path, grid: Grid) -> None:
     except OSError:
         seen = False
     answers: list[object] = [None] * grid.world_size
-    dist.all_gather_object(answers, (seen, socket.gethostname()))
+    dist.all_gather_object(answers, (seen, os.environ.get("SLURMD_NODENAME") or socket.gethostname()))
     if grid.is_main:
         probe.unlink(missing_ok=True)
     blind = [(rank, host) for rank, (ok, host) in enumerate(answers) if not ok]  # type: ignore[misc]

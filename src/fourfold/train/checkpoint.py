@@ -52,6 +52,7 @@ from fourfold.config import CheckpointConfig, ConfigError
 from fourfold.data.manifest import sha256_file
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.layout import Layout
+from fourfold.train.host_memory import to_host, wait_for_host_copies
 
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST_FILE = "manifest.json"
@@ -322,9 +323,10 @@ class CheckpointManager:
         copy = self.cfg.async_save
 
         def to_cpu(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to("cpu", copy=copy)
+            return to_host(t, copy)  # from a GPU: pinned, not blocking
 
         state = self._tensor_state(pmodel, optimizer, to_cpu)
+        wait_for_host_copies(self.grid.device)
         state[_EXTRA] = _to_bytes(extra)
         state[f"{_RNG}{self.rank}"] = _to_bytes(rng_state())
         return state

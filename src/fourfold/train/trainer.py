@@ -30,7 +30,7 @@ from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
 from fourfold.parallel.grid import check_shared_directory
 from fourfold.train.checkpoint import CheckpointError, CheckpointManager, hf_model_config
-from fourfold.train.host_memory import keep_freed_host_memory
+from fourfold.train.host_memory import keep_freed_host_memory, to_device
 from fourfold.train.metrics import (MetricsLog, cpu_peak_flops, device_peak_flops,
                                     peak_memory_bytes)
 from fourfold.train.optim import build_optimizer, lr_at, set_lr
@@ -262,7 +262,7 @@ class Trainer:
         self.pmodel.ledger.reset()
 
         inputs, targets = self.loader.next_batch()  # (B / shards, T)
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         micro = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
         masks = [self._loss_mask(x, y) for x, y in micro]
         local_count = torch.stack([m.sum() for m in masks]).sum()
