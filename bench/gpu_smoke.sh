@@ -89,6 +89,37 @@ for i in range(torch.cuda.device_count()):
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL",
       ".".join(map(str, torch.cuda.nccl.version())))'
 
+# Host synchronisations inside a training step (forward, backward, gradient sync, optimizer)
+# show only on a GPU: torch.cuda.set_sync_debug_mode("error") turns the first into an error.
+sync_check() {
+    "$PY" - <<'PYEOF'
+import torch
+from fourfold.config import model_config
+from fourfold.models import build_model
+from fourfold.parallel import Grid, parallelize
+
+device = torch.device("cuda", 0)
+pmodel = parallelize(build_model(model_config("debug"), seed=0).to(device), Grid.single(device))
+opt = torch.optim.AdamW(pmodel.module.parameters(), lr=1e-3, fused=True)
+tokens = torch.randint(0, 512, (4, 65), device=device)
+for step in range(3):  # the first step may set things up; the later ones must not sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error" if step else "default")
+    try:
+        pmodel(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+        pmodel.finish_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    except RuntimeError as error:
+        torch.cuda.set_sync_debug_mode("default")
+        print(f"sync check: step {step} synchronised with the host: {str(error).splitlines()[0]}")
+        raise SystemExit(1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+print("sync check: no host synchronisation in forward, backward, gradient sync and AdamW")
+PYEOF
+}
+
 RUNS=()
 FAILED=()
 run() {  # run NAME NPROC BATCH PRESET [--set ...]
@@ -116,6 +147,8 @@ run() {  # run NAME NPROC BATCH PRESET [--set ...]
     kill "$smi" 2>/dev/null || true
     wait "$smi" 2>/dev/null || true
 }
+
+if [ "$DRY" = 0 ] && ! sync_check; then FAILED+=("sync-check"); fi
 
 for preset in $PRESETS; do
     case $preset in 1b) per_gpu=4 ;; *) per_gpu=8 ;; esac
