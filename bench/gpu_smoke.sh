@@ -61,7 +61,7 @@ fi
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
 
-NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count() * torch.cuda.is_available())')
 if [ "$NGPU" -lt 1 ] && [ "$DRY" = 0 ]; then
     echo "error: gpu_smoke.sh needs a CUDA GPU, and torch sees none (torch.cuda.is_available()" \
          "is False; CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}, torch" \

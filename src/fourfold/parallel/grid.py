@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 import uuid
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -170,7 +170,7 @@ class Grid:
                          for d in range(shape.data)]
         # One entry per group this rank needs, in the same order on every rank (the order also
         # keeps group creation with local synchronisation free of deadlocks).
-        wanted: list[tuple[str, list[list[int]]]] = [(axis, shape.axis_groups(axis)) for axis in AXES]
+        wanted: list[tuple[str, list[list[int]]]] = [(a, shape.axis_groups(a)) for a in AXES]
         wanted += [("tensor", tensor_groups), ("z-gather", shape.axis_groups("z"))]
         made = _make_groups(wanted, rank, timeout)
         groups: dict[Axis, object] = {axis: made[axis] for axis in AXES if made.get(axis)}
@@ -193,7 +193,8 @@ def _make_groups(wanted: list[tuple[str, list[list[int]]]], rank: int,
     partition), otherwise a `new_group` of its own part that only that part's ranks synchronise.
     """
     default = dist.distributed_c10d._get_default_group()
-    can_split = getattr(default, "bound_device_id", None) is not None and dist.get_backend() == "nccl"
+    can_split = (getattr(default, "bound_device_id", None) is not None
+                 and dist.get_backend() == "nccl")
     made: dict[str, object] = {}
     for name, parts in wanted:
         if all(len(part) == 1 for part in parts):
@@ -271,7 +272,7 @@ def slurm_rank_env(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-# Step ids Slurm gives the batch script, the interactive salloc shell and the extern step;
+# Step ids Slurm reserves (the batch script, the extern and interactive steps, a pending step);
 # none of them is a step of tasks that srun started.
 _SPECIAL_STEPS = {"4294967290", "4294967291", "4294967292", "4294967293", "4294967294",
                   "batch", "extern", "interactive"}
@@ -337,8 +338,9 @@ def cuda_index(local_rank: int, local_world: int | None, visible: int) -> int:
     all its GPUs, rank i takes GPU i; where each task sees only its own (Slurm's
     --gpus-per-task, a per-task CUDA_VISIBLE_DEVICES), it takes the first it sees."""
     if visible < 1:
+        visible_env = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
         raise GridError("parallel.backend = \"nccl\" but this rank sees no CUDA device "
-                        f"(CUDA_VISIBLE_DEVICES = {os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')!r})")
+                        f"(CUDA_VISIBLE_DEVICES = {visible_env!r})")
     if visible >= (local_world or visible) and local_rank < visible:
         return local_rank
     if visible < (local_world or visible):
@@ -388,10 +390,12 @@ def check_shared_directory(path: Path, grid: Grid) -> None:
     except OSError:
         seen = False
     answers: list[object] = [None] * grid.world_size
-    dist.all_gather_object(answers, (seen, os.environ.get("SLURMD_NODENAME") or socket.gethostname()))
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    dist.all_gather_object(answers, (seen, node))
     if grid.is_main:
         probe.unlink(missing_ok=True)
-    blind = [(rank, host) for rank, (ok, host) in enumerate(answers) if not ok]  # type: ignore[misc]
+    blind = [(rank, host) for rank, (ok, host) in enumerate(answers)  # type: ignore[misc]
+             if not ok]
     if blind:
         hosts = sorted({host for _, host in blind})
         ranks = ", ".join(str(rank) for rank, _ in blind[:8]) + (" ..." if len(blind) > 8 else "")
