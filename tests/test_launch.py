@@ -250,3 +250,25 @@ def test_ranks_that_do_not_share_the_run_directory_fail_in_one_line(tmp_path: Pa
     assert "is not shared by all ranks: rank(s) 1 on" in message and "\n" not in message
     assert str(tmp_path / "shared") in message  # the directory as rank 0 sees it
     assert not (tmp_path / "shared" / ".fourfold-shared").exists()
+
+
+def test_what_fourfold_makes_of_a_slurm_allocation_is_said_once(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from fourfold import cli
+
+    for name in ("RANK", *SLURM_STEP_TASK3):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in SLURM_BATCH.items():
+        monkeypatch.setenv(name, value)
+    cli._note_slurm_launch(nproc=1)  # a batch script of 4 tasks training on one process
+    assert "has 4 tasks but this batch script is one process" in capsys.readouterr().err
+    cli._note_slurm_launch(nproc=4)  # --nproc in a batch script: what the user asked for
+    assert capsys.readouterr().err == ""
+    for name, value in {**SLURM_STEP_TASK3, "SLURM_PROCID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    cli._note_slurm_launch(nproc=4)  # --nproc inside a 4-task step
+    assert "--nproc 4 ignored: the 4 tasks of this srun step are the ranks" in \
+        capsys.readouterr().err
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    cli._note_slurm_launch(nproc=4)  # said by rank 0 only
+    assert capsys.readouterr().err == ""
