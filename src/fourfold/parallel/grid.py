@@ -205,6 +205,8 @@ def _make_groups(wanted: list[tuple[str, list[list[int]]]], rank: int,
                                      group_desc=f"fourfold_{name}")
             made[name] = group if len(mine) > 1 else None
         elif len(mine) > 1:
+            # The group's name hashes its ranks and how many groups this process has: the
+            # same on every member, since every rank makes one group per partition.
             made[name] = dist.new_group(mine, timeout=timeout, use_local_synchronization=True,
                                         group_desc=f"fourfold_{name}")
     return made
