@@ -194,7 +194,7 @@ def _make_groups(wanted: list[tuple[str, list[list[int]]]], rank: int,
     """
     default = dist.distributed_c10d._get_default_group()
     can_split = (getattr(default, "bound_device_id", None) is not None
-                 and dist.get_backend() == "nccl")
+                 and dist.get_backend() == "nccl" and hasattr(dist, "split_group"))  # torch 2.5+
     made: dict[str, object] = {}
     for name, parts in wanted:
         if all(len(part) == 1 for part in parts):
