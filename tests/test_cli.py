@@ -399,13 +399,22 @@ def test_plan_passes_its_arguments_through(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_ranks_of_a_slurm_job_do_not_launch_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+    for name in ("RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_STEPID",
+                 "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(name, raising=False)
     assert not cli._inside_job() and cli._is_main_rank()
+    # srun sets the step's variables for each task of the step
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
     monkeypatch.setenv("SLURM_PROCID", "3")
-    monkeypatch.setenv("SLURM_NTASKS", "1")  # one task: --nproc starts the ranks itself
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")  # one task: --nproc starts the ranks itself
     assert not cli._inside_job()
     monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
     assert cli._inside_job() and not cli._is_main_rank()
+    # a batch script of a 4-task job has the job's variables but no step: one process
+    monkeypatch.delenv("SLURM_STEP_ID")
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS")
+    assert not cli._inside_job() and cli._is_main_rank()
     monkeypatch.setenv("RANK", "0")  # torchrun's variable wins once set
     assert cli._inside_job() and cli._is_main_rank()

@@ -47,7 +47,10 @@ def default_run_dir(env: dict[str, str] | None = None, now: float | None = None)
     env = dict(os.environ) if env is None else env
     if int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")) or 1) > 1:
         if env.get("SLURM_JOB_ID"):
-            return Path("runs") / f"slurm-{env['SLURM_JOB_ID']}"
+            # Two steps of one job (srun ... & srun ...) are two runs.
+            step = env.get("SLURM_STEP_ID", "0")
+            suffix = f".{step}" if step.isdigit() and 0 < int(step) < 4294967290 else ""
+            return Path("runs") / f"slurm-{env['SLURM_JOB_ID']}{suffix}"
         run_id = env.get("TORCHELASTIC_RUN_ID", "")
         if run_id and run_id != "none":
             return Path("runs") / run_id
@@ -88,6 +91,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
     run_dir = Path(args.out) if args.out else default_run_dir()
 
+    _note_slurm_launch(args.nproc)
     if args.nproc > 1 and not _inside_job():
         from fourfold.launch import launch_local
         from fourfold.parallel.grid import GridShape
@@ -108,14 +112,44 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _inside_job() -> bool:
-    """Whether this process is already one rank of a job started by torchrun or srun."""
-    env = os.environ
-    return "RANK" in env or ("SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1)
+    """Whether this process is already one rank of a job started by torchrun or srun.
+
+    Under Slurm only a task of a job step of several tasks is (srun sets the step's
+    variables); a batch script carries the job's SLURM_PROCID and SLURM_NTASKS but is one
+    process, which --nproc may fan out."""
+    from fourfold.parallel.grid import slurm_rank_env
+
+    return "RANK" in os.environ or bool(slurm_rank_env(os.environ))
 
 
 def _is_main_rank() -> bool:
     # Slurm's variable counts before init_distributed has copied it to RANK.
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    if "RANK" in os.environ:
+        return os.environ["RANK"] == "0"
+    from fourfold.parallel.grid import is_slurm_step
+
+    return not is_slurm_step(os.environ) or os.environ.get("SLURM_PROCID", "0") == "0"
+
+
+def _note_slurm_launch(nproc: int) -> None:
+    """Say what fourfold makes of a Slurm allocation when it differs from what the job asked:
+    --nproc inside a step of several tasks (the step's tasks are the ranks), or one process
+    in a batch script of a job of several tasks (the script is not one of them)."""
+    env = os.environ
+    if "RANK" in env or "SLURM_JOB_ID" not in env:
+        return
+    from fourfold.parallel.grid import is_slurm_step
+
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS" if is_slurm_step(env) else "SLURM_NTASKS", "1")
+                or 1)
+    if is_slurm_step(env) and tasks > 1 and nproc > 1 and _is_main_rank():
+        print(f"note: --nproc {nproc} ignored: the {tasks} tasks of this srun step are the "
+              "ranks", file=sys.stderr, flush=True)
+    elif not is_slurm_step(env) and tasks > 1 and nproc == 1:
+        print(f"note: Slurm job {env['SLURM_JOB_ID']} has {tasks} tasks but this batch script "
+              "is one process, so fourfold trains on one rank; start the ranks with `srun "
+              "python -m fourfold train ...` or `fourfold train ... --nproc N`",
+              file=sys.stderr, flush=True)
 
 
 def _print_train_summary(run_dir: Path) -> None:
@@ -343,23 +377,23 @@ def _run(argv: list[str]) -> int:
         return EXIT_TRAINING_FAILED
     except (FourfoldError, FileNotFoundError, NotADirectoryError) as error:
         # every error meant for the user is a FourfoldError that knows its exit code
-        _report_error(_message(error))
+        _report_error(_message(error), every_rank=getattr(error, "every_rank", False))
         return error.exit_code if isinstance(error, FourfoldError) else EXIT_USAGE
 
 
-def _report_error(message: str) -> None:
+def _report_error(message: str, every_rank: bool = False) -> None:
     """Print `error: message` once per job.
 
     A rank started by an elastic launcher (ours or torchrun) also leaves the line in its
     error file, where the launcher's failure summary picks it up. Under `fourfold train
     --nproc` that summary is the one line the user sees (a rank that fails second may be
     stopped before it could print); otherwise rank 0 prints, since every rank usually finds
-    the same mistake.
+    the same mistake, or, with `every_rank`, each rank (when rank 0 may not exist).
     """
     from fourfold.launch import LAUNCHED_BY_FOURFOLD, write_error_file
 
     launched = write_error_file(message) and os.environ.get(LAUNCHED_BY_FOURFOLD) == "1"
-    if not launched and _is_main_rank():
+    if not launched and (every_rank or _is_main_rank()):
         print(f"error: {message}", file=sys.stderr, flush=True)
 
 

@@ -148,7 +148,8 @@ class Comm:
 
     def all_gather(self, t: torch.Tensor, axis: str, async_op: bool = False) -> Handle:
         """Concatenate each rank's `t` along dim 0, in axis order."""
-        group = self._group(axis)
+        # z's gathers (weight prefetch) have their own group: see Grid.gather_groups.
+        group = self.grid.gather_group("z") if axis == "z" else self._group(axis)
         size = self._size(axis)
         if group is None or size == 1:
             return Handle(self, None, t, "all-gather", axis)

@@ -55,9 +55,8 @@ class GradBucketer:
         self._launch()
         for handle, params in self._in_flight:
             flat = handle.wait()
-            offset = 0
-            for p in params:
-                n = p.grad.numel()  # type: ignore[union-attr]
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))  # type: ignore[union-attr]
-                offset += n
+            grads = [p.grad for p in params]
+            parts = flat.split([g.numel() for g in grads])  # type: ignore[union-attr]
+            # one multi-tensor copy, not one small kernel per parameter
+            torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(parts, grads)])
         self._in_flight.clear()

@@ -42,8 +42,11 @@ class _EmbeddingFunction(torch.autograd.Function):
         # the rows it owns: the all-reduce's backward is the identity.
         block = torch.zeros(module.block_shape, dtype=torch.float32, device=grad.device)
         g = grad.float().reshape(-1, grad.shape[-1])
-        mask = owned.reshape(-1)
-        block.index_add_(0, local.reshape(-1)[mask], g[mask])
+        # Rows of tokens another rank owns add zeros to row 0 (local was set to 0 for them):
+        # the same sums as selecting the owned rows, without the host sync that boolean-mask
+        # indexing costs on a GPU (it must learn how many rows there are).
+        g = g.masked_fill(~owned.reshape(-1, 1), 0.0)
+        block.index_add_(0, local.reshape(-1), g)
         module.engine.reduce_scatter_weight_grad(module.weight, block)
         return None, None, None
 

@@ -164,11 +164,9 @@ class Engine:
                     p.grad = torch.zeros_like(p)
             flat = torch.cat([p.grad.reshape(-1) for p in z_replicated])  # type: ignore[union-attr]
             flat = self.comm.all_reduce(flat, "z").wait()
-            offset = 0
-            for p in z_replicated:
-                n = p.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p))  # type: ignore[union-attr]
-                offset += n
+            parts = flat.split([p.numel() for p in z_replicated])
+            torch._foreach_copy_([p.grad for p in z_replicated],  # type: ignore[misc]
+                                 [v.view_as(p) for v, p in zip(parts, z_replicated)])
         for p in all_params:
             self.bucketer.add(p)
         self.bucketer.finish()

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import sys
+import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from fourfold.errors import FourfoldError
-from fourfold.host import threads_per_rank
+from fourfold.host import cores_available, threads_per_rank
 from fourfold.intmath import divisors
 
 Axis = Literal["x", "y", "z", "data"]
@@ -27,6 +31,16 @@ RANK_ORDER: tuple[Axis, ...] = AXES[::-1]  # the same, outermost first: (data, z
 
 class GridError(FourfoldError, ValueError):
     """A grid that cannot work for this job or model; the message is one line for the user."""
+
+
+class RendezvousError(GridError):
+    """The ranks of a job could not meet (a rank missing, an unreachable or busy address).
+    `every_rank`: the rank that usually speaks for the job (0) may not exist, so each rank
+    reports its own line."""
+
+    def __init__(self, message: str, every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 def _check_axis(axis: str, size: int) -> None:
@@ -116,6 +130,10 @@ class Grid:
     groups: dict[Axis, object] = field(default_factory=dict)  # axis -> ProcessGroup (size > 1)
     tensor_group: object | None = None  # all of x, y, z (one (data) slice)
     world_group: object | None = None
+    # Axis -> a second group of the same ranks for all-gathers. NCCL runs one communicator's
+    # operations in order, so a prefetching gather of the next layer's weights on z would
+    # otherwise wait behind the reduce-scatter of this layer's gradient.
+    gather_groups: dict[Axis, object] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -133,6 +151,10 @@ class Grid:
 
     def group(self, axis: Axis) -> object | None:
         return self.groups.get(axis)
+
+    def gather_group(self, axis: Axis) -> object | None:
+        """The group all-gathers over `axis` use: its own where it has one."""
+        return self.gather_groups.get(axis, self.groups.get(axis))
 
     @property
     def batch_shard(self) -> tuple[int, int]:
@@ -156,23 +178,51 @@ class Grid:
         rank, world = dist.get_rank(), dist.get_world_size()
         if shape.size != world:
             raise GridError(f"grid {shape} has {shape.size} ranks but the job has {world}")
-        groups: dict[Axis, object] = {}
         timeout = datetime.timedelta(seconds=timeout_s)
-        # Every rank must create every group, in the same order.
-        for axis in AXES:
-            for ranks in shape.axis_groups(axis):
-                g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-                if rank in ranks and g is not None:
-                    groups[axis] = g
-        tensor_group = None
-        for d in range(shape.data):
-            ranks = list(range(d * shape.tensor_size, (d + 1) * shape.tensor_size))
-            g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-            if rank in ranks:
-                tensor_group = g
+        tensor_groups = [list(range(d * shape.tensor_size, (d + 1) * shape.tensor_size))
+                         for d in range(shape.data)]
+        # One entry per group this rank needs, in the same order on every rank (the order also
+        # keeps group creation with local synchronisation free of deadlocks).
+        wanted: list[tuple[str, list[list[int]]]] = [(a, shape.axis_groups(a)) for a in AXES]
+        wanted += [("tensor", tensor_groups), ("z-gather", shape.axis_groups("z"))]
+        made = _make_groups(wanted, rank, timeout)
+        groups: dict[Axis, object] = {axis: made[axis] for axis in AXES if made.get(axis)}
+        gather_groups: dict[Axis, object] = {"z": made["z-gather"]} if made.get("z-gather") else {}
         return cls(shape=shape, rank=rank, device=device or torch.device("cpu"),
-                   backend=dist.get_backend(), groups=groups, tensor_group=tensor_group,
-                   world_group=dist.group.WORLD if world > 1 else None)
+                   backend=dist.get_backend(), groups=groups, tensor_group=made.get("tensor"),
+                   world_group=dist.group.WORLD if world > 1 else None,
+                   gather_groups=gather_groups)
+
+
+def _make_groups(wanted: list[tuple[str, list[list[int]]]], rank: int,
+                 timeout: datetime.timedelta) -> dict[str, object]:
+    """name -> this rank's process group among each partition of the ranks (None where its
+    part has one rank).
+
+    `new_group` for every group on every rank costs one world-wide store barrier per group:
+    O(world / group size) groups per axis, each waited on by all ranks, so starting thousands
+    of ranks took minutes. Here each rank makes one call per partition: `split_group` where the
+    backend can split a communicator (NCCL with a bound device: one ncclCommSplit per
+    partition), otherwise a `new_group` of its own part that only that part's ranks synchronise.
+    """
+    default = dist.distributed_c10d._get_default_group()
+    can_split = (getattr(default, "bound_device_id", None) is not None
+                 and dist.get_backend() == "nccl" and hasattr(dist, "split_group"))  # torch 2.5+
+    made: dict[str, object] = {}
+    for name, parts in wanted:
+        if all(len(part) == 1 for part in parts):
+            continue
+        mine = next(part for part in parts if rank in part)
+        if can_split:
+            group = dist.split_group(split_ranks=parts, timeout=timeout,
+                                     group_desc=f"fourfold_{name}")
+            made[name] = group if len(mine) > 1 else None
+        elif len(mine) > 1:
+            # The group's name hashes its ranks and how many groups this process has: the
+            # same on every member, since every rank makes one group per partition.
+            made[name] = dist.new_group(mine, timeout=timeout, use_local_synchronization=True,
+                                        group_desc=f"fourfold_{name}")
+    return made
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = 300.0, *,
@@ -180,48 +230,193 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, *,
     """Join the job described by torchrun (RANK, WORLD_SIZE, MASTER_ADDR) or Slurm (SLURM_*)
     variables; a no-op on a single process. Returns (rank, world_size, device). Backend "auto"
     is gloo for a run asked to use the CPU (`device`, as in train.device), otherwise NCCL when
-    CUDA is there and gloo when not."""
+    CUDA is there and gloo when not. Ranks that cannot meet within timeout_s raise a
+    RendezvousError (one line)."""
     if backend == "auto" and device == "cpu":
         backend = "gloo"
     env = os.environ
-    if "RANK" not in env and "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        env["RANK"] = env["SLURM_PROCID"]
-        env["WORLD_SIZE"] = env["SLURM_NTASKS"]
-        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-        env.setdefault("MASTER_ADDR", _slurm_first_host())
-        env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
+    if "RANK" not in env:
+        env.update(slurm_rank_env(env))
     world = int(env.get("WORLD_SIZE", "1"))
     if world == 1 and not dist.is_initialized():
         device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
         return 0, 1, device
     local_rank = int(env.get("LOCAL_RANK", "0"))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", "0")) or None
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    bound: torch.device | None = None
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        index = cuda_index(local_rank, local_world, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        device = bound = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
-        _split_cores(int(env.get("LOCAL_WORLD_SIZE", str(world))))
+        torch.set_num_threads(threads_for_rank(env, local_world or world))
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            # device_id binds the communicator to the device now, which lets Grid.build split
+            # it instead of creating each group from scratch.
+            dist.init_process_group(backend=backend, device_id=bound,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as error:  # DistStoreError, DistNetworkError
+            raise rendezvous_error(error, env, timeout_s) from None
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def _split_cores(local_world: int) -> None:
-    """Ranks sharing a machine split its cores rather than each taking all of them."""
-    torch.set_num_threads(threads_per_rank(local_world))
+def slurm_rank_env(env: Mapping[str, str]) -> dict[str, str]:
+    """torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) for a task of a Slurm job step of several tasks; {} for anything else.
+
+    The step's variables decide, not the job's: a batch script sees SLURM_PROCID = 0 and
+    SLURM_NTASKS = 4 of its job, but it is one process, not rank 0 of 4; and a step
+    (`srun -N1 -w n2` inside a two-node job) runs on its own nodes with its own task count.
+    MASTER_ADDR and MASTER_PORT already set (by the user) are kept.
+    """
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "0") or 0)
+    if not is_slurm_step(env) or tasks <= 1 or "SLURM_PROCID" not in env:
+        return {}
+    local = local_task_count(env)
+    out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": str(tasks),
+           "LOCAL_RANK": env.get("SLURM_LOCALID", "0"), "LOCAL_WORLD_SIZE": str(local),
+           "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(
+               env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+               or env.get("SLURM_NODELIST") or "localhost"),
+           "MASTER_PORT": env.get("MASTER_PORT") or str(slurm_port(
+               int(env.get("SLURM_JOB_ID", "0") or 0), int(env.get("SLURM_STEP_ID", "0") or 0)))}
+    return out
 
 
-def _slurm_first_host() -> str:
-    nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "localhost")
-    # "node[01-04],other" -> "node01"; a plain list -> its first name
-    head = nodes.split(",")[0]
-    if "[" in head:
-        prefix, rest = head.split("[", 1)
-        head = prefix + rest.split("-")[0].split(",")[0].rstrip("]")
-    return head
+# Step ids Slurm reserves (the batch script, the extern and interactive steps, a pending step);
+# none of them is a step of tasks that srun started.
+_SPECIAL_STEPS = {"4294967290", "4294967291", "4294967292", "4294967293", "4294967294",
+                  "batch", "extern", "interactive"}
+
+
+def is_slurm_step(env: Mapping[str, str]) -> bool:
+    """Whether this process is a task that srun started (not a batch script or salloc shell)."""
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    return step is not None and step not in _SPECIAL_STEPS and "SLURM_STEP_NUM_TASKS" in env
+
+
+def slurm_port(job_id: int, step_id: int) -> int:
+    """A rendezvous port for one step of one job, in 10000-32750 (below Linux's ephemeral
+    ports). Steps of one job, and jobs whose ids differ by less than about 350, never get the
+    same port (the key job*64 + step taken modulo a prime)."""
+    return 10000 + (job_id * 64 + step_id % 64) % 22751
+
+
+def local_task_count(env: Mapping[str, str]) -> int:
+    """Tasks of this step on this node: SLURM_STEP_TASKS_PER_NODE ("2(x3),1") at this node's
+    index, else the global task ids listed for this node, else the job's tasks per node."""
+    per_node = expand_counts(env.get("SLURM_STEP_TASKS_PER_NODE", ""))
+    node = int(env.get("SLURM_NODEID", "0") or 0)
+    if 0 <= node < len(per_node):
+        return per_node[node]
+    if env.get("SLURM_GTIDS"):
+        return len(env["SLURM_GTIDS"].split(","))
+    return int(env.get("SLURM_NTASKS_PER_NODE", "1") or 1)
+
+
+def expand_counts(text: str) -> list[int]:
+    """Slurm's compressed counts: "2(x3),1" -> [2, 2, 2, 1]; "" -> []."""
+    counts: list[int] = []
+    for item in filter(None, text.split(",")):
+        value, _, repeat = item.partition("(x")
+        counts += [int(value)] * (int(repeat.rstrip(")")) if repeat else 1)
+    return counts
+
+
+def first_host(nodelist: str) -> str:
+    """The first name of a Slurm node list: "gpu[07-09,12],cpu1" -> "gpu07"."""
+    head, _, rest = nodelist.strip().partition("[")
+    if "," in head or not rest:
+        return head.split(",")[0]
+    first = rest.split(",")[0].split("-")[0].rstrip("]")
+    suffix = rest.split("]", 1)[1].split(",")[0] if "]" in rest else ""
+    return head + first + suffix
+
+
+def threads_for_rank(env: Mapping[str, str], local_world: int, cores: int | None = None) -> int:
+    """CPU threads of one rank: the task's own cores where Slurm binds them
+    (SLURM_CPUS_PER_TASK), else the cores this process may use (`cores`, default: its
+    affinity) split among the ranks on its node, not among all ranks of the job."""
+    cores = cores_available() if cores is None else cores
+    cpus_per_task = int(env.get("SLURM_CPUS_PER_TASK", "0") or 0) if is_slurm_step(env) else 0
+    if cpus_per_task:
+        return max(1, min(cpus_per_task, cores))
+    return threads_per_rank(local_world, cores)
+
+
+def cuda_index(local_rank: int, local_world: int | None, visible: int) -> int:
+    """The CUDA device of a rank among the `visible` ones. Where every rank on the node sees
+    all its GPUs, rank i takes GPU i; where each task sees only its own (Slurm's
+    --gpus-per-task, a per-task CUDA_VISIBLE_DEVICES), it takes the first it sees."""
+    if visible < 1:
+        visible_env = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        raise GridError("parallel.backend = \"nccl\" but this rank sees no CUDA device "
+                        f"(CUDA_VISIBLE_DEVICES = {visible_env!r})")
+    if visible >= (local_world or visible) and local_rank < visible:
+        return local_rank
+    if visible < (local_world or visible):
+        return 0
+    raise GridError(f"LOCAL_RANK = {local_rank} but this node shows only {visible} CUDA "
+                    "devices; start at most one rank per GPU")
+
+
+def rendezvous_error(error: BaseException, env: Mapping[str, str],
+                     timeout_s: float) -> RendezvousError:
+    """One line for a job whose ranks could not meet at MASTER_ADDR:MASTER_PORT."""
+    rank, world = env.get("RANK", "?"), env.get("WORLD_SIZE", "?")
+    where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+    text = str(error)
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return RendezvousError(f"rank {rank} of {world}: port {where} is already in use "
+                               "(another job or step on this node?); set MASTER_PORT to a "
+                               "free port")
+    if "waiting for clients" in text:
+        joined = text.split("waiting for clients.")[-1].strip().split(" ")[0]
+        return RendezvousError(
+            f"rank {rank} waited {timeout_s:g} s (parallel.timeout_s) at {where} for the "
+            f"{world} ranks of this job and {joined} joined; start all {world} (srun --ntasks, "
+            "torchrun --nproc-per-node), or one process")
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+    # Not reaching rank 0 at all: it may not exist, so nobody else would say so.
+    unreachable = "trying to connect" in text or "Connection refused" in text
+    return RendezvousError(f"rank {rank} of {world} could not join the job at {where} within "
+                           f"{timeout_s:g} s (parallel.timeout_s): {first}", every_rank=unreachable)
+
+
+def check_shared_directory(path: Path, grid: Grid) -> None:
+    """Fail on every rank, in one line, unless every rank sees `path` as the same directory:
+    rank 0 writes a token file there and every rank looks for it. Nodes that do not share the
+    run directory would otherwise write checkpoints that no one rank holds whole."""
+    if grid.world_size == 1:
+        return
+    token = uuid.uuid4().hex if grid.is_main else ""
+    probe = Path(path) / ".fourfold-shared"
+    if grid.is_main:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text(token)
+    tokens: list[object] = [token, str(path)]
+    dist.broadcast_object_list(tokens, src=0)  # also the barrier: rank 0 wrote the file
+    try:
+        seen = probe.read_text() == tokens[0]
+    except OSError:
+        seen = False
+    answers: list[object] = [None] * grid.world_size
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    dist.all_gather_object(answers, (seen, node))
+    if grid.is_main:
+        probe.unlink(missing_ok=True)
+    blind = [(rank, host) for rank, (ok, host) in enumerate(answers)  # type: ignore[misc]
+             if not ok]
+    if blind:
+        hosts = sorted({host for _, host in blind})
+        ranks = ", ".join(str(rank) for rank, _ in blind[:8]) + (" ..." if len(blind) > 8 else "")
+        raise GridError(f"run directory {tokens[1]} is not shared by all ranks: rank(s) {ranks} on "
+                        f"{', '.join(hosts)} do not see what rank 0 wrote there; use a "
+                        "directory every node mounts (--out)")
 
 
 def leave_job(code: int = 0) -> None:

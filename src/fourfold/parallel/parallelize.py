@@ -10,6 +10,8 @@ replicated, with its gradients summed over the batch axes.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Iterator
 
 import torch
@@ -123,14 +125,14 @@ class ParallelModel:
             # one fused norm per tensor; elements held by several ranks are counted once
             norms = torch._foreach_norm(group, 2.0)
             total += torch.stack(norms).double().pow(2).sum() / replicas
-        total = self.comm.all_reduce(total, "tensor").wait().cpu()
-        norm = float(total.sqrt())
-        if max_norm > 0:
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
-        return norm
+        total = self.comm.all_reduce(total, "tensor").wait()
+        norm = total.sqrt()
+        if max_norm > 0 and grads and math.isfinite(max_norm):
+            # On the device, without asking the host whether to clip: one fused multiply by
+            # min(1, coef) instead of a sync and a loop of small kernels.
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef)
+        return float(norm)
 
     def reduce_over_batch(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the batch axes (data and z); x/y replicas hold the same value."""

@@ -53,6 +53,7 @@ from fourfold.errors import EXIT_FAILED, FourfoldError
 from fourfold.errors import first_line as _one_line  # the shared helper, under its old name
 from fourfold.parallel.grid import Axis, Grid
 from fourfold.parallel.layout import Layout
+from fourfold.train.host_memory import to_host, wait_for_host_copies
 
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST_FILE = "manifest.json"
@@ -445,9 +446,10 @@ class CheckpointManager:
         copy = self.cfg.async_save
 
         def to_cpu(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to("cpu", copy=copy)
+            return to_host(t, copy)  # from a GPU: pinned, not blocking
 
         state, _ = self._tensor_state(pmodel, optimizer, to_cpu)
+        wait_for_host_copies(self.grid.device)
         state.update(encode_state(extra, f"{_STATE}{_EXTRA}/"))
         for name, part in self.states.items():
             state.update(encode_state(part.state_dict(), f"{_STATE}{name}/"))

@@ -27,6 +27,8 @@ import ctypes.util
 import os
 import sys
 
+import torch
+
 # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
@@ -62,3 +64,28 @@ def keep_freed_host_memory() -> bool:
         (_M_MMAP_MAX, 0)))
     _done = ok
     return ok
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor (a batch) on `device`. To a GPU it goes through pinned memory without
+    blocking the host, so the copy overlaps what the GPU is still doing; elsewhere, `t.to`."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    """A CPU version of `t` for a checkpoint snapshot (`copy`: never `t` itself). From a GPU
+    the copy lands in pinned memory without blocking: synchronise (`wait_for_host_copies`)
+    before reading it."""
+    if t.device.type != "cuda":
+        return t.detach().to("cpu", copy=copy)
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t.detach(), non_blocking=True)
+
+
+def wait_for_host_copies(device: torch.device) -> None:
+    """Wait for the copies `to_host` started from `device` (one sync per snapshot, not one per
+    tensor); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

@@ -23,8 +23,10 @@ from fourfold.data import Tokenizer
 from fourfold.errors import EXIT_FAILED, FourfoldError
 from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, ParallelModel
+from fourfold.parallel.grid import check_shared_directory
 from fourfold.train.build import Run, build_run
 from fourfold.train.checkpoint import CheckpointError, CheckpointManager
+from fourfold.train.host_memory import to_device
 from fourfold.train.metrics import MetricsLog, job_peak_flops, peak_memory_bytes
 from fourfold.train.optim import lr_at, set_lr
 from fourfold.train.progress import Progress
@@ -186,7 +188,7 @@ class Trainer:
         self.pmodel.ledger.reset()
 
         inputs, targets = self.loader.next_batch()  # (B / shards, T)
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         micro = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
         masks = [self._loss_mask(x, y) for x, y in micro]
         local_count = torch.stack([m.sum() for m in masks]).sum()
@@ -297,6 +299,7 @@ class Trainer:
             self.cfg.save(self.run_dir / CONFIG_FILE)
             if self.step == 0:  # a fresh run in a reused directory: drop the old samples
                 (self.run_dir / SAMPLES_FILE).unlink(missing_ok=True)
+        check_shared_directory(self.run_dir, self.grid)  # before any rank writes a shard
         metrics = (MetricsLog(self.run_dir / METRICS_FILE,
                               self.run_dir / "tensorboard" if t.tensorboard else None,
                               append=self.step > 0)

@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# GPU smoke test: train the 125m and 1b presets in bfloat16 for a few steps on one GPU, and on
+# all visible GPUs with a grid when there are several; print tokens/s, MFU and peak memory per
+# GPU. Exits 2 with one line when no CUDA GPU is visible, 1 when a run fails.
+#
+#   bash bench/gpu_smoke.sh                 # everything (about 2-4 minutes on one H100/H200)
+#   STEPS=10 PRESETS="125m" bash bench/gpu_smoke.sh
+#   bash bench/gpu_smoke.sh --dry-run       # print the runs it would start, start nothing
+#   bash bench/gpu_smoke.sh --table RUN_DIR...   # only the table, for finished run dirs
+#
+# Env: PYTHON (default .venv/bin/python, else python3), STEPS (6), PRESETS ("125m 1b"),
+# SEQ_LEN (1024), OUT (a fresh temporary directory), RUN_TIMEOUT (seconds per run, 600).
+# tokens/s and MFU are the median over the steps after the first two (compilation of
+# kernels, cuBLAS and NCCL set-up); "alloc GiB" is rank 0's torch.cuda.max_memory_allocated,
+# "GPU GiB" the most nvidia-smi saw used on each GPU during the run (context included).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+STEPS=${STEPS:-6}
+PRESETS=${PRESETS:-"125m 1b"}
+SEQ_LEN=${SEQ_LEN:-1024}
+RUN_TIMEOUT=${RUN_TIMEOUT:-600}
+
+table() {  # table RUN_DIR... : one row per run (reads summary.json, metrics.jsonl, gpu_mem.csv)
+    "$PY" - "$@" <<'EOF'
+import json, statistics, sys
+from pathlib import Path
+
+print(f"{'run':<16} {'grid':<24} {'tokens/s':>10} {'MFU %':>6} {'alloc GiB':>9}  GPU GiB (per GPU)")
+for run in map(Path, sys.argv[1:]):
+    summary = run / "summary.json"
+    if not summary.is_file():
+        print(f"{run.name:<16} failed (no summary.json; see {run}.log)")
+        continue
+    s = json.loads(summary.read_text())
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if "tokens_per_s" in m]
+    warm = steps[2:] or steps
+    tps = statistics.median(m["tokens_per_s"] for m in warm)
+    mfus = [m["mfu"] for m in warm if m.get("mfu") is not None]
+    mfu = f"{100 * statistics.median(mfus):6.1f}" if mfus else f"{'-':>6}"
+    per_gpu = {}
+    mem = run.parent / f"{run.name}.gpu_mem.csv"
+    if mem.is_file():
+        for line in mem.read_text().splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+                per_gpu[int(parts[0])] = max(per_gpu.get(int(parts[0]), 0), int(parts[1]))
+    gpus = " ".join(f"{i}:{mib / 1024:.1f}" for i, mib in sorted(per_gpu.items())) or "-"
+    print(f"{run.name:<16} {s['grid']:<24} {tps:>10.0f} {mfu} "
+          f"{s['peak_mem_bytes'] / 2**30:>9.2f}  {gpus}")
+EOF
+}
+
+if [ "${1:-}" = "--table" ]; then
+    shift
+    table "$@"
+    exit 0
+fi
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count() * torch.cuda.is_available())')
+if [ "$NGPU" -lt 1 ] && [ "$DRY" = 0 ]; then
+    echo "error: gpu_smoke.sh needs a CUDA GPU, and torch sees none (torch.cuda.is_available()" \
+         "is False; CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}, torch" \
+         "$("$PY" -c 'import torch; print(torch.__version__)'))" >&2
+    exit 2
+fi
+[ "$DRY" = 1 ] && [ "$NGPU" -lt 1 ] && NGPU=${DRY_GPUS:-8}
+
+# The grid on all GPUs: x, then y, then z get 2 where the GPU count allows, data the rest.
+GRID_SET=""
+if [ "$NGPU" -gt 1 ]; then
+    x=1; y=1; z=1; left=$NGPU
+    for axis in x y z; do
+        if [ $((left % 2)) = 0 ]; then eval "$axis=2"; left=$((left / 2)); fi
+    done
+    GRID_SET="--set parallel.x=$x --set parallel.y=$y --set parallel.z=$z --set parallel.data=auto"
+fi
+
+OUT=${OUT:-$(mktemp -d -t fourfold-gpu-smoke.XXXX)}
+mkdir -p "$OUT"
+[ "$DRY" = 0 ] && "$PY" -c 'import torch
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"GPU {i}: {p.name}, {p.total_memory / 2**30:.0f} GiB")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL",
+      ".".join(map(str, torch.cuda.nccl.version())))'
+
+# Host synchronisations inside a training step (forward, backward, gradient sync, optimizer)
+# show only on a GPU: torch.cuda.set_sync_debug_mode("error") turns the first into an error.
+sync_check() {
+    "$PY" - <<'PYEOF'
+import torch
+from fourfold.config import model_config
+from fourfold.models import build_model
+from fourfold.parallel import Grid, parallelize
+
+device = torch.device("cuda", 0)
+pmodel = parallelize(build_model(model_config("debug"), seed=0).to(device), Grid.single(device))
+opt = torch.optim.AdamW(pmodel.module.parameters(), lr=1e-3, fused=True)
+tokens = torch.randint(0, 512, (4, 65), device=device)
+for step in range(3):  # the first step may set things up; the later ones must not sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error" if step else "default")
+    try:
+        pmodel(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+        pmodel.finish_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    except RuntimeError as error:
+        torch.cuda.set_sync_debug_mode("default")
+        print(f"sync check: step {step} synchronised with the host: {str(error).splitlines()[0]}")
+        raise SystemExit(1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+print("sync check: no host synchronisation in forward, backward, gradient sync and AdamW")
+PYEOF
+}
+
+RUNS=()
+FAILED=()
+run() {  # run NAME NPROC BATCH PRESET [--set ...]
+    local name=$1 nproc=$2 batch=$3 preset=$4
+    shift 4
+    local args=(-m fourfold train --out "$OUT/$name" --nproc "$nproc"
+        --set model.preset="$preset" --set data.path=builtin:stdlib --set data.tokenizer=byte
+        --set train.device=cuda --set train.dtype=bfloat16 --set train.steps="$STEPS"
+        --set train.batch_size="$batch" --set train.seq_len="$SEQ_LEN" --set train.warmup_steps=2
+        --set train.log_every=1 --set train.eval_every="$STEPS" --set train.eval_batches=1
+        --set train.sample_tokens=8 --set checkpoint.every=0 "$@")
+    echo "== $name: $PY ${args[*]}"
+    RUNS+=("$OUT/$name")
+    [ "$DRY" = 1 ] && return 0
+    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 250 \
+        > "$OUT/$name.gpu_mem.csv" 2>/dev/null &
+    local smi=$!
+    if timeout "$RUN_TIMEOUT" "$PY" "${args[@]}" > "$OUT/$name.log" 2>&1; then
+        grep -E '^(fourfold:|done:)' "$OUT/$name.log" || true
+    else
+        echo "   FAILED (exit $?); last lines of $OUT/$name.log:"
+        tail -n 5 "$OUT/$name.log" | sed 's/^/   /'
+        FAILED+=("$name")
+    fi
+    kill "$smi" 2>/dev/null || true
+    wait "$smi" 2>/dev/null || true
+}
+
+if [ "$DRY" = 0 ] && ! sync_check; then FAILED+=("sync-check"); fi
+
+for preset in $PRESETS; do
+    case $preset in 1b) per_gpu=4 ;; *) per_gpu=8 ;; esac
+    run "$preset-1gpu" 1 "$per_gpu" "$preset"
+    if [ "$NGPU" -gt 1 ]; then
+        # shellcheck disable=SC2086  # GRID_SET is several words on purpose
+        run "$preset-${NGPU}gpu" "$NGPU" $((per_gpu * NGPU)) "$preset" $GRID_SET
+    fi
+done
+
+[ "$DRY" = 1 ] && exit 0
+echo
+table "${RUNS[@]}"
+if [ "${#FAILED[@]}" -gt 0 ]; then
+    echo "error: ${#FAILED[@]} run(s) failed: ${FAILED[*]} (logs in $OUT)" >&2
+    exit 1
+fi
+echo "run dirs and logs: $OUT"
