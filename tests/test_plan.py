@@ -285,6 +285,49 @@ def test_plan_main_json(capsys):
     fit_times = [r["step_s"] for r in rows if r["fits"]]
     assert fit_times == sorted(fit_times)
     assert set(rows[0]["comm_s"]) == {"x", "y", "z", "data"}
+    assert out["ranked_by"].startswith("step_s")
+    for r in rows:  # HFU adds the recomputed forward, and only under checkpointing
+        assert r["hfu"] > r["mfu"] if r["activation_checkpointing"] else r["hfu"] == r["mfu"]
+
+
+def test_hfu_counts_the_recomputed_block_forward():
+    from fourfold.models.llama import flops_per_token
+    from fourfold.plan.perf import hardware_flops_per_token
+
+    cfg = model_config("1b")
+    model_flops = flops_per_token(cfg, 2048)
+    assert hardware_flops_per_token(cfg, 2048, False) == model_flops
+    # the blocks' forward is a third of their training FLOPs; the output layer's is not redone
+    d, kv, L = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_layers
+    blocks = 6 * L * (2 * d * d + 2 * d * kv + 3 * d * cfg.ffn_dim) + 12 * L * d * 2048
+    assert hardware_flops_per_token(cfg, 2048, True) == pytest.approx(model_flops + blocks / 3)
+    shape = GridShape(data=2, z=2, y=1, x=2)
+    machine = load_machine("perlmutter")
+    p = predict_step(cfg, shape, 16, 2048, 1, True, machine, Precision.of("bfloat16"))
+    assert p.hfu / p.mfu == pytest.approx(hardware_flops_per_token(cfg, 2048, True) / model_flops)
+
+
+def test_custom_model_is_labelled_custom(tmp_path, capsys):
+    preset_file = tmp_path / "plain.toml"
+    preset_file.write_text('[model]\npreset = "15m"\n')
+    changed = tmp_path / "wide.toml"
+    changed.write_text('[model]\npreset = "15m"\ndim = 576\nn_heads = 12\nn_kv_heads = 12\n')
+    no_preset = tmp_path / "mine.toml"
+    no_preset.write_text('[model]\nn_layers = 3\ndim = 128\nn_heads = 4\nn_kv_heads = 4\n'
+                         'ffn_dim = 256\nvocab_size = 256\n')
+    names = {}
+    for path in (preset_file, changed, no_preset):
+        assert plan_main(["--model", str(path), "--gpus", "2", "--machine", "alps", "--json",
+                          "--global-batch", "4", "--seq", "128"]) == 0
+        names[path.name] = json.loads(capsys.readouterr().out)["model"]
+    assert names["plain.toml"] == {**names["plain.toml"], "preset": "15m",
+                                   "name": "15m (plain.toml)"}
+    assert names["wide.toml"]["preset"] == "custom"
+    assert names["wide.toml"]["name"] == "custom (wide.toml)"
+    assert names["mine.toml"]["name"] == "custom (mine.toml)"
+    assert plan_main(["--model", str(no_preset), "--gpus", "2", "--machine", "alps",
+                      "--global-batch", "4", "--seq", "128"]) == 0
+    assert capsys.readouterr().out.startswith("model custom (mine.toml)")
 
 
 def test_plan_main_table(capsys):

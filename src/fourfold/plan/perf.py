@@ -47,13 +47,29 @@ class StepPrediction:
     hidden_s: dict[str, float]  # per axis, the part hidden under compute
     comm_bytes: dict[str, int]  # per axis, per rank, as the ledger counts
     tokens_per_s: float
-    mfu: float
+    mfu: float  # model FLOPs (no recomputation) / peak: what the planner ranks by, via step_s
     flops_per_step: float  # model FLOPs of the whole job per step
+    hfu: float = 0.0  # hardware FLOPs (with the recomputed forward of checkpointing) / peak
     notes: list[str] = field(default_factory=list)
 
     @property
     def exposed_comm_s(self) -> float:
         return sum(self.comm_s[a] - self.hidden_s[a] for a in AXES)
+
+
+def hardware_flops_per_token(model: ModelConfig, seq_len: int,
+                             activation_checkpointing: bool) -> float:
+    """FLOPs per token a device really runs: the model FLOPs (`flops_per_token`) plus, under
+    activation checkpointing, the blocks' forward once more (2 FLOPs per block weight and the
+    attention forward, a third of its 12 * L * d * s); the embedding, final norm and output
+    layer are not recomputed (as in `collective_schedule`). With it on, HFU = MFU * this /
+    flops_per_token: the trainer logs `hfu` beside `mfu` this way."""
+    model_flops = flops_per_token(model, seq_len)
+    if not activation_checkpointing:
+        return model_flops
+    d, kv = model.dim, model.n_kv_heads * model.head_dim
+    block_weights = model.n_layers * (2 * d * d + 2 * d * kv + 3 * d * model.ffn_dim)
+    return model_flops + 2.0 * block_weights + 4.0 * model.n_layers * d * seq_len
 
 
 def axis_stride(shape: GridShape, axis: str) -> int:
@@ -218,7 +234,9 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     step = compute + sum(comm[a] - hidden[a] for a in AXES)
     tokens = global_batch * seq_len
     flops = flops_per_token(model, seq_len) * tokens
+    hardware = hardware_flops_per_token(model, seq_len, activation_checkpointing) * tokens
     peak = machine.peak_flops_per_rank(precision.name, world) * world
     return StepPrediction(step_s=step, compute_s=compute, comm_s=comm, hidden_s=hidden,
                           comm_bytes=comm_bytes, tokens_per_s=tokens / step,
-                          mfu=flops / (step * peak), flops_per_step=flops)
+                          mfu=flops / (step * peak), flops_per_step=flops,
+                          hfu=hardware / (step * peak))

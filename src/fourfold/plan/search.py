@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fourfold.config import ModelConfig
+from fourfold.config import PRESETS, ModelConfig, model_config
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.plan.errors import PlanError
 from fourfold.plan.machines import GIB, Machine
@@ -39,7 +39,7 @@ class Candidate:
             "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "activation_checkpointing": self.activation_checkpointing,
             "step_s": p.step_s, "compute_s": p.compute_s, "tokens_per_s": p.tokens_per_s,
-            "mfu": p.mfu,
+            "mfu": p.mfu, "hfu": p.hfu,
             "comm_s": dict(p.comm_s), "comm_hidden_s": dict(p.hidden_s),
             "comm_bytes": dict(p.comm_bytes),
             "memory_gib": self.memory.total / GIB,
@@ -65,6 +65,20 @@ class Plan:
     @property
     def best(self) -> Candidate:
         return self.candidates[0]
+
+
+_SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                 "tie_embeddings", "bias")
+
+
+def model_label(model: ModelConfig) -> str:
+    """The model's preset name when its shape is that preset's, else "custom" (a config file
+    that names a preset and overrides its shape, or names none, is not that preset)."""
+    if model.preset in PRESETS:
+        preset = model_config(model.preset)
+        if all(getattr(model, f) == getattr(preset, f) for f in _SHAPE_FIELDS):
+            return model.preset
+    return "custom"
 
 
 def grid_shapes(world_size: int) -> list[GridShape]:
@@ -183,7 +197,7 @@ def _no_grid_message(model: ModelConfig, world_size: int, global_batch: int,
         return (f"--global-batch {global_batch}: no grid of {world_size} GPUs can split it "
                 f"(data*z must divide the batch); try a multiple of {world_size}")
     shape, why = batch_ok[0]
-    return (f"no grid of {world_size} GPUs can split model {model.preset!r} with --global-batch "
+    return (f"no grid of {world_size} GPUs can split model {model_label(model)!r} with --global-batch "
             f"{global_batch}: the grids that split the batch cannot split the model ({shape}: "
             f"{why}); try another GPU count or a batch that is a multiple of {world_size}")
 
@@ -207,7 +221,7 @@ def choose_grid(model_cfg: ModelConfig, world_size: int, machine: Machine | str,
     best = result.best
     if not best.fits:
         raise PlanError(f"no grid of {world_size} x {m.device.name} fits model "
-                        f"{model_cfg.preset!r}: the smallest needs "
+                        f"{model_label(model_cfg)!r}: the smallest needs "
                         f"{best.memory.total / GIB:.1f} GiB per rank, "
                         f"{best.usable_bytes / GIB:.1f} GiB usable")
     p = best.prediction
