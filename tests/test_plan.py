@@ -254,9 +254,49 @@ def test_measured_bandwidth_tables():
     assert [f.bandwidth_gbps(g, 1) for g in (2, 4, 8, 16)] == [129, 52, 135, 40]
     assert [f.bandwidth_gbps(g, 2) for g in (2, 4, 8)] == [50, 72, 20]
     assert [f.bandwidth_gbps(g, 4) for g in (2, 4)] == [36, 10]
-    assert f.bandwidth_gbps(2, 8) == 5 and f.bandwidth_gbps(2, 3) == 50  # stride 3: stride-2 table
+    # stride >= 8: no table; a node's egress (10 GB/s x 4 rings at stride 4) over 8 rings
+    assert f.bandwidth_gbps(2, 8) == 5 and f.bandwidth_gbps(16, 32) == 5
+    # stride 3 (x = 3): the pair {6, 9} straddles two 8-GCD nodes, so the stride-2 table's
+    # inter-node entry (20 GB/s, 2 rings per node) shared by 3 rings; was the in-node 50
+    assert f.bandwidth_gbps(2, 3) == pytest.approx(20 * 2 / 3)
     h = load_machine("dgx-h100")
     assert h.bandwidth_gbps(8, 1) > h.bandwidth_gbps(2, 8)  # inside a node vs across nodes
+
+
+def test_groups_that_leave_a_node_get_the_network_rate():
+    from fourfold.plan.machines import spans_nodes
+
+    # 4 GPUs per node: x = 6 and x = 3 groups straddle nodes ({3, 4, 5}), x = 4 does not
+    assert spans_nodes(6, 1, 4) and spans_nodes(3, 1, 4) and not spans_nodes(4, 1, 4)
+    assert not spans_nodes(2, 2, 4) and spans_nodes(4, 2, 4) and spans_nodes(2, 4, 4)
+    assert not spans_nodes(1, 64, 4) and not spans_nodes(2, 1, 2)
+    p = load_machine("perlmutter")
+    assert p.bandwidth_gbps(6, 1) == p.bandwidth_gbps(8, 1) == 80  # not NVLink's 225
+    assert p.bandwidth_gbps(3, 2) == 40 and p.bandwidth_gbps(4, 1) == 225
+    assert p.bandwidth_gbps(2, 8) == p.bandwidth_gbps(2, 4) == 20  # one ring per GPU already
+    # without tables: the same rule picks intra or inter
+    h = load_machine("dgx-h100")
+    assert h.bandwidth_gbps(4, 2) == h.network.intra_node_gbps
+    assert h.bandwidth_gbps(6, 1) == h.network.inter_node_gbps  # {6, ..., 11} on 8-GPU nodes
+
+
+def test_all_reduce_latency_is_logarithmic_in_large_groups():
+    from fourfold.plan.perf import collective_seconds
+    from fourfold.plan.schedule import Collective
+
+    machine = load_machine("perlmutter")
+    lat = machine.network.latency_us * 1e-6
+    small = Collective("data", "all_reduce", 4096, 1, "step_data")
+    t = [collective_seconds(small, GridShape(data=p, z=1, y=1, x=1), machine)
+         for p in (64, 1024)]
+    # a tiny buffer: the tree's 2 log2(p) latency steps, not the ring's 2 (p - 1)
+    assert t[0] == pytest.approx(12 * lat, rel=0.05) and t[1] == pytest.approx(20 * lat, rel=0.05)
+    big = Collective("data", "all_reduce", 2**30, 1, "step_data")
+    shape = GridShape(data=4, z=1, y=1, x=1)
+    ring = 2 * 3 / 4 * 2**30 / (machine.bandwidth_gbps(4, 1) * 1e9) + 6 * lat
+    assert collective_seconds(big, shape, machine) == pytest.approx(ring)  # bandwidth: ring
+    gather = Collective("z", "all_gather", 4096, 1, "fwd_gather")  # rings only
+    assert collective_seconds(gather, GridShape(data=1, z=64, y=1, x=1), machine) > 63 * lat
 
 
 def test_cpu_machine_is_measured_once(tmp_path, monkeypatch):

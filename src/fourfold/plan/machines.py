@@ -26,13 +26,15 @@ MACHINE.toml (every key optional except where noted; unknown keys are an error):
     shared_host = false         # true when all ranks of a node share one device (CPU)
 
     [network]
-    latency_us = 10.0           # per ring step
+    latency_us = 10.0           # per step of a ring (or level of a tree) across the network
     intra_node_gbps = 200.0     # used when no stride tables are given: a group inside a node
     inter_node_gbps = 20.0      # ... and a group that spans nodes
 
     # Measured tables (override intra/inter): effective GB/s by group size, one table per
     # stride between the ranks of the group. A stride uses the table of the largest listed
-    # stride <= it; a group size uses the entry of the largest listed size <= it.
+    # stride <= it; a group size uses the entry of the largest listed size <= it among the
+    # entries on its side of the node boundary (size * stride > gpus_per_node: measured
+    # across nodes; see Network.gbps).
     [network.stride_1]
     2 = 76.0
     4 = 225.0
@@ -72,6 +74,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import subprocess
@@ -116,20 +119,78 @@ class Network:
     stride_tables: tuple[tuple[int, tuple[tuple[int, float], ...]], ...] = ()
 
     def gbps(self, group_size: int, stride: int, gpus_per_node: int) -> float:
-        """Effective GB/s of a collective over `group_size` ranks `stride` apart."""
-        if self.stride_tables:
-            table = self.stride_tables[0][1]
-            for listed_stride, t in self.stride_tables:
-                if listed_stride <= stride:
-                    table = t
-            value = table[0][1]
-            for size, bw in table:
-                if size <= group_size:
-                    value = bw
-            return value
-        # A group whose ranks all sit in one node uses the node's links; else the network.
-        inside_node = stride * group_size <= gpus_per_node
-        return self.intra_node_gbps if inside_node else self.inter_node_gbps
+        """Effective GB/s of a collective over `group_size` ranks `stride` apart.
+
+        Whether the group leaves a node is computed from the rank order (`spans_nodes`), and a
+        table entry only answers for groups on the same side of that line as the one it was
+        measured on (a `size = GB/s` entry of table `stride_S` was measured across nodes when
+        size * S > gpus_per_node). So x = 6 on 4-GPU nodes gets the inter-node entry, not the
+        NVLink one that the largest listed size <= 6 (4) would give.
+
+        Across nodes, a node's egress is shared by the rings leaving it, one per group with a
+        member in the node: min(stride, gpus_per_node) of them. The paper's tables show this
+        law: the inter-node entries times that count are one number per machine (Perlmutter
+        stride 1/2/4: 80 x 1 = 40 x 2 = 20 x 4 = 80 GB/s per node; Frontier: 40 x 1 = 20 x 2 =
+        10 x 4 = 40). So an inter-node entry measured at stride S serves a larger stride scaled
+        by min(S, n) / min(stride, n) (Frontier at stride >= 8: 10 x 4 / 8 = 5 GB/s).
+        Tables with no inter-node entry at all serve every group as they are."""
+        spans = spans_nodes(group_size, stride, gpus_per_node)
+        if not self.stride_tables:
+            # A group whose ranks all sit in one node uses the node's links; else the network.
+            return self.inter_node_gbps if spans else self.intra_node_gbps
+        chosen = 0
+        for i, (listed_stride, _) in enumerate(self.stride_tables):
+            if listed_stride <= stride:
+                chosen = i
+
+        def same_side(i: int) -> list[tuple[int, float]]:
+            listed_stride, table = self.stride_tables[i]
+            return [(size, bw) for size, bw in table
+                    if (size * listed_stride > gpus_per_node) == spans]
+
+        source = chosen
+        entries = same_side(chosen)
+        if not entries and spans:  # the nearest smaller, then larger, stride measured across
+            order = list(range(chosen - 1, -1, -1)) + list(range(chosen + 1,
+                                                                 len(self.stride_tables)))
+            source = next((i for i in order if same_side(i)), chosen)
+            entries = same_side(source)
+        if not entries:
+            return _entry(self.stride_tables[chosen][1], group_size)
+        value = _entry(entries, group_size)
+        if spans:
+            measured_stride = self.stride_tables[source][0]
+            value *= min(measured_stride, gpus_per_node) / min(stride, gpus_per_node)
+        return value
+
+
+def _entry(entries: "list[tuple[int, float]] | tuple[tuple[int, float], ...]",
+           group_size: int) -> float:
+    """The entry of the largest listed group size <= group_size (else the smallest listed)."""
+    value = entries[0][1]
+    for size, bw in entries:
+        if size <= group_size:
+            value = bw
+    return value
+
+
+def spans_nodes(group_size: int, stride: int, gpus_per_node: int) -> bool:
+    """Whether some group of `group_size` ranks `stride` apart (the groups of one grid axis: x
+    innermost, so stride = the product of the inner axes' sizes) holds ranks of two nodes, when
+    ranks fill nodes in order. The groups of an axis run in lockstep, so one spanning group
+    makes the collective an inter-node one."""
+    if group_size <= 1:
+        return False
+    if stride >= gpus_per_node:
+        return True
+    block = stride * group_size  # consecutive ranks holding `stride` whole groups
+    period = block * gpus_per_node // math.gcd(block, gpus_per_node)
+    for base in range(0, period, block):
+        for offset in range(stride):
+            first = base + offset
+            if first // gpus_per_node != (first + (group_size - 1) * stride) // gpus_per_node:
+                return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -205,7 +266,7 @@ _PRESETS: dict[str, Machine] = {
             (1, ((2, 76.0), (4, 225.0), (8, 80.0))),
             (2, ((2, 76.0), (4, 40.0))),
             (4, ((2, 20.0),)),
-            (8, ((2, 20.0),)),
+            # strides >= 8: derived, not listed (a placeholder was): see Network.gbps
         )), note=_PAPER),
     "frontier": Machine(
         "frontier", DEVICES["mi250x-gcd"], gpus_per_node=8,
@@ -213,7 +274,7 @@ _PRESETS: dict[str, Machine] = {
             (1, ((2, 129.0), (4, 52.0), (8, 135.0), (16, 40.0))),
             (2, ((2, 50.0), (4, 72.0), (8, 20.0))),
             (4, ((2, 36.0), (4, 10.0))),
-            (8, ((2, 5.0),)),
+            # strides >= 8: derived, not listed (a placeholder was): see Network.gbps
         )), note=_PAPER),
     # 4 GH200 per node, all-to-all NVLink; 4 Slingshot-11 NICs (25 GB/s each) per node.
     "alps": Machine(
@@ -221,8 +282,7 @@ _PRESETS: dict[str, Machine] = {
         network=Network(latency_us=10.0, stride_tables=(
             (1, ((2, 130.0), (4, 200.0), (8, 22.0))),
             (2, ((2, 130.0), (4, 20.0))),
-            (4, ((2, 18.0),)),
-            (8, ((2, 15.0),)),
+            (4, ((2, 18.0),)),  # strides >= 8: derived (see Network.gbps)
         )), note=_ESTIMATE),
     # NVSwitch inside the node; 8x400 Gb/s InfiniBand per node.
     "dgx-h100": Machine(

@@ -158,9 +158,10 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
 
 
 def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: int, seq_len: int,
-         dtype: str = "bfloat16", overlap: Overlap = Overlap(),
+         dtype: str | Precision = "bfloat16", overlap: Overlap = Overlap(),
          checkpointing: tuple[bool, ...] = (False, True), grad_accum: int | None = None) -> Plan:
-    """Predict every grid for this job and rank them (fitting ones first, each by step time)."""
+    """Predict every grid for this job and rank them (fitting ones first, each by step time).
+    `dtype` is a name (`Precision.of`) or a Precision (e.g. another wire dtype)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"--gpus {world_size}: the GPU count must be a positive integer")
     if global_batch < 1:
@@ -170,7 +171,7 @@ def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: in
                         f"{model.max_seq_len}")
     if grad_accum is not None and grad_accum < 1:
         raise PlanError(f"--grad-accum {grad_accum}: must be at least 1")
-    precision = Precision.of(dtype)
+    precision = dtype if isinstance(dtype, Precision) else Precision.of(dtype)
     candidates, rejected = [], []
     for shape in grid_shapes(world_size):
         problem = grid_problem(model, shape, global_batch)
