@@ -299,6 +299,29 @@ def test_all_reduce_latency_is_logarithmic_in_large_groups():
     assert collective_seconds(gather, GridShape(data=1, z=64, y=1, x=1), machine) > 63 * lat
 
 
+def test_ranks_on_one_host_share_its_memory(monkeypatch):
+    from fourfold.plan import machines
+    from fourfold.plan.machines import GIB, Device, Machine, Network
+
+    monkeypatch.setattr(machines, "_run_comm_probe", fake_comm_probe(1e-3, 2e-9))
+
+    host = Device("cpu", 1.0, 1.0, memory_gib=24.0, hbm_gbps=10.0, shared_host=True)
+    # the cpu machine's gpus_per_node is its core count (2 here): 8 local ranks are not 4 nodes
+    cpu = Machine("cpu", host, gpus_per_node=2, network=Network(), reserved_gib=0.5,
+                  probed_host=True)
+    assert cpu.usable_memory_bytes(8) == pytest.approx((24 / 8 - 0.5) * GIB)
+    assert cpu.usable_memory_bytes(1) == pytest.approx(23.5 * GIB)
+    gpu = load_machine("perlmutter")
+    assert gpu.usable_memory_bytes(8) == gpu.usable_memory_bytes(1024)  # one device per rank
+    # a plan on 8 ranks rejects what fits in 11.3 GiB but not in 24 / 8 GiB
+    big = ModelConfig(preset="custom", n_layers=2, dim=2048, n_heads=16, n_kv_heads=16,
+                      ffn_dim=8192, vocab_size=32000, max_seq_len=128)
+    result = plan(big, 8, cpu, 8, 128, "float32", checkpointing=(True,))
+    fitting = [c for c in result.candidates if c.fits]
+    assert all(c.memory.total <= 2.5 * GIB for c in fitting)
+    assert any(2.5 * GIB < c.memory.total <= 11.5 * GIB for c in result.candidates)
+
+
 def test_cpu_machine_is_measured_once(tmp_path, monkeypatch):
     import fourfold.plan.machines as machines
 

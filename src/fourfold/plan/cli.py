@@ -120,13 +120,21 @@ def describe_model(model: ModelConfig, spec: str | None = None) -> str:
     return f"{label} ({Path(spec).name})"
 
 
+def _placement(machine: Machine, world: int) -> str:
+    if machine.probed_host:
+        return (f"all {world} ranks on this host, sharing its {machine.device.memory_gib:.1f} "
+                f"GiB and {machine.gpus_per_node} cores")
+    return f"{machine.gpus_per_node} per node"
+
+
 def format_plan(result: Plan, top: int, model_name: str | None = None) -> str:
     m, model = result.machine, result.model
     rows = result.candidates if top <= 0 else result.candidates[:top]
     header = [f"model {model_name or describe_model(model)} ({format_count(count_params(model))} params, "
               f"{model.n_layers} layers, dim {model.dim}) on {result.world_size} x "
-              f"{m.device.name} ({m.name}: {m.gpus_per_node} per node, "
-              f"{result.machine.usable_memory_bytes(result.world_size) / GIB:.1f} GiB usable)",
+              f"{m.device.name} ({m.name}: {_placement(m, result.world_size)}, "
+              f"{result.machine.usable_memory_bytes(result.world_size) / GIB:.1f} GiB usable "
+              "per rank)",
               f"batch {result.global_batch} x {result.seq_len} tokens, {result.precision.name}; "
               f"{len(result.candidates)} grids, {len(result.rejected)} cannot split the model; "
               f"comm columns: ms per step (hidden %)",

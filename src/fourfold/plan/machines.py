@@ -214,8 +214,19 @@ class Machine:
         """How many ranks share one device's compute and memory (>1 only on a shared host)."""
         return min(world_size, self.gpus_per_node) if self.device.shared_host else 1
 
+    def ranks_per_host(self, world_size: int) -> int:
+        """How many ranks share one memory: on the probed `cpu` machine every rank of the job
+        runs on this host (its gpus_per_node is the core count, which says nothing about
+        where ranks live); on another shared-host machine a node's ranks share it; on GPUs,
+        one device per rank."""
+        return world_size if self.probed_host else self.ranks_per_device(world_size)
+
     def usable_memory_bytes(self, world_size: int) -> float:
-        per_rank = self.device.memory_gib / self.ranks_per_device(world_size)
+        """What one rank may hold: its share of the memory it shares with the other ranks
+        there, less `reserved_gib` per rank (the CUDA context, or on the cpu machine the
+        interpreter and its libraries: a process with torch and fourfold imported measured
+        0.29 GiB resident here)."""
+        per_rank = self.device.memory_gib / self.ranks_per_host(world_size)
         return (per_rank - self.reserved_gib) * GIB
 
     def peak_flops_per_rank(self, dtype: str, world_size: int) -> float:

@@ -1,5 +1,13 @@
 """Memory per rank of a 4D configuration: parameters, gradients, AdamW states, activations
-(with and without activation checkpointing), gathered-weight buffers."""
+(with and without activation checkpointing), gathered-weight buffers.
+
+What it leaves out (the search compares the total with `Machine.usable_memory_bytes`, which
+divides a shared memory among the ranks on it and takes `reserved_gib` per rank off for the
+first of these): the interpreter and its libraries (torch's import, the CUDA context);
+what a run holds outside the step: startup (building the model before it is sharded),
+checkpoint save and export (gathering full tensors); the communication libraries' own buffers
+(NCCL channels, gloo's, the data-parallel gradient buckets); allocator caching and
+fragmentation."""
 
 from __future__ import annotations
 
