@@ -332,18 +332,24 @@ def _probe_key() -> str:
            f"{torch.get_num_threads()}|{torch.__version__}"
 
 
-def _time_matmul(size: int, budget_s: float) -> float:
-    """FLOP/s of a size^3 float32 matmul, best of as many runs as fit in budget_s."""
+def _time_matmul(size: int, budget_s: float, device: Any = None, dtype: Any = None) -> float:
+    """FLOP/s of a size^3 matmul (float32 on the CPU unless told), best of as many runs as fit
+    in budget_s: the GEMM timing of both the cpu machine's probe and `fourfold probe`."""
     import torch
 
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    cuda = a.device.type == "cuda"
     torch.mm(a, b)  # warm-up: thread pool, allocation
+    if cuda:
+        torch.cuda.synchronize(a.device)
     best = float("inf")
     start = time.perf_counter()
     while True:
         t0 = time.perf_counter()
         torch.mm(a, b)
+        if cuda:
+            torch.cuda.synchronize(a.device)
         best = min(best, time.perf_counter() - t0)
         if time.perf_counter() - start > budget_s:
             break
@@ -443,6 +449,42 @@ def _divisors(n: int) -> list[int]:
     return [p for p in range(2, n + 1) if n % p == 0]
 
 
+def time_collective(op: str, group: Any, group_size: int, sizes: tuple[int, ...],
+                    repeats: tuple[int, ...], device: Any, dtype: Any) -> list[tuple[int, float]]:
+    """(bytes per call, median seconds) of `op` over `group` at each buffer size (the full
+    buffer, as the ledger counts it), every rank of every probed group calling at once: the
+    one timing both the cpu machine's probe and `fourfold probe` use."""
+    import torch
+    import torch.distributed as dist
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    points = []
+    for nbytes, count in zip(sizes, repeats):
+        numel = max(group_size, nbytes // elem // group_size * group_size)
+        full = torch.ones(numel, dtype=dtype, device=device)
+        part = torch.ones(numel // group_size, dtype=dtype, device=device)
+
+        def call() -> None:
+            if op == "all_reduce":
+                dist.all_reduce(full, group=group)
+            elif op == "all_gather":
+                dist.all_gather_into_tensor(full, part, group=group)
+            else:
+                dist.reduce_scatter_tensor(part, full, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        call()  # warm-up: connections, buffers
+        times = []
+        for _ in range(count):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        points.append((numel * elem, sorted(times)[len(times) // 2]))
+    return points
+
+
 def _probe_rank(rank: int, world: int, store_path: str) -> dict[str, Any]:
     """One rank of the comm probe: collectives over every group size, all groups at once,
     then a matmul and a small-op loop with every rank busy."""
@@ -458,26 +500,8 @@ def _probe_rank(rank: int, world: int, store_path: str) -> dict[str, Any]:
         groups = [dist.new_group(list(range(g, g + p))) for g in range(0, world, p)]
         group = groups[rank // p]
         for op in _PROBE_OPS:
-            points = []
-            for nbytes, repeats in zip(_PROBE_SIZES, _PROBE_REPEATS):
-                numel = nbytes // 4 // p * p
-                full = torch.ones(numel)
-                part = torch.ones(numel // p)
-                def call() -> None:
-                    if op == "all_reduce":
-                        dist.all_reduce(full, group=group)
-                    elif op == "all_gather":
-                        dist.all_gather_into_tensor(full, part, group=group)
-                    else:
-                        dist.reduce_scatter_tensor(part, full, group=group)
-                call()  # warm-up: connections, buffers
-                times = []
-                for _ in range(repeats):
-                    dist.barrier(group=group)
-                    t0 = time.perf_counter()
-                    call()
-                    times.append(time.perf_counter() - t0)
-                points.append((numel * 4, sorted(times)[len(times) // 2]))
+            points = time_collective(op, group, p, _PROBE_SIZES, _PROBE_REPEATS,
+                                     torch.device("cpu"), torch.float32)
             out["comm"][f"{op}/{p}"] = points
     # compute with every rank busy: the wall time from the common start to the last rank's end
     a, b = torch.randn(256, 256), torch.randn(256, 256)
@@ -783,9 +807,11 @@ def machine_from_toml(path: str | Path) -> Machine:
         raise PlanError(f"{where}: gpus_per_node is required (or give a `base` machine)")
     reserved = _number(f"{where}: reserved_gib",
                        data.get("reserved_gib", base.reserved_gib if base else 2.0))
+    # a file based on the cpu machine keeps its host calibration (the same probe's timings)
     return Machine(name=str(data.get("name", p.stem)), device=device, gpus_per_node=per_node,
                    network=network, reserved_gib=reserved,
-                   note=str(data.get("note", f"from {where}")))
+                   note=str(data.get("note", f"from {where}")),
+                   probed_host=base.probed_host if base is not None else False)
 
 
 def load_machine(spec: str | Machine) -> Machine:
