@@ -254,9 +254,72 @@ def test_measured_bandwidth_tables():
     assert [f.bandwidth_gbps(g, 1) for g in (2, 4, 8, 16)] == [129, 52, 135, 40]
     assert [f.bandwidth_gbps(g, 2) for g in (2, 4, 8)] == [50, 72, 20]
     assert [f.bandwidth_gbps(g, 4) for g in (2, 4)] == [36, 10]
-    assert f.bandwidth_gbps(2, 8) == 5 and f.bandwidth_gbps(2, 3) == 50  # stride 3: stride-2 table
+    # stride >= 8: no table; a node's egress (10 GB/s x 4 rings at stride 4) over 8 rings
+    assert f.bandwidth_gbps(2, 8) == 5 and f.bandwidth_gbps(16, 32) == 5
+    # stride 3 (x = 3): the pair {6, 9} straddles two 8-GCD nodes, so the stride-2 table's
+    # inter-node entry (20 GB/s, 2 rings per node) shared by 3 rings; was the in-node 50
+    assert f.bandwidth_gbps(2, 3) == pytest.approx(20 * 2 / 3)
     h = load_machine("dgx-h100")
     assert h.bandwidth_gbps(8, 1) > h.bandwidth_gbps(2, 8)  # inside a node vs across nodes
+
+
+def test_groups_that_leave_a_node_get_the_network_rate():
+    from fourfold.plan.machines import spans_nodes
+
+    # 4 GPUs per node: x = 6 and x = 3 groups straddle nodes ({3, 4, 5}), x = 4 does not
+    assert spans_nodes(6, 1, 4) and spans_nodes(3, 1, 4) and not spans_nodes(4, 1, 4)
+    assert not spans_nodes(2, 2, 4) and spans_nodes(4, 2, 4) and spans_nodes(2, 4, 4)
+    assert not spans_nodes(1, 64, 4) and not spans_nodes(2, 1, 2)
+    p = load_machine("perlmutter")
+    assert p.bandwidth_gbps(6, 1) == p.bandwidth_gbps(8, 1) == 80  # not NVLink's 225
+    assert p.bandwidth_gbps(3, 2) == 40 and p.bandwidth_gbps(4, 1) == 225
+    assert p.bandwidth_gbps(2, 8) == p.bandwidth_gbps(2, 4) == 20  # one ring per GPU already
+    # without tables: the same rule picks intra or inter
+    h = load_machine("dgx-h100")
+    assert h.bandwidth_gbps(4, 2) == h.network.intra_node_gbps
+    assert h.bandwidth_gbps(6, 1) == h.network.inter_node_gbps  # {6, ..., 11} on 8-GPU nodes
+
+
+def test_all_reduce_latency_is_logarithmic_in_large_groups():
+    from fourfold.plan.perf import collective_seconds
+    from fourfold.plan.schedule import Collective
+
+    machine = load_machine("perlmutter")
+    lat = machine.network.latency_us * 1e-6
+    small = Collective("data", "all_reduce", 4096, 1, "step_data")
+    t = [collective_seconds(small, GridShape(data=p, z=1, y=1, x=1), machine)
+         for p in (64, 1024)]
+    # a tiny buffer: the tree's 2 log2(p) latency steps, not the ring's 2 (p - 1)
+    assert t[0] == pytest.approx(12 * lat, rel=0.05) and t[1] == pytest.approx(20 * lat, rel=0.05)
+    big = Collective("data", "all_reduce", 2**30, 1, "step_data")
+    shape = GridShape(data=4, z=1, y=1, x=1)
+    ring = 2 * 3 / 4 * 2**30 / (machine.bandwidth_gbps(4, 1) * 1e9) + 6 * lat
+    assert collective_seconds(big, shape, machine) == pytest.approx(ring)  # bandwidth: ring
+    gather = Collective("z", "all_gather", 4096, 1, "fwd_gather")  # rings only
+    assert collective_seconds(gather, GridShape(data=1, z=64, y=1, x=1), machine) > 63 * lat
+
+
+def test_ranks_on_one_host_share_its_memory(monkeypatch):
+    from fourfold.plan import machines
+    from fourfold.plan.machines import GIB, Device, Machine, Network
+
+    monkeypatch.setattr(machines, "_run_comm_probe", fake_comm_probe(1e-3, 2e-9))
+
+    host = Device("cpu", 1.0, 1.0, memory_gib=24.0, hbm_gbps=10.0, shared_host=True)
+    # the cpu machine's gpus_per_node is its core count (2 here): 8 local ranks are not 4 nodes
+    cpu = Machine("cpu", host, gpus_per_node=2, network=Network(), reserved_gib=0.5,
+                  probed_host=True)
+    assert cpu.usable_memory_bytes(8) == pytest.approx((24 / 8 - 0.5) * GIB)
+    assert cpu.usable_memory_bytes(1) == pytest.approx(23.5 * GIB)
+    gpu = load_machine("perlmutter")
+    assert gpu.usable_memory_bytes(8) == gpu.usable_memory_bytes(1024)  # one device per rank
+    # a plan on 8 ranks rejects what fits in 11.3 GiB but not in 24 / 8 GiB
+    big = ModelConfig(preset="custom", n_layers=2, dim=2048, n_heads=16, n_kv_heads=16,
+                      ffn_dim=8192, vocab_size=32000, max_seq_len=128)
+    result = plan(big, 8, cpu, 8, 128, "float32", checkpointing=(True,))
+    fitting = [c for c in result.candidates if c.fits]
+    assert all(c.memory.total <= 2.5 * GIB for c in fitting)
+    assert any(2.5 * GIB < c.memory.total <= 11.5 * GIB for c in result.candidates)
 
 
 def test_cpu_machine_is_measured_once(tmp_path, monkeypatch):
@@ -285,6 +348,49 @@ def test_plan_main_json(capsys):
     fit_times = [r["step_s"] for r in rows if r["fits"]]
     assert fit_times == sorted(fit_times)
     assert set(rows[0]["comm_s"]) == {"x", "y", "z", "data"}
+    assert out["ranked_by"].startswith("step_s")
+    for r in rows:  # HFU adds the recomputed forward, and only under checkpointing
+        assert r["hfu"] > r["mfu"] if r["activation_checkpointing"] else r["hfu"] == r["mfu"]
+
+
+def test_hfu_counts_the_recomputed_block_forward():
+    from fourfold.models.llama import flops_per_token
+    from fourfold.plan.perf import hardware_flops_per_token
+
+    cfg = model_config("1b")
+    model_flops = flops_per_token(cfg, 2048)
+    assert hardware_flops_per_token(cfg, 2048, False) == model_flops
+    # the blocks' forward is a third of their training FLOPs; the output layer's is not redone
+    d, kv, L = cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_layers
+    blocks = 6 * L * (2 * d * d + 2 * d * kv + 3 * d * cfg.ffn_dim) + 12 * L * d * 2048
+    assert hardware_flops_per_token(cfg, 2048, True) == pytest.approx(model_flops + blocks / 3)
+    shape = GridShape(data=2, z=2, y=1, x=2)
+    machine = load_machine("perlmutter")
+    p = predict_step(cfg, shape, 16, 2048, 1, True, machine, Precision.of("bfloat16"))
+    assert p.hfu / p.mfu == pytest.approx(hardware_flops_per_token(cfg, 2048, True) / model_flops)
+
+
+def test_custom_model_is_labelled_custom(tmp_path, capsys):
+    preset_file = tmp_path / "plain.toml"
+    preset_file.write_text('[model]\npreset = "15m"\n')
+    changed = tmp_path / "wide.toml"
+    changed.write_text('[model]\npreset = "15m"\ndim = 576\nn_heads = 12\nn_kv_heads = 12\n')
+    no_preset = tmp_path / "mine.toml"
+    no_preset.write_text('[model]\nn_layers = 3\ndim = 128\nn_heads = 4\nn_kv_heads = 4\n'
+                         'ffn_dim = 256\nvocab_size = 256\n')
+    names = {}
+    for path in (preset_file, changed, no_preset):
+        assert plan_main(["--model", str(path), "--gpus", "2", "--machine", "alps", "--json",
+                          "--global-batch", "4", "--seq", "128"]) == 0
+        names[path.name] = json.loads(capsys.readouterr().out)["model"]
+    assert names["plain.toml"] == {**names["plain.toml"], "preset": "15m",
+                                   "name": "15m (plain.toml)"}
+    assert names["wide.toml"]["preset"] == "custom"
+    assert names["wide.toml"]["name"] == "custom (wide.toml)"
+    assert names["mine.toml"]["name"] == "custom (mine.toml)"
+    assert plan_main(["--model", str(no_preset), "--gpus", "2", "--machine", "alps",
+                      "--global-batch", "4", "--seq", "128"]) == 0
+    assert capsys.readouterr().out.startswith("model custom (mine.toml)")
 
 
 def test_plan_main_table(capsys):

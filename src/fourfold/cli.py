@@ -325,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Registered for --help only: main() hands `plan`'s arguments to the planner unparsed.
     sub.add_parser("plan", help="predict time and memory of configurations, pick the best",
                    add_help=False)
+    sub.add_parser("probe", help="(under torchrun/srun) measure GEMMs and collectives, write "
+                   "a MACHINE.toml for plan", add_help=False)
 
     report = sub.add_parser("report", help="plot a run's loss, tokens/s and memory")
     report.add_argument("run_dir", metavar="RUN_DIR")
@@ -341,6 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] == "plan":
         return cmd_plan(argv[1:])
+    if argv and argv[0] == "probe":  # planner-owned, like plan: its own parser
+        from fourfold.plan.probe import probe_main
+
+        return probe_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv  # as typed: what --nproc's ranks run again
     handler: Callable[[argparse.Namespace], int] = args.handler

@@ -26,7 +26,7 @@ from fourfold.plan.perf import Overlap
 from fourfold.plan.scaling import (count_params, data_constrained_optimum, dataset_tokens,
                                    dataset_vocab_size, format_count, get_law, model_for_params,
                                    training_config)
-from fourfold.plan.search import Plan, plan
+from fourfold.plan.search import Plan, model_label, plan
 from fourfold.plan.sweep import format_sweep, gpu_counts, plot_sweep, run_sweep
 
 
@@ -119,20 +119,37 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}" if seconds < 10 else f"{seconds:.1f}s"
 
 
-def format_plan(result: Plan, top: int, model_label: str | None = None) -> str:
-    """The plan as a table; `model_label` names the model (default: its preset)."""
+def describe_model(model: ModelConfig, spec: str | None = None) -> str:
+    """How the plan names a model: its preset, or "custom", with the config file it came from."""
+    label = model_label(model)
+    if spec is None or spec in PRESETS:
+        return label
+    return f"{label} ({Path(spec).name})"
+
+
+def _placement(machine: Machine, world: int) -> str:
+    if machine.probed_host:
+        return (f"all {world} ranks on this host, sharing its {machine.device.memory_gib:.1f} "
+                f"GiB and {machine.gpus_per_node} cores")
+    return f"{machine.gpus_per_node} per node"
+
+
+def format_plan(result: Plan, top: int, model_name: str | None = None) -> str:
     m, model = result.machine, result.model
     rows = result.candidates if top <= 0 else result.candidates[:top]
-    header = [f"model {model_label or model.preset} ({format_count(count_params(model))} params, "
+    header = [f"model {model_name or describe_model(model)} ({format_count(count_params(model))} params, "
               f"{model.n_layers} layers, dim {model.dim}) on {result.world_size} x "
-              f"{m.device.name} ({m.name}: {m.gpus_per_node} per node, "
-              f"{result.machine.usable_memory_bytes(result.world_size) / GIB:.1f} GiB usable)",
+              f"{m.device.name} ({m.name}: {_placement(m, result.world_size)}, "
+              f"{result.machine.usable_memory_bytes(result.world_size) / GIB:.1f} GiB usable "
+              "per rank)",
               f"batch {result.global_batch} x {result.seq_len} tokens, {result.precision.name}; "
               f"{len(result.candidates)} grids, {len(result.rejected)} cannot split the model; "
               f"comm columns: ms per step (hidden %)",
+              "ranked by predicted step time (so by MFU: model FLOPs, 6N + attention per token); "
+              "HFU also counts the forward that activation checkpointing (AC) recomputes",
               f"{m.device.note}; {m.note}" if m.note else m.device.note]
     columns = (f"{'#':>3} {'data,z,y,x':>12} {'mb x acc':>9} {'AC':>3} {'step ms':>9} "
-               f"{'tokens/s':>11} {'MFU':>5} " + " ".join(f"{a + ' ms':>13}" for a in AXES)
+               f"{'tokens/s':>11} {'MFU':>5} {'HFU':>5} " + " ".join(f"{a + ' ms':>13}" for a in AXES)
                + f" {'GiB/GPU':>8}  fits")
     lines = header + [columns]
     for i, c in enumerate(rows, 1):
@@ -146,22 +163,25 @@ def format_plan(result: Plan, top: int, model_label: str | None = None) -> str:
         fits = "fits" if c.fits else f"OOM by {c.oom_gib:.1f} GiB"
         lines.append(f"{i:>3} {grid:>12} {f'{c.micro_batch}x{c.grad_accum}':>9} "
                      f"{'on' if c.activation_checkpointing else 'off':>3} {_ms(p.step_s):>9} "
-                     f"{p.tokens_per_s:>11,.0f} {p.mfu:>5.0%} " + " ".join(comm)
+                     f"{p.tokens_per_s:>11,.0f} {p.mfu:>5.0%} {p.hfu:>5.0%} " + " ".join(comm)
                      + f" {c.memory.total / GIB:>8.2f}  {fits}")
     if not any(c.fits for c in result.candidates):
         lines.append("no grid fits in memory: add GPUs, use a bigger device, or shrink the batch")
     return "\n".join(lines)
 
 
-def plan_json(result: Plan, top: int) -> dict:
+def plan_json(result: Plan, top: int, model_name: str | None = None) -> dict:
     rows = result.candidates if top <= 0 else result.candidates[:top]
     m = result.machine
     return {
-        "model": {"preset": result.model.preset, "params": count_params(result.model)},
+        "model": {"preset": model_label(result.model),
+                  "name": model_name or describe_model(result.model),
+                  "params": count_params(result.model)},
         "machine": {"name": m.name, "device": m.device.name, "gpus_per_node": m.gpus_per_node,
                     "usable_memory_gib": m.usable_memory_bytes(result.world_size) / GIB},
         "gpus": result.world_size, "global_batch": result.global_batch,
         "seq_len": result.seq_len, "dtype": result.precision.name,
+        "ranked_by": "step_s (equivalently mfu: model FLOPs; hfu adds the recomputed forward)",
         "configurations": [c.to_json() for c in rows],
         "rejected": [{"grid": {a: getattr(s, a) for a in ("data", "z", "y", "x")},
                       "reason": why} for s, why in result.rejected],
@@ -192,11 +212,10 @@ def _plan_mode(args: argparse.Namespace) -> int:
     result = plan(model, args.gpus, machine, batch, seq, dtype, overlap, checkpointing,
                   args.grad_accum)
     if args.json:
-        print(json.dumps(plan_json(result, args.top), indent=2))
+        print(json.dumps(plan_json(result, args.top, describe_model(model, args.model)),
+                         indent=2))
     else:
-        label = (f"custom from {Path(args.model).name}"
-                 if model.preset == "custom" and args.model not in PRESETS else None)
-        print(format_plan(result, args.top, label))
+        print(format_plan(result, args.top, describe_model(model, args.model)))
     return 0
 
 

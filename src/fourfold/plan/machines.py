@@ -27,13 +27,15 @@ MACHINE.toml (every key optional except where noted; unknown keys are an error):
     shared_host = false         # true when all ranks of a node share one device (CPU)
 
     [network]
-    latency_us = 10.0           # per ring step
+    latency_us = 10.0           # per step of a ring (or level of a tree) across the network
     intra_node_gbps = 200.0     # used when no stride tables are given: a group inside a node
     inter_node_gbps = 20.0      # ... and a group that spans nodes
 
     # Measured tables (override intra/inter): effective GB/s by group size, one table per
     # stride between the ranks of the group. A stride uses the table of the largest listed
-    # stride <= it; a group size uses the entry of the largest listed size <= it.
+    # stride <= it; a group size uses the entry of the largest listed size <= it among the
+    # entries on its side of the node boundary (size * stride > gpus_per_node: measured
+    # across nodes; see Network.gbps).
     [network.stride_1]
     2 = 76.0
     4 = 225.0
@@ -73,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import subprocess
@@ -124,20 +127,78 @@ class Network:
     stride_tables: tuple[tuple[int, tuple[tuple[int, float], ...]], ...] = ()
 
     def gbps(self, group_size: int, stride: int, gpus_per_node: int) -> float:
-        """Effective GB/s of a collective over `group_size` ranks `stride` apart."""
-        if self.stride_tables:
-            table = self.stride_tables[0][1]
-            for listed_stride, t in self.stride_tables:
-                if listed_stride <= stride:
-                    table = t
-            value = table[0][1]
-            for size, bw in table:
-                if size <= group_size:
-                    value = bw
-            return value
-        # A group whose ranks all sit in one node uses the node's links; else the network.
-        inside_node = stride * group_size <= gpus_per_node
-        return self.intra_node_gbps if inside_node else self.inter_node_gbps
+        """Effective GB/s of a collective over `group_size` ranks `stride` apart.
+
+        Whether the group leaves a node is computed from the rank order (`spans_nodes`), and a
+        table entry only answers for groups on the same side of that line as the one it was
+        measured on (a `size = GB/s` entry of table `stride_S` was measured across nodes when
+        size * S > gpus_per_node). So x = 6 on 4-GPU nodes gets the inter-node entry, not the
+        NVLink one that the largest listed size <= 6 (4) would give.
+
+        Across nodes, a node's egress is shared by the rings leaving it, one per group with a
+        member in the node: min(stride, gpus_per_node) of them. The paper's tables show this
+        law: the inter-node entries times that count are one number per machine (Perlmutter
+        stride 1/2/4: 80 x 1 = 40 x 2 = 20 x 4 = 80 GB/s per node; Frontier: 40 x 1 = 20 x 2 =
+        10 x 4 = 40). So an inter-node entry measured at stride S serves a larger stride scaled
+        by min(S, n) / min(stride, n) (Frontier at stride >= 8: 10 x 4 / 8 = 5 GB/s).
+        Tables with no inter-node entry at all serve every group as they are."""
+        spans = spans_nodes(group_size, stride, gpus_per_node)
+        if not self.stride_tables:
+            # A group whose ranks all sit in one node uses the node's links; else the network.
+            return self.inter_node_gbps if spans else self.intra_node_gbps
+        chosen = 0
+        for i, (listed_stride, _) in enumerate(self.stride_tables):
+            if listed_stride <= stride:
+                chosen = i
+
+        def same_side(i: int) -> list[tuple[int, float]]:
+            listed_stride, table = self.stride_tables[i]
+            return [(size, bw) for size, bw in table
+                    if (size * listed_stride > gpus_per_node) == spans]
+
+        source = chosen
+        entries = same_side(chosen)
+        if not entries and spans:  # the nearest smaller, then larger, stride measured across
+            order = list(range(chosen - 1, -1, -1)) + list(range(chosen + 1,
+                                                                 len(self.stride_tables)))
+            source = next((i for i in order if same_side(i)), chosen)
+            entries = same_side(source)
+        if not entries:
+            return _entry(self.stride_tables[chosen][1], group_size)
+        value = _entry(entries, group_size)
+        if spans:
+            measured_stride = self.stride_tables[source][0]
+            value *= min(measured_stride, gpus_per_node) / min(stride, gpus_per_node)
+        return value
+
+
+def _entry(entries: "list[tuple[int, float]] | tuple[tuple[int, float], ...]",
+           group_size: int) -> float:
+    """The entry of the largest listed group size <= group_size (else the smallest listed)."""
+    value = entries[0][1]
+    for size, bw in entries:
+        if size <= group_size:
+            value = bw
+    return value
+
+
+def spans_nodes(group_size: int, stride: int, gpus_per_node: int) -> bool:
+    """Whether some group of `group_size` ranks `stride` apart (the groups of one grid axis: x
+    innermost, so stride = the product of the inner axes' sizes) holds ranks of two nodes, when
+    ranks fill nodes in order. The groups of an axis run in lockstep, so one spanning group
+    makes the collective an inter-node one."""
+    if group_size <= 1:
+        return False
+    if stride >= gpus_per_node:
+        return True
+    block = stride * group_size  # consecutive ranks holding `stride` whole groups
+    period = block * gpus_per_node // math.gcd(block, gpus_per_node)
+    for base in range(0, period, block):
+        for offset in range(stride):
+            first = base + offset
+            if first // gpus_per_node != (first + (group_size - 1) * stride) // gpus_per_node:
+                return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -161,8 +222,19 @@ class Machine:
         """How many ranks share one device's compute and memory (>1 only on a shared host)."""
         return min(world_size, self.gpus_per_node) if self.device.shared_host else 1
 
+    def ranks_per_host(self, world_size: int) -> int:
+        """How many ranks share one memory: on the probed `cpu` machine every rank of the job
+        runs on this host (its gpus_per_node is the core count, which says nothing about
+        where ranks live); on another shared-host machine a node's ranks share it; on GPUs,
+        one device per rank."""
+        return world_size if self.probed_host else self.ranks_per_device(world_size)
+
     def usable_memory_bytes(self, world_size: int) -> float:
-        per_rank = self.device.memory_gib / self.ranks_per_device(world_size)
+        """What one rank may hold: its share of the memory it shares with the other ranks
+        there, less `reserved_gib` per rank (the CUDA context, or on the cpu machine the
+        interpreter and its libraries: a process with torch and fourfold imported measured
+        0.29 GiB resident here)."""
+        per_rank = self.device.memory_gib / self.ranks_per_host(world_size)
         return (per_rank - self.reserved_gib) * GIB
 
     def peak_flops_per_rank(self, dtype: str, world_size: int, tf32: bool = False) -> float:
@@ -252,7 +324,7 @@ _PRESETS: dict[str, Machine] = {
             (1, ((2, 76.0), (4, 225.0), (8, 80.0))),
             (2, ((2, 76.0), (4, 40.0))),
             (4, ((2, 20.0),)),
-            (8, ((2, 20.0),)),
+            # strides >= 8: derived, not listed (a placeholder was): see Network.gbps
         )), note=_PAPER),
     "frontier": Machine(
         "frontier", DEVICES["mi250x-gcd"], gpus_per_node=8,
@@ -260,7 +332,7 @@ _PRESETS: dict[str, Machine] = {
             (1, ((2, 129.0), (4, 52.0), (8, 135.0), (16, 40.0))),
             (2, ((2, 50.0), (4, 72.0), (8, 20.0))),
             (4, ((2, 36.0), (4, 10.0))),
-            (8, ((2, 5.0),)),
+            # strides >= 8: derived, not listed (a placeholder was): see Network.gbps
         )), note=_PAPER),
     # 4 GH200 per node, all-to-all NVLink; 4 Slingshot-11 NICs (25 GB/s each) per node.
     "alps": Machine(
@@ -268,8 +340,7 @@ _PRESETS: dict[str, Machine] = {
         network=Network(latency_us=10.0, stride_tables=(
             (1, ((2, 130.0), (4, 200.0), (8, 22.0))),
             (2, ((2, 130.0), (4, 20.0))),
-            (4, ((2, 18.0),)),
-            (8, ((2, 15.0),)),
+            (4, ((2, 18.0),)),  # strides >= 8: derived (see Network.gbps)
         )), note=_ESTIMATE),
     # NVSwitch inside the node; 8x400 Gb/s InfiniBand per node.
     "dgx-h100": Machine(
@@ -308,18 +379,24 @@ def _probe_key() -> str:
            f"{torch.get_num_threads()}|{torch.__version__}"
 
 
-def _time_matmul(size: int, budget_s: float) -> float:
-    """FLOP/s of a size^3 float32 matmul, best of as many runs as fit in budget_s."""
+def _time_matmul(size: int, budget_s: float, device: Any = None, dtype: Any = None) -> float:
+    """FLOP/s of a size^3 matmul (float32 on the CPU unless told), best of as many runs as fit
+    in budget_s: the GEMM timing of both the cpu machine's probe and `fourfold probe`."""
     import torch
 
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    cuda = a.device.type == "cuda"
     torch.mm(a, b)  # warm-up: thread pool, allocation
+    if cuda:
+        torch.cuda.synchronize(a.device)
     best = float("inf")
     start = time.perf_counter()
     while True:
         t0 = time.perf_counter()
         torch.mm(a, b)
+        if cuda:
+            torch.cuda.synchronize(a.device)
         best = min(best, time.perf_counter() - t0)
         if time.perf_counter() - start > budget_s:
             break
@@ -430,6 +507,42 @@ def ring_volume(op: str, group_size: int, nbytes: float) -> float:
     return (2 * share if op == "all_reduce" else share) * nbytes
 
 
+def time_collective(op: str, group: Any, group_size: int, sizes: tuple[int, ...],
+                    repeats: tuple[int, ...], device: Any, dtype: Any) -> list[tuple[int, float]]:
+    """(bytes per call, median seconds) of `op` over `group` at each buffer size (the full
+    buffer, as the ledger counts it), every rank of every probed group calling at once: the
+    one timing both the cpu machine's probe and `fourfold probe` use."""
+    import torch
+    import torch.distributed as dist
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    points = []
+    for nbytes, count in zip(sizes, repeats):
+        numel = max(group_size, nbytes // elem // group_size * group_size)
+        full = torch.ones(numel, dtype=dtype, device=device)
+        part = torch.ones(numel // group_size, dtype=dtype, device=device)
+
+        def call() -> None:
+            if op == "all_reduce":
+                dist.all_reduce(full, group=group)
+            elif op == "all_gather":
+                dist.all_gather_into_tensor(full, part, group=group)
+            else:
+                dist.reduce_scatter_tensor(part, full, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        call()  # warm-up: connections, buffers
+        times = []
+        for _ in range(count):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        points.append((numel * elem, sorted(times)[len(times) // 2]))
+    return points
+
+
 def _probe_rank(rank: int, world: int, store_path: str) -> dict[str, Any]:
     """One rank of the comm probe: collectives over every group size, all groups at once,
     then a matmul and a small-op loop with every rank busy."""
@@ -445,26 +558,8 @@ def _probe_rank(rank: int, world: int, store_path: str) -> dict[str, Any]:
         groups = [dist.new_group(list(range(g, g + p))) for g in range(0, world, p)]
         group = groups[rank // p]
         for op in _PROBE_OPS:
-            points = []
-            for nbytes, repeats in zip(_PROBE_SIZES, _PROBE_REPEATS):
-                numel = nbytes // 4 // p * p
-                full = torch.ones(numel)
-                part = torch.ones(numel // p)
-                def call() -> None:
-                    if op == "all_reduce":
-                        dist.all_reduce(full, group=group)
-                    elif op == "all_gather":
-                        dist.all_gather_into_tensor(full, part, group=group)
-                    else:
-                        dist.reduce_scatter_tensor(part, full, group=group)
-                call()  # warm-up: connections, buffers
-                times = []
-                for _ in range(repeats):
-                    dist.barrier(group=group)
-                    t0 = time.perf_counter()
-                    call()
-                    times.append(time.perf_counter() - t0)
-                points.append((numel * 4, sorted(times)[len(times) // 2]))
+            points = time_collective(op, group, p, _PROBE_SIZES, _PROBE_REPEATS,
+                                     torch.device("cpu"), torch.float32)
             out["comm"][f"{op}/{p}"] = points
     # compute with every rank busy: the wall time from the common start to the last rank's end
     a, b = torch.randn(256, 256), torch.randn(256, 256)
@@ -783,9 +878,11 @@ def machine_from_toml(path: str | Path) -> Machine:
         raise PlanError(f"{where}: gpus_per_node is required (or give a `base` machine)")
     reserved = _number(f"{where}: reserved_gib",
                        data.get("reserved_gib", base.reserved_gib if base else 2.0))
+    # a file based on the cpu machine keeps its host calibration (the same probe's timings)
     return Machine(name=str(data.get("name", p.stem)), device=device, gpus_per_node=per_node,
                    network=network, reserved_gib=reserved,
-                   note=str(data.get("note", f"from {where}")))
+                   note=str(data.get("note", f"from {where}")),
+                   probed_host=base.probed_host if base is not None else False)
 
 
 def load_machine(spec: str | Machine) -> Machine:

@@ -5,7 +5,11 @@ or skinny GEMMs (each dimension d contributes d / (d + gemm_half_dim)), or at me
 bandwidth when that is slower; attention and element-wise work are added the same way.
 Communication: the collectives of `schedule.collective_schedule`, each a ring over the
 bandwidth its group's placement sees (group size = the axis size; stride between its ranks:
-`GridShape.stride`, from the grid's rank order), minus the part the engine's overlap hides.
+`GridShape.stride`, from the grid's rank order), all-reduces as NCCL's tree when that is
+faster (`collective_seconds`), minus the part the engine's overlap hides. Hidden communication
+is charged nothing beyond what stays exposed: the 0.1-of-hidden-time "interference" term that
+was here rested on no measurement and is gone (the kernels' contention for SMs and memory is
+not modelled: an optimistic choice, named here).
 
 On the `cpu` machine (N ranks time-sharing this host's cores) the rates come from its probe
 (`Machine.calibration(N)`, see fourfold.plan.machines): GEMM, memory and per-op rates with all N
@@ -15,6 +19,7 @@ size, and overlap scaled down to what spare cores can hide (none when N >= cores
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from fourfold.config import ModelConfig
@@ -23,10 +28,6 @@ from fourfold.parallel.grid import AXES, GridShape
 from fourfold.plan.machines import HostCalibration, Machine, ring_volume
 from fourfold.plan.memory import Precision
 from fourfold.plan.schedule import Collective, block_linears, collective_schedule, local_param_numel
-
-
-# Fraction of a hidden collective's time that still shows up as slower compute.
-OVERLAP_INTERFERENCE = 0.1
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,25 @@ class StepPrediction:
     hidden_s: dict[str, float]  # per axis, the part hidden under compute
     comm_bytes: dict[str, int]  # per axis, per rank, as the ledger counts
     tokens_per_s: float
-    mfu: float
+    mfu: float  # model FLOPs (no recomputation) / peak: what the planner ranks by, via step_s
     flops_per_step: float  # model FLOPs of the whole job per step
+    hfu: float = 0.0  # hardware FLOPs (with the recomputed forward of checkpointing) / peak
     notes: list[str] = field(default_factory=list)
+
+
+def hardware_flops_per_token(model: ModelConfig, seq_len: int,
+                             activation_checkpointing: bool) -> float:
+    """FLOPs per token a device really runs: the model FLOPs (`flops_per_token`) plus, under
+    activation checkpointing, the blocks' forward once more (2 FLOPs per block weight and the
+    attention forward, a third of its 12 * L * d * s); the embedding, final norm and output
+    layer are not recomputed (as in `collective_schedule`). With it on, HFU = MFU * this /
+    flops_per_token: the trainer logs `hfu` beside `mfu` this way."""
+    model_flops = flops_per_token(model, seq_len)
+    if not activation_checkpointing:
+        return model_flops
+    d, kv = model.dim, model.n_kv_heads * model.head_dim
+    block_weights = model.n_layers * (2 * d * d + 2 * d * kv + 3 * d * model.ffn_dim)
+    return model_flops + 2.0 * block_weights + 4.0 * model.n_layers * d * seq_len
 
 
 @dataclass(frozen=True)
@@ -87,14 +104,28 @@ def _gemm(m: int, n: int, k: int, rates: _Rates, elem_bytes: int, batch: int = 1
 def collective_seconds(c: Collective, shape: GridShape, machine: Machine,
                        calibration: HostCalibration | None = None) -> float:
     """One call of a collective over its axis: on the cpu machine the probe's fitted latency +
-    ring volume x seconds per byte for its group size; elsewhere a ring over the bandwidth the
-    group's placement sees."""
+    ring volume x seconds per byte for its group size; elsewhere as NCCL times it.
+
+    NCCL (and RCCL) estimate each call's time per algorithm as latency + bytes / bandwidth and
+    run the fastest (NCCL_ALGO's documented default: automatic choice; the model lives in
+    NCCL's tuning code). Ring: 2(p-1) latency steps for an all-reduce, p-1 for the others, and
+    the ring volume over the group's effective bandwidth. All-reduce also has the double
+    binary tree (NCCL 2.4, "Massively Scale Your Deep Learning Training with NCCL 2.4", NVIDIA
+    blog, 2019): latency logarithmic in p, 2 ceil(log2 p) steps (reduce up, broadcast down),
+    and each rank sends the whole buffer up and receives it down (2 x nbytes over the same
+    bandwidth). All-gather and reduce-scatter stay rings (PAT, NCCL >= 2.23's logarithmic
+    algorithm for one rank per node, is not modelled)."""
     p = getattr(shape, c.axis)
     if calibration is not None:
         return calibration.collective_seconds(c.op, p, c.nbytes)
     bw = machine.bandwidth_gbps(p, shape.stride(c.axis)) * 1e9
+    latency = machine.network.latency_us * 1e-6
     steps = 2 * (p - 1) if c.op == "all_reduce" else p - 1
-    return ring_volume(c.op, p, c.nbytes) / bw + steps * machine.network.latency_us * 1e-6
+    ring = ring_volume(c.op, p, c.nbytes) / bw + steps * latency
+    if c.op != "all_reduce" or p <= 2:
+        return ring
+    tree = 2 * c.nbytes / bw + 2 * math.ceil(math.log2(p)) * latency
+    return min(ring, tree)
 
 
 @dataclass(frozen=True)
@@ -197,18 +228,18 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
         hide(phase("step_data"), comp.backward + recompute, share)
 
     comm = {a: sum(p[a] for p in by_phase.values()) for a in AXES}
-    # hidden traffic is not free: it takes memory bandwidth and compute units from the GEMMs
-    interference = OVERLAP_INTERFERENCE * sum(hidden.values())
     # AdamW reads and writes parameters, gradients and both states once per step
     numel = sum(local_param_numel(model, shape).values())
     optimizer_bytes = numel * (2 * precision.param_bytes + precision.grad_bytes
                                + 2 * precision.optimizer_bytes)
     optimizer_s = optimizer_bytes / rates.bytes_per_s
-    compute = fwd_window + bwd_window + optimizer_s + interference
+    compute = fwd_window + bwd_window + optimizer_s
     step = compute + sum(comm[a] - hidden[a] for a in AXES)
     tokens = global_batch * seq_len
     flops = flops_per_token(model, seq_len) * tokens
+    hardware = hardware_flops_per_token(model, seq_len, activation_checkpointing) * tokens
     peak = machine.job_peak_flops(precision.name, world)
     return StepPrediction(step_s=step, compute_s=compute, comm_s=comm, hidden_s=hidden,
                           comm_bytes=comm_bytes, tokens_per_s=tokens / step,
-                          mfu=flops / (step * peak), flops_per_step=flops)
+                          mfu=flops / (step * peak), flops_per_step=flops,
+                          hfu=hardware / (step * peak))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fourfold.config import ModelConfig
+from fourfold.config import PRESETS, ModelConfig, model_config
 from fourfold.intmath import divisors
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.plan.errors import PlanError
@@ -40,7 +40,7 @@ class Candidate:
             "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "activation_checkpointing": self.activation_checkpointing,
             "step_s": p.step_s, "compute_s": p.compute_s, "tokens_per_s": p.tokens_per_s,
-            "mfu": p.mfu,
+            "mfu": p.mfu, "hfu": p.hfu,
             "comm_s": dict(p.comm_s), "comm_hidden_s": dict(p.hidden_s),
             "comm_bytes": dict(p.comm_bytes),
             "memory_gib": self.memory.total / GIB,
@@ -66,6 +66,20 @@ class Plan:
     @property
     def best(self) -> Candidate:
         return self.candidates[0]
+
+
+_SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                 "tie_embeddings", "bias")
+
+
+def model_label(model: ModelConfig) -> str:
+    """The model's preset name when its shape is that preset's, else "custom" (a config file
+    that names a preset and overrides its shape, or names none, is not that preset)."""
+    if model.preset in PRESETS:
+        preset = model_config(model.preset)
+        if all(getattr(model, f) == getattr(preset, f) for f in _SHAPE_FIELDS):
+            return model.preset
+    return "custom"
 
 
 def grid_shapes(world_size: int) -> list[GridShape]:
@@ -141,9 +155,10 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
 
 
 def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: int, seq_len: int,
-         dtype: str = "bfloat16", overlap: Overlap = Overlap(),
+         dtype: str | Precision = "bfloat16", overlap: Overlap = Overlap(),
          checkpointing: tuple[bool, ...] = (False, True), grad_accum: int | None = None) -> Plan:
-    """Predict every grid for this job and rank them (fitting ones first, each by step time)."""
+    """Predict every grid for this job and rank them (fitting ones first, each by step time).
+    `dtype` is a name (`Precision.of`) or a Precision (e.g. another wire dtype)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"--gpus {world_size}: the GPU count must be a positive integer")
     if global_batch < 1:
@@ -153,7 +168,7 @@ def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: in
                         f"{model.max_seq_len}")
     if grad_accum is not None and grad_accum < 1:
         raise PlanError(f"--grad-accum {grad_accum}: must be at least 1")
-    precision = Precision.of(dtype)
+    precision = dtype if isinstance(dtype, Precision) else Precision.of(dtype)
     candidates, rejected = [], []
     for shape in grid_shapes(world_size):
         problem = grid_problem(model, shape, global_batch)
@@ -180,7 +195,7 @@ def _no_grid_message(model: ModelConfig, world_size: int, global_batch: int,
         return (f"--global-batch {global_batch}: no grid of {world_size} GPUs can split it "
                 f"(data*z must divide the batch); try a multiple of {world_size}")
     shape, why = batch_ok[0]
-    return (f"no grid of {world_size} GPUs can split model {model.preset!r} with --global-batch "
+    return (f"no grid of {world_size} GPUs can split model {model_label(model)!r} with --global-batch "
             f"{global_batch}: the grids that split the batch cannot split the model ({shape}: "
             f"{why}); try another GPU count or a batch that is a multiple of {world_size}")
 
@@ -204,7 +219,7 @@ def choose_grid(model_cfg: ModelConfig, world_size: int, machine: Machine | str,
     best = result.best
     if not best.fits:
         raise PlanError(f"no grid of {world_size} x {m.device.name} fits model "
-                        f"{model_cfg.preset!r}: the smallest needs "
+                        f"{model_label(model_cfg)!r}: the smallest needs "
                         f"{best.memory.total / GIB:.1f} GiB per rank, "
                         f"{best.usable_bytes / GIB:.1f} GiB usable")
     p = best.prediction

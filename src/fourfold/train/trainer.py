@@ -24,6 +24,7 @@ from fourfold.errors import EXIT_FAILED, FourfoldError
 from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, ParallelModel
 from fourfold.parallel.grid import check_shared_directory
+from fourfold.plan.perf import hardware_flops_per_token
 from fourfold.train.build import Run, build_run
 from fourfold.train.checkpoint import CheckpointError, CheckpointManager
 from fourfold.train.host_memory import to_device
@@ -122,6 +123,8 @@ class Trainer:
         self.step = 0
         self.tokens_per_step = t.batch_size * t.seq_len
         self.flops_per_token = flops_per_token(self.cfg.model, t.seq_len)
+        self.hardware_flops_per_token = hardware_flops_per_token(
+            self.cfg.model, t.seq_len, t.activation_checkpointing)
         # the whole job's peak, as the planner's MFU counts it (one hardware catalog)
         self.peak_flops = (job_peak_flops(self.device, t.dtype, self.world_size)
                            if self.is_main else None)
@@ -428,6 +431,9 @@ class Trainer:
             "param_bytes": memory.get("params", 0), "grad_bytes": memory.get("grads", 0),
             "optimizer_bytes": memory.get("optimizer", 0), "step_seconds": stats.seconds,
         }
+        if self.cfg.train.activation_checkpointing and mfu is not None:
+            # hardware FLOPs: the recomputed forward counted too, as the planner's HFU
+            record["hfu"] = mfu * self.hardware_flops_per_token / self.flops_per_token
         if self.cfg.train.loss == "goldfish":
             record["loss_token_fraction"] = stats.token_fraction
         if stats.skipped:

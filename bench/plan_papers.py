@@ -1,0 +1,71 @@
+"""The planner against the seed paper's published results (AxoNN, SC24): for each point, the
+planner's best grid and its predicted MFU (model FLOPs) and HFU (with the recomputed forward),
+beside the paper's result in model-FLOPs terms (its Megatron-formula figures x 3/4: they count
+the recomputation) and the ratio paper / predicted (target: within 1.2x either way).
+
+Two wire dtypes: fourfold's engine as the planner's schedule has it now (`engine`), and
+bfloat16 on the wire for the z gathers and the gradient reductions (`bf16 wire`: what AxoNN
+moves, and what parallel.reduce_dtype = "bfloat16" selects once the engine does).
+
+The GPTs are custom models (this framework's blocks are Llama-style: SwiGLU with
+ffn_dim = 8/3 x width, rounded down to a multiple of 2048 so that the grids can split it, has
+the FLOPs of GPT's 4 x width MLP); vocabulary 51200, full multi-head attention, head dim 128.
+The 320B shape (96 layers, width 16384) is an assumption: 12 L d^2 = 309B.
+
+    python bench/plan_papers.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from fourfold.config import ModelConfig
+from fourfold.plan.machines import load_machine
+from fourfold.plan.memory import Precision
+from fourfold.plan.search import plan
+
+
+def gpt(n_layers: int, dim: int) -> ModelConfig:
+    return ModelConfig(preset="custom", n_layers=n_layers, dim=dim, n_heads=dim // 128,
+                       n_kv_heads=dim // 128, ffn_dim=(8 * dim // 3) // 2048 * 2048,
+                       vocab_size=51200, max_seq_len=2048)
+
+
+# (label, model, GPUs, machine, global batch, the paper's model-FLOPs MFU)
+POINTS = [
+    ("80B GPT, 1,024 Perlmutter A100", gpt(42, 12288), 1024, "perlmutter", 2048, 0.428),
+    ("320B GPT, 32,768 Frontier GCDs", gpt(96, 16384), 32768, "frontier", 8192, 0.165),
+]
+
+
+def bf16_wire() -> Precision:
+    """bfloat16 autocast with bfloat16 z gathers and gradient reductions on the wire."""
+    try:  # once Precision knows parallel.reduce_dtype
+        return Precision.of("bfloat16", "bfloat16")  # type: ignore[call-arg]
+    except TypeError:  # before it: grad_bytes is also the reductions' element size
+        return dataclasses.replace(Precision.of("bfloat16"), weight_bytes=2, grad_bytes=2)
+
+
+def main() -> None:
+    wires = [("engine", Precision.of("bfloat16")), ("bf16 wire", bf16_wire())]
+    print(f"{'point':<32} {'wire':<9} {'best grid data,z,y,x':>21} {'mb x acc':>8} {'AC':>3} "
+          f"{'step s':>7} {'MFU':>6} {'HFU':>6} {'paper':>6} {'paper/MFU':>9}")
+    for label, model, gpus, machine_name, batch, paper in POINTS:
+        machine = load_machine(machine_name)
+        for wire, precision in wires:
+            start = time.perf_counter()
+            best = plan(model, gpus, machine, batch, 2048, precision).best
+            p = best.prediction
+            s = best.shape
+            grid = f"{s.data},{s.z},{s.y},{s.x}"
+            ratio = paper / p.mfu
+            verdict = "ok" if 1 / 1.2 <= ratio <= 1.2 else "MISS"
+            print(f"{label:<32} {wire:<9} {grid:>21} {best.micro_batch:>4}x{best.grad_accum:<3} "
+                  f"{'on' if best.activation_checkpointing else 'off':>3} {p.step_s:>7.2f} "
+                  f"{p.mfu:>6.1%} {p.hfu:>6.1%} {paper:>6.1%} {ratio:>8.2f}x {verdict}"
+                  f"  ({time.perf_counter() - start:.1f} s to plan)")
+
+
+if __name__ == "__main__":
+    main()
