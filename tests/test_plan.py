@@ -417,7 +417,7 @@ def test_plan_labels_a_custom_model_file_with_its_name(tmp_path, capsys):
     path.write_text("[model]\nn_layers = 8\ndim = 512\n")  # the default preset, reshaped
     assert plan_main(["--model", str(path), "--gpus", "2", "--machine", "dgx-h100"]) == 0
     header = capsys.readouterr().out.splitlines()[0]
-    assert header.startswith("model custom from mine.toml (") and "small" not in header
+    assert header.startswith("model custom (mine.toml) (") and "small" not in header
     assert plan_main(["--model", str(path), "--gpus", "2", "--machine", "dgx-h100",
                       "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["preset"] == "custom"
