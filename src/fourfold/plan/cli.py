@@ -19,7 +19,7 @@ from pathlib import Path
 from fourfold.config import PRESETS, ConfigError, ModelConfig, load_config, model_config
 from fourfold.errors import FourfoldError
 from fourfold.parsing import ArgumentParser
-from fourfold.parallel.grid import AXES
+from fourfold.parallel.grid import AXES, RANK_ORDER
 from fourfold.plan.errors import PlanError
 from fourfold.plan.machines import GIB, Machine, load_machine
 from fourfold.plan.perf import Overlap
@@ -137,7 +137,7 @@ def format_plan(result: Plan, top: int, model_label: str | None = None) -> str:
     lines = header + [columns]
     for i, c in enumerate(rows, 1):
         p = c.prediction
-        grid = f"{c.shape.data},{c.shape.z},{c.shape.y},{c.shape.x}"
+        grid = ",".join(str(getattr(c.shape, a)) for a in RANK_ORDER)
         comm = []
         for a in AXES:
             total = p.comm_s[a]
@@ -163,7 +163,7 @@ def plan_json(result: Plan, top: int) -> dict:
         "gpus": result.world_size, "global_batch": result.global_batch,
         "seq_len": result.seq_len, "dtype": result.precision.name,
         "configurations": [c.to_json() for c in rows],
-        "rejected": [{"grid": {a: getattr(s, a) for a in ("data", "z", "y", "x")},
+        "rejected": [{"grid": {a: getattr(s, a) for a in RANK_ORDER},
                       "reason": why} for s, why in result.rejected],
     }
 
