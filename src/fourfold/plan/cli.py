@@ -19,7 +19,7 @@ from pathlib import Path
 from fourfold.config import PRESETS, ConfigError, ModelConfig, load_config, model_config
 from fourfold.errors import FourfoldError
 from fourfold.parsing import ArgumentParser
-from fourfold.parallel.grid import AXES
+from fourfold.parallel.grid import AXES, RANK_ORDER
 from fourfold.plan.errors import PlanError
 from fourfold.plan.machines import GIB, Machine, load_machine
 from fourfold.plan.perf import Overlap
@@ -154,7 +154,7 @@ def format_plan(result: Plan, top: int, model_name: str | None = None) -> str:
     lines = header + [columns]
     for i, c in enumerate(rows, 1):
         p = c.prediction
-        grid = f"{c.shape.data},{c.shape.z},{c.shape.y},{c.shape.x}"
+        grid = ",".join(str(getattr(c.shape, a)) for a in RANK_ORDER)
         comm = []
         for a in AXES:
             total = p.comm_s[a]
@@ -183,7 +183,7 @@ def plan_json(result: Plan, top: int, model_name: str | None = None) -> dict:
         "seq_len": result.seq_len, "dtype": result.precision.name,
         "ranked_by": "step_s (equivalently mfu: model FLOPs; hfu adds the recomputed forward)",
         "configurations": [c.to_json() for c in rows],
-        "rejected": [{"grid": {a: getattr(s, a) for a in ("data", "z", "y", "x")},
+        "rejected": [{"grid": {a: getattr(s, a) for a in RANK_ORDER},
                       "reason": why} for s, why in result.rejected],
     }
 

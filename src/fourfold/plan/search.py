@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from fourfold.config import PRESETS, ModelConfig, model_config
 from fourfold.intmath import divisors
-from fourfold.parallel.grid import AXES, GridShape
+from fourfold.parallel.grid import AXES, RANK_ORDER, GridShape
 from fourfold.plan.errors import PlanError
 from fourfold.plan.machines import GIB, Machine
 from fourfold.plan.memory import MemoryBreakdown, Precision, predict_memory
@@ -36,7 +36,7 @@ class Candidate:
     def to_json(self) -> dict:
         p = self.prediction
         return {
-            "grid": {a: getattr(self.shape, a) for a in ("data", "z", "y", "x")},
+            "grid": {a: getattr(self.shape, a) for a in RANK_ORDER},
             "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "activation_checkpointing": self.activation_checkpointing,
             "step_s": p.step_s, "compute_s": p.compute_s, "tokens_per_s": p.tokens_per_s,
