@@ -103,8 +103,9 @@ def train_table(preset: str, nprocs: list[int], steps: int, batch: int, seq: int
 
     weights = 4 * build_model(model_config(preset), device="meta").num_params()
     print(f"{preset} preset ({weights / MIB:,.0f} MiB of float32 weights), {dtype}, {steps} "
-          f"steps of {batch} x {seq} tokens, a checkpoint ({'async' if async_checkpoint else 'sync'}"
-          "), the streamed export; MiB per rank above a process that only imported fourfold")
+          f"steps of {batch} x {seq} tokens, a checkpoint "
+          f"({'async' if async_checkpoint else 'sync'}), the streamed export; MiB per rank "
+          "above a process that only imported fourfold")
     print(f"{'ranks':>5} {'data z y x':<11} {'rank':>4} {'measured':>9} {'predicted':>9} "
           f"{'error':>7} {'x weights':>9} {'1-proc meas':>11} {'1-proc pred':>11}")
     one_measured: float | None = None

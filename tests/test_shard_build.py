@@ -166,3 +166,27 @@ def test_a_grid_too_small_for_the_model_fails_before_building(
     needed = float(line.split("a rank needs ")[1].split(" GiB")[0])
     assert needed > 1000  # 70B parameters x 16 bytes of weights, gradients and AdamW states
     assert "a grid that fits: parallel.x=" in line and "ranks, " in line, line
+
+
+def test_an_interrupted_export_leaves_no_half_written_file(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from fourfold.parallel.shards import TensorSpec
+    from fourfold.safetensors_stream import write_streamed
+
+    specs = [TensorSpec("a", torch.float32, (3, 4)), TensorSpec("b", torch.bfloat16, (5,))]
+    tensors = {"a": torch.randn(3, 4), "b": torch.randn(5).bfloat16()}
+    path = tmp_path / "model.safetensors"
+    write_streamed(path, specs, ((s, tensors[s.name]) for s in specs), {"format": "pt"})
+    loaded = load_file(path)
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+    before = path.read_bytes()
+
+    def interrupted():
+        yield specs[0], tensors["a"]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_streamed(path, specs, interrupted(), {"format": "pt"})
+    assert path.read_bytes() == before  # the old file stays whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]

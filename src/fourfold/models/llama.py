@@ -140,8 +140,9 @@ class Block(nn.Module):
 
 class Llama(nn.Module):
     """The decoder. Its initial weights are a function of `seed` (when None, drawn from
-    torch's global generator, except on the meta device): see `initial_block`. Built on the meta device (`build_model(...,
-    device="meta")`) it allocates nothing, and `parallelize` materialises each rank's shards."""
+    torch's global generator, except on the meta device): see `initial_block`. Built on the
+    meta device (`build_model(..., device="meta")`) it allocates nothing, and `parallelize`
+    materialises each rank's shards."""
 
     def __init__(self, cfg: ModelConfig, seed: int | None = None) -> None:
         super().__init__()

@@ -10,6 +10,9 @@ What a rank holds that the model leaves out, and why:
 - the token shards, which are memory-mapped and paged in and out by the kernel;
 - the optimizer step's temporaries (foreach AdamW works tensor group by tensor group) and the
   gradient-norm reductions, a few tensors of one layer's size.
+Measured on CPU (bench/memory.py, 15m preset, 1-8 gloo ranks) these come to a roughly constant
+70-90 MiB per rank above the prediction: the 15m preset's rows read -19% (one process) to -54%
+(8 ranks), a model whose weights dominate much less so.
 
 The search compares the total with `Machine.usable_memory_bytes`, which divides a memory shared
 by several ranks (a host's) among them and takes `reserved_gib` per rank off for the runtime.
