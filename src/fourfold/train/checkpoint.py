@@ -26,6 +26,11 @@ process group, so its collectives never interleave with training traffic. (Not
 `dcp.async_save`: the finishing steps -- hashes, manifest, rename, pruning -- need collectives of
 their own after the write, in a fixed order on every rank; one thread owning the whole sequence
 keeps that order.)
+
+No pickle: besides the sharded tensors, a checkpoint holds each Stateful part's state as JSON
+(stored as a uint8 tensor) plus the tensors it names; DCP reads tensors with
+torch.load(weights_only=True), and its pickled .metadata index is read by an unpickler that
+builds only the index's own data classes. A checkpoint with any pickled value is refused.
 """
 
 from __future__ import annotations
@@ -452,9 +457,10 @@ class CheckpointManager:
             return t.detach().to("cpu", copy=copy)
 
         state, _ = self._tensor_state(pmodel, optimizer, to_cpu)
-        state.update(encode_state(extra, f"{_STATE}{_EXTRA}/"))
-        for name, part in self.states.items():
-            state.update(encode_state(part.state_dict(), f"{_STATE}{name}/"))
+        if self.rank == 0:  # the same on every rank (per-rank timings aside): one copy
+            state.update(encode_state(extra, f"{_STATE}{_EXTRA}/"))
+            for name, part in self.states.items():
+                state.update(encode_state(part.state_dict(), f"{_STATE}{name}/"))
         for name, part in self.rank_states.items():
             state.update(encode_state(part.state_dict(), f"rank{self.rank}/{name}/"))
         return state
