@@ -647,7 +647,8 @@ class CheckpointManager:
     def load(self, path: str | Path, pmodel: Any, optimizer: torch.optim.Optimizer | None,
              restore_rng: bool = True) -> Any:
         """Load a checkpoint (written on any grid) into this rank's shards of the model and
-        optimizer (None: weights only) and into every part in `states`, restore this rank's RNG states, and return the saved `extra`.
+        optimizer (None: weights only) and into every part in `states`, restore this rank's
+        RNG states, and return the saved `extra`.
 
         Only tensors are read: a checkpoint that holds pickled objects (one from an older
         fourfold, or one made to run code when opened) is refused with a CheckpointError."""
