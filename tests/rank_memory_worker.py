@@ -24,7 +24,6 @@ from pathlib import Path
 import fourfold.cli  # noqa: F401
 import fourfold.train.checkpoint  # noqa: F401
 import fourfold.train.trainer  # noqa: F401
-import torch
 import torch.distributed as dist
 
 from fourfold.config import ModelConfig, ParallelConfig, load_config

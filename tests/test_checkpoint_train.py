@@ -84,6 +84,19 @@ def test_stop_and_resume_logs_the_same_losses(tmp_path: Path) -> None:
                                                                        "step_00000003"]
 
 
+
+def test_resume_with_another_schedule_says_so(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The schedule is a checkpoint part: a run resumed with longer training follows its new
+    config (the learning rate is a function of the step) and names what changed."""
+    Trainer(small_config("checkpoint.every=2", "train.steps=2"), tmp_path, progress=False).fit()
+    capsys.readouterr()
+    longer = small_config("checkpoint.every=2", "train.steps=4")
+    resumed = Trainer(longer, tmp_path, progress=False)
+    assert resumed.step == 2 and resumed.schedule.changed == ["train.steps 2 -> 4"]
+    resumed.fit()
+    assert "schedule differs from the checkpoint's (train.steps 2 -> 4)" in capsys.readouterr().err
+
 def test_no_resume_starts_over(tmp_path: Path) -> None:
     cfg = small_config("checkpoint.every=2", "train.steps=2")
     Trainer(cfg, tmp_path, progress=False).fit()

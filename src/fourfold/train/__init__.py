@@ -1,4 +1,5 @@
-"""Training: building a run, the loop, AdamW and its schedule, metrics, sampling, and run directories.
+"""Training: building a run, the loop, AdamW and its schedule, metrics, sampling, run
+directories.
 
 Names are imported on first use, so that `import fourfold.train.goldfish` (or sampling) does
 not pull in the whole trainer, the parallel engine and the data pipeline.

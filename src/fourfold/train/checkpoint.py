@@ -26,6 +26,11 @@ process group, so its collectives never interleave with training traffic. (Not
 `dcp.async_save`: the finishing steps -- hashes, manifest, rename, pruning -- need collectives of
 their own after the write, in a fixed order on every rank; one thread owning the whole sequence
 keeps that order.)
+
+No pickle: besides the sharded tensors, a checkpoint holds each Stateful part's state as JSON
+(stored as a uint8 tensor) plus the tensors it names; DCP reads tensors with
+torch.load(weights_only=True), and its pickled .metadata index is read by an unpickler that
+builds only the index's own data classes. A checkpoint with any pickled value is refused.
 """
 
 from __future__ import annotations
@@ -450,9 +455,10 @@ class CheckpointManager:
 
         state, _ = self._tensor_state(pmodel, optimizer, to_cpu)
         wait_for_host_copies(self.grid.device)
-        state.update(encode_state(extra, f"{_STATE}{_EXTRA}/"))
-        for name, part in self.states.items():
-            state.update(encode_state(part.state_dict(), f"{_STATE}{name}/"))
+        if self.rank == 0:  # the same on every rank (per-rank timings aside): one copy
+            state.update(encode_state(extra, f"{_STATE}{_EXTRA}/"))
+            for name, part in self.states.items():
+                state.update(encode_state(part.state_dict(), f"{_STATE}{name}/"))
         for name, part in self.rank_states.items():
             state.update(encode_state(part.state_dict(), f"rank{self.rank}/{name}/"))
         return state
@@ -639,7 +645,8 @@ class CheckpointManager:
     def load(self, path: str | Path, pmodel: Any, optimizer: torch.optim.Optimizer | None,
              restore_rng: bool = True) -> Any:
         """Load a checkpoint (written on any grid) into this rank's shards of the model and
-        optimizer (None: weights only) and into every part in `states`, restore this rank's RNG states, and return the saved `extra`.
+        optimizer (None: weights only) and into every part in `states`, restore this rank's
+        RNG states, and return the saved `extra`.
 
         Only tensors are read: a checkpoint that holds pickled objects (one from an older
         fourfold, or one made to run code when opened) is refused with a CheckpointError."""

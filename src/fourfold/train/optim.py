@@ -85,3 +85,29 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+class LRSchedule:
+    """lr_at for one run's TrainConfig, as a checkpoint part. The learning rate is a function
+    of the step, so the state is only the schedule itself: a run resumed with another schedule
+    follows its new config, and `changed` says what differs from the checkpoint's."""
+
+    FIELDS = ("lr", "min_lr_ratio", "warmup_steps", "steps")
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.changed: list[str] = []  # "train.lr 0.001 -> 0.0005", set by load_state_dict
+
+    def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
+        """Set the learning rate of optimizer step `step` (1-based); returns it."""
+        lr = lr_at(step, self.cfg)
+        set_lr(optimizer, lr)
+        return lr
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {name: getattr(self.cfg, name) for name in self.FIELDS}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.changed = [f"train.{name} {state[name]} -> {getattr(self.cfg, name)}"
+                        for name in self.FIELDS
+                        if name in state and state[name] != getattr(self.cfg, name)]

@@ -29,7 +29,7 @@ from fourfold.train.build import Run, build_run
 from fourfold.train.checkpoint import CheckpointError, CheckpointManager
 from fourfold.train.host_memory import to_device
 from fourfold.train.metrics import MetricsLog, job_peak_flops, peak_memory_bytes
-from fourfold.train.optim import lr_at, set_lr
+from fourfold.train.optim import LRSchedule
 from fourfold.train.progress import Progress
 from fourfold.train.resilience import (gather_step_times, restart_count, resume_record,
                                        straggler_report)
@@ -117,6 +117,7 @@ class Trainer:
         self.optimizer = run.optimizer
         self.loader, self.val_loader = run.loader, run.val_loader
         self.guard = run.guard
+        self.schedule = LRSchedule(self.cfg.train)
         t = self.cfg.train
         self._val_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -136,10 +137,11 @@ class Trainer:
         self.train_seconds = 0.0
 
         # What a resumed run needs besides weights and optimizer state to go on exactly (the
-        # learning rate is a function of the step; the manager adds each rank's RNG states).
+        # manager adds each rank's RNG states).
         self.checkpoints = CheckpointManager(
             self.run_dir, self.cfg.checkpoint, self.grid,
-            states={"trainer": self, "loader": self.loader, "guard": self.guard})
+            states={"trainer": self, "loader": self.loader, "guard": self.guard,
+                    "schedule": self.schedule})
         self.resumed_from: Path | None = None
         self._rollbacks: tuple[Path | None, int] = (None, 0)  # (checkpoint, rollbacks to it)
         if self.cfg.checkpoint.resume:
@@ -186,8 +188,7 @@ class Trainer:
         t = self.cfg.train
         start = time.perf_counter()
         step = self.step + 1
-        lr = lr_at(step, t)
-        set_lr(self.optimizer, lr)
+        lr = self.schedule.apply(self.optimizer, step)
         self.pmodel.ledger.reset()
 
         inputs, targets = self.loader.next_batch()  # (B / shards, T)
@@ -483,6 +484,9 @@ class Trainer:
         record = resume_record(self.step, self.resumed_from, restart_count())
         progress.message(f"{record['event']}: continuing from {self.resumed_from} "
                          f"(step {self.step})")
+        if self.schedule.changed:
+            progress.message("the learning-rate schedule differs from the checkpoint's ("
+                             f"{', '.join(self.schedule.changed)}); following the new one")
         if metrics is not None:
             metrics.write(record)
 
