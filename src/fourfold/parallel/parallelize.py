@@ -11,7 +11,6 @@ replicated, with its gradients summed over the batch axes.
 from __future__ import annotations
 
 import math
-
 from typing import Any, Iterator
 
 import torch
