@@ -7,7 +7,9 @@ so normal and transposed layers chain with no resharding: q/k/v then o, gate/up 
 
 The fan-out op sits where one activation feeds one or more linears: identity in forward; in
 backward it sums the partial input gradients over the linears' output axis, and runs the
-deferred weight-gradient GEMMs while that all-reduce is in flight.
+deferred weight-gradient GEMMs while that all-reduce is in flight. The gradients travel in the
+compute dtype of the forward (bfloat16 under autocast: the GEMMs that made them ran in it),
+even where the activation itself is float32 (the residual stream).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fourfold.parallel.engine import Engine
+from fourfold.parallel.engine import Engine, keeps_output_block
 from fourfold.parallel.grid import Axis, Grid
 from fourfold.parallel.layout import Layout
 
@@ -29,7 +31,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 class _FanOut(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, engine: Engine, axis: str) -> torch.Tensor:  # type: ignore[override]
-        ctx.engine, ctx.axis = engine, axis
+        ctx.engine, ctx.axis, ctx.wire_dtype = engine, axis, _compute_dtype(x)
         return x.view_as(x)
 
     @staticmethod
@@ -39,11 +41,13 @@ class _FanOut(torch.autograd.Function):
             engine.flush()
             return grad, None, None
         if engine.options.input_grad:
-            handle = engine.comm.all_reduce(grad.contiguous().clone(), ctx.axis, async_op=True)
+            handle = engine.comm.all_reduce(grad.contiguous().clone(), ctx.axis, async_op=True,
+                                            wire_dtype=ctx.wire_dtype)
             engine.flush()  # dW GEMMs of the consumers run under the all-reduce
             return handle.wait(), None, None
         engine.flush()
-        return engine.comm.all_reduce(grad.contiguous().clone(), ctx.axis).wait(), None, None
+        return engine.comm.all_reduce(grad.contiguous().clone(), ctx.axis,
+                                      wire_dtype=ctx.wire_dtype).wait(), None, None
 
 
 def fan_out(x: torch.Tensor, engine: Engine, axis: Axis) -> torch.Tensor:
@@ -57,10 +61,14 @@ class _Linear3DFunction(torch.autograd.Function):
         engine = module.engine
         dtype = _compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
-            w = engine.gather_weight(module, "forward")  # (out_local, in_local)
+            w = engine.gather_weight(module, "forward", dtype)  # (out_local, in_local)
             y = engine.matmul("forward", x.to(dtype), w.to(dtype))  # partial sum over in_axis
             y = engine.comm.all_reduce(y, module.in_axis).wait()
         ctx.module, ctx.dtype, ctx.x_dtype = module, dtype, x.dtype
+        ctx.kept_block = None
+        if engine.is_last(module) and engine.comm.grid.size("z") > 1 and keeps_output_block(
+                w.numel() * w.element_size(), y.numel() * y.element_size(), y.numel()):
+            ctx.kept_block = w  # its backward comes next: no second gather
         ctx.save_for_backward(x)
         return y
 
@@ -71,14 +79,15 @@ class _Linear3DFunction(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         dtype = ctx.dtype
         with torch.autocast(grad_out.device.type, enabled=False):
-            w = engine.gather_weight(module, "backward")
+            w = engine.gather_weight(module, "backward", dtype, kept=ctx.kept_block)
+            ctx.kept_block = None
             dy = grad_out.to(dtype)
             # partial over out_axis; summed by the fan-out that produced x
             grad_in = engine.matmul("input_grad", dy, w.to(dtype)).to(ctx.x_dtype)
 
             def weight_grad() -> None:
                 block = engine.matmul("weight_grad", dy, x.to(dtype))
-                engine.reduce_scatter_weight_grad(module.weight, block.float())
+                engine.reduce_scatter_weight_grad(module.weight, block)
 
             engine.defer(weight_grad)
         return grad_in, None, None
@@ -111,6 +120,10 @@ class Linear3D(nn.Module):
         else:
             self.register_parameter("bias", None)
         engine.register(self)
+
+    def gather_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """The dtype its weight is gathered in: the GEMM's."""
+        return compute_dtype
 
     @torch.compiler.disable  # collectives and deferred GEMMs: compiled code runs around it
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from fourfold.config import ParallelConfig
+from fourfold.config import ConfigError, ParallelConfig
 from fourfold.models.llama import CrossEntropy
 from fourfold.parallel.comm import Comm, CommLedger
 from fourfold.parallel.embedding import ParallelEmbedding, VocabParallelCrossEntropy
@@ -55,7 +55,7 @@ class ParallelModel:
     def __call__(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (b, T, V/Gy), or per-token losses (b, T) when targets are given."""
         if self.engine is not None:
-            self.engine.begin_forward()
+            self.engine.begin_forward(recompute=self._recomputes())
         if self._is_hf:
             logits = self._forward(input_ids=tokens, use_cache=False).logits
         else:
@@ -65,6 +65,13 @@ class ParallelModel:
         return self.criterion(logits, targets)
 
     forward = __call__
+
+    def _recomputes(self) -> bool:
+        """Whether this forward's blocks run again in backward (activation checkpointing)."""
+        m = self.module
+        return bool(m.training and torch.is_grad_enabled()
+                    and (getattr(m, "activation_checkpointing", False)
+                         or getattr(m, "is_gradient_checkpointing", False)))
 
     def compile(self) -> None:
         """Compile the module's forward with torch.compile (parameters stay where they are)."""
@@ -217,12 +224,19 @@ def _gather_full(local: torch.Tensor, layout: Layout, comm: Comm) -> torch.Tenso
 # --------------------------------------------------------------------------------------------
 
 
+REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def overlap_options(cfg: ParallelConfig | None) -> OverlapOptions:
     if cfg is None:
         return OverlapOptions()
+    if cfg.reduce_dtype not in REDUCE_DTYPES:
+        raise ConfigError(f"parallel.reduce_dtype = {cfg.reduce_dtype!r}: choose one of "
+                          f"{', '.join(REDUCE_DTYPES)}")
     return OverlapOptions(input_grad=cfg.overlap_input_grad, weight_grad=cfg.overlap_weight_grad,
                           prefetch=cfg.prefetch_weights, data_grad=cfg.overlap_data_grad,
-                          bucket_bytes=int(cfg.bucket_mb * 2**20), gemm_tuning=cfg.gemm_tuning)
+                          bucket_bytes=int(cfg.bucket_mb * 2**20), gemm_tuning=cfg.gemm_tuning,
+                          reduce_dtype=REDUCE_DTYPES[cfg.reduce_dtype])
 
 
 def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = None
@@ -307,8 +321,20 @@ def _apply_llama_plan(model: nn.Module, grid: Grid, engine: Engine) -> int:
 
 def _order_for_prefetch(engine: Engine, model: nn.Module) -> None:
     """Forward order of the z-sharded modules: definition order, which Llama-family models
-    run in (embedding, then each block's q, k, v, o, gate, up, down, then the output)."""
-    engine.set_order([m for m in model.modules() if isinstance(m, (Linear3D, ParallelEmbedding))])
+    run in (embedding, then each block's q, k, v, o, gate, up, down, then the output), and the
+    block of each: its name up to the first index of a module list ("layers.3"), which is what
+    activation checkpointing recomputes whole."""
+    named = [(n, m) for n, m in model.named_modules()
+             if isinstance(m, (Linear3D, ParallelEmbedding))]
+    engine.set_order([m for _, m in named], [_block_of(n) for n, _ in named])
+
+
+def _block_of(name: str) -> str | None:
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return None
 
 
 def _is_rms_norm(module: nn.Module) -> bool:

@@ -165,7 +165,7 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     comp = _compute_times(model, shape, n, seq_len, rates, precision)
     schedule = collective_schedule(model, shape, n, grad_accum, activation_checkpointing,
                                    precision.act_bytes, precision.weight_bytes,
-                                   precision.grad_bytes, precision.residual_bytes)
+                                   precision.reduce_bytes, precision.residual_bytes)
     by_phase: dict[str, dict[str, float]] = {}
     comm_bytes = {a: 0 for a in AXES}
     for c in schedule:

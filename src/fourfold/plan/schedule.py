@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fourfold.config import ModelConfig
+from fourfold.parallel.engine import keeps_output_block
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.plan.errors import PlanError
 
@@ -91,6 +92,11 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
 
     n = micro_batch_tokens: tokens per rank per micro-step (sequences per (data, z) shard per
     micro-step times seq_len). D = dim, F = ffn_dim, V = vocab, KV = n_kv_heads * head_dim.
+    Element sizes: weight_bytes: the gathered weights (the compute dtype: the shard is cast
+    before the gather); act_bytes: GEMM outputs and input gradients (the compute dtype);
+    grad_bytes: gradient reductions (parallel.reduce_dtype); residual_bytes (default
+    act_bytes): the embedding's weight and output (it runs outside autocast: float32 under
+    bf16 autocast).
     Per micro-step:
     - normal linear W[out, in] (q, k, v: out = D, KV, KV; gate, up: out = F; output layer:
       out = V; in = D): forward all-gather z of out*in/(Gx*Gy) * weight_bytes, all-reduce x of
@@ -103,23 +109,23 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
       together, gate,up together, the output layer: n*D/Gx * act_bytes each.
     - RMSNorm (2 per layer + final, features split over x): forward all-reduce x of n fp32
       values (4n bytes), backward another 4n.
-    - embedding [V, D]: forward all-gather z (V*D/(Gx*Gy) * weight_bytes), all-reduce y of
-      n*D/Gx * act_bytes; backward reduce-scatter z (V*D/(Gx*Gy) * grad_bytes); no backward
-      all-gather. Tied embeddings: the output layer still does its own gathers and scatter.
+    - embedding [V, D]: forward all-gather z (V*D/(Gx*Gy) * residual_bytes), all-reduce y of
+      n*D/Gx * residual_bytes; backward reduce-scatter z
+      (V*D/(Gx*Gy) * grad_bytes); no backward all-gather. Tied embeddings: the output layer
+      still does its own gathers and scatter.
+    - the output layer's backward all-gather is skipped when it keeps its forward's block
+      (`keeps_output_block`: the block is no larger than its logits and the loss's fp32
+      workspace, D/Gx * weight_bytes <= n * (act_bytes + 4)).
     - vocabulary-parallel cross-entropy: forward all-reduce y of 3n fp32 values (12n bytes).
     - activation checkpointing: each block's forward collectives (z all-gathers, output
-      all-reduces, norm forward all-reduces) run again during backward; embedding, final
-      norm, output layer and loss are not recomputed.
+      all-reduces, norm forward all-reduces) run again during backward, and the backward uses
+      the blocks the recompute gathered (no third gather); embedding, final norm, output layer
+      and loss are not recomputed.
     Per optimizer step:
     - all-reduce z of the gradients not split over z (norm weights D/Gx, biases):
       (their local numel) * grad_bytes.
     - all-reduce data of all local gradients: (total local numel) * grad_bytes.
     A collective over an axis of size 1 is not issued and appears nowhere.
-
-    residual_bytes (default: act_bytes) is the element size of residual-stream tensors: the
-    embedding output and the norm outputs, so also the input gradients of the layers that read
-    them (q,k,v; gate,up; output layer). Under bf16 autocast the engine keeps these in fp32
-    (residual_bytes = 4) while GEMM outputs are bf16 (act_bytes = 2).
     """
     if micro_batch_tokens < 1 or grad_accum < 1:
         raise PlanError(f"micro_batch_tokens = {micro_batch_tokens}, grad_accum = {grad_accum}: "
@@ -143,7 +149,7 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
     for lin in block_linears(model):
         block = weight_block(lin.out_features, lin.in_features, lin.transposed, lin.name)
         add("z", "all_gather", block * weight_bytes, m * L, "fwd_gather")
-        add("z", "all_gather", block * weight_bytes, m * L * (replays - 1), "bwd_gather")
+        # backward: the recompute's gather (checkpointing) or the backward's own
         add("z", "all_gather", block * weight_bytes, m * L, "bwd_gather")
         add("z", "reduce_scatter", block * grad_bytes, m * L, "bwd_weight")
         if lin.transposed:
@@ -157,7 +163,7 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
             add("x", "all_reduce", n * out_local * act_bytes, m * L, "fwd_output")
             add("x", "all_reduce", n * out_local * act_bytes, m * L * (replays - 1), "fwd_output")
     # fused input-gradient all-reduces over y: (q, k, v) and (gate, up) per block
-    add("y", "all_reduce", n * d_over_x * rb, 2 * m * L, "bwd_input")
+    add("y", "all_reduce", n * d_over_x * act_bytes, 2 * m * L, "bwd_input")
     # block norms (2 per block), then the final norm (never recomputed)
     add("x", "all_reduce", 4 * n, 2 * m * L * replays, "fwd_output")
     add("x", "all_reduce", 4 * n, 2 * m * L, "bwd_norm")
@@ -165,15 +171,18 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
     add("x", "all_reduce", 4 * n, m, "bwd_norm")
     # embedding
     vocab_block = weight_block(v, d, False, "embedding")
-    add("z", "all_gather", vocab_block * weight_bytes, m, "fwd_gather")
+    add("z", "all_gather", vocab_block * rb, m, "fwd_gather")
     add("y", "all_reduce", n * d_over_x * rb, m, "fwd_output")
     add("z", "reduce_scatter", vocab_block * grad_bytes, m, "bwd_weight")
     # output layer (a normal linear, own gathers even when tied) and the loss
+    vocab_local = _exact(v, gy, "model.vocab_size")
     add("z", "all_gather", vocab_block * weight_bytes, m, "fwd_gather")
-    add("x", "all_reduce", n * _exact(v, gy, "model.vocab_size") * act_bytes, m, "fwd_output")
-    add("z", "all_gather", vocab_block * weight_bytes, m, "bwd_gather")
+    add("x", "all_reduce", n * vocab_local * act_bytes, m, "fwd_output")
+    if not keeps_output_block(vocab_block * weight_bytes, n * vocab_local * act_bytes,
+                              n * vocab_local):
+        add("z", "all_gather", vocab_block * weight_bytes, m, "bwd_gather")
     add("z", "reduce_scatter", vocab_block * grad_bytes, m, "bwd_weight")
-    add("y", "all_reduce", n * d_over_x * rb, m, "bwd_input")
+    add("y", "all_reduce", n * d_over_x * act_bytes, m, "bwd_input")
     add("y", "all_reduce", 12 * n, m, "fwd_output")
     # once per optimizer step
     numel = local_param_numel(model, shape)
