@@ -76,7 +76,10 @@ def worker(args: argparse.Namespace) -> None:
 
                 def post(_m, _a, _o):
                     if state["in_block"]:
-                        state["block_calls"] = len(counter.records) - state["start"]
+                        recs = counter.records[state["start"]:]
+                        state["block_calls"] = len(recs)
+                        state["block_ops"] = {op: sum(1 for r in recs if r[0] == op)
+                                              for op in ("all_gather", "all_reduce")}
                         state["in_block"] = False
 
                 block.register_forward_pre_hook(pre)
@@ -110,6 +113,7 @@ def worker(args: argparse.Namespace) -> None:
                              "ledger": ledger, "handed": handed,
                              "emulated": int(getattr(pm.ledger, "emulated", 0)),
                              "z_gathers": z_gathers, "block_fwd_calls": state["block_calls"],
+                             "block_fwd_ops": state.get("block_ops", {}),
                              "step_s": sorted(times)[len(times) // 2]})
     if rank == 0:
         Path(args.worker).write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -165,8 +169,9 @@ def main() -> None:
     print(f"model: {args.layers} layers, dim {args.dim}, ffn {args.ffn}, vocab {args.vocab}; "
           f"batch {args.batch} x seq {args.seq}; {' '.join(args.set) or 'defaults'}")
     print("MiB per step per rank (ledger; ratio to before); handed: what torch.distributed was "
-          "handed (! where it differs from the ledger); zAG: z all-gathers per step; blkfwd: "
-          "collectives of one block's forward (now/before)")
+          "handed (! where it differs from the ledger); zAG: z all-gathers per step (now/before); "
+          "blkfwd: collectives of one block's forward, gathers+all-reduces (2 of them norm "
+          "statistics) = total (now/before); step s now/before")
     print(f"{'grid':<9} {'dtype':<8} {'ckpt':<4} " + " ".join(f"{a:>14}" for a in AXES)
           + f" {'total':>14} {'handed':>7} {'zAG':>7} {'blkfwd':>6} {'step s':>12}")
     for r in rows:
@@ -186,10 +191,12 @@ def main() -> None:
         honest = f"{mib(handed)}" + ("" if all(r["handed"][a] == r["ledger"][a] for a in AXES)
                                      else "!")
         zag = f"{r['z_gathers']}" + (f"/{b['z_gathers']}" if b else "")
-        blk = f"{r['block_fwd_calls']}" + (f"/{b['block_fwd_calls']}" if b else "")
+        ops = r.get("block_fwd_ops", {})
+        blk = (f"{ops.get('all_gather', 0)}+{ops.get('all_reduce', 0)}="
+               f"{r['block_fwd_calls']}" + (f"/{b['block_fwd_calls']}" if b else ""))
         step = f"{r['step_s']:.3f}" + (f"/{b['step_s']:.3f}" if b else "")
         print(f"{r['grid']:<9} {r['dtype']:<8} {'on' if r['ckpt'] else 'off':<4} "
-              + " ".join(cells) + f" {honest:>7} {zag:>7} {blk:>6} {step:>12}")
+              + " ".join(cells) + f" {honest:>7} {zag:>7} {blk:>10} {step:>12}")
 
 
 if __name__ == "__main__":

@@ -142,7 +142,8 @@ def main() -> int:
                                       overlap_input_grad=overlap, overlap_weight_grad=overlap,
                                       prefetch_weights=overlap, overlap_data_grad=overlap,
                                       bucket_mb=0.05,
-                                      reduce_dtype=variant.get("reduce", "float32"))
+                                      reduce_dtype=variant.get("reduce", "float32"),
+                                      overlap_forward=variant.get("split", False))
                 pmodel = parallelize(model, grid, pcfg)
                 pmodel.ledger.reset()
                 counter.reset()

@@ -6,7 +6,7 @@ overlap switched off, AdamW (losses only: Adam magnifies rounding noise in tiny 
 a Hugging Face LlamaForCausalLM parallelized with one call, a non-Llama module that gets
 the generic plan, the goldfish loss (the same mask and loss on every grid), bfloat16 autocast
 and bfloat16 gradient reductions (parallel.reduce_dtype; not exact: their drift from one
-process is bounded). Every case checks the ledger against an independent count of what
+process is bounded), and parallel.overlap_forward ("split"). Every case checks the ledger against an independent count of what
 torch.distributed was handed, and (Llama cases) against the planner's schedule.
 """
 
@@ -32,11 +32,13 @@ WORKER = Path(__file__).with_name("parallel_worker.py")
 VARIANTS = [{}, {"bias": True, "tie": True}, {"accum": 2, "ckpt": True},
             {"overlap": False, "bias": True}, {"opt": "adamw"},
             {"hf": True, "bias": True}, {"generic": True}, {"goldfish": True, "accum": 2},
-            {"bf16": True, "reduce": "bfloat16"}]
+            {"bf16": True, "reduce": "bfloat16"}, {"split": True, "bias": True}]
 # not exact, so bounded: bfloat16 autocast against one process under the same autocast, and
 # float32 training with bfloat16 gradient reductions against float32 (measured: see README)
 LOW_PRECISION_LOSS_DRIFT = {"bf16": 2e-2, "reduce": 1e-3}
 LOW_PRECISION_VARIANTS = [{"bf16": True, "ckpt": True, "accum": 2}, {"reduce": "bfloat16"}]
+# parallel.overlap_forward (each forward GEMM in two token halves), with checkpointing
+SPLIT_VARIANT = {"split": True, "ckpt": True, "accum": 2}
 
 GRIDS = {  # (data, z, y, x)
     2: [[1, 1, 1, 2], [1, 1, 2, 1], [1, 2, 1, 1], [2, 1, 1, 1]],
@@ -63,7 +65,7 @@ def test_grids_match_single_process(nproc: int, tmp_path: Path) -> None:
     variants = VARIANTS if nproc == 2 else VARIANTS[:3] + [{"opt": "adamw"}, {"hf": True},
                                                            {"goldfish": True}]
     if nproc > 2:
-        variants = variants + LOW_PRECISION_VARIANTS
+        variants = variants + LOW_PRECISION_VARIANTS + [SPLIT_VARIANT]
     results = run_worker(nproc, GRIDS[nproc], variants, tmp_path)
     assert len(results) == len(GRIDS[nproc]) * len(variants)
     for r in results:
@@ -99,7 +101,8 @@ def test_grids_match_single_process(nproc: int, tmp_path: Path) -> None:
             per_step = predict_comm_bytes(cfg, GridShape(data, z, y, x), tokens, accum,
                                           variant.get("ckpt", False), act_bytes=act,
                                           weight_bytes=act, grad_bytes=2 if reduce16 else 4,
-                                          residual_bytes=4)
+                                          residual_bytes=4,
+                                          overlap_forward=variant.get("split", False))
             predicted = {k: v * STEPS for k, v in per_step.items()}
             recorded = {k: r["ledger"][k] for k in ("x", "y", "z", "data")}
             assert predicted == recorded, f"{label}: planner {predicted} != ledger {recorded}"

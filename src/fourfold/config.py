@@ -121,6 +121,7 @@ class ParallelConfig:
     bucket_mb: float = 25.0
     gemm_tuning: bool = False  # time the equivalent matmuls per GEMM shape once, keep the fastest
     reduce_dtype: str = "float32"  # float32 | bfloat16: dW reduce-scatter and data all-reduce
+    overlap_forward: bool = False  # forward GEMMs in two token halves, all-reduce under GEMM
     machine: str = "cpu"  # planner machine preset or MACHINE.toml, for parallel.auto
 
 

@@ -65,9 +65,12 @@ class ParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(self.weight_layout.shard(embedding.weight.detach(), shape, coords))
         engine.register(self)
 
-    def gather_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
-        """Its own dtype: a lookup is no GEMM, and autocast leaves it in float32."""
-        return self.weight.dtype
+    def gather_shard(self, compute_dtype: torch.dtype) -> torch.Tensor:
+        """Its shard in its own dtype: a lookup is no GEMM, and autocast leaves it in float32."""
+        return self.weight.detach()
+
+    def arrange(self, gathered: torch.Tensor) -> torch.Tensor:
+        return gathered.view(self.block_shape)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return _EmbeddingFunction.apply(tokens, self.weight, self)

@@ -41,6 +41,8 @@ class OverlapOptions:
     bucket_bytes: int = 25 * 2**20
     gemm_tuning: bool = False  # time the equivalent matmuls per shape, keep the fastest
     reduce_dtype: torch.dtype = torch.float32  # weight-gradient reduce-scatter, data all-reduce
+    forward_split: bool = False  # each forward GEMM in two halves of the tokens: one half's
+    # output all-reduce runs under the other half's GEMM (parallel.overlap_forward)
 
 
 def keeps_output_block(block_bytes: int, output_bytes: int, output_numel: int) -> bool:
@@ -63,13 +65,14 @@ class Engine:
         self._recompute_expected = False
         self._recomputed: set[Hashable] = set()
         self._kept: dict[int, torch.Tensor] = {}  # recomputed blocks, used by the backward
+        self._pass_hooks: list[Callable[[], None]] = []
         self._uses: dict[int, int] = {}  # param id -> modules that use it (tied weights: 2)
         self._contributions: dict[int, int] = {}
         self._prefetched: dict[tuple[int, str], tuple[Handle, torch.dtype]] = {}
         self._done: dict[str, set[int]] = {"forward": set(), "recompute": set(),
                                            "backward": set()}
         self._deferred: list[Callable[[], None]] = []
-        self._pending_rs: list[tuple[Handle, nn.Parameter]] = []
+        self._pending_rs: list[tuple[Handle, list[nn.Parameter]]] = []
         self.grad_sync = True
         self.prefetch_enabled = options.prefetch
         self.tuner = (GemmTuner(comm, default_cache_path(comm.grid.device))
@@ -100,6 +103,10 @@ class Engine:
             if g is not None:
                 self._group_first.setdefault(g, i)
 
+    def at_begin_forward(self, hook: Callable[[], None]) -> None:
+        """Call `hook` (which drops a per-pass cache) whenever a forward pass starts."""
+        self._pass_hooks.append(hook)
+
     def is_last(self, module: nn.Module) -> bool:
         """Whether `module` is the last z-sharded module of the forward (its backward is first)."""
         return bool(self.sharded) and self.sharded[-1] is module
@@ -117,13 +124,14 @@ class Engine:
         self._kept.clear()
         self._recomputed.clear()
         self._recompute_expected = recompute
+        for hook in self._pass_hooks:
+            hook()
 
     # ---- z all-gather of weights ----------------------------------------------------------
 
     def _gather_async(self, module: nn.Module, compute_dtype: torch.dtype) -> Handle:
         # cast first: the GEMM gets the same values, the wire carries the compute dtype
-        shard = module.weight.detach().to(module.gather_dtype(compute_dtype))
-        return self.comm.all_gather(shard, "z", async_op=True)
+        return self.comm.all_gather(module.gather_shard(compute_dtype), "z", async_op=True)
 
     def gather_weight(self, module: nn.Module, phase: str, dtype: torch.dtype,
                       kept: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,7 +159,7 @@ class Engine:
         handle = entry[0] if entry is not None else self._gather_async(module, dtype)
         self._done[phase].add(mid)
         self._prefetch_next(module, phase, dtype)
-        w = handle.wait().view(module.block_shape)
+        w = module.arrange(handle.wait())
         if phase == "recompute" and z_split and module.needs_backward_gather:
             self._kept[mid] = w
         return w
@@ -199,10 +207,22 @@ class Engine:
     def reduce_scatter_weight_grad(self, param: nn.Parameter, block_grad: torch.Tensor) -> None:
         """Sum a weight's block gradient over z into this rank's shard (asynchronously), in
         the reduce dtype on the wire."""
-        wire = self.options.reduce_dtype if self.comm.grid.size("z") > 1 else param.dtype
-        handle = self.comm.reduce_scatter(block_grad.to(wire).reshape(-1, *param.shape[1:]),
-                                          "z", async_op=True)
-        self._pending_rs.append((handle, param))
+        self.reduce_scatter_weight_grads([param], [block_grad])
+
+    def reduce_scatter_weight_grads(self, params: list[nn.Parameter],
+                                    blocks: list[torch.Tensor]) -> None:
+        """One reduce-scatter for the block gradients of weights that share their column
+        split (a fused group): each rank's slices of all of them are laid out together."""
+        z = self.comm.grid.size("z")
+        wire = self.options.reduce_dtype if z > 1 else params[0].dtype
+        rest = params[0].shape[1:]
+        if len(params) == 1:
+            flat = blocks[0].to(wire).reshape(-1, *rest)
+        else:  # (z, rows of each, ...) side by side, so that rank r's part is contiguous
+            flat = torch.cat([b.to(wire).reshape(z, -1, *rest) for b in blocks], dim=1)
+            flat = flat.reshape(-1, *rest)
+        handle = self.comm.reduce_scatter(flat, "z", async_op=True)
+        self._pending_rs.append((handle, params))
         if not self.options.weight_grad:
             self._complete_reduce_scatters()
 
@@ -219,19 +239,26 @@ class Engine:
         pending, self._pending_rs = self._pending_rs, []
         self._complete(pending)
 
-    def _complete(self, pending: list[tuple[Handle, nn.Parameter]]) -> None:
-        for handle, param in pending:
-            grad = handle.wait().view_as(param)
-            if param.grad is None:
-                # the block is this pass's own tensor (a GEMM's output or a collective's
-                # buffer), so it becomes the gradient without a copy
-                param.grad = grad.to(param.dtype)
-            else:
-                param.grad.add_(grad)
-            pid = id(param)
-            self._contributions[pid] = self._contributions.get(pid, 0) + 1
-            if self.grad_sync and self._contributions[pid] == self._uses[pid]:
-                self.bucketer.add(param)
+    def _complete(self, pending: list[tuple[Handle, list[nn.Parameter]]]) -> None:
+        for handle, params in pending:
+            shards = handle.wait()
+            if len(params) == 1:
+                self._add_grad(params[0], shards.view_as(params[0]))
+                continue
+            for param, grad in zip(params, shards.split([p.shape[0] for p in params])):
+                self._add_grad(param, grad.view_as(param))
+
+    def _add_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        if param.grad is None:
+            # the slice is this pass's own tensor (a GEMM's output or a collective's buffer),
+            # so it becomes the gradient without a copy
+            param.grad = grad.to(param.dtype)
+        else:
+            param.grad.add_(grad)
+        pid = id(param)
+        self._contributions[pid] = self._contributions.get(pid, 0) + 1
+        if self.grad_sync and self._contributions[pid] == self._uses[pid]:
+            self.bucketer.add(param)
 
     def finish_backward(self, z_replicated: list[nn.Parameter],
                         all_params: list[nn.Parameter]) -> None:

@@ -22,10 +22,11 @@ from fourfold.parallel.embedding import ParallelEmbedding, VocabParallelCrossEnt
 from fourfold.parallel.engine import Engine, OverlapOptions
 from fourfold.parallel.grid import Grid, GridError
 from fourfold.parallel.layout import REPLICATED, Layout
-from fourfold.parallel.linear import Linear3D, ReplicatedLinear3D
+from fourfold.parallel.linear import FusedLinears, Linear3D, ReplicatedLinear3D
 from fourfold.parallel.norm import ParallelRMSNorm
 
 _NORMAL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # read the same input
 _TRANSPOSED = ("o_proj", "down_proj")
 _OUTPUT = ("output", "lm_head")
 _EMBEDDING = ("embed", "embed_tokens")
@@ -236,7 +237,8 @@ def overlap_options(cfg: ParallelConfig | None) -> OverlapOptions:
     return OverlapOptions(input_grad=cfg.overlap_input_grad, weight_grad=cfg.overlap_weight_grad,
                           prefetch=cfg.prefetch_weights, data_grad=cfg.overlap_data_grad,
                           bucket_bytes=int(cfg.bucket_mb * 2**20), gemm_tuning=cfg.gemm_tuning,
-                          reduce_dtype=REDUCE_DTYPES[cfg.reduce_dtype])
+                          reduce_dtype=REDUCE_DTYPES[cfg.reduce_dtype],
+                          forward_split=cfg.overlap_forward)
 
 
 def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = None
@@ -315,8 +317,19 @@ def _apply_llama_plan(model: nn.Module, grid: Grid, engine: Engine) -> int:
         else:
             continue
         _set_submodule(model, name, new)
+    _fuse_shared_inputs(model)
     _order_for_prefetch(engine, model)
     return embedding.vocab_start if embedding is not None else 0
+
+
+def _fuse_shared_inputs(model: nn.Module) -> None:
+    """q, k, v (and gate, up) of one parent read the same input: one GEMM and one collective
+    for each group; their weights stay separate parameters."""
+    for parent in model.modules():
+        for leaves in _FUSED:
+            members = [getattr(parent, leaf, None) for leaf in leaves]
+            if all(isinstance(m, Linear3D) and m.fused is None for m in members):
+                FusedLinears(members)  # type: ignore[arg-type]
 
 
 def _order_for_prefetch(engine: Engine, model: nn.Module) -> None:
@@ -324,9 +337,14 @@ def _order_for_prefetch(engine: Engine, model: nn.Module) -> None:
     run in (embedding, then each block's q, k, v, o, gate, up, down, then the output), and the
     block of each: its name up to the first index of a module list ("layers.3"), which is what
     activation checkpointing recomputes whole."""
-    named = [(n, m) for n, m in model.named_modules()
-             if isinstance(m, (Linear3D, ParallelEmbedding))]
-    engine.set_order([m for _, m in named], [_block_of(n) for n, _ in named])
+    units: list[tuple[str, Any]] = []
+    for name, m in model.named_modules():
+        if isinstance(m, Linear3D) and m.fused is not None:
+            if m is m.fused.members[0]:  # a fused group gathers once, where its first reads
+                units.append((name, m.fused))
+        elif isinstance(m, (Linear3D, ParallelEmbedding)):
+            units.append((name, m))
+    engine.set_order([m for _, m in units], [_block_of(n) for n, _ in units])
 
 
 def _block_of(name: str) -> str | None:
