@@ -168,7 +168,7 @@ def main() -> None:
         before = {(r["grid"], r["dtype"], r["ckpt"]): r for r in json.loads(Path(args.compare).read_text())}
     print(f"model: {args.layers} layers, dim {args.dim}, ffn {args.ffn}, vocab {args.vocab}; "
           f"batch {args.batch} x seq {args.seq}; {' '.join(args.set) or 'defaults'}")
-    print("MiB per step per rank (ledger; ratio to before); handed: what torch.distributed was "
+    print("MiB per step per rank (ledger; ratio to what torch.distributed was handed before); handed: what torch.distributed was "
           "handed (! where it differs from the ledger); zAG: z all-gathers per step (now/before); "
           "blkfwd: collectives of one block's forward, gathers+all-reduces (2 of them norm "
           "statistics) = total (now/before); step s now/before")
@@ -179,10 +179,12 @@ def main() -> None:
         cells = []
         for a in AXES + ("total",):
             v = sum(r["ledger"][k] for k in AXES) if a == "total" else r["ledger"][a]
+            # against what torch.distributed was handed before (an older ledger counted
+            # bfloat16 buffers at their size while gloo was handed them as float32)
             if b is not None and a != "total":
-                old = b["ledger"][a]
+                old = b["handed"][a]
             elif b is not None:
-                old = sum(b["ledger"][k] for k in AXES)
+                old = sum(b["handed"][k] for k in AXES)
             else:
                 old = None
             ratio = f" {v / old:.2f}x" if old else ""

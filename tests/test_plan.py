@@ -375,3 +375,26 @@ def test_cpu_latency_moves_the_choice_away_from_many_small_collectives(tmp_path,
 
     # data parallelism issues one collective per step, z and x dozens: latency favours data
     assert best(5e-3) == GridShape(data=4)
+
+
+def test_overlap_forward_splits_the_output_all_reduces_and_hides_half():
+    machine = load_machine("perlmutter")
+    shape = GridShape(data=1, z=2, y=2, x=2)
+    prec = Precision.of("bfloat16")
+    plain = collective_schedule(TINY, shape, 32, 1, True, 2, 2, 4, 4)
+    split = collective_schedule(TINY, shape, 32, 1, True, 2, 2, 4, 4, overlap_forward=True)
+    # the same bytes, in twice the output all-reduce calls: half of them under a GEMM
+    assert predict_comm_bytes(TINY, shape, 32, 1, True, 2, 2, 4, 4, overlap_forward=True) == \
+        predict_comm_bytes(TINY, shape, 32, 1, True, 2, 2, 4, 4)
+    gemm_outputs = sum(c.calls for c in plain if c.phase == "fwd_output" and c.nbytes > 12 * 32)
+    # every one but the embedding's (a lookup, no GEMM to hide under)
+    assert sum(c.calls for c in split if c.phase == "fwd_split") == gemm_outputs - 1
+    # per block: q/k/v, o, gate/up, down: four output all-reduces, four z all-gathers
+    per_block = [c for c in plain if c.axis in ("x", "y") and c.phase == "fwd_output"
+                 and c.nbytes > 4 * 32 and c.calls == 2 * TINY.n_layers]  # with the recompute
+    assert len(per_block) == 4
+    args = (TINY, shape, 8, 16, 1, True, machine, prec)
+    on = predict_step(*args, overlap=Overlap(overlap_forward=True))
+    off = predict_step(*args)
+    assert sum(on.hidden_s.values()) > sum(off.hidden_s.values())
+    assert on.comm_bytes == off.comm_bytes
