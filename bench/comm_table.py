@@ -57,7 +57,7 @@ def worker(args: argparse.Namespace) -> None:
             for _ in range(args.steps + 1)]
     extra = parse_sets(args.set)
     rows = []
-    for shape_t in GRIDS[world]:
+    for shape_t in [g for g in GRIDS[world] if not args.only or NAMES[g] in args.only]:
         d, z, y, x = shape_t
         shape = GridShape(d, z, y, x)
         grid = Grid.build(shape, device)
@@ -129,6 +129,8 @@ def run(args: argparse.Namespace, nproc: int) -> list[dict]:
         argv += [f"--{name}", str(getattr(args, name))]
     for item in args.set:
         argv += ["--set", item]
+    for name in args.only:
+        argv += ["--only", name]
     proc = subprocess.run(argv, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                           text=True)
     if proc.returncode != 0:
@@ -153,6 +155,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--set", action="append", default=[], help="a [parallel] key=value")
+    ap.add_argument("--only", action="append", default=[], help="only this grid (x2.z2, ...)")
     ap.add_argument("--save", default=None)
     ap.add_argument("--compare", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -160,7 +163,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    rows = run(args, 4) + run(args, 8)
+    rows = [r for n in (4, 8) if not args.only or any(NAMES[g] in args.only for g in GRIDS[n])
+            for r in run(args, n)]
     if args.save:
         Path(args.save).write_text(json.dumps(rows, indent=1))
     before = {}
