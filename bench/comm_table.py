@@ -169,11 +169,13 @@ def main() -> None:
         Path(args.save).write_text(json.dumps(rows, indent=1))
     before = {}
     if args.compare:
-        before = {(r["grid"], r["dtype"], r["ckpt"]): r for r in json.loads(Path(args.compare).read_text())}
+        saved = json.loads(Path(args.compare).read_text())
+        before = {(r["grid"], r["dtype"], r["ckpt"]): r for r in saved}
     print(f"model: {args.layers} layers, dim {args.dim}, ffn {args.ffn}, vocab {args.vocab}; "
           f"batch {args.batch} x seq {args.seq}; {' '.join(args.set) or 'defaults'}")
-    print("MiB per step per rank (ledger; ratio to what torch.distributed was handed before); handed: what torch.distributed was "
-          "handed (! where it differs from the ledger); zAG: z all-gathers per step (now/before); "
+    print("MiB per step per rank (ledger; ratio to what torch.distributed was handed before); "
+          "handed: what torch.distributed was handed (! where it differs from the ledger); "
+          "zAG: z all-gathers per step (now/before); "
           "blkfwd: collectives of one block's forward, gathers+all-reduces (2 of them norm "
           "statistics) = total (now/before); step s now/before")
     print(f"{'grid':<9} {'dtype':<8} {'ckpt':<4} " + " ".join(f"{a:>14}" for a in AXES)

@@ -6,8 +6,9 @@ overlap switched off, AdamW (losses only: Adam magnifies rounding noise in tiny 
 a Hugging Face LlamaForCausalLM parallelized with one call, a non-Llama module that gets
 the generic plan, the goldfish loss (the same mask and loss on every grid), bfloat16 autocast
 and bfloat16 gradient reductions (parallel.reduce_dtype; not exact: their drift from one
-process is bounded), and parallel.overlap_forward ("split"). Every case checks the ledger against an independent count of what
-torch.distributed was handed, and (Llama cases) against the planner's schedule.
+process is bounded), and parallel.overlap_forward ("split"). Every case checks the ledger
+against an independent count of what torch.distributed was handed, and (Llama cases) against
+the planner's schedule.
 """
 
 from __future__ import annotations
