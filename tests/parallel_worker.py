@@ -1,6 +1,9 @@
 """Run by torchrun from test_parallel.py: for every grid of this world size and a set of model
 and overlap variants, train the `debug` model for three steps in parallel and on this process
-alone, and compare losses and the gathered updated weights. Writes one JSON line per case."""
+alone, and compare losses and the gathered updated weights. Also counts, independently of the
+ledger, the bytes torch.distributed is handed per axis (dist_count.py). Variants may train
+under bfloat16 autocast ("bf16") and reduce gradients in bfloat16 ("reduce"); the reference
+then runs the same autocast on one process. Writes one JSON line per case."""
 
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from fourfold.config import ParallelConfig, model_config
 from fourfold.models import build_model
 from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
 from fourfold.train.goldfish import goldfish_mask
+
+from dist_count import DistCount  # noqa: E402  (tests/ is this script's directory)
 
 STEPS = 3
 BATCH = 8  # sequences per step, whole job (test_parallel.py uses the same numbers)
@@ -38,8 +43,8 @@ def loss_mask(inputs: torch.Tensor, targets: torch.Tensor, goldfish: bool) -> to
     return torch.ones(targets.shape)
 
 
-def train(pmodel, steps_data, shard: tuple[int, int], optimizer: str, goldfish: bool = False
-          ) -> list[float]:
+def train(pmodel, steps_data, shard: tuple[int, int], optimizer: str, goldfish: bool = False,
+          bf16: bool = False) -> list[float]:
     index, count = shard
     params = [p for _, p in pmodel.named_parameters()]
     # SGD keeps the weights' comparison tight: Adam divides tiny gradients by their own
@@ -59,7 +64,8 @@ def train(pmodel, steps_data, shard: tuple[int, int], optimizer: str, goldfish: 
         total = torch.zeros(())
         for i, ((inputs, targets), mask) in enumerate(zip(local, masks)):
             pmodel.set_requires_gradient_sync(i == len(local) - 1)
-            loss = (pmodel(inputs, targets) * mask).sum() / count_tokens
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = (pmodel(inputs, targets) * mask).sum() / count_tokens
             loss.backward()
             pmodel.finish_backward()
             total += loss.detach()
@@ -106,6 +112,7 @@ def build(cfg, variant: dict) -> torch.nn.Module:
 
 
 def main() -> int:
+    counter = DistCount().install()
     rank, world, device = init_distributed("gloo", timeout_s=120)
     shapes = [s for s in json.loads(os.environ["FOURFOLD_TEST_SHAPES"])]
     variants = json.loads(os.environ["FOURFOLD_TEST_VARIANTS"])
@@ -126,7 +133,7 @@ def main() -> int:
                 ref_model = build(cfg, variant)
                 ref = parallelize(ref_model, Grid.single())
                 ref_losses, _ = train(ref, data, (0, 1), variant.get("opt", "sgd"),
-                                      variant.get("goldfish", False))
+                                      variant.get("goldfish", False), variant.get("bf16", False))
                 ref_state = ref_model.state_dict()
 
                 model = build(cfg, variant)
@@ -134,17 +141,22 @@ def main() -> int:
                 pcfg = ParallelConfig(x=shape.x, y=shape.y, z=shape.z, data=shape.data,
                                       overlap_input_grad=overlap, overlap_weight_grad=overlap,
                                       prefetch_weights=overlap, overlap_data_grad=overlap,
-                                      bucket_mb=0.05)
+                                      bucket_mb=0.05,
+                                      reduce_dtype=variant.get("reduce", "float32"),
+                                      overlap_forward=variant.get("split", False))
                 pmodel = parallelize(model, grid, pcfg)
                 pmodel.ledger.reset()
+                counter.reset()
                 losses, memory = train(pmodel, data, grid.batch_shard, variant.get("opt", "sgd"),
-                                       variant.get("goldfish", False))
+                                       variant.get("goldfish", False), variant.get("bf16", False))
                 ledger = pmodel.ledger.snapshot()
+                handed = counter.by_axis(grid)
                 state = pmodel.full_state_dict()
                 max_w = max(float((state[k] - ref_state[k]).abs().max()) for k in ref_state)
                 max_rel_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
                 case.update(ok=True, losses=losses, ref_losses=ref_losses,
                             max_weight_diff=max_w, max_rel_loss=max_rel_loss, ledger=ledger,
+                            handed=handed, emulated=pmodel.ledger.emulated,
                             memory=memory,
                             keys_equal=sorted(state) == sorted(ref_state))
             except Exception:  # reported to the test, which fails with the traceback

@@ -27,7 +27,7 @@ def _cache(tmp_path, monkeypatch):
 def expected_bytes(cfg: ModelConfig, data: int, z: int, y: int, x: int, n: int, m: int,
                    ac: bool, ab: int, wb: int, gb: int, rb: int) -> dict[str, int]:
     """The ledger's bytes written out rule by rule from the engine's schedule (rb: bytes of
-    residual-stream elements: embedding and norm outputs and their gradients)."""
+    the embedding's weight and output; gb: of gradient reductions)."""
     D, F, V, L = cfg.dim, cfg.ffn_dim, cfg.vocab_size, cfg.n_layers
     KV = cfg.n_kv_heads * (cfg.dim // cfg.n_heads)
     normal = [(D, D), (KV, D), (KV, D), (F, D), (F, D)]  # (out, in): q k v gate up
@@ -43,15 +43,17 @@ def expected_bytes(cfg: ModelConfig, data: int, z: int, y: int, x: int, n: int, 
                      + replay * 2 * 4 * n + 2 * 4 * n)  # norms forward (+recompute), backward
         got["x"] = m * (L * per_layer + 2 * 4 * n + n * V // y * ab)  # final norm, output layer
     if y > 1:
-        per_layer = replay * sum(n * o // x * ab for o, _ in transposed) + 2 * n * D // x * rb
-        got["y"] = m * (L * per_layer + n * D // x * rb  # output layer's dI
+        per_layer = replay * sum(n * o // x * ab for o, _ in transposed) + 2 * n * D // x * ab
+        got["y"] = m * (L * per_layer + n * D // x * ab  # output layer's dI
                         + n * D // x * rb  # embedding
                         + 12 * n)  # loss
     if z > 1:
         block = sum(o * i for o, i in normal + transposed) // (x * y)
-        per_micro = (L * block * ((replay + 1) * wb + gb)
-                     + V * D // (x * y) * (wb + gb)  # embedding: gather, scatter
-                     + V * D // (x * y) * (2 * wb + gb))  # output layer
+        # the output layer keeps its forward's block when D/x * wb <= n * (ab + 4)
+        output_gathers = 1 if D // x * wb <= n * (ab + 4) else 2
+        per_micro = (L * block * (2 * wb + gb)  # forward, then recompute or backward
+                     + V * D // (x * y) * (rb + gb)  # embedding: gather, scatter
+                     + V * D // (x * y) * (output_gathers * wb + gb))  # output layer
         got["z"] = m * per_micro + ((2 * L + 1) * D // x + bias) * gb
     if data > 1:
         sharded = L * sum(o * i for o, i in normal + transposed) + V * D * (
@@ -65,17 +67,19 @@ GRIDS = [(1, 1, 1, 2), (1, 1, 2, 1), (1, 2, 1, 1), (2, 1, 1, 1), (1, 2, 2, 2), (
 
 @pytest.mark.parametrize("grid", GRIDS)
 @pytest.mark.parametrize("variant", ["plain", "ac_accum_bf16", "ac_accum_small_weights",
-                                     "bias_tied"])
+                                     "bias_tied", "few_tokens_bf16_reduce"])
 def test_comm_bytes_follow_the_engine_schedule(grid, variant):
     cfg, m, ac, ab, wb, gb, rb = TINY, 1, False, 4, 4, 4, None
+    n = 2 * 16  # two sequences of 16 tokens per micro-step
     if variant == "ac_accum_bf16":  # as the engine runs bf16 autocast
-        m, ac, ab, rb = 3, True, 2, 4
+        m, ac, ab, wb, rb = 3, True, 2, 2, 4
     if variant == "ac_accum_small_weights":
         m, ac, ab, wb, gb = 2, True, 2, 2, 2
     if variant == "bias_tied":
         cfg = ModelConfig(**{**TINY.__dict__, "bias": True, "tie_embeddings": True})
+    if variant == "few_tokens_bf16_reduce":  # the output layer gathers again in backward
+        n, ab, wb, gb, rb = 4, 2, 2, 2, 4
     data, z, y, x = grid
-    n = 2 * 16  # two sequences of 16 tokens per micro-step
     got = predict_comm_bytes(cfg, GridShape(data=data, z=z, y=y, x=x), n, m, ac, ab, wb, gb,
                              residual_bytes=rb)
     assert got == expected_bytes(cfg, data, z, y, x, n, m, ac, ab, wb, gb,
@@ -101,10 +105,15 @@ def test_prediction_carries_the_same_bytes():
     # 8 sequences over data*z = 4 shards, 2 micro-steps: 1 sequence of 16 tokens each
     assert pred.comm_bytes == predict_comm_bytes(TINY, shape, 16, 2, True)
     bf16 = predict_step(TINY, shape, 8, 16, 2, True, machine, Precision.of("bfloat16"))
-    # the engine under bf16 autocast: fp32 weights gathered, bf16 GEMM outputs, fp32 residual
+    # the engine under bf16 autocast: bf16 weights gathered, bf16 GEMM outputs and input
+    # gradients, fp32 embedding; gradients reduced in fp32 unless reduce_dtype says bf16
     assert bf16.comm_bytes == predict_comm_bytes(TINY, shape, 16, 2, True, act_bytes=2,
-                                                 weight_bytes=4, grad_bytes=4, residual_bytes=4)
+                                                 weight_bytes=2, grad_bytes=4, residual_bytes=4)
     assert bf16.comm_bytes["x"] < pred.comm_bytes["x"]
+    assert bf16.comm_bytes["z"] < pred.comm_bytes["z"]
+    bf16_reduce = predict_step(TINY, shape, 8, 16, 2, True, machine,
+                               Precision.of("bfloat16", reduce_dtype="bfloat16"))
+    assert bf16_reduce.comm_bytes["data"] * 2 == bf16.comm_bytes["data"]
 
 
 def test_param_memory_matches_the_built_model():
@@ -487,3 +496,26 @@ def test_cpu_latency_moves_the_choice_away_from_many_small_collectives(tmp_path,
 
     # data parallelism issues one collective per step, z and x dozens: latency favours data
     assert best(5e-3) == GridShape(data=4)
+
+
+def test_overlap_forward_splits_the_output_all_reduces_and_hides_half():
+    machine = load_machine("perlmutter")
+    shape = GridShape(data=1, z=2, y=2, x=2)
+    prec = Precision.of("bfloat16")
+    plain = collective_schedule(TINY, shape, 32, 1, True, 2, 2, 4, 4)
+    split = collective_schedule(TINY, shape, 32, 1, True, 2, 2, 4, 4, overlap_forward=True)
+    # the same bytes, in twice the output all-reduce calls: half of them under a GEMM
+    assert predict_comm_bytes(TINY, shape, 32, 1, True, 2, 2, 4, 4, overlap_forward=True) == \
+        predict_comm_bytes(TINY, shape, 32, 1, True, 2, 2, 4, 4)
+    gemm_outputs = sum(c.calls for c in plain if c.phase == "fwd_output" and c.nbytes > 12 * 32)
+    # every one but the embedding's (a lookup, no GEMM to hide under)
+    assert sum(c.calls for c in split if c.phase == "fwd_split") == gemm_outputs - 1
+    # per block: q/k/v, o, gate/up, down: four output all-reduces, four z all-gathers
+    per_block = [c for c in plain if c.axis in ("x", "y") and c.phase == "fwd_output"
+                 and c.nbytes > 4 * 32 and c.calls == 2 * TINY.n_layers]  # with the recompute
+    assert len(per_block) == 4
+    args = (TINY, shape, 8, 16, 1, True, machine, prec)
+    on = predict_step(*args, overlap=Overlap(overlap_forward=True))
+    off = predict_step(*args)
+    assert sum(on.hidden_s.values()) > sum(off.hidden_s.values())
+    assert on.comm_bytes == off.comm_bytes

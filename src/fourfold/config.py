@@ -120,6 +120,8 @@ class ParallelConfig:
     overlap_data_grad: bool = True  # bucketed data-parallel all-reduce during backward
     bucket_mb: float = 25.0
     gemm_tuning: bool = False  # time the equivalent matmuls per GEMM shape once, keep the fastest
+    reduce_dtype: str = "float32"  # float32 | bfloat16: dW reduce-scatter and data all-reduce
+    overlap_forward: bool = False  # forward GEMMs in two token halves, all-reduce under GEMM
     machine: str = "cpu"  # planner machine preset or MACHINE.toml, for parallel.auto
 
 
@@ -201,6 +203,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("train", "device"): ("auto", "cpu", "cuda"),
     ("train", "nan_policy"): ("stop", "skip", "rollback"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
+    ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
 }
 
 

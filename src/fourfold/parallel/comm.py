@@ -6,9 +6,13 @@ Ledger convention (the planner predicts the same numbers): per rank, the bytes o
 handed to the collective — the input of an all-reduce or reduce-scatter, the output of an
 all-gather. A collective over an axis of size 1 is not issued and records nothing.
 
-Backend quirks live here and nowhere else: bfloat16 buffers travel as float32 on gloo (the
-algorithm's bytes are recorded under the axis, the extra bytes the emulation moved under
-`emulated`).
+A caller may name a `wire_dtype`: the buffer is cast to it before the collective and the
+result cast back, so the ledger counts the cast buffer (what torch.distributed is handed).
+
+Backend quirks live here and nowhere else: gloo before torch 2.13 (not checked below that)
+is not trusted with 16-bit floats, which then travel as float32 (the algorithm's bytes are
+recorded under the axis, the extra bytes the emulation moved under `emulated`); torch 2.13's
+gloo all-reduces (sum and max), all-gathers and reduce-scatters bfloat16 and float16 natively.
 """
 
 from __future__ import annotations
@@ -72,13 +76,24 @@ class Handle:
 
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older
-# releases in our supported range only have the old ones.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# releases in our supported range only have the old ones. Looked up at each call, so that a
+# count of what torch.distributed is handed (tests/dist_count.py) sees every call.
+def _all_gather_tensor(out: torch.Tensor, t: torch.Tensor, group: object) -> object:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, t, group=group, async_op=True)
+
+
+def _reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group: object) -> object:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, t, group=group, async_op=True)
+
+
+_GLOO_NATIVE_16BIT = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
 def _wire_dtype(t: torch.Tensor, backend: str) -> torch.dtype:
-    if backend == "gloo" and t.dtype in (torch.bfloat16, torch.float16):
+    if backend == "gloo" and t.dtype in (torch.bfloat16, torch.float16) \
+            and not _GLOO_NATIVE_16BIT:
         return torch.float32
     return t.dtype
 
@@ -119,6 +134,13 @@ class Comm:
             return self.grid.shape.tensor_size
         return self.grid.size(axis)  # type: ignore[arg-type]
 
+    @staticmethod
+    def _cast(t: torch.Tensor, wire_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.dtype]:
+        """`t` in the caller's wire dtype, and the dtype the result goes back to."""
+        if wire_dtype is None or wire_dtype == t.dtype:
+            return t, t.dtype
+        return t.to(wire_dtype), t.dtype
+
     def _to_wire(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
         wire = _wire_dtype(t, self.grid.backend)
         if wire != t.dtype:
@@ -127,14 +149,17 @@ class Comm:
         return t, t.dtype
 
     def all_reduce(self, t: torch.Tensor, axis: str, op: str = "sum",
-                   async_op: bool = False) -> Handle:
-        """Sum (or max) `t` over `axis`; the result is a tensor of t's dtype (maybe t itself)."""
+                   async_op: bool = False, wire_dtype: torch.dtype | None = None) -> Handle:
+        """Sum (or max) `t` over `axis` (sent as `wire_dtype` if given); the result is a tensor
+        of t's dtype (maybe t itself)."""
         group = self._group(axis)
         if group is None or self._size(axis) == 1:
             return Handle(self, None, t, "all-reduce", axis)
+        t, result_dtype = self._cast(t, wire_dtype)
         ledger_axis = "all" if axis == "tensor" else axis
         self.ledger.record(ledger_axis, t.numel() * t.element_size())
         buf, dtype = self._to_wire(t.contiguous())
+        dtype = result_dtype
         reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
         try:
             work = dist.all_reduce(buf, op=reduce_op, group=group, async_op=True)
@@ -157,7 +182,7 @@ class Comm:
         out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=buf.dtype, device=t.device)
         self.ledger.record(axis, out.numel() * t.element_size())
         try:
-            work = _all_gather_tensor(out, buf, group=group, async_op=True)
+            work = _all_gather_tensor(out, buf, group)
         except RuntimeError as e:
             raise self.error("all-gather", axis, e) from None
         handle = Handle(self, work, out, "all-gather", axis,
@@ -179,7 +204,7 @@ class Comm:
         return out
 
     def reduce_scatter(self, t: torch.Tensor, axis: str, async_op: bool = False) -> Handle:
-        """Sum `t` over `axis` and keep this rank's 1/size slice of dim 0."""
+        """Sum `t` over `axis` and keep this rank's 1/size slice of dim 0 (in t's dtype)."""
         group = self._group(axis)
         size = self._size(axis)
         if group is None or size == 1:
@@ -188,7 +213,7 @@ class Comm:
         buf, dtype = self._to_wire(t.contiguous())
         out = torch.empty((t.shape[0] // size, *t.shape[1:]), dtype=buf.dtype, device=t.device)
         try:
-            work = _reduce_scatter_tensor(out, buf, group=group, async_op=True)
+            work = _reduce_scatter_tensor(out, buf, group)
         except RuntimeError as e:
             raise self.error("reduce-scatter", axis, e) from None
         handle = Handle(self, work, out, "reduce-scatter", axis,

@@ -14,8 +14,10 @@ from fourfold.parallel.comm import Comm, Handle
 
 
 class GradBucketer:
-    def __init__(self, comm: Comm, bucket_bytes: int, overlap: bool) -> None:
+    def __init__(self, comm: Comm, bucket_bytes: int, overlap: bool,
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
         self.comm = comm
+        self.reduce_dtype = reduce_dtype  # on the wire; gradients stay in their own dtype
         self.bucket_bytes = bucket_bytes
         self.overlap = overlap
         self._bucket: list[torch.nn.Parameter] = []
@@ -46,7 +48,7 @@ class GradBucketer:
         if not self._bucket:
             return
         flat = torch.cat([p.grad.reshape(-1) for p in self._bucket])  # type: ignore[union-attr]
-        handle = self.comm.all_reduce(flat, "data", async_op=True)
+        handle = self.comm.all_reduce(flat, "data", async_op=True, wire_dtype=self.reduce_dtype)
         self._in_flight.append((handle, self._bucket))
         self._bucket, self._bucket_size = [], 0
 

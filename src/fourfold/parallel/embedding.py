@@ -24,7 +24,10 @@ class _EmbeddingFunction(torch.autograd.Function):
     def forward(ctx, tokens: torch.Tensor, weight_shard: torch.Tensor,  # type: ignore[override]
                 module: "ParallelEmbedding") -> torch.Tensor:
         engine = module.engine
-        w = engine.gather_weight(module, "forward")  # (V/Gy, D/Gx)
+        device = tokens.device.type
+        compute = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                   else module.weight.dtype)  # what the next gathers (prefetched here) use
+        w = engine.gather_weight(module, "forward", compute)  # (V/Gy, D/Gx)
         local = tokens - module.vocab_start
         owned = (local >= 0) & (local < w.shape[0])
         local = local.masked_fill(~owned, 0)
@@ -64,6 +67,13 @@ class ParallelEmbedding(nn.Module):
         self.needs_backward_gather = False
         self.weight = nn.Parameter(self.weight_layout.shard(embedding.weight.detach(), shape, coords))
         engine.register(self)
+
+    def gather_shard(self, compute_dtype: torch.dtype) -> torch.Tensor:
+        """Its shard in its own dtype: a lookup is no GEMM, and autocast leaves it in float32."""
+        return self.weight.detach()
+
+    def arrange(self, gathered: torch.Tensor) -> torch.Tensor:
+        return gathered.view(self.block_shape)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return _EmbeddingFunction.apply(tokens, self.weight, self)

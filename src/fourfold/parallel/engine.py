@@ -6,14 +6,23 @@ The overlap schedule of one layer's backward (the layers are in linear.py):
   1. the layer's backward computes dI = dO W (partial over an axis) and defers dW = dO^T I;
   2. the fan-out op that produced the layer's input starts the dI all-reduce asynchronously,
      then runs the deferred dW GEMMs under it, and starts their z reduce-scatters;
-  3. those reduce-scatters are waited for one fan-out later, under earlier layers' backward;
+  3. those reduce-scatters are waited for one fan-out later, under earlier layers' backward
+     (after that fan-out's own dW GEMMs, so that the GEMMs run under its all-reduce);
   4. a weight's gradient that is final goes to the data-parallel bucketer at once.
+
+Weights are gathered in the compute dtype (the shard is cast first: the GEMM sees the same
+values, the wire half the bytes under bfloat16). With activation checkpointing a module is
+gathered in forward and again by the recompute, whose block the backward then uses (no third
+gather); the recompute's gathers are prefetched, the first one from the backward of the module
+before it. The last module of the forward (the output layer) keeps its gathered block for its
+backward, which comes next, when the block is no larger than its output and the loss's float32
+workspace (the memory model's `logits` term: the rule `keeps_output_block` states).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 from torch import nn
@@ -31,21 +40,39 @@ class OverlapOptions:
     data_grad: bool = True  # bucketed data all-reduce during backward
     bucket_bytes: int = 25 * 2**20
     gemm_tuning: bool = False  # time the equivalent matmuls per shape, keep the fastest
+    reduce_dtype: torch.dtype = torch.float32  # weight-gradient reduce-scatter, data all-reduce
+    forward_split: bool = False  # each forward GEMM in two halves of the tokens: one half's
+    # output all-reduce runs under the other half's GEMM (parallel.overlap_forward)
+
+
+def keeps_output_block(block_bytes: int, output_bytes: int, output_numel: int) -> bool:
+    """The last module of the forward keeps its gathered block for its backward when the block
+    is no larger than its output plus the loss's float32 workspace over that output."""
+    return block_bytes <= output_bytes + 4 * output_numel
 
 
 class Engine:
     def __init__(self, comm: Comm, options: OverlapOptions) -> None:
         self.comm = comm
         self.options = options
-        self.bucketer = GradBucketer(comm, options.bucket_bytes, options.data_grad)
+        self.bucketer = GradBucketer(comm, options.bucket_bytes, options.data_grad,
+                                     options.reduce_dtype)
         self.sharded: list[nn.Module] = []  # z-sharded modules in forward order
         self._index: dict[int, int] = {}
+        # per module in forward order: the repeated unit (block) it belongs to, None outside
+        self._groups: list[Hashable | None] = []
+        self._group_first: dict[Hashable, int] = {}
+        self._recompute_expected = False
+        self._recomputed: set[Hashable] = set()
+        self._kept: dict[int, torch.Tensor] = {}  # recomputed blocks, used by the backward
+        self._pass_hooks: list[Callable[[], None]] = []
         self._uses: dict[int, int] = {}  # param id -> modules that use it (tied weights: 2)
         self._contributions: dict[int, int] = {}
-        self._prefetched: dict[tuple[int, str], Handle] = {}
-        self._done: dict[str, set[int]] = {"forward": set(), "backward": set()}
+        self._prefetched: dict[tuple[int, str], tuple[Handle, torch.dtype]] = {}
+        self._done: dict[str, set[int]] = {"forward": set(), "recompute": set(),
+                                           "backward": set()}
         self._deferred: list[Callable[[], None]] = []
-        self._pending_rs: list[tuple[Handle, nn.Parameter]] = []
+        self._pending_rs: list[tuple[Handle, list[nn.Parameter]]] = []
         self.grad_sync = True
         self.prefetch_enabled = options.prefetch
         self.tuner = (GemmTuner(comm, default_cache_path(comm.grid.device))
@@ -64,51 +91,112 @@ class Engine:
         pid = id(module.weight)
         self._uses[pid] = self._uses.get(pid, 0) + 1
 
-    def set_order(self, modules: list[nn.Module]) -> None:
-        """The z-sharded modules in forward order, for prefetching one ahead (or behind)."""
+    def set_order(self, modules: list[nn.Module],
+                  groups: list[Hashable | None] | None = None) -> None:
+        """The z-sharded modules in forward order, for prefetching one ahead (or behind), and
+        the repeated unit each belongs to (what activation checkpointing recomputes whole)."""
         self.sharded = list(modules)
         self._index = {id(m): i for i, m in enumerate(self.sharded)}
+        self._groups = list(groups) if groups is not None else [None] * len(self.sharded)
+        self._group_first = {}
+        for i, g in enumerate(self._groups):
+            if g is not None:
+                self._group_first.setdefault(g, i)
+
+    def at_begin_forward(self, hook: Callable[[], None]) -> None:
+        """Call `hook` (which drops a per-pass cache) whenever a forward pass starts."""
+        self._pass_hooks.append(hook)
+
+    def is_last(self, module: nn.Module) -> bool:
+        """Whether `module` is the last z-sharded module of the forward (its backward is first)."""
+        return bool(self.sharded) and self.sharded[-1] is module
 
     # ---- passes -------------------------------------------------------------------------
 
-    def begin_forward(self) -> None:
-        """A new forward pass (and so a new backward pass) starts."""
-        for handle in self._prefetched.values():
+    def begin_forward(self, recompute: bool = False) -> None:
+        """A new forward pass (and so a new backward pass) starts; `recompute`: the blocks
+        will be recomputed in backward (activation checkpointing), so prefetch for that."""
+        for handle, _ in self._prefetched.values():
             handle.wait()  # never leave a collective in flight; its bytes are on the ledger
         self._prefetched.clear()
-        self._done["forward"].clear()
-        self._done["backward"].clear()
+        for done in self._done.values():
+            done.clear()
+        self._kept.clear()
+        self._recomputed.clear()
+        self._recompute_expected = recompute
+        for hook in self._pass_hooks:
+            hook()
 
     # ---- z all-gather of weights ----------------------------------------------------------
 
-    def _gather_async(self, module: nn.Module) -> Handle:
-        return self.comm.all_gather(module.weight.detach(), "z", async_op=True)
+    def _gather_async(self, module: nn.Module, compute_dtype: torch.dtype) -> Handle:
+        # cast first: the GEMM gets the same values, the wire carries the compute dtype
+        return self.comm.all_gather(module.gather_shard(compute_dtype), "z", async_op=True)
 
-    def gather_weight(self, module: nn.Module, phase: str) -> torch.Tensor:
-        """The module's full (x, y)-block of weight, gathered over z. Prefetches the next one."""
+    def gather_weight(self, module: nn.Module, phase: str, dtype: torch.dtype,
+                      kept: torch.Tensor | None = None) -> torch.Tensor:
+        """The module's full (x, y)-block of weight, gathered over z in the dtype the module
+        asks for under compute dtype `dtype` (phase: forward or backward; `kept`: a block the
+        caller kept from forward). A forward gather of a module this forward already gathered
+        is the recompute of a checkpointed block. Prefetches the next gather."""
+        mid = id(module)
+        z_split = self.comm.grid.size("z") > 1
+        if phase == "forward" and mid in self._done["forward"]:
+            phase = "recompute"
+            group = self._groups[self._index[mid]]
+            if group is not None:
+                self._recomputed.add(group)
+        if phase == "backward" and kept is None:
+            kept = self._kept.pop(mid, None)
+        if kept is not None:
+            self._done[phase].add(mid)
+            self._prefetch_next(module, phase, dtype)
+            return kept
+        entry = self._prefetched.pop((mid, phase), None)
+        if entry is not None and entry[1] != dtype:  # the compute dtype changed: gather again
+            entry[0].wait()
+            entry = None
+        handle = entry[0] if entry is not None else self._gather_async(module, dtype)
+        self._done[phase].add(mid)
+        self._prefetch_next(module, phase, dtype)
+        w = module.arrange(handle.wait())
+        if phase == "recompute" and z_split and module.needs_backward_gather:
+            self._kept[mid] = w
+        return w
+
+    def _prefetch(self, module: nn.Module, phase: str, dtype: torch.dtype) -> None:
         key = (id(module), phase)
-        handle = self._prefetched.pop(key, None)
-        if handle is None:
-            handle = self._gather_async(module)
-        self._done[phase].add(id(module))
-        self._prefetch_next(module, phase)
-        return handle.wait().view(module.block_shape)
+        if key not in self._prefetched:
+            self._prefetched[key] = (self._gather_async(module, dtype), dtype)
 
-    def _prefetch_next(self, module: nn.Module, phase: str) -> None:
+    def _prefetch_next(self, module: nn.Module, phase: str, dtype: torch.dtype) -> None:
         if not self.prefetch_enabled or self.comm.grid.size("z") == 1:
             return
         i = self._index[id(module)]
-        step = 1 if phase == "forward" else -1
-        j = i + step
-        while 0 <= j < len(self.sharded):
-            nxt = self.sharded[j]
-            if id(nxt) not in self._done[phase] and (phase == "forward"
-                                                      or nxt.needs_backward_gather):
-                key = (id(nxt), phase)
-                if key not in self._prefetched:
-                    self._prefetched[key] = self._gather_async(nxt)
+        if phase == "forward":
+            for nxt in self.sharded[i + 1:]:
+                if id(nxt) not in self._done["forward"]:
+                    self._prefetch(nxt, "forward", dtype)
+                    return
+            return
+        if phase == "recompute":  # the rest of this block; the next one is already done
+            j = i + 1
+            if j < len(self.sharded) and self._groups[j] == self._groups[i] \
+                    and id(self.sharded[j]) not in self._done["recompute"]:
+                self._prefetch(self.sharded[j], "recompute", dtype)
+            return
+        for j in range(i - 1, -1, -1):
+            nxt, group = self.sharded[j], self._groups[j]
+            if self._recompute_expected and group is not None \
+                    and group not in self._recomputed:
+                # the backward of an earlier block starts with its recompute, in forward order
+                self._prefetch(self.sharded[self._group_first[group]], "recompute", dtype)
                 return
-            j += step
+            if id(nxt) in self._done["backward"] or id(nxt) in self._kept \
+                    or not nxt.needs_backward_gather:
+                continue
+            self._prefetch(nxt, "backward", dtype)
+            return
 
     # ---- weight gradients -----------------------------------------------------------------
 
@@ -117,42 +205,69 @@ class Engine:
         self._deferred.append(work)
 
     def reduce_scatter_weight_grad(self, param: nn.Parameter, block_grad: torch.Tensor) -> None:
-        """Sum a weight's block gradient over z into this rank's shard (asynchronously)."""
-        handle = self.comm.reduce_scatter(block_grad.reshape(-1, *param.shape[1:]), "z",
-                                          async_op=True)
-        self._pending_rs.append((handle, param))
+        """Sum a weight's block gradient over z into this rank's shard (asynchronously), in
+        the reduce dtype on the wire."""
+        self.reduce_scatter_weight_grads([param], [block_grad])
+
+    def reduce_scatter_weight_grads(self, params: list[nn.Parameter],
+                                    blocks: list[torch.Tensor]) -> None:
+        """One reduce-scatter for the block gradients of weights that share their column
+        split (a fused group): each rank's slices of all of them are laid out together."""
+        z = self.comm.grid.size("z")
+        wire = self.options.reduce_dtype if z > 1 else params[0].dtype
+        rest = params[0].shape[1:]
+        if len(params) == 1:
+            flat = blocks[0].to(wire).reshape(-1, *rest)
+        else:  # (z, rows of each, ...) side by side, so that rank r's part is contiguous
+            flat = torch.cat([b.to(wire).reshape(z, -1, *rest) for b in blocks], dim=1)
+            flat = flat.reshape(-1, *rest)
+        handle = self.comm.reduce_scatter(flat, "z", async_op=True)
+        self._pending_rs.append((handle, params))
         if not self.options.weight_grad:
             self._complete_reduce_scatters()
 
     def flush(self) -> None:
-        """Finish the reduce-scatters of the previous flush, then run deferred dW work."""
-        self._complete_reduce_scatters()
+        """Run the deferred dW GEMMs (under the caller's all-reduce, which is in flight), then
+        finish the reduce-scatters that the previous flush started."""
+        previous, self._pending_rs = self._pending_rs, []
         work, self._deferred = self._deferred, []
         for w in work:
             w()
+        self._complete(previous)
 
     def _complete_reduce_scatters(self) -> None:
         pending, self._pending_rs = self._pending_rs, []
-        for handle, param in pending:
-            grad = handle.wait().view_as(param)
-            if param.grad is None:
-                # the block is this pass's own tensor (a GEMM's output or a collective's
-                # buffer), so it becomes the gradient without a copy
-                param.grad = grad.to(param.dtype)
-            else:
-                param.grad.add_(grad)
-            pid = id(param)
-            self._contributions[pid] = self._contributions.get(pid, 0) + 1
-            if self.grad_sync and self._contributions[pid] == self._uses[pid]:
-                self.bucketer.add(param)
+        self._complete(pending)
+
+    def _complete(self, pending: list[tuple[Handle, list[nn.Parameter]]]) -> None:
+        for handle, params in pending:
+            shards = handle.wait()
+            if len(params) == 1:
+                self._add_grad(params[0], shards.view_as(params[0]))
+                continue
+            for param, grad in zip(params, shards.split([p.shape[0] for p in params])):
+                self._add_grad(param, grad.view_as(param))
+
+    def _add_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        if param.grad is None:
+            # the slice is this pass's own tensor (a GEMM's output or a collective's buffer),
+            # so it becomes the gradient without a copy
+            param.grad = grad.to(param.dtype)
+        else:
+            param.grad.add_(grad)
+        pid = id(param)
+        self._contributions[pid] = self._contributions.get(pid, 0) + 1
+        if self.grad_sync and self._contributions[pid] == self._uses[pid]:
+            self.bucketer.add(param)
 
     def finish_backward(self, z_replicated: list[nn.Parameter],
                         all_params: list[nn.Parameter]) -> None:
         self.flush()
         self._complete_reduce_scatters()
-        for handle in self._prefetched.values():
+        for handle, _ in self._prefetched.values():
             handle.wait()
         self._prefetched.clear()
+        self._kept.clear()
         if not self.grad_sync:
             self._contributions.clear()
             return
@@ -163,7 +278,7 @@ class Engine:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             flat = torch.cat([p.grad.reshape(-1) for p in z_replicated])  # type: ignore[union-attr]
-            flat = self.comm.all_reduce(flat, "z").wait()
+            flat = self.comm.all_reduce(flat, "z", wire_dtype=self.options.reduce_dtype).wait()
             parts = flat.split([p.numel() for p in z_replicated])
             torch._foreach_copy_([p.grad for p in z_replicated],  # type: ignore[misc]
                                  [v.view_as(p) for v, p in zip(parts, z_replicated)])

@@ -7,7 +7,9 @@ so normal and transposed layers chain with no resharding: q/k/v then o, gate/up 
 
 The fan-out op sits where one activation feeds one or more linears: identity in forward; in
 backward it sums the partial input gradients over the linears' output axis, and runs the
-deferred weight-gradient GEMMs while that all-reduce is in flight.
+deferred weight-gradient GEMMs while that all-reduce is in flight. The gradients travel in the
+compute dtype of the forward (bfloat16 under autocast: the GEMMs that made them ran in it),
+even where the activation itself is float32 (the residual stream).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fourfold.parallel.engine import Engine
+from fourfold.parallel.engine import Engine, keeps_output_block
 from fourfold.parallel.grid import Axis, Grid
 from fourfold.parallel.layout import Layout
 
@@ -29,7 +31,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 class _FanOut(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, engine: Engine, axis: str) -> torch.Tensor:  # type: ignore[override]
-        ctx.engine, ctx.axis = engine, axis
+        ctx.engine, ctx.axis, ctx.wire_dtype = engine, axis, _compute_dtype(x)
         return x.view_as(x)
 
     @staticmethod
@@ -39,15 +41,39 @@ class _FanOut(torch.autograd.Function):
             engine.flush()
             return grad, None, None
         if engine.options.input_grad:
-            handle = engine.comm.all_reduce(grad.contiguous().clone(), ctx.axis, async_op=True)
+            handle = engine.comm.all_reduce(grad.contiguous().clone(), ctx.axis, async_op=True,
+                                            wire_dtype=ctx.wire_dtype)
             engine.flush()  # dW GEMMs of the consumers run under the all-reduce
             return handle.wait(), None, None
         engine.flush()
-        return engine.comm.all_reduce(grad.contiguous().clone(), ctx.axis).wait(), None, None
+        return engine.comm.all_reduce(grad.contiguous().clone(), ctx.axis,
+                                      wire_dtype=ctx.wire_dtype).wait(), None, None
 
 
 def fan_out(x: torch.Tensor, engine: Engine, axis: Axis) -> torch.Tensor:
     return _FanOut.apply(x, engine, axis)
+
+
+def split_rows(n: int) -> tuple[int, int]:
+    """How overlap_forward splits n tokens: the first half takes the odd one."""
+    return (n + 1) // 2, n // 2
+
+
+def _forward_gemm(engine: Engine, x: torch.Tensor, w: torch.Tensor, axis: str) -> torch.Tensor:
+    """x W^T summed over `axis`. With overlap_forward, in two halves of the tokens: the first
+    half's all-reduce is in flight while the second half's GEMM runs."""
+    if not engine.options.forward_split or engine.comm.grid.size(axis) == 1:
+        return engine.comm.all_reduce(engine.matmul("forward", x, w), axis).wait()
+    rows = x.reshape(-1, x.shape[-1])
+    first, second = split_rows(rows.shape[0])
+    if second == 0:
+        return engine.comm.all_reduce(engine.matmul("forward", x, w), axis).wait()
+    handle = engine.comm.all_reduce(engine.matmul("forward", rows[:first], w), axis,
+                                    async_op=True)
+    rest = engine.comm.all_reduce(engine.matmul("forward", rows[first:], w), axis,
+                                  async_op=True)
+    y = torch.cat([handle.wait(), rest.wait()])
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class _Linear3DFunction(torch.autograd.Function):
@@ -57,10 +83,14 @@ class _Linear3DFunction(torch.autograd.Function):
         engine = module.engine
         dtype = _compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
-            w = engine.gather_weight(module, "forward")  # (out_local, in_local)
-            y = engine.matmul("forward", x.to(dtype), w.to(dtype))  # partial sum over in_axis
-            y = engine.comm.all_reduce(y, module.in_axis).wait()
+            w = engine.gather_weight(module, "forward", dtype)  # (out_local, in_local)
+            # partial sums over in_axis, all-reduced
+            y = _forward_gemm(engine, x.to(dtype), w.to(dtype), module.in_axis)
         ctx.module, ctx.dtype, ctx.x_dtype = module, dtype, x.dtype
+        ctx.kept_block = None
+        if engine.is_last(module) and engine.comm.grid.size("z") > 1 and keeps_output_block(
+                w.numel() * w.element_size(), y.numel() * y.element_size(), y.numel()):
+            ctx.kept_block = w  # its backward comes next: no second gather
         ctx.save_for_backward(x)
         return y
 
@@ -71,14 +101,15 @@ class _Linear3DFunction(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         dtype = ctx.dtype
         with torch.autocast(grad_out.device.type, enabled=False):
-            w = engine.gather_weight(module, "backward")
+            w = engine.gather_weight(module, "backward", dtype, kept=ctx.kept_block)
+            ctx.kept_block = None
             dy = grad_out.to(dtype)
             # partial over out_axis; summed by the fan-out that produced x
             grad_in = engine.matmul("input_grad", dy, w.to(dtype)).to(ctx.x_dtype)
 
             def weight_grad() -> None:
                 block = engine.matmul("weight_grad", dy, x.to(dtype))
-                engine.reduce_scatter_weight_grad(module.weight, block.float())
+                engine.reduce_scatter_weight_grad(module.weight, block)
 
             engine.defer(weight_grad)
         return grad_in, None, None
@@ -112,8 +143,19 @@ class Linear3D(nn.Module):
             self.register_parameter("bias", None)
         engine.register(self)
 
+        self.fused: FusedLinears | None = None  # set by FusedLinears
+
+    def gather_shard(self, compute_dtype: torch.dtype) -> torch.Tensor:
+        """What this rank hands to the z all-gather: its shard in the GEMM's dtype."""
+        return self.weight.detach().to(compute_dtype)
+
+    def arrange(self, gathered: torch.Tensor) -> torch.Tensor:
+        return gathered.view(self.block_shape)
+
     @torch.compiler.disable  # collectives and deferred GEMMs: compiled code runs around it
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.output(self, x)
         if self.own_fan_out:
             x = fan_out(x, self.engine, self.out_axis)
         y = _Linear3DFunction.apply(x, self.weight, self)
@@ -124,6 +166,96 @@ class Linear3D(nn.Module):
     def extra_repr(self) -> str:
         kind = "transposed" if self.transposed else "normal"
         return f"{self.in_features}->{self.out_features}, {kind}, block={self.block_shape}"
+
+
+class FusedLinears:
+    """Normal linears that read the same input (q, k, v; gate, up) run as one: one z
+    all-gather of their shards side by side, one GEMM, one output all-reduce, one dW GEMM and
+    one reduce-scatter. Each keeps its own weight (state dicts, checkpoints and HF conversion
+    see separate tensors). The first member called with an input computes every member's
+    output; the others, called with the same tensor, take theirs."""
+
+    def __init__(self, members: list[Linear3D]) -> None:
+        first = members[0]
+        for m in members:
+            if m.transposed != first.transposed or m.in_features != first.in_features \
+                    or m.own_fan_out or m.fused is not None:
+                raise ValueError(f"cannot fuse {m} with {first}")
+        self.members = members
+        self.engine = first.engine
+        self.in_axis, self.out_axis = first.in_axis, first.out_axis
+        self.rows = [m.block_shape[0] for m in members]  # gathered rows of each
+        self.block_shape = (sum(self.rows), first.block_shape[1])
+        self.needs_backward_gather = True
+        self._input: torch.Tensor | None = None
+        self._outputs: dict[int, torch.Tensor] = {}
+        for m in members:
+            m.fused = self
+        self.engine.at_begin_forward(self.clear)  # never hold a previous pass's outputs
+
+    def gather_shard(self, compute_dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([m.weight.detach().to(compute_dtype) for m in self.members])
+
+    def arrange(self, gathered: torch.Tensor) -> torch.Tensor:
+        """(z * sum of shard rows, in) rank by rank -> every member's block, one after another."""
+        z = self.engine.comm.grid.size("z")
+        if z == 1:
+            return gathered
+        by_rank = gathered.view(z, -1, gathered.shape[-1])
+        shard_rows = [r // z for r in self.rows]
+        return torch.cat([part.reshape(-1, gathered.shape[-1])
+                          for part in by_rank.split(shard_rows, dim=1)])
+
+    def output(self, member: Linear3D, x: torch.Tensor) -> torch.Tensor:
+        i = self.members.index(member)
+        if self._input is x and i in self._outputs:
+            y = self._outputs.pop(i)
+            if not self._outputs:
+                self._input = None
+            return y
+        ys = _FusedLinear3DFunction.apply(x, self, *[m.weight for m in self.members])
+        ys = [y + m.bias.to(y.dtype) if m.bias is not None else y
+              for y, m in zip(ys, self.members)]
+        self._input, self._outputs = x, {j: y for j, y in enumerate(ys) if j != i}
+        return ys[i]
+
+    def clear(self) -> None:
+        self._input, self._outputs = None, {}
+
+
+class _FusedLinear3DFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: FusedLinears,  # type: ignore[override]
+                *weight_shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        engine = group.engine
+        dtype = _compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            w = engine.gather_weight(group, "forward", dtype)  # (sum of out_local, in_local)
+            y = _forward_gemm(engine, x.to(dtype), w.to(dtype), group.in_axis)
+        ctx.group, ctx.dtype, ctx.x_dtype = group, dtype, x.dtype
+        ctx.save_for_backward(x)
+        return tuple(y.split(group.rows, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        group: FusedLinears = ctx.group
+        engine = group.engine
+        (x,) = ctx.saved_tensors
+        dtype = ctx.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            w = engine.gather_weight(group, "backward", dtype)
+            dy = torch.cat([torch.zeros((*x.shape[:-1], r), dtype=dtype, device=x.device)
+                            if g is None else g.to(dtype) for g, r in zip(grads, group.rows)],
+                           dim=-1)
+            grad_in = engine.matmul("input_grad", dy, w.to(dtype)).to(ctx.x_dtype)
+
+            def weight_grad() -> None:
+                block = engine.matmul("weight_grad", dy, x.to(dtype))
+                engine.reduce_scatter_weight_grads([m.weight for m in group.members],
+                                                   list(block.split(group.rows)))
+
+            engine.defer(weight_grad)
+        return (grad_in, None) + (None,) * len(group.members)
 
 
 class _SplitLastDim(torch.autograd.Function):

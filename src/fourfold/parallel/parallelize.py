@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from fourfold.config import ParallelConfig
+from fourfold.config import ConfigError, ParallelConfig
 from fourfold.intmath import divisors
 from fourfold.parallel.comm import Comm, CommLedger
 from fourfold.parallel.embedding import (CrossEntropy, ParallelEmbedding,
@@ -24,12 +24,13 @@ from fourfold.parallel.embedding import (CrossEntropy, ParallelEmbedding,
 from fourfold.parallel.engine import Engine, OverlapOptions
 from fourfold.parallel.grid import Grid, GridError
 from fourfold.parallel.layout import REPLICATED, Layout
-from fourfold.parallel.linear import Linear3D, ReplicatedLinear3D
+from fourfold.parallel.linear import FusedLinears, Linear3D, ReplicatedLinear3D
 from fourfold.parallel.norm import ParallelRMSNorm
 from fourfold.parallel.shards import full_specs, materialize, stream_full
 from fourfold.safetensors_stream import TensorSpec
 
 _NORMAL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # read the same input
 _TRANSPOSED = ("o_proj", "down_proj")
 _OUTPUT = ("output", "lm_head")
 _EMBEDDING = ("embed", "embed_tokens")
@@ -58,7 +59,7 @@ class ParallelModel:
     def __call__(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (b, T, V/Gy), or per-token losses (b, T) when targets are given."""
         if self.engine is not None:
-            self.engine.begin_forward()
+            self.engine.begin_forward(recompute=self._recomputes())
         if self._is_hf:
             logits = self.module(input_ids=tokens, use_cache=False).logits
         else:
@@ -68,6 +69,13 @@ class ParallelModel:
         return self.criterion(logits, targets)
 
     forward = __call__
+
+    def _recomputes(self) -> bool:
+        """Whether this forward's blocks run again in backward (activation checkpointing)."""
+        m = self.module
+        return bool(m.training and torch.is_grad_enabled()
+                    and (getattr(m, "activation_checkpointing", False)
+                         or getattr(m, "is_gradient_checkpointing", False)))
 
     def train(self, mode: bool = True) -> "ParallelModel":
         self.module.train(mode)
@@ -214,12 +222,20 @@ def _gather_full(local: torch.Tensor, layout: Layout, comm: Comm) -> torch.Tenso
 # --------------------------------------------------------------------------------------------
 
 
+REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def overlap_options(cfg: ParallelConfig | None) -> OverlapOptions:
     if cfg is None:
         return OverlapOptions()
+    if cfg.reduce_dtype not in REDUCE_DTYPES:
+        raise ConfigError(f"parallel.reduce_dtype = {cfg.reduce_dtype!r}: choose one of "
+                          f"{', '.join(REDUCE_DTYPES)}")
     return OverlapOptions(input_grad=cfg.overlap_input_grad, weight_grad=cfg.overlap_weight_grad,
                           prefetch=cfg.prefetch_weights, data_grad=cfg.overlap_data_grad,
-                          bucket_bytes=int(cfg.bucket_mb * 2**20), gemm_tuning=cfg.gemm_tuning)
+                          bucket_bytes=int(cfg.bucket_mb * 2**20), gemm_tuning=cfg.gemm_tuning,
+                          reduce_dtype=REDUCE_DTYPES[cfg.reduce_dtype],
+                          forward_split=cfg.overlap_forward)
 
 
 def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = None
@@ -304,14 +320,42 @@ def _apply_llama_plan(model: nn.Module, grid: Grid, engine: Engine) -> int:
         else:
             continue
         _set_submodule(model, name, new)
+    _fuse_shared_inputs(model)
     _order_for_prefetch(engine, model)
     return embedding.vocab_start if embedding is not None else 0
 
 
+def _fuse_shared_inputs(model: nn.Module) -> None:
+    """q, k, v (and gate, up) of one parent read the same input: one GEMM and one collective
+    for each group; their weights stay separate parameters."""
+    for parent in model.modules():
+        for leaves in _FUSED:
+            members = [getattr(parent, leaf, None) for leaf in leaves]
+            if all(isinstance(m, Linear3D) and m.fused is None for m in members):
+                FusedLinears(members)  # type: ignore[arg-type]
+
+
 def _order_for_prefetch(engine: Engine, model: nn.Module) -> None:
     """Forward order of the z-sharded modules: definition order, which Llama-family models
-    run in (embedding, then each block's q, k, v, o, gate, up, down, then the output)."""
-    engine.set_order([m for m in model.modules() if isinstance(m, (Linear3D, ParallelEmbedding))])
+    run in (embedding, then each block's q, k, v, o, gate, up, down, then the output), and the
+    block of each: its name up to the first index of a module list ("layers.3"), which is what
+    activation checkpointing recomputes whole."""
+    units: list[tuple[str, Any]] = []
+    for name, m in model.named_modules():
+        if isinstance(m, Linear3D) and m.fused is not None:
+            if m is m.fused.members[0]:  # a fused group gathers once, where its first reads
+                units.append((name, m.fused))
+        elif isinstance(m, (Linear3D, ParallelEmbedding)):
+            units.append((name, m))
+    engine.set_order([m for _, m in units], [_block_of(n) for n, _ in units])
+
+
+def _block_of(name: str) -> str | None:
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return None
 
 
 def _is_rms_norm(module: nn.Module) -> bool:

@@ -41,9 +41,10 @@ class Precision:
     """Bytes per element of each kind of tensor.
 
     float32: everything in fp32. bfloat16: autocast, as the engine runs it: fp32 parameters,
-    gradients and AdamW states; the z all-gather moves the fp32 weights (weight_bytes 4); GEMM
-    outputs are bf16 (act_bytes 2) while the residual stream (embedding and norm outputs, and
-    the input gradients of the layers reading them) stays fp32 (residual_bytes 4).
+    gradients and AdamW states; the z all-gather moves bf16 weights (weight_bytes 2: the shard
+    is cast before the gather); GEMM outputs and input gradients are bf16 (act_bytes 2) while
+    the residual stream (embedding and norm outputs) stays fp32 (residual_bytes 4). Gradient
+    reductions travel in parallel.reduce_dtype (reduce_bytes).
     """
 
     name: str
@@ -53,13 +54,17 @@ class Precision:
     weight_bytes: int  # gathered weights (all-gather over z)
     act_bytes: int  # GEMM outputs
     residual_bytes: int  # the residual stream
+    reduce_bytes: int = 4  # gradients on the wire (z reduce-scatter, data all-reduce)
 
     @classmethod
-    def of(cls, dtype: str) -> "Precision":
+    def of(cls, dtype: str, reduce_dtype: str = "float32") -> "Precision":
+        if reduce_dtype not in ("float32", "bfloat16"):
+            raise PlanError(f"reduce_dtype = {reduce_dtype!r}: choose float32 or bfloat16")
+        reduce_bytes = 4 if reduce_dtype == "float32" else 2
         if dtype == "float32":
-            return cls("float32", 4, 4, 8, 4, 4, 4)
+            return cls("float32", 4, 4, 8, 4, 4, 4, reduce_bytes)
         if dtype == "bfloat16":
-            return cls("bfloat16", 4, 4, 8, 4, 2, 4)
+            return cls("bfloat16", 4, 4, 8, 2, 2, 4, reduce_bytes)
         raise PlanError(f"dtype = {dtype!r}: choose float32 or bfloat16")
 
 
@@ -163,7 +168,10 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     layer_block = sum(lin.out_features * lin.in_features for lin in block_linears(model))
     layer_block //= gx * gy
     vocab_block = model.vocab_size * model.dim // (gx * gy)
-    # the current and the prefetched next layer's weights, plus one full dW before its scatter
+    # the current and the prefetched next layer's weights, plus one full dW before its scatter;
+    # this also bounds what the engine keeps: a checkpointed block's recomputed weights (one
+    # block) through its backward, and the output layer's block from its forward to its
+    # backward (only when no larger than the `logits` term: engine.keeps_output_block)
     gathered = max(2 * layer_block * precision.weight_bytes + layer_block * precision.grad_bytes,
                    vocab_block * (precision.weight_bytes + precision.grad_bytes))
     if shape.z == 1:

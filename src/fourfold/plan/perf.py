@@ -38,6 +38,7 @@ class Overlap:
     overlap_weight_grad: bool = True
     prefetch_weights: bool = True
     overlap_data_grad: bool = True
+    overlap_forward: bool = False
 
 
 @dataclass
@@ -134,6 +135,8 @@ class _Compute:
     backward: float  # one micro-step, without recomputation
     weight_grad: float  # the dW GEMMs inside backward
     recompute: float  # forward of the blocks again (activation checkpointing)
+    forward_gemm: float  # the forward GEMMs of one micro-step (blocks and output layer)
+    recompute_gemm: float  # the blocks' forward GEMMs again
 
 
 def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, rates: _Rates,
@@ -170,7 +173,8 @@ def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, r
     loss = 3 * n * vocab_l * 4 / rates.bytes_per_s
     return _Compute(forward=L * block_fwd + out_fwd + loss + 10 * launch,
                     backward=L * block_bwd + out_dgrad + out_wgrad + loss + 20 * launch,
-                    weight_grad=L * wgrad + out_wgrad, recompute=L * block_fwd)
+                    weight_grad=L * wgrad + out_wgrad, recompute=L * block_fwd,
+                    forward_gemm=L * fwd + out_fwd, recompute_gemm=L * fwd)
 
 
 def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_len: int,
@@ -186,7 +190,8 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     comp = _compute_times(model, shape, n, seq_len, rates, precision)
     schedule = collective_schedule(model, shape, n, grad_accum, activation_checkpointing,
                                    precision.act_bytes, precision.weight_bytes,
-                                   precision.grad_bytes, precision.residual_bytes)
+                                   precision.reduce_bytes, precision.residual_bytes,
+                                   overlap.overlap_forward)
     by_phase: dict[str, dict[str, float]] = {}
     comm_bytes = {a: 0 for a in AXES}
     for c in schedule:
@@ -218,6 +223,10 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
 
     if overlap.prefetch_weights:
         hide(phase("fwd_gather"), fwd_window, share)
+    # overlap_forward: a first half's output all-reduce runs under the second half's GEMM
+    split_window = m * (comp.forward_gemm + (comp.recompute_gemm if activation_checkpointing
+                                             else 0.0)) / 2
+    hide(phase("fwd_split"), split_window, 1.0)
     # backward z traffic (gathers and dW reduce-scatters) shares the z links and backward window
     z_backward = {a: (phase("bwd_gather")[a] if overlap.prefetch_weights else 0.0)
                   + (phase("bwd_weight")[a] if overlap.overlap_weight_grad else 0.0) for a in AXES}

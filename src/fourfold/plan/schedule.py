@@ -12,12 +12,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fourfold.config import ModelConfig
+from fourfold.parallel.engine import keeps_output_block
 from fourfold.parallel.grid import AXES, GridShape
+from fourfold.parallel.linear import split_rows
 from fourfold.plan.errors import PlanError
 
 Op = Literal["all_reduce", "all_gather", "reduce_scatter"]
 # When a collective runs, which decides what compute it can hide under:
 #   fwd_output  forward all-reduces the next op waits on (outputs, norms, loss): exposed
+#   fwd_split   with overlap_forward, the first token half's output all-reduce: under the
+#               second half's GEMM
 #   fwd_gather  forward z all-gathers, prefetched one layer ahead
 #   bwd_gather  backward z all-gathers (incl. recomputation), prefetched one layer ahead
 #   bwd_input   input-gradient all-reduces, run under the dW GEMM
@@ -25,8 +29,8 @@ Op = Literal["all_reduce", "all_gather", "reduce_scatter"]
 #   bwd_norm    norm backward all-reduces: exposed
 #   step_z      once per step: all-reduce over z of the gradients not split over z: exposed
 #   step_data   once per step: gradient all-reduce over data, bucketed under the last backward
-Phase = Literal["fwd_output", "fwd_gather", "bwd_gather", "bwd_input", "bwd_weight", "bwd_norm",
-                "step_z", "step_data"]
+Phase = Literal["fwd_output", "fwd_split", "fwd_gather", "bwd_gather", "bwd_input",
+                "bwd_weight", "bwd_norm", "step_z", "step_data"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,13 @@ def block_linears(model: ModelConfig) -> list[LinearShape]:
             LinearShape("down", d, f, True)]
 
 
+def fused_units(model: ModelConfig) -> list[list[LinearShape]]:
+    """The block's linears as the engine runs them: q, k, v fused, o, gate and up fused,
+    down (one z all-gather, GEMM, output all-reduce and dW reduce-scatter per unit)."""
+    q, k, v, o, gate, up, down = block_linears(model)
+    return [[q, k, v], [o], [gate, up], [down]]
+
+
 def local_param_numel(model: ModelConfig, shape: GridShape) -> dict[str, int]:
     """Per rank, the numbers of local parameter elements: `z_sharded` (weights split over z),
     `z_replicated` (norm weights and biases, replicated over z). Tied weights count once."""
@@ -86,12 +97,20 @@ def local_param_numel(model: ModelConfig, shape: GridShape) -> dict[str, int]:
 def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens: int,
                         grad_accum: int, activation_checkpointing: bool, act_bytes: int = 4,
                         weight_bytes: int = 4, grad_bytes: int = 4,
-                        residual_bytes: int | None = None) -> list[Collective]:
+                        residual_bytes: int | None = None, overlap_forward: bool = False
+                        ) -> list[Collective]:
     """Every collective of one optimizer step, per rank.
 
     n = micro_batch_tokens: tokens per rank per micro-step (sequences per (data, z) shard per
     micro-step times seq_len). D = dim, F = ffn_dim, V = vocab, KV = n_kv_heads * head_dim.
+    Element sizes: weight_bytes: the gathered weights (the compute dtype: the shard is cast
+    before the gather); act_bytes: GEMM outputs and input gradients (the compute dtype);
+    grad_bytes: gradient reductions (parallel.reduce_dtype); residual_bytes (default
+    act_bytes): the embedding's weight and output (it runs outside autocast: float32 under
+    bf16 autocast).
     Per micro-step:
+    - q, k, v run as one normal linear (out = D + 2 KV), and gate, up as one (out = 2 F):
+      their bytes are the sums below, in one call each (`fused_units`).
     - normal linear W[out, in] (q, k, v: out = D, KV, KV; gate, up: out = F; output layer:
       out = V; in = D): forward all-gather z of out*in/(Gx*Gy) * weight_bytes, all-reduce x of
       the output n*out/Gy * act_bytes; backward all-gather z again, reduce-scatter z of dW
@@ -103,23 +122,25 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
       together, gate,up together, the output layer: n*D/Gx * act_bytes each.
     - RMSNorm (2 per layer + final, features split over x): forward all-reduce x of n fp32
       values (4n bytes), backward another 4n.
-    - embedding [V, D]: forward all-gather z (V*D/(Gx*Gy) * weight_bytes), all-reduce y of
-      n*D/Gx * act_bytes; backward reduce-scatter z (V*D/(Gx*Gy) * grad_bytes); no backward
-      all-gather. Tied embeddings: the output layer still does its own gathers and scatter.
+    - embedding [V, D]: forward all-gather z (V*D/(Gx*Gy) * residual_bytes), all-reduce y of
+      n*D/Gx * residual_bytes; backward reduce-scatter z
+      (V*D/(Gx*Gy) * grad_bytes); no backward all-gather. Tied embeddings: the output layer
+      still does its own gathers and scatter.
+    - the output layer's backward all-gather is skipped when it keeps its forward's block
+      (`keeps_output_block`: the block is no larger than its logits and the loss's fp32
+      workspace, D/Gx * weight_bytes <= n * (act_bytes + 4)).
     - vocabulary-parallel cross-entropy: forward all-reduce y of 3n fp32 values (12n bytes).
+    - overlap_forward: every GEMM-output all-reduce (the units above and the output layer)
+      runs as two, over the token halves `split_rows(n)`.
     - activation checkpointing: each block's forward collectives (z all-gathers, output
-      all-reduces, norm forward all-reduces) run again during backward; embedding, final
-      norm, output layer and loss are not recomputed.
+      all-reduces, norm forward all-reduces) run again during backward, and the backward uses
+      the blocks the recompute gathered (no third gather); embedding, final norm, output layer
+      and loss are not recomputed.
     Per optimizer step:
     - all-reduce z of the gradients not split over z (norm weights D/Gx, biases):
       (their local numel) * grad_bytes.
     - all-reduce data of all local gradients: (total local numel) * grad_bytes.
     A collective over an axis of size 1 is not issued and appears nowhere.
-
-    residual_bytes (default: act_bytes) is the element size of residual-stream tensors: the
-    embedding output and the norm outputs, so also the input gradients of the layers that read
-    them (q,k,v; gate,up; output layer). Under bf16 autocast the engine keeps these in fp32
-    (residual_bytes = 4) while GEMM outputs are bf16 (act_bytes = 2).
     """
     if micro_batch_tokens < 1 or grad_accum < 1:
         raise PlanError(f"micro_batch_tokens = {micro_batch_tokens}, grad_accum = {grad_accum}: "
@@ -136,28 +157,36 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
         if getattr(shape, axis) > 1 and calls > 0:
             events.append(Collective(axis, op, nbytes, calls, phase))
 
+    def output_reduce(axis: str, per_token: int, calls: int) -> None:
+        first, second = split_rows(n) if overlap_forward else (n, 0)
+        if second == 0:
+            add(axis, "all_reduce", n * per_token, calls, "fwd_output")
+            return
+        add(axis, "all_reduce", first * per_token, calls, "fwd_split")
+        add(axis, "all_reduce", second * per_token, calls, "fwd_output")
+
     def weight_block(out_f: int, in_f: int, transposed: bool, name: str) -> int:
         out_split, in_split = (gx, gy) if transposed else (gy, gx)
         return _exact(out_f, out_split, f"{name} out") * _exact(in_f, in_split, f"{name} in")
 
-    for lin in block_linears(model):
-        block = weight_block(lin.out_features, lin.in_features, lin.transposed, lin.name)
+    for unit in fused_units(model):  # q,k,v and gate,up each gather, multiply, reduce as one
+        block = sum(weight_block(lin.out_features, lin.in_features, lin.transposed, lin.name)
+                    for lin in unit)
+        transposed, name = unit[0].transposed, "+".join(lin.name for lin in unit)
         add("z", "all_gather", block * weight_bytes, m * L, "fwd_gather")
-        add("z", "all_gather", block * weight_bytes, m * L * (replays - 1), "bwd_gather")
+        # backward: the recompute's gather (checkpointing) or the backward's own
         add("z", "all_gather", block * weight_bytes, m * L, "bwd_gather")
         add("z", "reduce_scatter", block * grad_bytes, m * L, "bwd_weight")
-        if lin.transposed:
-            out_local = _exact(lin.out_features, gx, f"{lin.name} out")
-            add("y", "all_reduce", n * out_local * act_bytes, m * L, "fwd_output")
-            add("y", "all_reduce", n * out_local * act_bytes, m * L * (replays - 1), "fwd_output")
-            in_local = _exact(lin.in_features, gy, f"{lin.name} in")
+        if transposed:
+            out_local = _exact(sum(lin.out_features for lin in unit), gx, f"{name} out")
+            output_reduce("y", out_local * act_bytes, m * L * replays)
+            in_local = _exact(unit[0].in_features, gy, f"{name} in")
             add("x", "all_reduce", n * in_local * act_bytes, m * L, "bwd_input")
         else:
-            out_local = _exact(lin.out_features, gy, f"{lin.name} out")
-            add("x", "all_reduce", n * out_local * act_bytes, m * L, "fwd_output")
-            add("x", "all_reduce", n * out_local * act_bytes, m * L * (replays - 1), "fwd_output")
+            out_local = sum(_exact(lin.out_features, gy, f"{lin.name} out") for lin in unit)
+            output_reduce("x", out_local * act_bytes, m * L * replays)
     # fused input-gradient all-reduces over y: (q, k, v) and (gate, up) per block
-    add("y", "all_reduce", n * d_over_x * rb, 2 * m * L, "bwd_input")
+    add("y", "all_reduce", n * d_over_x * act_bytes, 2 * m * L, "bwd_input")
     # block norms (2 per block), then the final norm (never recomputed)
     add("x", "all_reduce", 4 * n, 2 * m * L * replays, "fwd_output")
     add("x", "all_reduce", 4 * n, 2 * m * L, "bwd_norm")
@@ -165,15 +194,18 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
     add("x", "all_reduce", 4 * n, m, "bwd_norm")
     # embedding
     vocab_block = weight_block(v, d, False, "embedding")
-    add("z", "all_gather", vocab_block * weight_bytes, m, "fwd_gather")
+    add("z", "all_gather", vocab_block * rb, m, "fwd_gather")
     add("y", "all_reduce", n * d_over_x * rb, m, "fwd_output")
     add("z", "reduce_scatter", vocab_block * grad_bytes, m, "bwd_weight")
     # output layer (a normal linear, own gathers even when tied) and the loss
+    vocab_local = _exact(v, gy, "model.vocab_size")
     add("z", "all_gather", vocab_block * weight_bytes, m, "fwd_gather")
-    add("x", "all_reduce", n * _exact(v, gy, "model.vocab_size") * act_bytes, m, "fwd_output")
-    add("z", "all_gather", vocab_block * weight_bytes, m, "bwd_gather")
+    output_reduce("x", vocab_local * act_bytes, m)
+    if not keeps_output_block(vocab_block * weight_bytes, n * vocab_local * act_bytes,
+                              n * vocab_local):
+        add("z", "all_gather", vocab_block * weight_bytes, m, "bwd_gather")
     add("z", "reduce_scatter", vocab_block * grad_bytes, m, "bwd_weight")
-    add("y", "all_reduce", n * d_over_x * rb, m, "bwd_input")
+    add("y", "all_reduce", n * d_over_x * act_bytes, m, "bwd_input")
     add("y", "all_reduce", 12 * n, m, "fwd_output")
     # once per optimizer step
     numel = local_param_numel(model, shape)
@@ -186,12 +218,13 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
 def predict_comm_bytes(model_cfg: ModelConfig, shape: GridShape, micro_batch_tokens: int,
                        grad_accum: int, activation_checkpointing: bool, act_bytes: int = 4,
                        weight_bytes: int = 4, grad_bytes: int = 4,
-                       residual_bytes: int | None = None) -> dict[str, int]:
+                       residual_bytes: int | None = None, overlap_forward: bool = False
+                       ) -> dict[str, int]:
     """Bytes per rank per optimizer step that the engine's ledger records, by axis
     ("x", "y", "z", "data"); the schedule is spelled out in `collective_schedule`."""
     totals = {axis: 0 for axis in AXES}
     for c in collective_schedule(model_cfg, shape, micro_batch_tokens, grad_accum,
                                  activation_checkpointing, act_bytes, weight_bytes, grad_bytes,
-                                 residual_bytes):
+                                 residual_bytes, overlap_forward):
         totals[c.axis] += c.nbytes * c.calls
     return totals
