@@ -123,6 +123,7 @@ def _rehash(path: Path) -> None:
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
+@pytest.mark.slow
 def test_resuming_from_a_pickled_checkpoint_is_one_error_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -194,6 +194,7 @@ def test_each_rank_takes_a_gpu_it_can_see() -> None:
         cuda_index(local_rank=0, local_world=1, visible=0)
 
 
+@pytest.mark.slow
 def test_a_rank_whose_job_never_assembles_ends_with_one_line(tmp_path: Path) -> None:
     """Rank 0 of a 2-task srun step whose other task never comes; then a rank 1 whose rank 0
     never comes: each ends in one `error:` line (no traceback) within parallel.timeout_s."""
@@ -238,6 +239,7 @@ def _check_shared_worker(rank: int, world: int, port: int, root: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.ranks
 def test_ranks_that_do_not_share_the_run_directory_fail_in_one_line(tmp_path: Path) -> None:
     import socket
 

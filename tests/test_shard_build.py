@@ -95,6 +95,7 @@ def test_meta_build_without_seed_cannot_materialise() -> None:
         parallelize(build_model(model_config("debug"), device="meta"), Grid.single())
 
 
+@pytest.mark.ranks
 def test_eight_ranks_gather_and_export_as_one_process(tmp_path: Path) -> None:
     shapes = [([1, 2, 2, 2], {}), ([2, 2, 2, 1], {"bias": True, "tie": True}),
               ([2, 1, 1, 4], {"tie": True})]
@@ -124,6 +125,7 @@ MEMORY_MODEL = {"preset": "custom", "n_layers": 4, "dim": 1024, "n_heads": 8, "n
                 "ffn_dim": 4096, "vocab_size": 8192, "max_seq_len": 128}
 
 
+@pytest.mark.ranks
 def test_a_rank_of_a_sharded_build_holds_its_share_not_the_model(tmp_path: Path) -> None:
     full_bytes = 4 * build_model(ModelConfig(**MEMORY_MODEL), device="meta").num_params()
     sharded, err = rank_memory_worker.launch(
