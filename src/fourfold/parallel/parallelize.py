@@ -23,6 +23,7 @@ from fourfold.parallel.engine import Engine, OverlapOptions
 from fourfold.parallel.grid import Grid, GridError
 from fourfold.parallel.layout import REPLICATED, Layout
 from fourfold.parallel.linear import Linear3D, ReplicatedLinear3D
+from fourfold.parallel.lora import LoRAFactor
 from fourfold.parallel.norm import ParallelRMSNorm
 
 _NORMAL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -116,7 +117,7 @@ class ParallelModel:
         layouts = self.layouts()
         by_replicas: dict[int, list[torch.Tensor]] = {}
         for name, p in self.module.named_parameters():
-            if p.grad is not None:
+            if p.grad is not None and p.requires_grad:  # a frozen weight may hold a stale grad
                 replicas = layouts[name].replicas(self.grid.shape)
                 by_replicas.setdefault(replicas, []).append(p.grad.detach())
         grads = [g for group in by_replicas.values() for g in group]
@@ -156,7 +157,7 @@ class ParallelModel:
                 by_id[id(module.weight)] = module.weight_layout
                 if isinstance(module, Linear3D) and module.bias is not None:
                     by_id[id(module.bias)] = module.bias_layout
-            elif isinstance(module, ParallelRMSNorm):
+            elif isinstance(module, (ParallelRMSNorm, LoRAFactor)):
                 by_id[id(module.weight)] = module.layout
         return {n: by_id.get(id(p), REPLICATED) for n, p in self.module.named_parameters()}
 
