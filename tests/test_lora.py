@@ -66,3 +66,103 @@ def test_adapters_train_the_same_on_every_grid(nproc: int, tmp_path: Path) -> No
             f"{label}: {r['worst_adapter']} differs by {r['max_adapter_diff']}"
         assert r["loss_drop"] > 0.05, f"{label}: did not learn: {r['ref_losses']}"
         assert r["adapter_moved"] > 1e-3, label
+
+
+# ---- one process: config, errors, Hugging Face ----------------------------------------------
+
+import torch  # noqa: E402
+
+from fourfold.config import AdapterConfig, ConfigError, load_config, model_config  # noqa: E402
+from fourfold.models import build_model  # noqa: E402
+from fourfold.models.adapter import (apply_adapter, merged_state_dict,  # noqa: E402
+                                     save_merged_hf, save_peft_adapter)
+from fourfold.models.hf import config_to_hf, state_dict_to_hf  # noqa: E402
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["adapter.kind=lora", "adapter.targets=q,kk"], "'kk' is not a layer"),
+    (["adapter.kind=lora", "adapter.r=97", "model.preset=debug"],
+     "adapter.r = 97: must be from 1 to 96, the smaller dimension of the 'k' layer (192 -> 96)"),
+    (["adapter.kind=lora", "model.init_from=/nonexistent/ckpt"], "model.init_from = '/nonexistent"),
+    (["adapter.kind=lorra"], "adapter.kind = 'lorra': choose one of none, lora, norm"),
+    (["adapter.kind=lora", "adapter.dropout=1.0"], "adapter.dropout = 1.0"),
+])
+def test_bad_adapter_config_is_one_line(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_adapter_config_reads_targets_from_set_and_toml(tmp_path: Path) -> None:
+    cfg = load_config(None, ["adapter.kind=lora", "adapter.targets=q, v,output"])
+    assert cfg.adapter.targets == ["q", "v", "output"]
+    path = tmp_path / "c.toml"
+    path.write_text(cfg.to_toml())
+    assert load_config(path).adapter == cfg.adapter
+    assert load_config(None).adapter.kind == "none"
+
+
+def test_a_target_the_model_lacks_is_refused() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.raises(ConfigError, match="the model has no 'q' layer"):
+        apply_adapter(model, AdapterConfig(kind="lora", targets=["q"]), seed=0)
+
+
+def test_norm_tuning_trains_only_the_gains() -> None:
+    model = build_model(model_config("debug", n_layers=1), seed=1)
+    names = apply_adapter(model, AdapterConfig(kind="norm"), seed=0)
+    assert names == ["layers.0.attn_norm.weight", "layers.0.ffn_norm.weight", "norm.weight"]
+    names = apply_adapter(model, AdapterConfig(kind="norm", train_output=True), seed=0)
+    assert names[-1] == "output.weight"
+
+
+def _tiny_lora_model(seed: int = 3):
+    cfg = model_config("debug", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                       vocab_size=96, max_seq_len=32)
+    model = build_model(cfg, seed=seed)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    acfg = AdapterConfig(kind="lora", r=4, alpha=12.0,
+                         targets=["q", "k", "v", "o", "gate", "up", "down", "output"])
+    apply_adapter(model, acfg, seed=5)
+    with torch.no_grad():  # B starts at zero: give it values, as training would
+        g = torch.Generator().manual_seed(9)
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return cfg, acfg, model, base
+
+
+def test_peft_and_merged_checkpoints_give_fourfold_logits(tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    cfg, acfg, model, base = _tiny_lora_model()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad():
+        ours = model(tokens)
+        plain = build_model(cfg, seed=3)(tokens)
+    assert float((ours - plain).abs().max()) > 1e-2  # the adapter changes the logits
+
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    save_file({k: v.contiguous() for k, v in state_dict_to_hf(base, cfg).items()},
+              str(base_dir / "model.safetensors"))
+    (base_dir / "config.json").write_text(json.dumps(config_to_hf(cfg)))
+    adapter_dir = tmp_path / "adapter"
+    full = model.state_dict()
+    save_peft_adapter(full, acfg, adapter_dir, base_model=str(base_dir))
+    hf = LlamaForCausalLM.from_pretrained(base_dir).eval()
+    peft_model = peft.PeftModel.from_pretrained(hf, adapter_dir).eval()
+    with torch.no_grad():
+        theirs = peft_model(input_ids=tokens).logits
+    assert float((theirs - ours).abs().max()) < 1e-4
+
+    merged_dir = tmp_path / "merged"
+    save_merged_hf(full, acfg, cfg, merged_dir)
+    merged = LlamaForCausalLM.from_pretrained(merged_dir).eval()
+    with torch.no_grad():
+        theirs = merged(input_ids=tokens).logits
+    assert float((theirs - ours).abs().max()) < 1e-4
+    assert not any("lora" in k for k in merged_state_dict(full, acfg))
