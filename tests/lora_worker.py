@@ -41,7 +41,7 @@ def train(pmodel, steps_data, shard: tuple[int, int], optimizer: str) -> list[fl
     index, count = shard
     params = [p for p in pmodel.parameters() if p.requires_grad]
     if optimizer == "sgd":  # no division by tiny second moments: the tightest comparison
-        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.2, momentum=0.9)
+        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9)
     else:
         opt = torch.optim.AdamW(params, lr=5e-3, weight_decay=0.01, foreach=False)
     n_tokens = BATCH * SEQ

@@ -166,3 +166,41 @@ def test_peft_and_merged_checkpoints_give_fourfold_logits(tmp_path: Path) -> Non
         theirs = merged(input_ids=tokens).logits
     assert float((theirs - ours).abs().max()) < 1e-4
     assert not any("lora" in k for k in merged_state_dict(full, acfg))
+
+
+@pytest.mark.slow
+def test_fine_tune_a_converted_run_with_lora_end_to_end(tmp_path: Path, fourfold_cache: Path
+                                                        ) -> None:
+    """Pretrain briefly, convert to Hugging Face, LoRA-fine-tune from that checkpoint with the
+    trainer; the run's model is the merged one and its adapter/ loads in peft alike."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaForCausalLM
+
+    from fourfold.cli import convert_to_hf
+    from fourfold.train.runs import load_trained
+    from fourfold.train.trainer import Trainer
+
+    common = ["model.preset=debug", "train.batch_size=8", "train.seq_len=32", "train.steps=4",
+              "train.warmup_steps=1", "train.eval_every=0", "train.eval_batches=0",
+              "train.sample_tokens=0", "train.log_every=1"]
+    Trainer(load_config(None, common), tmp_path / "pre", progress=False).fit()
+    convert_to_hf(tmp_path / "pre", tmp_path / "hf")
+    cfg = load_config(None, common + [f"model.init_from={tmp_path / 'hf'}", "adapter.kind=lora",
+                                      "adapter.r=4", "train.lr=1e-2"])
+    trainer = Trainer(cfg, tmp_path / "lora", progress=False)
+    trainable = [n for n, p in trainer.pmodel.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    trainer.fit()
+
+    model, _ = load_trained(tmp_path / "lora")  # merged: a plain Llama, no adapter code
+    tokens = torch.randint(0, 257, (2, 20), generator=torch.Generator().manual_seed(0))
+    tuned = trainer.pmodel.module.eval()
+    with torch.no_grad():
+        ours = tuned(tokens)
+        assert float((model(tokens) - ours).abs().max()) < 1e-4
+        hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+        before = hf(input_ids=tokens).logits
+        adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "lora" / "adapter").eval()
+        theirs = adapted(input_ids=tokens).logits
+    assert float((before - ours).abs().max()) > 1e-3  # fine-tuning changed the model
+    assert float((theirs - ours).abs().max()) < 1e-4

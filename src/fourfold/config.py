@@ -457,6 +457,10 @@ def _validate_adapter(cfg: Config) -> None:
                           f"{', '.join(ADAPTER_TARGETS)}")
     if not a.targets:
         raise ConfigError("adapter.targets is empty; choose from " + ", ".join(ADAPTER_TARGETS))
+    if "output" in a.targets and cfg.model.tie_embeddings:
+        raise ConfigError("adapter.targets: 'output' is tied to the embedding "
+                          "(model.tie_embeddings = true), so its LoRA term cannot be merged; "
+                          "leave 'output' out")
     dims = adapter_layer_dims(cfg.model)
     smallest = min(a.targets, key=lambda t: min(dims[t]))
     if a.r < 1 or a.r > min(dims[smallest]):

@@ -77,6 +77,8 @@ def apply_adapter(model: Any, cfg: AdapterConfig, seed: int) -> list[str]:
         for name, module in root.named_modules():
             if name.rsplit(".", 1)[-1] in TARGET_LEAVES["output"]:
                 module.weight.requires_grad_(True)
+    if hasattr(model, "parameters_changed"):  # a ParallelModel caches layouts and groups
+        model.parameters_changed()
     return [n for n, p in root.named_parameters() if p.requires_grad]
 
 
@@ -179,3 +181,17 @@ def save_merged_hf(full_state: Mapping[str, torch.Tensor], cfg: AdapterConfig,
     save_file(hf_state, str(weights), metadata={"format": "pt"})
     config.write_text(json.dumps(config_to_hf(model_cfg), indent=2) + "\n")
     return [weights, config]
+
+
+def finish_adapter(full_state: Mapping[str, torch.Tensor], cfg: Any, run_dir: str | Path
+                   ) -> Mapping[str, torch.Tensor]:
+    """At the end of a run (`cfg` a Config): write a LoRA adapter alone in peft's files under
+    RUN_DIR/adapter, and return the weights to save as the run's model (LoRA merged in, so that
+    generate, eval and convert use the adapted model with no adapter code)."""
+    a = cfg.adapter
+    if a.kind != "lora":
+        return full_state
+    if not a.train_norms:
+        save_peft_adapter(full_state, a, Path(run_dir) / "adapter",
+                          base_model=cfg.model.init_from)
+    return merged_state_dict(full_state, a)

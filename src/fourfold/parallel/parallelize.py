@@ -150,6 +150,12 @@ class ParallelModel:
             self._layouts = self._find_layouts()
         return dict(self._layouts)
 
+    def parameters_changed(self) -> None:
+        """Parameters were added or frozen after parallelize (an adapter): forget the cached
+        layouts and gradient groups."""
+        self._layouts = None
+        self._grad_groups = None
+
     def _find_layouts(self) -> dict[str, Layout]:
         by_id: dict[int, Layout] = {}
         for module in self.module.modules():

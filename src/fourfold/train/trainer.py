@@ -26,6 +26,7 @@ import torch.distributed as dist
 from fourfold.config import Config, ConfigError, validate
 from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_path
 from fourfold.launch import cores_available
+from fourfold.models.adapter import apply_adapter, finish_adapter
 from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
 from fourfold.train.checkpoint import CheckpointError, CheckpointManager, hf_model_config
@@ -144,6 +145,9 @@ class Trainer:
             from fourfold.train.checkpoint import load_hf_into  # fine-tuning runs only
 
             load_hf_into(self.pmodel, init_from)  # each rank reads just its own shards
+        # Adapter seam (issue 17): freeze the base, add LoRA factors or free the norm gains;
+        # before compile and the optimizer, which then see only the adapter as trainable.
+        apply_adapter(self.pmodel, cfg.adapter, t.seed)
         self._compiled: list[torch.nn.Module] = []
         self._compile_verified = not t.compile
         if t.compile:
@@ -416,6 +420,7 @@ class Trainer:
             # Collective: every rank takes part in gathering the full weights.
             state = self.pmodel.full_state_dict()
             if self.is_main:
+                state = finish_adapter(state, self.cfg, self.run_dir)  # adapter seam (issue 17)
                 save_weights(state, self.run_dir / WEIGHTS_FILE, self.cfg.model.tie_embeddings)
             final_sample = None
             if self.is_main and t.sample_tokens > 0:
