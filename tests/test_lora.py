@@ -204,3 +204,30 @@ def test_fine_tune_a_converted_run_with_lora_end_to_end(tmp_path: Path, fourfold
         theirs = adapted(input_ids=tokens).logits
     assert float((before - ours).abs().max()) > 1e-3  # fine-tuning changed the model
     assert float((theirs - ours).abs().max()) < 1e-4
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumes_from_its_checkpoint(tmp_path: Path, fourfold_cache: Path) -> None:
+    from fourfold.train.trainer import Trainer
+
+    common = ["model.preset=debug", "train.batch_size=8", "train.seq_len=32",
+              "train.warmup_steps=1", "train.eval_every=0", "train.eval_batches=0",
+              "train.sample_tokens=0", "train.log_every=1", "adapter.kind=lora", "adapter.r=4",
+              "train.lr=1e-2", "checkpoint.every=2", "checkpoint.async=false"]
+    whole = Trainer(load_config(None, common + ["train.steps=4"]), tmp_path / "a",
+                    progress=False).fit()
+    Trainer(load_config(None, common + ["train.steps=4"]), tmp_path / "b",
+            progress=False).fit()
+    # the same run again from its step-2 checkpoint: drop the finished model, keep step 2
+    import shutil
+
+    from fourfold.train.checkpoint import list_checkpoints, step_of
+    for path in list_checkpoints(tmp_path / "b"):
+        if step_of(path) == 4:
+            shutil.rmtree(path)
+    (tmp_path / "b" / "model.safetensors").unlink()
+    resumed = Trainer(load_config(None, common + ["train.steps=4"]), tmp_path / "b",
+                      progress=False)
+    assert resumed.step == 2
+    result = resumed.fit()
+    assert result.final_loss == pytest.approx(whole.final_loss, abs=1e-6)
