@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from fourfold.config import AdapterConfig, ConfigError, load_config, model_config
+from fourfold.models import build_model
+from fourfold.models.adapter import (apply_adapter, merged_state_dict, save_merged_hf,
+                                     save_peft_adapter)
+from fourfold.models.hf import config_to_hf, state_dict_to_hf
 
 WORKER = Path(__file__).with_name("lora_worker.py")
 
@@ -69,14 +77,6 @@ def test_adapters_train_the_same_on_every_grid(nproc: int, tmp_path: Path) -> No
 
 
 # ---- one process: config, errors, Hugging Face ----------------------------------------------
-
-import torch  # noqa: E402
-
-from fourfold.config import AdapterConfig, ConfigError, load_config, model_config  # noqa: E402
-from fourfold.models import build_model  # noqa: E402
-from fourfold.models.adapter import (apply_adapter, merged_state_dict,  # noqa: E402
-                                     save_merged_hf, save_peft_adapter)
-from fourfold.models.hf import config_to_hf, state_dict_to_hf  # noqa: E402
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -219,8 +219,6 @@ def test_a_lora_run_resumes_from_its_checkpoint(tmp_path: Path, fourfold_cache: 
     Trainer(load_config(None, common + ["train.steps=4"]), tmp_path / "b",
             progress=False).fit()
     # the same run again from its step-2 checkpoint: drop the finished model, keep step 2
-    import shutil
-
     from fourfold.train.checkpoint import list_checkpoints, step_of
     for path in list_checkpoints(tmp_path / "b"):
         if step_of(path) == 4:

@@ -22,7 +22,6 @@ import zlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fourfold.parallel.comm import Comm
