@@ -1,8 +1,9 @@
 """Typed run configuration: TOML files, `--set section.key=value` overrides, validation.
 
-A config has the sections [model], [data], [train], [parallel], [checkpoint]. Every key has a
-type and a default; an unknown key, a wrong type or an impossible value raises ConfigError with
-one line that names the key and what is allowed. The CLI turns ConfigError into exit code 2.
+A config has the sections [model], [data], [train], [parallel], [checkpoint], [adapter]. Every
+key has a type and a default; an unknown key, a wrong type or an impossible value raises
+ConfigError with one line that names the key and what is allowed. The CLI turns ConfigError
+into exit code 2.
 """
 
 from __future__ import annotations
@@ -133,6 +134,22 @@ class CheckpointConfig:
     resume: bool = True  # resume automatically when RUN_DIR holds a checkpoint
 
 
+ADAPTER_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "output")
+SUBSET_OPTIMIZERS = ("adamw",)  # optimizers that can train a subset of the parameters
+
+
+@dataclass
+class AdapterConfig:
+    kind: str = "none"  # none | lora | norm
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up",
+                                                        "down"])
+    train_norms: bool = False  # lora: the RMSNorm gains train too
+    train_output: bool = False  # norm: the output layer trains too
+
+
 # TOML key -> field name where they differ (`async` is a Python keyword).
 _KEY_ALIASES = {("checkpoint", "async"): "async_save"}
 _FIELD_TO_KEY = {(s, f): k for (s, k), f in _KEY_ALIASES.items()}
@@ -145,6 +162,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -169,6 +187,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
+    "adapter": AdapterConfig,
 }
 
 # --------------------------------------------------------------------------------------------
@@ -204,6 +223,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("train", "nan_policy"): ("stop", "skip", "rollback"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
+    ("adapter", "kind"): ("none", "lora", "norm"),
 }
 
 
@@ -263,6 +283,12 @@ def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
             except ValueError:
                 pass
         raise ConfigError(f"{where} = {value!r}: expected a number")
+    if get_origin(typ) is list:  # a TOML list, or "a,b,c" from --set
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise ConfigError(f"{where} = {value!r}: expected a list")
+        return [_coerce(section, key, v.strip() if isinstance(v, str) else v, get_args(typ)[0])
+                for v in items if not (isinstance(v, str) and not v.strip())]
     if typ is str:
         if isinstance(value, str):
             return value
@@ -402,6 +428,52 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.data = {p.data!r}: expected a positive integer or \"auto\"")
     if isinstance(p.data, int) and p.data < 1:
         raise ConfigError(f"parallel.data = {p.data}: must be at least 1 or \"auto\"")
+    _validate_adapter(cfg)
+
+
+def adapter_layer_dims(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of each adapter target's layer."""
+    kv = m.n_kv_heads * m.head_dim
+    return {"q": (m.dim, m.dim), "k": (m.dim, kv), "v": (m.dim, kv), "o": (m.dim, m.dim),
+            "gate": (m.dim, m.ffn_dim), "up": (m.dim, m.ffn_dim), "down": (m.ffn_dim, m.dim),
+            "output": (m.dim, m.vocab_size)}
+
+
+def _validate_adapter(cfg: Config) -> None:
+    a = cfg.adapter
+    if a.kind == "none":
+        return
+    if cfg.model.init_from and not Path(cfg.model.init_from).exists():
+        raise ConfigError(f"model.init_from = {cfg.model.init_from!r} does not exist; an adapter "
+                          "fine-tunes a checkpoint: give a Hugging Face checkpoint directory")
+    optimizer = getattr(cfg.train, "optimizer", "adamw")
+    if optimizer not in SUBSET_OPTIMIZERS:
+        raise ConfigError(f"train.optimizer = {optimizer!r} cannot train a subset of the "
+                          f"parameters, as adapter.kind = {a.kind!r} needs; use "
+                          f"{' or '.join(SUBSET_OPTIMIZERS)}")
+    if a.kind != "lora":
+        return
+    unknown = [t for t in a.targets if t not in ADAPTER_TARGETS]
+    if unknown:
+        raise ConfigError(f"adapter.targets: {unknown[0]!r} is not a layer of the model"
+                          f"{_suggest(unknown[0], list(ADAPTER_TARGETS))}; choose from "
+                          f"{', '.join(ADAPTER_TARGETS)}")
+    if not a.targets:
+        raise ConfigError("adapter.targets is empty; choose from " + ", ".join(ADAPTER_TARGETS))
+    if "output" in a.targets and cfg.model.tie_embeddings:
+        raise ConfigError("adapter.targets: 'output' is tied to the embedding "
+                          "(model.tie_embeddings = true), so its LoRA term cannot be merged; "
+                          "leave 'output' out")
+    dims = adapter_layer_dims(cfg.model)
+    smallest = min(a.targets, key=lambda t: min(dims[t]))
+    if a.r < 1 or a.r > min(dims[smallest]):
+        raise ConfigError(f"adapter.r = {a.r}: must be from 1 to {min(dims[smallest])}, the "
+                          f"smaller dimension of the {smallest!r} layer "
+                          f"({dims[smallest][0]} -> {dims[smallest][1]})")
+    if not a.alpha > 0:
+        raise ConfigError(f"adapter.alpha = {a.alpha}: must be positive")
+    if not 0 <= a.dropout < 1:
+        raise ConfigError(f"adapter.dropout = {a.dropout}: must be in [0, 1)")
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from fourfold.parallel.engine import Engine, OverlapOptions
 from fourfold.parallel.grid import Grid, GridError
 from fourfold.parallel.layout import REPLICATED, Layout
 from fourfold.parallel.linear import FusedLinears, Linear3D, ReplicatedLinear3D
+from fourfold.parallel.lora import LoRAFactor
 from fourfold.parallel.norm import ParallelRMSNorm
 from fourfold.parallel.shards import full_specs, materialize, stream_full
 from fourfold.safetensors_stream import TensorSpec
@@ -123,7 +124,7 @@ class ParallelModel:
         layouts = self.layouts()
         by_replicas: dict[int, list[torch.Tensor]] = {}
         for name, p in self.module.named_parameters():
-            if p.grad is not None:
+            if p.grad is not None and p.requires_grad:  # a frozen weight may hold a stale grad
                 replicas = layouts[name].replicas(self.grid.shape)
                 by_replicas.setdefault(replicas, []).append(p.grad.detach())
         grads = [g for group in by_replicas.values() for g in group]
@@ -156,6 +157,12 @@ class ParallelModel:
             self._layouts = self._find_layouts()
         return dict(self._layouts)
 
+    def parameters_changed(self) -> None:
+        """Parameters were added or frozen after parallelize (an adapter): forget the cached
+        layouts and gradient groups."""
+        self._layouts = None
+        self._grad_groups = None
+
     def _find_layouts(self) -> dict[str, Layout]:
         by_id: dict[int, Layout] = {}
         for module in self.module.modules():
@@ -163,7 +170,7 @@ class ParallelModel:
                 by_id[id(module.weight)] = module.weight_layout
                 if isinstance(module, Linear3D) and module.bias is not None:
                     by_id[id(module.bias)] = module.bias_layout
-            elif isinstance(module, ParallelRMSNorm):
+            elif isinstance(module, (ParallelRMSNorm, LoRAFactor)):
                 by_id[id(module.weight)] = module.layout
         return {n: by_id.get(id(p), REPLICATED) for n, p in self.module.named_parameters()}
 

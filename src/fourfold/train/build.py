@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from fourfold.config import Config, ConfigError, validate
 from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_path
+from fourfold.models.adapter import apply_adapter
 from fourfold.models.hf import HF_CONFIG_FILE, hf_model_config
 from fourfold.models.llama import Llama, build_model
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
@@ -111,6 +112,9 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
         from fourfold.models.hf import load_hf_into
 
         load_hf_into(pmodel, init_from)  # each rank reads just its own shards
+    # Freeze the base and add LoRA factors, or free the norm gains: before compile and the
+    # optimizer, which then see only the adapter as trainable.
+    apply_adapter(pmodel, cfg.adapter, t.seed)
     compiler = BlockCompiler(pmodel.module, t.compile)
     optimizer = build_optimizer(pmodel.named_parameters(), t,
                                 tied_output=cfg.model.tie_embeddings)

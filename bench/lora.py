@@ -1,0 +1,91 @@
+"""LoRA (and norm tuning) against full fine-tuning on one process: trainable parameters, peak
+resident memory, tokens/s and the loss after the same steps from the same starting weights.
+Each mode runs in a fresh interpreter, so that its peak resident memory is its own.
+
+    python bench/lora.py [--preset 125m] [--steps 300] [--batch 2] [--seq 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+MODES = ("full", "lora", "norm")
+
+
+def one(mode: str, preset: str, steps: int, batch: int, seq: int, device: str) -> dict:
+    import torch
+
+    from fourfold.config import AdapterConfig, TrainConfig, model_config
+    from fourfold.data import BatchLoader, resolve_data_path
+    from fourfold.models import build_model
+    from fourfold.models.adapter import apply_adapter
+    from fourfold.parallel import Grid, parallelize
+    from fourfold.train.optim import build_optimizer
+
+    cfg = model_config(preset, vocab_size=max(257, model_config(preset).vocab_size))
+    model = build_model(cfg, seed=0).to(device)  # the "checkpoint" every mode starts from
+    pmodel = parallelize(model, Grid.single(device))
+    if mode != "full":
+        apply_adapter(pmodel, AdapterConfig(kind=mode), seed=0)
+    lr = 3e-4 if mode == "full" else 3e-3
+    opt = build_optimizer(pmodel.named_parameters(), TrainConfig(lr=lr, weight_decay=0.0))
+    loader = BatchLoader(resolve_data_path("builtin:stdlib", "byte"), "train", batch, seq, 0)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    losses, started, timed_tokens = [], 0.0, 0
+    for step in range(steps):
+        if step == 2:  # after the first steps' allocations and warm-up
+            started = time.perf_counter()
+        x, y = (t.to(device) for t in loader.next_batch())
+        loss = pmodel(x, y).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        if step >= 2:
+            timed_tokens += x.numel()
+    seconds = time.perf_counter() - started
+    tail = losses[-max(1, steps // 10):]
+    return {"mode": mode, "trainable": trainable, "total": total,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "tokens_per_s": timed_tokens / seconds, "final_loss": sum(tail) / len(tail)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="125m")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        print(json.dumps(one(a.one, a.preset, a.steps, a.batch, a.seq, a.device)))
+        return
+    rows = []
+    for mode in MODES:
+        out = subprocess.run([sys.executable, __file__, "--one", mode, "--preset", a.preset,
+                              "--steps", str(a.steps), "--batch", str(a.batch),
+                              "--seq", str(a.seq), "--device", a.device],
+                             capture_output=True, text=True, check=True)
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    full = rows[0]
+    print(f"preset {a.preset}, {a.device}, float32, batch {a.batch} x {a.seq}, {a.steps} steps "
+          "(loss: mean of the last tenth)")
+    print(f"{'mode':<6} {'trainable':>12} {'share':>7} {'peak RSS MiB':>13} {'x full':>7} "
+          f"{'tok/s':>9} {'x full':>7} {'loss':>8}")
+    for r in rows:
+        print(f"{r['mode']:<6} {r['trainable']:>12,} {r['trainable'] / r['total']:>7.2%} "
+              f"{r['peak_rss_mib']:>13,.0f} {r['peak_rss_mib'] / full['peak_rss_mib']:>7.2f} "
+              f"{r['tokens_per_s']:>9,.0f} {r['tokens_per_s'] / full['tokens_per_s']:>7.2f} "
+              f"{r['final_loss']:>8.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""LoRA and norm tuning: every grid trains the same adapter as one process (see lora_worker.py),
+the [adapter] config's bad input, and the Hugging Face side (peft files, merged checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fourfold.config import AdapterConfig, ConfigError, load_config, model_config
+from fourfold.models import build_model
+from fourfold.models.adapter import (apply_adapter, merged_state_dict, save_merged_hf,
+                                     save_peft_adapter)
+from fourfold.models.hf import config_to_hf, state_dict_to_hf
+
+WORKER = Path(__file__).with_name("lora_worker.py")
+
+ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down", "output"]
+VARIANTS = [
+    {"kind": "lora"},
+    # SGD here: AdamW divides tiny gradients by their own size and magnifies float noise
+    {"kind": "lora", "targets": ALL_TARGETS, "train_norms": True, "bias": True, "accum": 2,
+     "r": 4, "alpha": 8.0, "opt": "sgd"},
+    {"kind": "lora", "hf": True, "ckpt": True},
+    {"kind": "norm", "train_output": True, "tie": True},
+    {"kind": "lora", "dropout": 0.2, "ckpt": True},  # replicas agree; no one-process twin
+]
+
+GRIDS = {  # (data, z, y, x)
+    2: [[1, 1, 1, 2], [1, 1, 2, 1], [1, 2, 1, 1], [2, 1, 1, 1]],
+    4: [[1, 1, 2, 2], [2, 2, 1, 1], [1, 2, 1, 2], [2, 1, 2, 1]],
+}
+
+
+def run_worker(nproc: int, grids: list, variants: list, tmp_path: Path) -> list[dict]:
+    out = tmp_path / f"lora_{nproc}.jsonl"
+    env = dict(os.environ, FOURFOLD_TEST_SHAPES=json.dumps(grids),
+               FOURFOLD_TEST_VARIANTS=json.dumps(variants), FOURFOLD_TEST_OUT=str(out),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+         "--standalone", str(WORKER)],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_adapters_train_the_same_on_every_grid(nproc: int, tmp_path: Path) -> None:
+    results = run_worker(nproc, GRIDS[nproc], VARIANTS, tmp_path)
+    assert len(results) == len(GRIDS[nproc]) * len(VARIANTS)
+    for r in results:
+        label = f"grid {r['shape']} variant {r['variant']}"
+        assert r["ok"], f"{label}:\n{r.get('error')}"
+        assert r["same_trainable"] and r["n_trainable"] > 0, label
+        assert r["max_frozen_change"] == 0.0, f"{label}: the frozen base moved"
+        assert r["replica_spread"] == 0.0, f"{label}: replicas differ by {r['replica_spread']}"
+        data, z, y, x = r["shape"]
+        for axis, size in (("x", x), ("y", y), ("z", z), ("data", data)):
+            assert (r["ledger"][axis] > 0) == (size > 1), f"{label}: ledger {r['ledger']}"
+        if r["variant"].get("dropout"):
+            continue  # masks are keyed by grid position: not the one-process masks
+        assert r["init_diff"] == 0.0, f"{label}: the adapter starts differently"
+        assert r["max_loss_diff"] < 1e-5, f"{label}: losses {r['losses']} vs {r['ref_losses']}"
+        tol = 1e-5 if r["variant"].get("opt") == "sgd" else 1e-4
+        assert r["max_adapter_diff"] < tol, \
+            f"{label}: {r['worst_adapter']} differs by {r['max_adapter_diff']}"
+        assert r["loss_drop"] > 0.05, f"{label}: did not learn: {r['ref_losses']}"
+        assert r["adapter_moved"] > 1e-3, label
+
+
+# ---- one process: config, errors, Hugging Face ----------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["adapter.kind=lora", "adapter.targets=q,kk"], "'kk' is not a layer"),
+    (["adapter.kind=lora", "adapter.r=97", "model.preset=debug"],
+     "adapter.r = 97: must be from 1 to 96, the smaller dimension of the 'k' layer (192 -> 96)"),
+    (["adapter.kind=lora", "model.init_from=/nonexistent/ckpt"], "model.init_from = '/nonexistent"),
+    (["adapter.kind=lorra"], "adapter.kind = 'lorra': choose one of none, lora, norm"),
+    (["adapter.kind=lora", "adapter.dropout=1.0"], "adapter.dropout = 1.0"),
+])
+def test_bad_adapter_config_is_one_line(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_adapter_config_reads_targets_from_set_and_toml(tmp_path: Path) -> None:
+    cfg = load_config(None, ["adapter.kind=lora", "adapter.targets=q, v,output"])
+    assert cfg.adapter.targets == ["q", "v", "output"]
+    path = tmp_path / "c.toml"
+    path.write_text(cfg.to_toml())
+    assert load_config(path).adapter == cfg.adapter
+    assert load_config(None).adapter.kind == "none"
+
+
+def test_a_target_the_model_lacks_is_refused() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.raises(ConfigError, match="the model has no 'q' layer"):
+        apply_adapter(model, AdapterConfig(kind="lora", targets=["q"]), seed=0)
+
+
+def test_norm_tuning_trains_only_the_gains() -> None:
+    model = build_model(model_config("debug", n_layers=1), seed=1)
+    names = apply_adapter(model, AdapterConfig(kind="norm"), seed=0)
+    assert names == ["layers.0.attn_norm.weight", "layers.0.ffn_norm.weight", "norm.weight"]
+    names = apply_adapter(model, AdapterConfig(kind="norm", train_output=True), seed=0)
+    assert names[-1] == "output.weight"
+
+
+def _tiny_lora_model(seed: int = 3):
+    cfg = model_config("debug", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                       vocab_size=96, max_seq_len=32)
+    model = build_model(cfg, seed=seed)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    acfg = AdapterConfig(kind="lora", r=4, alpha=12.0,
+                         targets=["q", "k", "v", "o", "gate", "up", "down", "output"])
+    apply_adapter(model, acfg, seed=5)
+    with torch.no_grad():  # B starts at zero: give it values, as training would
+        g = torch.Generator().manual_seed(9)
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return cfg, acfg, model, base
+
+
+def test_peft_and_merged_checkpoints_give_fourfold_logits(tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    cfg, acfg, model, base = _tiny_lora_model()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad():
+        ours = model(tokens)
+        plain = build_model(cfg, seed=3)(tokens)
+    assert float((ours - plain).abs().max()) > 1e-2  # the adapter changes the logits
+
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    save_file({k: v.contiguous() for k, v in state_dict_to_hf(base, cfg).items()},
+              str(base_dir / "model.safetensors"))
+    (base_dir / "config.json").write_text(json.dumps(config_to_hf(cfg)))
+    adapter_dir = tmp_path / "adapter"
+    full = model.state_dict()
+    save_peft_adapter(full, acfg, adapter_dir, base_model=str(base_dir))
+    hf = LlamaForCausalLM.from_pretrained(base_dir).eval()
+    peft_model = peft.PeftModel.from_pretrained(hf, adapter_dir).eval()
+    with torch.no_grad():
+        theirs = peft_model(input_ids=tokens).logits
+    assert float((theirs - ours).abs().max()) < 1e-4
+
+    merged_dir = tmp_path / "merged"
+    save_merged_hf(full, acfg, cfg, merged_dir)
+    merged = LlamaForCausalLM.from_pretrained(merged_dir).eval()
+    with torch.no_grad():
+        theirs = merged(input_ids=tokens).logits
+    assert float((theirs - ours).abs().max()) < 1e-4
+    assert not any("lora" in k for k in merged_state_dict(full, acfg))
+
+
+@pytest.mark.slow
+def test_fine_tune_a_converted_run_with_lora_end_to_end(tmp_path: Path, fourfold_cache: Path
+                                                        ) -> None:
+    """Pretrain briefly, convert to Hugging Face, LoRA-fine-tune from that checkpoint with the
+    trainer; the run's model is the merged one and its adapter/ loads in peft alike."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaForCausalLM
+
+    from fourfold.cli import convert_to_hf
+    from fourfold.train.runs import load_trained
+    from fourfold.train.trainer import Trainer
+
+    common = ["model.preset=debug", "train.batch_size=8", "train.seq_len=32", "train.steps=4",
+              "train.warmup_steps=1", "train.eval_every=0", "train.eval_batches=0",
+              "train.sample_tokens=0", "train.log_every=1"]
+    Trainer(load_config(None, common), tmp_path / "pre", progress=False).fit()
+    convert_to_hf(tmp_path / "pre", tmp_path / "hf")
+    cfg = load_config(None, common + [f"model.init_from={tmp_path / 'hf'}", "adapter.kind=lora",
+                                      "adapter.r=4", "train.lr=1e-2"])
+    trainer = Trainer(cfg, tmp_path / "lora", progress=False)
+    trainable = [n for n, p in trainer.pmodel.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    trainer.fit()
+
+    model, _ = load_trained(tmp_path / "lora")  # merged: a plain Llama, no adapter code
+    tokens = torch.randint(0, 257, (2, 20), generator=torch.Generator().manual_seed(0))
+    tuned = trainer.pmodel.module.eval()
+    with torch.no_grad():
+        ours = tuned(tokens)
+        assert float((model(tokens) - ours).abs().max()) < 1e-4
+        hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+        before = hf(input_ids=tokens).logits
+        adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "lora" / "adapter").eval()
+        theirs = adapted(input_ids=tokens).logits
+    assert float((before - ours).abs().max()) > 1e-3  # fine-tuning changed the model
+    assert float((theirs - ours).abs().max()) < 1e-4
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumes_from_its_checkpoint(tmp_path: Path, fourfold_cache: Path) -> None:
+    from fourfold.train.trainer import Trainer
+
+    common = ["model.preset=debug", "train.batch_size=8", "train.seq_len=32",
+              "train.warmup_steps=1", "train.eval_every=0", "train.eval_batches=0",
+              "train.sample_tokens=0", "train.log_every=1", "adapter.kind=lora", "adapter.r=4",
+              "train.lr=1e-2", "checkpoint.every=2", "checkpoint.async=false"]
+    whole = Trainer(load_config(None, common + ["train.steps=4"]), tmp_path / "a",
+                    progress=False).fit()
+    Trainer(load_config(None, common + ["train.steps=4"]), tmp_path / "b",
+            progress=False).fit()
+    # the same run again from its step-2 checkpoint: drop the finished model, keep step 2
+    from fourfold.train.checkpoint import list_checkpoints, step_of
+    for path in list_checkpoints(tmp_path / "b"):
+        if step_of(path) == 4:
+            shutil.rmtree(path)
+    (tmp_path / "b" / "model.safetensors").unlink()
+    resumed = Trainer(load_config(None, common + ["train.steps=4"]), tmp_path / "b",
+                      progress=False)
+    assert resumed.step == 2
+    result = resumed.fit()
+    assert result.final_loss == pytest.approx(whole.final_loss, abs=1e-6)
