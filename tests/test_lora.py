@@ -133,7 +133,7 @@ def _tiny_lora_model(seed: int = 3):
 
 
 def test_peft_and_merged_checkpoints_give_fourfold_logits(tmp_path: Path) -> None:
-    peft = pytest.importorskip("peft")
+    import peft  # the test extra installs it
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
@@ -173,7 +173,7 @@ def test_fine_tune_a_converted_run_with_lora_end_to_end(tmp_path: Path, fourfold
                                                         ) -> None:
     """Pretrain briefly, convert to Hugging Face, LoRA-fine-tune from that checkpoint with the
     trainer; the run's model is the merged one and its adapter/ loads in peft alike."""
-    peft = pytest.importorskip("peft")
+    import peft  # the test extra installs it
     from transformers import LlamaForCausalLM
 
     from fourfold.cli import convert_to_hf
