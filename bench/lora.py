@@ -18,7 +18,6 @@ MODES = ("full", "lora", "norm")
 
 
 def one(mode: str, preset: str, steps: int, batch: int, seq: int, device: str) -> dict:
-    import torch
 
     from fourfold.config import AdapterConfig, TrainConfig, model_config
     from fourfold.data import BatchLoader, resolve_data_path
