@@ -32,7 +32,7 @@ class GradBucketer:
 
     def add(self, param: torch.nn.Parameter) -> None:
         """`param.grad` is final for this step: queue it for the data all-reduce."""
-        if not self.active or id(param) in self._seen:
+        if not self.active or id(param) in self._seen or not param.requires_grad:
             return
         self._seen.add(id(param))
         if param.grad is None:

@@ -158,6 +158,7 @@ class Engine:
             return
         # Parameters not split over z (norm weights, biases) got whole-batch-shard gradients
         # from autograd: sum them over z once per step, then over data with the rest.
+        z_replicated = [p for p in z_replicated if p.requires_grad]  # frozen: no all-reduce
         if z_replicated and self.comm.grid.size("z") > 1:
             for p in z_replicated:
                 if p.grad is None:

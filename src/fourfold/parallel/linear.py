@@ -61,7 +61,8 @@ class _Linear3DFunction(torch.autograd.Function):
             y = engine.matmul("forward", x.to(dtype), w.to(dtype))  # partial sum over in_axis
             y = engine.comm.all_reduce(y, module.in_axis).wait()
         ctx.module, ctx.dtype, ctx.x_dtype = module, dtype, x.dtype
-        ctx.save_for_backward(x)
+        # a frozen weight needs no dW, so its input is not kept for backward
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None)
         return y
 
     @staticmethod
@@ -70,17 +71,20 @@ class _Linear3DFunction(torch.autograd.Function):
         engine = module.engine
         (x,) = ctx.saved_tensors
         dtype = ctx.dtype
+        grad_in = None
         with torch.autocast(grad_out.device.type, enabled=False):
-            w = engine.gather_weight(module, "backward")
             dy = grad_out.to(dtype)
-            # partial over out_axis; summed by the fan-out that produced x
-            grad_in = engine.matmul("input_grad", dy, w.to(dtype)).to(ctx.x_dtype)
+            if ctx.needs_input_grad[0]:
+                w = engine.gather_weight(module, "backward")
+                # partial over out_axis; summed by the fan-out that produced x
+                grad_in = engine.matmul("input_grad", dy, w.to(dtype)).to(ctx.x_dtype)
 
             def weight_grad() -> None:
                 block = engine.matmul("weight_grad", dy, x.to(dtype))
                 engine.reduce_scatter_weight_grad(module.weight, block.float())
 
-            engine.defer(weight_grad)
+            if x is not None:  # None: the weight is frozen (no GEMM, no reduce-scatter)
+                engine.defer(weight_grad)
         return grad_in, None, None
 
 
@@ -103,11 +107,14 @@ class Linear3D(nn.Module):
         local = self.weight_layout.local_shape(tuple(linear.weight.shape), shape, name)
         self.block_shape = (local[0] * grid.size("z"), local[1])
         self.needs_backward_gather = True
+        # a shard keeps its full tensor's requires_grad: frozen stays frozen
         self.weight = weight if weight is not None else nn.Parameter(
-            self.weight_layout.shard(linear.weight.detach(), shape, coords))
+            self.weight_layout.shard(linear.weight.detach(), shape, coords),
+            requires_grad=linear.weight.requires_grad)
         if linear.bias is not None:
             self.bias: nn.Parameter | None = nn.Parameter(
-                self.bias_layout.shard(linear.bias.detach(), shape, coords))
+                self.bias_layout.shard(linear.bias.detach(), shape, coords),
+                requires_grad=linear.bias.requires_grad)
         else:
             self.register_parameter("bias", None)
         engine.register(self)
