@@ -17,7 +17,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from fourfold.config import ParallelConfig, model_config
+from fourfold.config import ParallelConfig, TrainConfig, model_config
 from fourfold.models import build_model
 from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
 
@@ -136,6 +136,57 @@ def check_frozen(shape: GridShape, grid: Grid) -> dict:
                 expected_delta={"x": 0, "y": 0, **on["skipped"]})
 
 
+def run_method(pmodel, cfg: TrainConfig, data, freeze_some: bool) -> tuple[list[float], object]:
+    from fourfold.train.methods import StepData, batch_shard, build_method
+    method = build_method(pmodel, cfg)
+    index, count = batch_shard(pmodel.grid, method.batch_axes)
+    losses = []
+    for micro in data:
+        local = shard_batch(micro, index, count)
+
+        def step_losses():
+            for inputs, targets in local:
+                yield pmodel(inputs, targets).sum() / (BATCH * SEQ)
+
+        result = method.step(pmodel, StepData(len(local), step_losses), cfg.lr)
+        losses.append(result.loss)
+    return losses, method
+
+
+def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
+    """`check`: {"name": optimizer, "steps": n, "accum": k, "train": {TrainConfig fields}}."""
+    # smaller than `debug`: the zeroth-order methods make noise for every weight many times
+    cfg = model_config("debug", bias=True, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    tcfg = TrainConfig(optimizer=check["name"], grad_accum=check.get("accum", 1),
+                       **check.get("train", {}))
+    # two batches in turn: a loss that goes down shows the method learns
+    data = batches(cfg.vocab_size, 2, tcfg.grad_accum) * (check["steps"] // 2)
+    ref_model = build_model(cfg, seed=7)
+    if check.get("freeze"):
+        freeze(ref_model)
+    ref_losses, _ = run_method(parallelize(ref_model, Grid.single()), tcfg, data, False)
+    ref_state = ref_model.state_dict()
+    model = build_model(cfg, seed=7)
+    if check.get("freeze"):
+        freeze(model)
+    pmodel = parallelize(model, grid, pcfg(shape))
+    pmodel.ledger.reset()
+    losses, method = run_method(pmodel, tcfg, data, False)
+    ledger = pmodel.ledger.snapshot()
+    state = pmodel.full_state_dict()
+    tensors, meta = method.state_dict()
+    return dict(ok=True, losses=losses, ref_losses=ref_losses, ledger=ledger,
+                max_rel_loss=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+                max_weight_diff=max(float((state[k] - ref_state[k]).abs().max())
+                                    for k in ref_state),
+                weight_change=max(float((ref_state[k] - build_model(cfg, seed=7).state_dict()[k])
+                                        .abs().max()) for k in ref_state),
+                state_bytes=method.state_bytes(), meta=meta,
+                # what one forward all-gathers over z: every z-sharded module's block
+                forward_gather_bytes=sum(m.block_shape[0] * m.block_shape[1] * 4
+                                         for m in pmodel.engine.sharded) if shape.z > 1 else 0)
+
+
 def main() -> int:
     rank, world, device = init_distributed("gloo", timeout_s=120)
     shapes = json.loads(os.environ["FOURFOLD_TEST_SHAPES"])
@@ -152,7 +203,7 @@ def main() -> int:
                 if check["name"] == "frozen":
                     case.update(check_frozen(shape, grid))
                 else:
-                    raise ValueError(f"unknown check {check['name']!r}")
+                    case.update(check_method(shape, grid, check))
             except Exception:  # reported to the test, which fails with the traceback
                 case.update(ok=False, error=traceback.format_exc())
             results.append(case)

@@ -49,3 +49,132 @@ def test_frozen_parameters_cost_nothing_on_grids(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     for r in run_worker(2, grids, [{"name": "frozen"}], tmp_path):
         check_frozen(r)
+
+
+MEZO = {"name": "mezo", "steps": 20, "accum": 2, "train": {"lr": 1e-3, "mezo_eps": 1e-3}}
+ES = {"name": "es", "steps": 12, "freeze": True,
+      "train": {"lr": 1e-3, "es_sigma": 1e-3, "es_population": 4}}
+
+
+def check_trains_as_one_process(r: dict) -> None:
+    label = f"grid {r['shape']} {r['check']['name']}"
+    assert r["max_rel_loss"] < 1e-5, f"{label}: losses {r['losses']} vs {r['ref_losses']}"
+    assert r["max_weight_diff"] < 1e-5 * max(1.0, r["weight_change"] * 100), \
+        f"{label}: weights differ by {r['max_weight_diff']} (moved {r['weight_change']})"
+    assert r["ref_losses"][-1] < r["ref_losses"][0], f"{label}: did not learn {r['ref_losses']}"
+
+
+def test_zeroth_order_methods_train_as_one_process(tmp_path: Path) -> None:
+    grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
+    for r in run_worker(2, grids, [MEZO, ES], tmp_path):
+        check_trains_as_one_process(r)
+        data, z, y, x = r["shape"]
+        label = f"grid {r['shape']} {r['check']['name']}"
+        assert r["state_bytes"] == 0, label  # no optimizer state: a step count only
+        # the batch axes carry scalars only: per step, MeZO's two losses; ES's population
+        per_step = 2 * 8 if r["check"]["name"] == "mezo" else 4 * 8
+        steps = r["check"]["steps"]
+        assert r["ledger"]["data"] == 0, label
+        # z carries the forward's weight all-gathers and nothing else (no gradient)
+        forwards = steps * (2 * r["check"].get("accum", 1) if r["check"]["name"] == "mezo"
+                            else 4 // data)
+        assert r["ledger"]["z"] == forwards * r["forward_gather_bytes"], f"{label}: {r['ledger']}"
+        if data * z > 1 or x * y > 1:
+            assert r["ledger"]["all"] == steps * per_step, f"{label}: {r['ledger']}"
+
+
+# ---- one process -----------------------------------------------------------------------------
+
+
+def test_noise_of_a_shard_is_its_part_of_the_full_tensors_noise() -> None:
+    import random
+
+    from fourfold.train.methods.noise import ShardNoise, mix32, mix32_int, noise_key
+
+    values = [random.Random(3).getrandbits(32) for _ in range(500)] + [0, 1, 2**31, 2**32 - 1]
+    as_int32 = torch.tensor([v - 2**32 if v >= 2**31 else v for v in values], dtype=torch.int32)
+    assert [h & 0xFFFFFFFF for h in mix32(as_int32).tolist()] == [mix32_int(v) for v in values]
+    key = noise_key(1337, 5, "layers.0.attn.q_proj.weight")
+    assert key != noise_key(1337, 6, "layers.0.attn.q_proj.weight")
+    assert key != noise_key(1337, 5, "layers.0.attn.k_proj.weight")
+    cpu = torch.device("cpu")
+    full = ShardNoise((64, 48), (64, 48), (0, 0), cpu).sample(0, 64, key)
+    shard = ShardNoise((16, 24), (64, 48), (32, 24), cpu)
+    shard.rows_per_chunk = 5  # made in row blocks, as big tensors are
+    parts = torch.cat([shard.sample(a, b, key) for a, b in shard.chunks()])
+    assert torch.equal(parts, full[32:48, 24:48])
+    assert abs(float(full.mean())) < 0.1 and abs(float(full.std()) - 1) < 0.05
+
+
+def test_optimizer_keys_are_checked() -> None:
+    from fourfold.config import ConfigError, load_config
+
+    assert load_config(None, ["train.optimizer=mezo", "train.mezo_eps=0.01"]).train.mezo_eps == 0.01
+    bad = {("train.optimizer=sgd",): "train.optimizer = 'sgd': choose one of adamw",
+           ("train.es_sigma=0.1",): "train.es_sigma = 0.1 applies only to train.optimizer = 'es'",
+           ("train.optimizer=es", "train.es_population=1"): "train.es_population = 1",
+           ("train.optimizer=mezo", "train.mezo_eps=0"): "train.mezo_eps = 0.0: must be a positive number",
+           ("train.clip_mode=value",): "train.clip_mode = 'value' applies only to"}
+    for items, message in bad.items():
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+            load_config(None, list(items))
+
+
+def test_trainer_refuses_methods_it_does_not_drive_yet() -> None:
+    from fourfold.config import ConfigError, TrainConfig, model_config
+    from fourfold.models import build_model
+    from fourfold.train.optim import build_optimizer
+
+    model = build_model(model_config("debug"), seed=0)
+    with pytest.raises(ConfigError, match="train.optimizer = 'mezo' is not in the trainer yet"):
+        build_optimizer(model.named_parameters(), TrainConfig(optimizer="mezo"))
+
+
+def test_frozen_parameters_have_no_optimizer_state() -> None:
+    from fourfold.config import TrainConfig, model_config
+    from fourfold.models import build_model
+    from fourfold.parallel import Grid, parallelize
+    from fourfold.train.methods import StepData, build_method
+
+    model = build_model(model_config("debug"), seed=0)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".ffn." in name)
+    pmodel = parallelize(model, Grid.single())
+    method = build_method(pmodel, TrainConfig(optimizer="adamw"))
+    tokens = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+    data = StepData(1, lambda: iter([pmodel(tokens[:, :-1], tokens[:, 1:]).mean()]))
+    method.step(pmodel, data, lr=1e-3)
+    tensors, meta = method.state_dict()
+    assert tensors and all(".ffn." in key for key in tensors)
+    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    assert method.state_bytes() == 2 * trainable  # two moments, trainable parameters only
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_mezo_state_resumes_the_same_noise() -> None:
+    from fourfold.config import TrainConfig, model_config
+    from fourfold.models import build_model
+    from fourfold.parallel import Grid, parallelize
+    from fourfold.train.methods import StepData, build_method
+
+    cfg = TrainConfig(optimizer="mezo", lr=1e-3)
+    tokens = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def run(steps: int, resume_from: tuple | None = None, weights=None):
+        model = build_model(model_config("debug", dim=64, n_heads=4, n_kv_heads=2,
+                                         ffn_dim=128), seed=0)
+        if weights is not None:
+            model.load_state_dict(weights)
+        pmodel = parallelize(model, Grid.single())
+        method = build_method(pmodel, cfg)
+        if resume_from is not None:
+            method.load_state_dict(*resume_from)
+        data = StepData(1, lambda: iter([pmodel(tokens[:, :-1], tokens[:, 1:]).mean()]))
+        losses = [method.step(pmodel, data, cfg.lr).loss for _ in range(steps)]
+        return losses, method.state_dict(), model.state_dict()
+
+    straight, _, _ = run(4)
+    first, state, weights = run(2)
+    second, _, _ = run(2, resume_from=state, weights=weights)
+    assert state[1] == {"kind": "mezo", "steps_done": 2} and state[0] == {}
+    assert first + second == straight
