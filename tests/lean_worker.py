@@ -182,6 +182,10 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
                 weight_change=max(float((ref_state[k] - build_model(cfg, seed=7).state_dict()[k])
                                         .abs().max()) for k in ref_state),
                 state_bytes=method.state_bytes(), meta=meta,
+                # fused methods: the most gradient bytes alive at once, against all of them
+                peak_grad_fraction=getattr(method, "peak_grad_bytes", 0) / sum(
+                    p.numel() * p.element_size() for p in pmodel.parameters() if p.requires_grad),
+                grads_left=[n for n, p in pmodel.named_parameters() if p.grad is not None],
                 # what one forward all-gathers over z: every z-sharded module's block
                 forward_gather_bytes=sum(m.block_shape[0] * m.block_shape[1] * 4
                                          for m in pmodel.engine.sharded) if shape.z > 1 else 0)

@@ -8,6 +8,8 @@ same graph, so buckets fill in the same order everywhere and the collectives mat
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from fourfold.parallel.comm import Comm, Handle
@@ -22,6 +24,9 @@ class GradBucketer:
         self._bucket_size = 0
         self._in_flight: list[tuple[Handle, list[torch.nn.Parameter]]] = []
         self._seen: set[int] = set()
+        # set by Engine.set_grad_ready_hook: each bucket's gradients are handed on as soon as
+        # its all-reduce is done, and at most two buckets are in flight
+        self.on_ready: Callable[[torch.nn.Parameter], None] | None = None
 
     @property
     def active(self) -> bool:
@@ -49,15 +54,23 @@ class GradBucketer:
         handle = self.comm.all_reduce(flat, "data", async_op=True)
         self._in_flight.append((handle, self._bucket))
         self._bucket, self._bucket_size = [], 0
+        if self.on_ready is not None:
+            self._complete(self._in_flight[:-1])
+            self._in_flight = self._in_flight[-1:]
 
     def finish(self) -> None:
         """Launch what is left and write the summed gradients back."""
         self._launch()
-        for handle, params in self._in_flight:
+        self._complete(self._in_flight)
+        self._in_flight.clear()
+
+    def _complete(self, in_flight: list[tuple[Handle, list[torch.nn.Parameter]]]) -> None:
+        for handle, params in in_flight:
             flat = handle.wait()
             offset = 0
             for p in params:
                 n = p.grad.numel()  # type: ignore[union-attr]
                 p.grad.copy_(flat[offset:offset + n].view_as(p.grad))  # type: ignore[union-attr]
                 offset += n
-        self._in_flight.clear()
+                if self.on_ready is not None:
+                    self.on_ready(p)

@@ -16,6 +16,7 @@ from fourfold.train.methods.base import (ParamView, StepData, StepResult, Traini
 # train.optimizer -> (module, class)
 METHODS: dict[str, tuple[str, str]] = {
     "adamw": ("fourfold.train.methods.adamw", "AdamW"),
+    "lomo": ("fourfold.train.methods.lomo", "LOMO"),
     "mezo": ("fourfold.train.methods.zeroth", "MeZO"),
     "es": ("fourfold.train.methods.zeroth", "EvolutionStrategies"),
 }
