@@ -186,6 +186,8 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
                 peak_grad_fraction=getattr(method, "peak_grad_bytes", 0) / sum(
                     p.numel() * p.element_size() for p in pmodel.parameters() if p.requires_grad),
                 grads_left=[n for n, p in pmodel.named_parameters() if p.grad is not None],
+                trainable_bytes=sum(p.numel() * p.element_size() for p in pmodel.parameters()
+                                    if p.requires_grad),
                 # what one forward all-gathers over z: every z-sharded module's block
                 forward_gather_bytes=sum(m.block_shape[0] * m.block_shape[1] * 4
                                          for m in pmodel.engine.sharded) if shape.z > 1 else 0)

@@ -186,11 +186,21 @@ LOMO_CHECKS = [{"name": "lomo", "steps": 20, "train": {"lr": 0.1, "clip_mode": "
                 "train": {"lr": 0.1, "clip_mode": "value", "grad_clip": 0.002}}]
 
 
-def test_lomo_trains_as_one_process(tmp_path: Path) -> None:
+ADALOMO_CHECKS = [{"name": "adalomo", "steps": 20, "train": {"lr": 1e-2}},
+                  {"name": "adalomo", "steps": 20, "freeze": True,
+                   "train": {"lr": 1e-2, "clip_mode": "two_pass", "grad_clip": 0.05}}]
+
+
+def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
-    for r in run_worker(2, grids, LOMO_CHECKS, tmp_path):
+    for r in run_worker(2, grids, LOMO_CHECKS + ADALOMO_CHECKS, tmp_path):
         check_trains_as_one_process(r)
-        label = f"grid {r['shape']} lomo {r['check']['train']['clip_mode']}"
+        name = r["check"]["name"]
+        label = f"grid {r['shape']} {name} {r['check']['train'].get('clip_mode', 'none')}"
+        if name == "adalomo":  # row and column statistics: far less than AdamW's two moments
+            assert 0 < r["state_bytes"] < 0.1 * r["trainable_bytes"], label
+            assert r["meta"]["steps_done"] == r["check"]["steps"], label
+            r["state_bytes"] = 0
         assert r["grads_left"] == [], label  # every gradient was freed after its update
         # never all gradients at once; with every weight trainable, under half of them (the
         # tiny model's embedding alone is a fifth, and with the norms waits for the end)

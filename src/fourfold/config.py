@@ -205,7 +205,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("train", "loss"): ("cross_entropy", "goldfish"),
     ("train", "device"): ("auto", "cpu", "cuda"),
     ("train", "nan_policy"): ("stop", "skip", "rollback"),
-    ("train", "optimizer"): ("adamw", "lomo", "mezo", "es"),
+    ("train", "optimizer"): ("adamw", "lomo", "adalomo", "mezo", "es"),
     ("train", "clip_mode"): ("none", "value", "two_pass"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
 }

@@ -17,6 +17,7 @@ from fourfold.train.methods.base import (ParamView, StepData, StepResult, Traini
 METHODS: dict[str, tuple[str, str]] = {
     "adamw": ("fourfold.train.methods.adamw", "AdamW"),
     "lomo": ("fourfold.train.methods.lomo", "LOMO"),
+    "adalomo": ("fourfold.train.methods.lomo", "AdaLomo"),
     "mezo": ("fourfold.train.methods.zeroth", "MeZO"),
     "es": ("fourfold.train.methods.zeroth", "EvolutionStrategies"),
 }

@@ -118,3 +118,81 @@ class LOMO(FusedBackward):
         if view.decay and self.weight_decay:
             p.mul_(1.0 - self._lr * self.weight_decay)
         p.add_(grad, alpha=-self._lr)
+
+
+class AdaLomo(FusedBackward):
+    """AdaLomo (Lv et al. 2023): LOMO with an Adafactor-style factored second moment and a
+    relative, normalised step, fused into backward like LOMO.
+
+    For a matrix gradient g (m x n): row means r and column means c of g^2 are averaged with
+    beta2; v = r c^T / mean(r); u = g / sqrt(v), divided by max(1, RMS(u)); the step is
+    lr * max(1e-3, RMS(w)). A vector keeps an unfactored v. On a grid every statistic is over
+    the full matrix: row sums are reduced over the axes that split the columns, column sums
+    over those that split the rows, RMS sums over all splitting axes (a few floats per row or
+    column, a scalar per tensor). State: m + n floats per matrix, each shard its own part.
+    """
+
+    name = "adalomo"
+
+    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+        super().__init__(pmodel, cfg, tied_output)
+        self.beta2 = cfg.beta2
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        self.steps_done = 0
+
+    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+             ) -> StepResult:
+        self._t = self.steps_done + 1
+        result = super().step(pmodel, data, lr, guard)
+        if not result.skipped:
+            self.steps_done += 1
+        return result
+
+    def _sum(self, t: torch.Tensor, axes: tuple) -> torch.Tensor:
+        for axis in axes:
+            t = self.comm.all_reduce(t, axis).wait()
+        return t
+
+    def update(self, view: Any, grad: torch.Tensor) -> None:
+        p, b2 = view.param, self.beta2
+        g = grad.float()
+        g2 = g.pow(2).add_(1e-30)
+        state = self.state.setdefault(view.name, {})
+        dims = view.layout.dims + ((),) * (p.dim() - len(view.layout.dims))
+        correction = 1.0 - b2 ** self._t
+        if p.dim() == 2:
+            (m, n), (row_axes, col_axes) = view.full_shape, dims
+            rows = self._sum(g2.sum(1), col_axes) / n  # (m_local,) full-row means
+            cols = self._sum(g2.sum(0), row_axes) / m  # (n_local,) full-column means
+            if not state:
+                state["row"], state["col"] = torch.zeros_like(rows), torch.zeros_like(cols)
+            state["row"].mul_(b2).add_(rows, alpha=1.0 - b2)
+            state["col"].mul_(b2).add_(cols, alpha=1.0 - b2)
+            mean_row = self._sum(state["row"].sum(), row_axes) / m
+            v = torch.outer(state["row"], state["col"]).div_(mean_row * correction)
+        else:
+            if not state:
+                state["v"] = torch.zeros_like(g2)
+            state["v"].mul_(b2).add_(g2, alpha=1.0 - b2)
+            v = state["v"] / correction
+        u = g.div_(v.sqrt_())
+        numel = math.prod(view.full_shape)
+        sums = self._sum(torch.stack([u.pow(2).sum(), p.detach().float().pow(2).sum()]),
+                         view.layout.split_axes)
+        rms_u, rms_p = math.sqrt(float(sums[0]) / numel), math.sqrt(float(sums[1]) / numel)
+        u.div_(max(1.0, rms_u))
+        if view.decay and self.weight_decay:
+            p.mul_(1.0 - self._lr * self.weight_decay)
+        p.add_(u.to(p.dtype), alpha=-self._lr * max(1e-3, rms_p))
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors = {f"{name}/{key}": t for name, s in self.state.items() for key, t in s.items()}
+        return tensors, {"kind": self.name, "steps_done": self.steps_done}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        check_meta(meta, self.name)
+        self.steps_done = int(meta["steps_done"])
+        self.state = {}
+        for key, t in tensors.items():
+            name, field = key.rsplit("/", 1)
+            self.state.setdefault(name, {})[field] = t.clone()
