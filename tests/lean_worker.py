@@ -136,7 +136,7 @@ def check_frozen(shape: GridShape, grid: Grid) -> dict:
                 expected_delta={"x": 0, "y": 0, **on["skipped"]})
 
 
-def run_method(pmodel, cfg: TrainConfig, data, freeze_some: bool) -> tuple[list[float], object]:
+def run_method(pmodel, cfg: TrainConfig, data) -> tuple[list[float], object]:
     from fourfold.train.methods import StepData, batch_shard, build_method
     method = build_method(pmodel, cfg)
     index, count = batch_shard(pmodel.grid, method.batch_axes)
@@ -164,14 +164,14 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
     ref_model = build_model(cfg, seed=7)
     if check.get("freeze"):
         freeze(ref_model)
-    ref_losses, _ = run_method(parallelize(ref_model, Grid.single()), tcfg, data, False)
+    ref_losses, _ = run_method(parallelize(ref_model, Grid.single()), tcfg, data)
     ref_state = ref_model.state_dict()
     model = build_model(cfg, seed=7)
     if check.get("freeze"):
         freeze(model)
     pmodel = parallelize(model, grid, pcfg(shape))
     pmodel.ledger.reset()
-    losses, method = run_method(pmodel, tcfg, data, False)
+    losses, method = run_method(pmodel, tcfg, data)
     ledger = pmodel.ledger.snapshot()
     state = pmodel.full_state_dict()
     tensors, meta = method.state_dict()

@@ -17,7 +17,6 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 from torch import nn
 
-from fourfold.config import TrainConfig
 from fourfold.parallel import Axis, Layout
 from fourfold.train.methods.noise import ShardNoise
 from fourfold.train.optim import uses_weight_decay

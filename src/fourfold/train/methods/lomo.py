@@ -139,6 +139,7 @@ class AdaLomo(FusedBackward):
         self.beta2 = cfg.beta2
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.steps_done = 0
+        self._t = 1  # the step being taken, for the bias correction of beta2
 
     def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
              ) -> StepResult:
