@@ -104,6 +104,11 @@ class TrainConfig:
     nan_policy: str = "stop"  # stop | skip | rollback
     spike_threshold: float = 0.0  # 0 disables; else a loss above threshold x running mean is a spike
     max_restarts: int = 0
+    optimizer: str = "adamw"  # adamw | lomo | adalomo | mezo | es (train/methods)
+    clip_mode: str = "none"  # lomo, adalomo: value (clamp each element to grad_clip) | two_pass | none
+    mezo_eps: float = 1e-3  # mezo: size of the two-sided perturbation
+    es_population: int = 8  # es: perturbed members per step
+    es_sigma: float = 1e-3  # es: size of each member's perturbation
 
 
 @dataclass
@@ -221,6 +226,8 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("train", "loss"): ("cross_entropy", "goldfish"),
     ("train", "device"): ("auto", "cpu", "cuda"),
     ("train", "nan_policy"): ("stop", "skip", "rollback"),
+    ("train", "optimizer"): ("adamw", "lomo", "adalomo", "mezo", "es"),
+    ("train", "clip_mode"): ("none", "value", "two_pass"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
     ("adapter", "kind"): ("none", "lora", "norm"),
@@ -424,6 +431,7 @@ def validate(cfg: Config) -> None:
                           f"{_nearest_divisors(t.batch_size, t.grad_accum)}")
     if not math.isfinite(t.lr):
         raise ConfigError(f"train.lr = {t.lr}: must be a finite number")
+    _validate_optimizer(t)
     if isinstance(p.data, str) and p.data != "auto":
         raise ConfigError(f"parallel.data = {p.data!r}: expected a positive integer or \"auto\"")
     if isinstance(p.data, int) and p.data < 1:
@@ -474,6 +482,39 @@ def _validate_adapter(cfg: Config) -> None:
         raise ConfigError(f"adapter.alpha = {a.alpha}: must be positive")
     if not 0 <= a.dropout < 1:
         raise ConfigError(f"adapter.dropout = {a.dropout}: must be in [0, 1)")
+
+
+# train.<key> -> the optimizers it applies to; set to anything but its default under another
+# optimizer, it is refused rather than silently ignored
+OPTIMIZER_OPTIONS: dict[str, tuple[str, ...]] = {
+    "clip_mode": ("lomo", "adalomo"),
+    "mezo_eps": ("mezo",),
+    "es_population": ("es",),
+    "es_sigma": ("es",),
+}
+
+
+def _validate_optimizer(t: TrainConfig) -> None:
+    defaults = TrainConfig()
+    for key, users in OPTIMIZER_OPTIONS.items():
+        if t.optimizer not in users and getattr(t, key) != getattr(defaults, key):
+            raise ConfigError(f"train.{key} = {getattr(t, key)!r} applies only to "
+                              f"train.optimizer = {' or '.join(map(repr, users))}, not "
+                              f"{t.optimizer!r}; remove it")
+    if t.optimizer in ("lomo", "adalomo"):
+        if t.grad_accum > 1:
+            raise ConfigError(f"train.grad_accum = {t.grad_accum}: {t.optimizer} updates each "
+                              "weight during backward, so it cannot accumulate; use 1")
+        if t.nan_policy == "skip" and t.clip_mode != "two_pass":
+            raise ConfigError(f"train.nan_policy = \"skip\" needs train.clip_mode = \"two_pass\" "
+                              f"under {t.optimizer} (it updates before the step's norm is known); "
+                              "or use nan_policy = \"stop\" or \"rollback\"")
+    for key, value in (("mezo_eps", t.mezo_eps), ("es_sigma", t.es_sigma)):
+        if not value > 0 or not math.isfinite(value):
+            raise ConfigError(f"train.{key} = {value}: must be a positive number")
+    if t.es_population < 2:
+        raise ConfigError(f"train.es_population = {t.es_population}: must be at least 2 (rewards "
+                          "are standardised over the population)")
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ same graph, so buckets fill in the same order everywhere and the collectives mat
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from fourfold.parallel.comm import Comm, Handle
@@ -24,6 +26,9 @@ class GradBucketer:
         self._bucket_size = 0
         self._in_flight: list[tuple[Handle, list[torch.nn.Parameter]]] = []
         self._seen: set[int] = set()
+        # set by Engine.set_grad_ready_hook: each bucket's gradients are handed on as soon as
+        # its all-reduce is done, and at most two buckets are in flight
+        self.on_ready: Callable[[torch.nn.Parameter], None] | None = None
 
     @property
     def active(self) -> bool:
@@ -34,7 +39,7 @@ class GradBucketer:
 
     def add(self, param: torch.nn.Parameter) -> None:
         """`param.grad` is final for this step: queue it for the data all-reduce."""
-        if not self.active or id(param) in self._seen:
+        if not self.active or id(param) in self._seen or not param.requires_grad:
             return
         self._seen.add(id(param))
         if param.grad is None:
@@ -51,14 +56,23 @@ class GradBucketer:
         handle = self.comm.all_reduce(flat, "data", async_op=True, wire_dtype=self.reduce_dtype)
         self._in_flight.append((handle, self._bucket))
         self._bucket, self._bucket_size = [], 0
+        if self.on_ready is not None:
+            self._complete(self._in_flight[:-1])
+            self._in_flight = self._in_flight[-1:]
 
     def finish(self) -> None:
         """Launch what is left and write the summed gradients back."""
         self._launch()
-        for handle, params in self._in_flight:
+        self._complete(self._in_flight)
+        self._in_flight.clear()
+
+    def _complete(self, in_flight: list[tuple[Handle, list[torch.nn.Parameter]]]) -> None:
+        for handle, params in in_flight:
             flat = handle.wait()
             grads = [p.grad for p in params]
             parts = flat.split([g.numel() for g in grads])  # type: ignore[union-attr]
             # one multi-tensor copy, not one small kernel per parameter
             torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(parts, grads)])
-        self._in_flight.clear()
+            if self.on_ready is not None:
+                for p in params:
+                    self.on_ready(p)

@@ -41,6 +41,8 @@ class _EmbeddingFunction(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         module: ParallelEmbedding = ctx.module
         local, owned = ctx.saved_tensors
+        if not ctx.needs_input_grad[1]:  # a frozen table: no gradient, no reduce-scatter
+            return None, None, None
         # grad is the same on every y-rank (the output was replicated), so each rank keeps
         # the rows it owns: the all-reduce's backward is the identity.
         block = torch.zeros(module.block_shape, dtype=torch.float32, device=grad.device)
@@ -65,7 +67,8 @@ class ParallelEmbedding(nn.Module):
         self.block_shape = (local[0] * grid.size("z"), local[1])
         self.vocab_start = grid.coord("y") * self.block_shape[0]
         self.needs_backward_gather = False
-        self.weight = nn.Parameter(self.weight_layout.shard(embedding.weight.detach(), shape, coords))
+        self.weight = nn.Parameter(self.weight_layout.shard(embedding.weight.detach(), shape, coords),
+                                   requires_grad=embedding.weight.requires_grad)
         engine.register(self)
 
     def gather_shard(self, compute_dtype: torch.dtype) -> torch.Tensor:

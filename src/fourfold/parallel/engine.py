@@ -77,6 +77,19 @@ class Engine:
         self.prefetch_enabled = options.prefetch
         self.tuner = (GemmTuner(comm, default_cache_path(comm.grid.device))
                       if options.gemm_tuning else None)
+        self._on_grad_ready: Callable[[nn.Parameter], None] | None = None
+        self._ready: set[int] = set()
+
+    def set_grad_ready_hook(self, hook: Callable[[nn.Parameter], None]) -> None:
+        """Call `hook(param)` the moment param.grad is final (after its z reduce-scatter and data
+        all-reduce), once per backward: fused-update methods (LOMO) update and free it there."""
+        self._on_grad_ready = hook
+        self.bucketer.on_ready = self._grad_ready
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        if self._on_grad_ready is not None and id(param) not in self._ready:
+            self._ready.add(id(param))
+            self._on_grad_ready(param)
 
     def matmul(self, kind: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """A linear layer's GEMM (kind: forward, input_grad or weight_grad), tuned if enabled."""
@@ -259,6 +272,8 @@ class Engine:
         self._contributions[pid] = self._contributions.get(pid, 0) + 1
         if self.grad_sync and self._contributions[pid] == self._uses[pid]:
             self.bucketer.add(param)
+            if not self.bucketer.active:
+                self._grad_ready(param)
 
     def finish_backward(self, z_replicated: list[nn.Parameter],
                         all_params: list[nn.Parameter]) -> None:
@@ -273,6 +288,7 @@ class Engine:
             return
         # Parameters not split over z (norm weights, biases) got whole-batch-shard gradients
         # from autograd: sum them over z once per step, then over data with the rest.
+        z_replicated = [p for p in z_replicated if p.requires_grad]  # frozen: no all-reduce
         if z_replicated and self.comm.grid.size("z") > 1:
             for p in z_replicated:
                 if p.grad is None:
@@ -287,3 +303,7 @@ class Engine:
         self.bucketer.finish()
         self.bucketer.start_step()
         self._contributions.clear()
+        for p in all_params:  # the rest (norms, biases) are final now
+            if p.grad is not None:
+                self._grad_ready(p)
+        self._ready.clear()

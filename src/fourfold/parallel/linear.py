@@ -91,7 +91,8 @@ class _Linear3DFunction(torch.autograd.Function):
         if engine.is_last(module) and engine.comm.grid.size("z") > 1 and keeps_output_block(
                 w.numel() * w.element_size(), y.numel() * y.element_size(), y.numel()):
             ctx.kept_block = w  # its backward comes next: no second gather
-        ctx.save_for_backward(x)
+        # a frozen weight needs no dW, so its input is not kept for backward
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None)
         return y
 
     @staticmethod
@@ -100,18 +101,23 @@ class _Linear3DFunction(torch.autograd.Function):
         engine = module.engine
         (x,) = ctx.saved_tensors
         dtype = ctx.dtype
+        grad_in = None
         with torch.autocast(grad_out.device.type, enabled=False):
+            # gathered even when no input gradient is needed: the engine's prefetch order
+            # and kept blocks expect every backward to take its block
             w = engine.gather_weight(module, "backward", dtype, kept=ctx.kept_block)
             ctx.kept_block = None
             dy = grad_out.to(dtype)
-            # partial over out_axis; summed by the fan-out that produced x
-            grad_in = engine.matmul("input_grad", dy, w.to(dtype)).to(ctx.x_dtype)
+            if ctx.needs_input_grad[0]:
+                # partial over out_axis; summed by the fan-out that produced x
+                grad_in = engine.matmul("input_grad", dy, w.to(dtype)).to(ctx.x_dtype)
 
             def weight_grad() -> None:
                 block = engine.matmul("weight_grad", dy, x.to(dtype))
                 engine.reduce_scatter_weight_grad(module.weight, block)
 
-            engine.defer(weight_grad)
+            if x is not None:  # None: the weight is frozen (no GEMM, no reduce-scatter)
+                engine.defer(weight_grad)
         return grad_in, None, None
 
 
@@ -134,11 +140,14 @@ class Linear3D(nn.Module):
         local = self.weight_layout.local_shape(tuple(linear.weight.shape), shape, name)
         self.block_shape = (local[0] * grid.size("z"), local[1])
         self.needs_backward_gather = True
+        # a shard keeps its full tensor's requires_grad: frozen stays frozen
         self.weight = weight if weight is not None else nn.Parameter(
-            self.weight_layout.shard(linear.weight.detach(), shape, coords))
+            self.weight_layout.shard(linear.weight.detach(), shape, coords),
+            requires_grad=linear.weight.requires_grad)
         if linear.bias is not None:
             self.bias: nn.Parameter | None = nn.Parameter(
-                self.bias_layout.shard(linear.bias.detach(), shape, coords))
+                self.bias_layout.shard(linear.bias.detach(), shape, coords),
+                requires_grad=linear.bias.requires_grad)
         else:
             self.register_parameter("bias", None)
         engine.register(self)
@@ -233,7 +242,8 @@ class _FusedLinear3DFunction(torch.autograd.Function):
             w = engine.gather_weight(group, "forward", dtype)  # (sum of out_local, in_local)
             y = _forward_gemm(engine, x.to(dtype), w.to(dtype), group.in_axis)
         ctx.group, ctx.dtype, ctx.x_dtype = group, dtype, x.dtype
-        ctx.save_for_backward(x)
+        # frozen members need no dW: with all of them frozen the input is not kept
+        ctx.save_for_backward(x if any(ctx.needs_input_grad[2:]) else None)
         return tuple(y.split(group.rows, dim=-1))
 
     @staticmethod
@@ -247,14 +257,24 @@ class _FusedLinear3DFunction(torch.autograd.Function):
             dy = torch.cat([torch.zeros((*x.shape[:-1], r), dtype=dtype, device=x.device)
                             if g is None else g.to(dtype) for g, r in zip(grads, group.rows)],
                            dim=-1)
-            grad_in = engine.matmul("input_grad", dy, w.to(dtype)).to(ctx.x_dtype)
+            grad_in = (engine.matmul("input_grad", dy, w.to(dtype)).to(ctx.x_dtype)
+                       if ctx.needs_input_grad[0] else None)
+            trainable = list(ctx.needs_input_grad[2:])
 
             def weight_grad() -> None:
-                block = engine.matmul("weight_grad", dy, x.to(dtype))
-                engine.reduce_scatter_weight_grads([m.weight for m in group.members],
-                                                   list(block.split(group.rows)))
+                if all(trainable):
+                    block = engine.matmul("weight_grad", dy, x.to(dtype))
+                    blocks = list(block.split(group.rows))
+                    params = [m.weight for m in group.members]
+                else:  # only the trainable members' rows: a frozen weight runs no dW GEMM
+                    rows = dy.split(group.rows, dim=-1)
+                    blocks = [engine.matmul("weight_grad", d.contiguous(), x.to(dtype))
+                              for d, t in zip(rows, trainable) if t]
+                    params = [m.weight for m, t in zip(group.members, trainable) if t]
+                engine.reduce_scatter_weight_grads(params, blocks)
 
-            engine.defer(weight_grad)
+            if any(trainable):
+                engine.defer(weight_grad)
         return (grad_in, None) + (None,) * len(group.members)
 
 

@@ -29,7 +29,7 @@ class ParallelRMSNorm(nn.Module):
         self.engine = engine
         self.fan_out_to_y = fan_out_to_y
         local = self.layout.shard(weight.detach(), grid.shape, grid.shape.coords(grid.rank))
-        self.weight = nn.Parameter(local)
+        self.weight = nn.Parameter(local, requires_grad=weight.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -9,7 +9,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from fourfold.config import TrainConfig
+from fourfold.config import ConfigError, TrainConfig
 
 
 def uses_weight_decay(name: str, tied_output: bool = False) -> bool:
@@ -57,6 +57,9 @@ def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay:
 def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], cfg: TrainConfig,
                     tied_output: bool = False) -> torch.optim.AdamW:
     """torch AdamW over the given (local) parameters, fused where the device supports it."""
+    if cfg.optimizer != "adamw":  # the trainer drives the others through train/methods
+        raise ConfigError(f"train.optimizer = {cfg.optimizer!r} is not in the trainer yet; "
+                          "use \"adamw\" (the others run through fourfold.train.methods)")
     groups = param_groups(named_params, cfg.weight_decay, tied_output)
     groups = [g for g in groups if g["params"]]
     common = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)

@@ -1,0 +1,131 @@
+"""The one interface every training method implements, and what methods share: the global view
+of each local shard (for seeded noise and grid-wide statistics) and the batch split.
+
+A step is driven by the caller's `StepData`: `losses()` runs this rank's forward over the step's
+micro-batches and yields each one's loss, scaled so that the sum over micro-batches and over the
+ranks that split the batch (the method's `batch_axes`) is the step's mean loss. Each call is a
+fresh pass over the same micro-batches; methods that need two forwards call it twice.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Literal
+
+import torch
+from torch import nn
+
+from fourfold.parallel import Axis, Layout
+from fourfold.train.methods.noise import ShardNoise
+from fourfold.train.optim import uses_weight_decay
+
+UpdateTime = Literal["after_backward", "in_backward", "forward_only"]
+Guard = Callable[[float, float], "str | None"]  # (loss, grad_norm) -> reason to skip, or None
+
+
+@dataclass(frozen=True)
+class StepData:
+    micro_steps: int
+    losses: Callable[[], Iterator[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # the step's mean loss, the same on every rank
+    grad_norm: float  # the norm the method clipped by, or its gradient estimate's size
+    skipped: bool = False
+    reason: str = ""
+
+
+@dataclass
+class ParamView:
+    """One trainable local shard and where it sits in its full tensor."""
+
+    name: str
+    param: nn.Parameter
+    layout: Layout
+    full_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    decay: bool  # gets decoupled weight decay (see optim.uses_weight_decay)
+    noise: ShardNoise
+
+
+def param_views(pmodel: Any, tied_output: bool = False) -> list[ParamView]:
+    """The trainable parameters (requires_grad) of a ParallelModel, with their global place."""
+    layouts = pmodel.layouts()
+    shape, coords = pmodel.grid.shape, pmodel.grid.shape.coords(pmodel.grid.rank)
+    views = []
+    for name, p in pmodel.named_parameters():
+        if not p.requires_grad:
+            continue
+        layout = layouts[name]
+        dims = layout.dims + ((),) * (p.dim() - len(layout.dims))
+        full = tuple(n * _parts(axes, shape) for n, axes in zip(p.shape, dims))
+        offsets = layout.offsets(full, shape, coords) if p.dim() else ()
+        views.append(ParamView(name, p, layout, full, offsets,
+                               uses_weight_decay(name, tied_output),
+                               ShardNoise(tuple(p.shape), full, offsets, p.device)))
+    return views
+
+
+def _parts(axes: tuple[Axis, ...], shape: Any) -> int:
+    n = 1
+    for a in axes:
+        n *= getattr(shape, a)
+    return n
+
+
+def batch_shard(grid: Any, batch_axes: tuple[Axis, ...]) -> tuple[int, int]:
+    """(index, count) of this rank's slice of the batch when it is split over `batch_axes`
+    (data outer, z inner)."""
+    index, count = 0, 1
+    for axis in ("data", "z"):
+        if axis in batch_axes:
+            index, count = index * grid.size(axis) + grid.coord(axis), count * grid.size(axis)
+    return index, count
+
+
+class TrainingMethod(ABC):
+    """One way of turning a step's losses into an update of the trainable local shards.
+
+    `update_time` says when the weights change: after backward (AdamW, BlockLLM, GaLore), inside
+    backward as each shard's gradient becomes final (LOMO, AdaLomo), or from forwards alone
+    (MeZO, ES). `batch_axes` are the grid axes the step's batch is split over.
+    """
+
+    name: str = ""
+    update_time: UpdateTime = "after_backward"
+    batch_axes: tuple[Axis, ...] = ("data", "z")
+
+    @abstractmethod
+    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+             ) -> StepResult:
+        """One training step. Collective: every rank calls it with its own shard of the batch.
+        `guard` sees the step's loss and gradient norm before an update that can still be
+        skipped and returns a reason to skip it (or None)."""
+
+    @abstractmethod
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The method's state: local tensors by name, and JSON-able facts (no pickle)."""
+
+    @abstractmethod
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Restore what state_dict() returned (on the same grid)."""
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        tensors, _ = self.state_dict()
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def check_meta(meta: dict[str, Any], kind: str) -> None:
+    if meta.get("kind") != kind:
+        raise ValueError(f"optimizer state is for {meta.get('kind')!r}, not {kind!r}")
+    json.dumps(meta)  # JSON only: nothing is unpickled on load
+
+
+def reduce_loss(pmodel: Any, local: torch.Tensor) -> float:
+    """A loss summed over the batch axes (data and z): only a scalar crosses them."""
+    return float(pmodel.reduce_over_batch(local.detach().double()))

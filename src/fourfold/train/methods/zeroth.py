@@ -1,0 +1,156 @@
+"""Training from forward passes alone: MeZO (zeroth-order SGD) and evolution strategies.
+
+Both perturb the weights in place with seeded noise (methods/noise.py) and never hold a
+gradient or a second copy of the weights: memory is inference memory. The noise of an element
+depends only on (seed, step, parameter name, member, global position), so every grid perturbs the
+same global weights identically and the batch axes carry only scalar losses.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fourfold.config import TrainConfig
+from fourfold.train.methods.base import (Guard, ParamView, StepData, StepResult, TrainingMethod,
+                                         check_meta, param_views)
+from fourfold.train.methods.noise import noise_key
+
+
+@torch.no_grad()
+def add_noise(views: list[ParamView], seed: int, step: int, coefs: dict[int, float],
+              decay: float = 0.0) -> None:
+    """p <- p * (1 - decay) [decayed params only] + sum_m coefs[m] * noise(seed, step, m).
+
+    One pass per tensor; the members are summed in a fixed order, so every rank rounds alike."""
+    for v in views:
+        p = v.param
+        keys = {m: noise_key(seed, step, v.name, m) for m in coefs}
+        if decay and v.decay:
+            p.mul_(1.0 - decay)
+        flat = p.view(p.shape[0], -1) if p.dim() else p.view(1, 1)
+        for start, stop in v.noise.chunks():
+            delta = None
+            for m, c in coefs.items():
+                z = v.noise.sample(start, stop, keys[m]).mul_(c)
+                delta = z if delta is None else delta.add_(z)
+            if delta is not None:
+                flat[start:stop].add_(delta.reshape(stop - start, -1).to(p.dtype))
+
+
+def _forward_loss(data: StepData) -> torch.Tensor:
+    with torch.no_grad():
+        total = torch.zeros((), dtype=torch.float64)
+        for loss in data.losses():
+            total += loss.detach().double().cpu()
+    return total
+
+
+class MeZO(TrainingMethod):
+    """MeZO (Malladi et al. 2023): the projected gradient (L(w + eps z) - L(w - eps z)) / 2 eps
+    along one seeded direction z per step, and w <- w - lr * g * z. No state but a step count."""
+
+    name = "mezo"
+    update_time = "forward_only"
+
+    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+        self.views = param_views(pmodel, tied_output)
+        self.seed, self.eps, self.weight_decay = cfg.seed, cfg.mezo_eps, cfg.weight_decay
+        self.steps_done = 0
+
+    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+             ) -> StepResult:
+        step, eps = self.steps_done, self.eps
+        add_noise(self.views, self.seed, step, {0: eps})
+        plus = _forward_loss(data)
+        add_noise(self.views, self.seed, step, {0: -2.0 * eps})
+        minus = _forward_loss(data)
+        # two scalars cross the batch axes (data, z); x/y replicas already agree
+        both = pmodel.reduce_over_batch(torch.stack([plus, minus]).to(pmodel.grid.device))
+        plus_v, minus_v = float(both[0]), float(both[1])
+        grad = (plus_v - minus_v) / (2.0 * eps)
+        loss = 0.5 * (plus_v + minus_v)
+        reason = guard(loss, abs(grad)) if guard is not None else None
+        if reason is not None or not math.isfinite(grad):
+            add_noise(self.views, self.seed, step, {0: eps})  # back to w
+            self.steps_done += 1
+            return StepResult(loss, abs(grad), True, reason or "non-finite gradient estimate")
+        # from w - eps z to (1 - lr wd) w - lr g z in one pass
+        decay = lr * self.weight_decay
+        for_decayed = eps * (1.0 - decay) - lr * grad
+        undecayed = [v for v in self.views if not v.decay]
+        decayed = [v for v in self.views if v.decay]
+        if decayed:
+            # (w - eps z)(1 - d) + (eps (1 - d) - lr g) z = (1 - d) w - lr g z
+            add_noise(decayed, self.seed, step, {0: for_decayed}, decay=decay)
+        if undecayed:
+            add_noise(undecayed, self.seed, step, {0: eps - lr * grad})
+        self.steps_done += 1
+        return StepResult(loss, abs(grad))
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return {}, {"kind": self.name, "steps_done": self.steps_done}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        check_meta(meta, self.name)
+        self.steps_done = int(meta["steps_done"])
+
+
+class EvolutionStrategies(TrainingMethod):
+    """Evolution strategies (after EA4LLM / OpenAI-ES): `es_population` members w + sigma z_m,
+    each evaluated on the same batch; w <- w + lr / N *
+    sum_m r_m z_m with r_m = -(L_m - mean L) / sigma (the mean as baseline), rebuilt from the seeds
+    on every rank.
+
+    Members are spread over the data-parallel replicas (member m on replica m % data), so the
+    batch is split over z only and each replica evaluates its members on the whole batch; the
+    ranks exchange one float per member. Every rank walks all members' perturb/restore (noise
+    is cheap next to a forward), so the rounding of w is the same on every rank and replicas
+    never drift apart."""
+
+    name = "es"
+    update_time = "forward_only"
+    batch_axes = ("z",)
+
+    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+        self.views = param_views(pmodel, tied_output)
+        self.seed, self.sigma, self.population = cfg.seed, cfg.es_sigma, cfg.es_population
+        self.weight_decay = cfg.weight_decay
+        self.steps_done = 0
+
+    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+             ) -> StepResult:
+        grid, step, n = pmodel.grid, self.steps_done, self.population
+        replica, replicas = grid.coord("data"), grid.size("data")
+        losses = torch.zeros(n, dtype=torch.float64)
+        for m in range(n):
+            add_noise(self.views, self.seed, step, {m: self.sigma})
+            if m % replicas == replica:
+                losses[m] = _forward_loss(data)
+            add_noise(self.views, self.seed, step, {m: -self.sigma})
+        # n floats over the whole grid: z sums the batch shards, data gathers the members;
+        # x and y hold copies
+        if grid.world_size > 1:
+            summed = pmodel.comm.all_reduce(losses.to(grid.device), "all").wait().cpu()
+            losses = summed / (grid.size("x") * grid.size("y"))
+        loss = float(losses.mean())
+        # the gradient estimate sum_m (L_m - mean L) z_m / (n sigma), with the mean as baseline:
+        # unbiased, and on the same scale as a gradient (lr means what it means for SGD)
+        weights = [(float(losses[m]) - loss) / (n * self.sigma) for m in range(n)]
+        size = math.sqrt(sum(w * w for w in weights))
+        reason = guard(loss, size) if guard is not None else None
+        self.steps_done += 1
+        if reason is not None or not math.isfinite(loss):
+            return StepResult(loss, size, True, reason or "non-finite loss")
+        add_noise(self.views, self.seed, step, {m: -lr * w for m, w in enumerate(weights)},
+                  decay=lr * self.weight_decay)
+        return StepResult(loss, size)
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return {}, {"kind": self.name, "steps_done": self.steps_done}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        check_meta(meta, self.name)
+        self.steps_done = int(meta["steps_done"])

@@ -1,0 +1,226 @@
+"""Run by torchrun from test_lean_optim.py: for every grid of this world size, the checks named
+in FOURFOLD_TEST_CHECKS, each against this process alone. Writes one JSON line per case.
+
+Checks:
+  frozen   some weights frozen: they get no gradient and move no reduce-scatter or data bytes;
+           the trainable ones train as on one process (SGD, three steps)
+  METHOD   a memory-lean training method (train/methods) trains the `debug` model as one
+           process does: losses and gathered weights
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from fourfold.config import ParallelConfig, TrainConfig, model_config
+from fourfold.models import build_model
+from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
+
+BATCH, SEQ = 8, 16
+
+# frozen check: inputs of every frozen linear still need a gradient (the embedding trains),
+# so only the frozen weights' own work disappears
+FROZEN = ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight",
+          "ffn.gate_proj.weight", "output.weight", "layers.0.attn_norm.weight",
+          "layers.1.ffn.down_proj.bias")
+
+
+def batches(vocab: int, steps: int, accum: int = 1
+            ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)
+        micro = BATCH // accum
+        out.append([(tokens[i * micro:(i + 1) * micro, :-1], tokens[i * micro:(i + 1) * micro, 1:])
+                    for i in range(accum)])
+    return out
+
+
+def shard_batch(micro_batches, index: int, count: int):
+    out = []
+    for inputs, targets in micro_batches:
+        b = inputs.shape[0] // count
+        out.append((inputs[index * b:(index + 1) * b], targets[index * b:(index + 1) * b]))
+    return out
+
+
+def pcfg(shape: GridShape) -> ParallelConfig:
+    return ParallelConfig(x=shape.x, y=shape.y, z=shape.z, data=shape.data, bucket_mb=0.05)
+
+
+def freeze(model: torch.nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if name.endswith(FROZEN):
+            p.requires_grad_(False)
+
+
+def sgd_steps(pmodel, data, shard: tuple[int, int]) -> tuple[list[float], dict]:
+    """Three SGD steps; returns losses and facts about gradients and saved activations."""
+    params = [p for p in pmodel.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.5)
+    losses, facts = [], {"frozen_with_grad": [], "saved_bytes": 0}
+    for micro in data:
+        local = shard_batch(micro, *shard)
+        total = torch.zeros(())
+        for inputs, targets in local:
+            saved = []
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                saved.append(t.numel() * t.element_size())
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = pmodel(inputs, targets).sum() / (BATCH * SEQ)
+            facts["saved_bytes"] = sum(saved)
+            loss.backward()
+            pmodel.finish_backward()
+            total += loss.detach()
+        facts["frozen_with_grad"] += [n for n, p in pmodel.named_parameters()
+                                      if not p.requires_grad and p.grad is not None]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(pmodel.reduce_over_batch(total)))
+    return losses, facts
+
+
+def check_frozen(shape: GridShape, grid: Grid) -> dict:
+    cfg = model_config("debug", bias=True)
+    data = batches(cfg.vocab_size, 3)
+    ref_model = build_model(cfg, seed=7)
+    freeze(ref_model)
+    ref_losses, _ = sgd_steps(parallelize(ref_model, Grid.single()), data, (0, 1))
+    ref_state = ref_model.state_dict()
+
+    runs = {}
+    for frozen in (False, True):
+        model = build_model(cfg, seed=7)
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if frozen:
+            freeze(model)
+        pmodel = parallelize(model, grid, pcfg(shape))
+        layouts = pmodel.layouts()
+        local_initial = {n: layouts[n].shard(initial[n], shape, shape.coords(grid.rank))
+                         for n in initial}
+        pmodel.ledger.reset()
+        losses, facts = sgd_steps(pmodel, data, grid.batch_shard)
+        ledger = pmodel.ledger.snapshot()
+        unchanged = all(torch.equal(p.detach(), local_initial[n])
+                        for n, p in pmodel.named_parameters() if not p.requires_grad)
+        # what the frozen weights would have moved: each sharded block's reduce-scatter input
+        # (Gz shards of it), the z all-reduce of z-replicated ones, and the data all-reduce
+        skipped = {"z": 0, "data": 0}
+        for name, p in pmodel.named_parameters():
+            if not name.endswith(FROZEN):
+                continue
+            nbytes = p.numel() * p.element_size()
+            if shape.z > 1:
+                skipped["z"] += nbytes * (shape.z if "z" in layouts[name].split_axes else 1)
+            if shape.data > 1:
+                skipped["data"] += nbytes
+        state = pmodel.full_state_dict()
+        runs[frozen] = dict(losses=losses, ledger=ledger, unchanged=unchanged,
+                            skipped={k: 3 * v for k, v in skipped.items()}, **facts,
+                            max_weight_diff=max(float((state[k] - ref_state[k]).abs().max())
+                                                for k in ref_state) if frozen else None)
+    on, off = runs[True], runs[False]
+    return dict(ok=True, ref_losses=ref_losses, losses=on["losses"],
+                max_weight_diff=on["max_weight_diff"], frozen_with_grad=on["frozen_with_grad"],
+                unchanged=on["unchanged"], saved_bytes=[off["saved_bytes"], on["saved_bytes"]],
+                ledger_delta={k: off["ledger"][k] - on["ledger"][k] for k in ("x", "y", "z", "data")},
+                expected_delta={"x": 0, "y": 0, **on["skipped"]})
+
+
+def run_method(pmodel, cfg: TrainConfig, data) -> tuple[list[float], object]:
+    from fourfold.train.methods import StepData, batch_shard, build_method
+    method = build_method(pmodel, cfg)
+    index, count = batch_shard(pmodel.grid, method.batch_axes)
+    losses = []
+    for micro in data:
+        local = shard_batch(micro, index, count)
+
+        def step_losses():
+            for inputs, targets in local:
+                yield pmodel(inputs, targets).sum() / (BATCH * SEQ)
+
+        result = method.step(pmodel, StepData(len(local), step_losses), cfg.lr)
+        losses.append(result.loss)
+    return losses, method
+
+
+def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
+    """`check`: {"name": optimizer, "steps": n, "accum": k, "train": {TrainConfig fields}}."""
+    # smaller than `debug`: the zeroth-order methods make noise for every weight many times
+    cfg = model_config("debug", bias=True, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    tcfg = TrainConfig(optimizer=check["name"], grad_accum=check.get("accum", 1),
+                       **check.get("train", {}))
+    # two batches in turn: a loss that goes down shows the method learns
+    data = batches(cfg.vocab_size, 2, tcfg.grad_accum) * (check["steps"] // 2)
+    ref_model = build_model(cfg, seed=7)
+    if check.get("freeze"):
+        freeze(ref_model)
+    ref_losses, _ = run_method(parallelize(ref_model, Grid.single()), tcfg, data)
+    ref_state = ref_model.state_dict()
+    model = build_model(cfg, seed=7)
+    if check.get("freeze"):
+        freeze(model)
+    pmodel = parallelize(model, grid, pcfg(shape))
+    pmodel.ledger.reset()
+    losses, method = run_method(pmodel, tcfg, data)
+    ledger = pmodel.ledger.snapshot()
+    state = pmodel.full_state_dict()
+    tensors, meta = method.state_dict()
+    return dict(ok=True, losses=losses, ref_losses=ref_losses, ledger=ledger,
+                max_rel_loss=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+                max_weight_diff=max(float((state[k] - ref_state[k]).abs().max())
+                                    for k in ref_state),
+                weight_change=max(float((ref_state[k] - build_model(cfg, seed=7).state_dict()[k])
+                                        .abs().max()) for k in ref_state),
+                state_bytes=method.state_bytes(), meta=meta,
+                # fused methods: the most gradient bytes alive at once, against all of them
+                peak_grad_fraction=getattr(method, "peak_grad_bytes", 0) / sum(
+                    p.numel() * p.element_size() for p in pmodel.parameters() if p.requires_grad),
+                grads_left=[n for n, p in pmodel.named_parameters() if p.grad is not None],
+                trainable_bytes=sum(p.numel() * p.element_size() for p in pmodel.parameters()
+                                    if p.requires_grad),
+                # what one forward all-gathers over z: every z-sharded module's block
+                forward_gather_bytes=sum(m.block_shape[0] * m.block_shape[1] * 4
+                                         for m in pmodel.engine.sharded) if shape.z > 1 else 0)
+
+
+def main() -> int:
+    rank, world, device = init_distributed("gloo", timeout_s=120)
+    shapes = json.loads(os.environ["FOURFOLD_TEST_SHAPES"])
+    checks = json.loads(os.environ["FOURFOLD_TEST_CHECKS"])
+    results = []
+    for shape_list in shapes:
+        shape = GridShape(*shape_list)
+        if shape.size != world:
+            continue
+        grid = Grid.build(shape, device)
+        for check in checks:
+            case = {"shape": shape_list, "check": check}
+            try:
+                if check["name"] == "frozen":
+                    case.update(check_frozen(shape, grid))
+                else:
+                    case.update(check_method(shape, grid, check))
+            except Exception:  # reported to the test, which fails with the traceback
+                case.update(ok=False, error=traceback.format_exc())
+            results.append(case)
+    if rank == 0:
+        with open(os.environ["FOURFOLD_TEST_OUT"], "w") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+    dist.barrier()
+    leave_job(0)
+    return 0
+
+
+if __name__ == "__main__":
+    main()
