@@ -4,7 +4,6 @@ train/methods trains on a grid as on one process (see lean_worker.py)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,7 +60,9 @@ def check_trains_as_one_process(r: dict) -> None:
     assert r["max_rel_loss"] < 1e-5, f"{label}: losses {r['losses']} vs {r['ref_losses']}"
     assert r["max_weight_diff"] < 1e-5 * max(1.0, r["weight_change"] * 100), \
         f"{label}: weights differ by {r['max_weight_diff']} (moved {r['weight_change']})"
-    assert r["ref_losses"][-1] < r["ref_losses"][0], f"{label}: did not learn {r['ref_losses']}"
+    # the worker's batches alternate between two kinds, so compare a pair with a pair
+    first, last = sum(r["ref_losses"][:2]), sum(r["ref_losses"][-2:])
+    assert last < first, f"{label}: did not learn {r['ref_losses']}"
 
 
 def test_zeroth_order_methods_train_as_one_process(tmp_path: Path) -> None:

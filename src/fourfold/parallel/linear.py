@@ -252,9 +252,10 @@ class _FusedLinear3DFunction(torch.autograd.Function):
         engine = group.engine
         (x,) = ctx.saved_tensors
         dtype = ctx.dtype
-        with torch.autocast(x.device.type, enabled=False):
+        some = next(g for g in grads if g is not None)  # x is None when all members are frozen
+        with torch.autocast(some.device.type, enabled=False):
             w = engine.gather_weight(group, "backward", dtype)
-            dy = torch.cat([torch.zeros((*x.shape[:-1], r), dtype=dtype, device=x.device)
+            dy = torch.cat([torch.zeros((*some.shape[:-1], r), dtype=dtype, device=some.device)
                             if g is None else g.to(dtype) for g, r in zip(grads, group.rows)],
                            dim=-1)
             grad_in = (engine.matmul("input_grad", dy, w.to(dtype)).to(ctx.x_dtype)
