@@ -21,17 +21,11 @@ by several ranks (a host's) among them and takes `reserved_gib` per rank off for
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from fourfold.config import ModelConfig
 from fourfold.parallel.grid import GridShape
 from fourfold.plan.errors import PlanError
 from fourfold.plan.schedule import block_linears, local_param_numel
-
-if TYPE_CHECKING:
-    import torch
-
-    from fourfold.config import Config
 
 GIB = 1024**3
 
@@ -191,57 +185,3 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
                            optimizer=states["optimizer"], activations=activations,
                            gathered_weights=gathered, logits=logits, comm_buffers=comm_buffers,
                            startup=startup, export=export, checkpoint=checkpoint)
-
-
-def rank_memory_capacity(device: "torch.device", local_ranks: int) -> int:
-    """Bytes one rank can use: its GPU's memory, or the host's memory shared by the ranks on
-    it (MemTotal: a run must not be refused for what other programs hold right now)."""
-    import torch
-
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024 // max(1, local_ranks)
-    raise PlanError("cannot read the host's memory size from /proc/meminfo")
-
-
-def check_grid_fits(cfg: "Config", shape: GridShape, device: "torch.device",
-                    local_ranks: int) -> None:
-    """Raise a one-line PlanError, before anything is built, when a rank of `shape` cannot
-    hold the run of `cfg` (its peak per plan/memory.py), naming the bytes needed and a grid
-    that would fit (the planner's grid search, on as many ranks as it takes)."""
-    from fourfold.plan.search import grid_problem, grid_shapes
-
-    t, p = cfg.train, cfg.parallel
-    capacity = rank_memory_capacity(device, local_ranks)
-
-    def need(s: GridShape) -> MemoryBreakdown:
-        micro_tokens = t.batch_size // (s.data * s.z) // t.grad_accum * t.seq_len
-        return predict_memory(cfg.model, s, micro_tokens, t.activation_checkpointing,
-                              Precision.of(t.dtype), bucket_bytes=int(p.bucket_mb * 2**20),
-                              on_host=device.type == "cpu", writer=True,
-                              async_checkpoint=cfg.checkpoint.async_save
-                              and cfg.checkpoint.every > 0)
-
-    mem = need(shape)
-    if mem.total <= capacity:
-        return
-    suggestion = "no grid of up to 2^20 ranks does"
-    world = shape.size
-    while world <= 2**20:
-        fitting = [(need(s).total, s) for s in grid_shapes(world)
-                   if grid_problem(cfg.model, s, t.batch_size) is None]
-        fitting = [(n, s) for n, s in fitting if n <= capacity]
-        if fitting:
-            n, s = min(fitting, key=lambda f: (f[0], str(f[1])))
-            suggestion = (f"a grid that fits: parallel.x={s.x} y={s.y} z={s.z} data={s.data} "
-                          f"({world} ranks, {n / GIB:.2f} GiB each)")
-            break
-        world *= 2
-    state = mem.params + mem.grads + mem.optimizer
-    raise PlanError(f"grid {shape} cannot hold model {cfg.model.preset!r}: a rank needs "
-                    f"{mem.total / GIB:.2f} GiB ({state / GIB:.2f} GiB weights, gradients and "
-                    f"AdamW states + {(mem.total - state) / GIB:.2f} GiB at the peak of a step, "
-                    f"build or export) and has {capacity / GIB:.2f} GiB; {suggestion}")

@@ -4,6 +4,7 @@ checkpointing setting that fits in memory for each, ranked by predicted step tim
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fourfold.config import PRESETS, ModelConfig, model_config
 from fourfold.intmath import divisors
@@ -12,6 +13,11 @@ from fourfold.plan.errors import PlanError
 from fourfold.plan.machines import GIB, Machine
 from fourfold.plan.memory import MemoryBreakdown, Precision, predict_memory
 from fourfold.plan.perf import Overlap, StepPrediction, predict_step
+
+if TYPE_CHECKING:
+    import torch
+
+    from fourfold.config import Config
 
 
 @dataclass
@@ -237,3 +243,55 @@ def choose_grid(model_cfg: ModelConfig, world_size: int, machine: Machine | str,
                      f"ms/step ({len(fitting)} grids fit, {len(result.rejected)} cannot split "
                      "the model)")
     return best.shape, "\n".join(lines)
+
+
+def rank_memory_capacity(device: "torch.device", local_ranks: int) -> int:
+    """Bytes one rank can use: its GPU's memory, or the host's memory shared by the ranks on
+    it (MemTotal: a run must not be refused for what other programs hold right now)."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 // max(1, local_ranks)
+    raise PlanError("cannot read the host's memory size from /proc/meminfo")
+
+
+def check_grid_fits(cfg: "Config", shape: GridShape, device: "torch.device",
+                    local_ranks: int) -> None:
+    """Raise a one-line PlanError, before anything is built, when a rank of `shape` cannot
+    hold the run of `cfg` (its peak per plan/memory.py), naming the bytes needed and a grid
+    that would fit (the planner's grid search, on as many ranks as it takes)."""
+    t, p = cfg.train, cfg.parallel
+    capacity = rank_memory_capacity(device, local_ranks)
+
+    def need(s: GridShape) -> MemoryBreakdown:
+        micro_tokens = t.batch_size // (s.data * s.z) // t.grad_accum * t.seq_len
+        return predict_memory(cfg.model, s, micro_tokens, t.activation_checkpointing,
+                              Precision.of(t.dtype), bucket_bytes=int(p.bucket_mb * 2**20),
+                              on_host=device.type == "cpu", writer=True,
+                              async_checkpoint=cfg.checkpoint.async_save
+                              and cfg.checkpoint.every > 0)
+
+    mem = need(shape)
+    if mem.total <= capacity:
+        return
+    suggestion = "no grid of up to 2^20 ranks does"
+    world = shape.size
+    while world <= 2**20:
+        fitting = [(need(s).total, s) for s in grid_shapes(world)
+                   if grid_problem(cfg.model, s, t.batch_size) is None]
+        fitting = [(n, s) for n, s in fitting if n <= capacity]
+        if fitting:
+            n, s = min(fitting, key=lambda f: (f[0], str(f[1])))
+            suggestion = (f"a grid that fits: parallel.x={s.x} y={s.y} z={s.z} data={s.data} "
+                          f"({world} ranks, {n / GIB:.2f} GiB each)")
+            break
+        world *= 2
+    state = mem.params + mem.grads + mem.optimizer
+    raise PlanError(f"grid {shape} cannot hold model {cfg.model.preset!r}: a rank needs "
+                    f"{mem.total / GIB:.2f} GiB ({state / GIB:.2f} GiB weights, gradients and "
+                    f"AdamW states + {(mem.total - state) / GIB:.2f} GiB at the peak of a step, "
+                    f"build or export) and has {capacity / GIB:.2f} GiB; {suggestion}")

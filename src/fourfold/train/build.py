@@ -26,7 +26,7 @@ from fourfold.models.adapter import apply_adapter
 from fourfold.models.hf import HF_CONFIG_FILE, hf_model_config
 from fourfold.models.llama import Llama, build_model
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
-from fourfold.plan.memory import check_grid_fits
+from fourfold.plan.search import check_grid_fits
 from fourfold.train.compile import BlockCompiler
 from fourfold.train.host_memory import keep_freed_host_memory
 from fourfold.train.optim import build_optimizer
