@@ -60,12 +60,15 @@ class DistCount:
     def by_axis(self, grid: Any) -> dict[str, int]:
         """Bytes per grid axis (x, y, z, data; "all" for the world and tensor groups)."""
         names = {id(grid.group(a)): a for a in ("x", "y", "z", "data") if grid.size(a) > 1}
+        # an axis may have a second group of its own for prefetching gathers (z)
+        names.update({id(grid.gather_group(a)): a for a in ("x", "y", "z", "data")
+                      if grid.size(a) > 1})
         out = {"x": 0, "y": 0, "z": 0, "data": 0, "all": 0}
         for _, group, nbytes, _ in self.records:
             out[names.get(id(group), "all")] += nbytes
         return out
 
     def calls(self, grid: Any, axis: str, op: str | None = None) -> int:
-        g = grid.group(axis)
+        groups = (grid.group(axis), grid.gather_group(axis))
         return sum(1 for o, group, _, _ in self.records
-                   if group is g and (op is None or o == op))
+                   if any(group is g for g in groups) and (op is None or o == op))
