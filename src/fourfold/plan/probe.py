@@ -127,7 +127,13 @@ def probe(gemm_sizes: tuple[int, ...] | None, buffer_bytes: tuple[int, ...],
             local_times = local_times.to(device)
         dist.all_reduce(local_times, op=dist.ReduceOp.MAX)
         times = local_times.cpu().tolist()
-        latency, per_byte = fit_latency_bandwidth([(v, t) for (v, _, _), t in zip(points, times)])
+        pairs = [(v, t) for (v, _, _), t in zip(points, times)]
+        latency, per_byte = fit_latency_bandwidth(pairs)
+        if per_byte <= 0.0:
+            # the buffers were too small (or the host too busy) for time to grow with volume:
+            # the largest buffer's rate, latency included, is a lower bound on the bandwidth
+            volume, seconds = max(pairs)
+            per_byte = seconds / volume if volume > 0 else 0.0
         fits[(stride, p)] = (latency, per_byte)
     gathered = [None] * world
     dist.all_gather_object(gathered, rates)
