@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fourfold.config import Config, load_config
+from fourfold.config import Config, ConfigError, load_config
 from fourfold.train import Trainer, TrainingError
 from fourfold.train.checkpoint import list_checkpoints
 from fourfold.train.metrics import read_metrics
@@ -83,6 +83,40 @@ def test_stop_and_resume_logs_the_same_losses(tmp_path: Path) -> None:
     assert [p.name for p in list_checkpoints(tmp_path / "whole")] == ["step_00000006",
                                                                        "step_00000003"]
 
+
+
+@pytest.mark.parametrize("optimizer, extra", [
+    ("lomo", ["train.clip_mode=none"]), ("adalomo", []),
+    ("mezo", ["train.lr=1e-4", "train.grad_clip=0"])])
+def test_memory_lean_methods_train_and_resume_exactly(tmp_path: Path, optimizer: str,
+                                                      extra: list[str]) -> None:
+    """fourfold train drives train.optimizer = lomo / adalomo / mezo through its update seam;
+    the method's state is a checkpoint part: stopped and resumed, the run goes on bit for bit."""
+    cfg = small_config(f"train.optimizer={optimizer}", *extra, "checkpoint.every=3")
+    whole = Trainer(cfg, tmp_path / "whole", progress=False)
+    assert whole.optimizer is None and whole.method is not None
+    start = {n: p.detach().clone() for n, p in whole.pmodel.named_parameters()}
+    result = whole.fit()
+    assert all(math.isfinite(x) for x in result.losses) and len(result.losses) == 6
+    moved = max(float((p.detach() - start[n]).abs().max())
+                for n, p in whole.pmodel.named_parameters())
+    assert moved > 0, f"{optimizer} changed no weight"
+
+    stopped = Trainer(cfg, tmp_path / "stopped", progress=False)
+    for _ in range(3):
+        stopped.train_step()
+    stopped.save_checkpoint()
+    stopped.train_step()  # lost, as in a crash
+    stopped.checkpoints.close()
+    del stopped
+    resumed = Trainer(cfg, tmp_path / "stopped", progress=False)
+    assert resumed.step == 3
+    assert resumed.fit().losses[-3:] == result.losses[3:]  # bit for bit
+
+
+def test_evolution_strategies_are_refused_by_the_trainer_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="es"):
+        Trainer(small_config("train.optimizer=es"), tmp_path, progress=False)
 
 
 def test_resume_with_another_schedule_says_so(tmp_path: Path,

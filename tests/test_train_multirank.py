@@ -97,3 +97,25 @@ def test_compiled_tensor_parallel_ranks_match_one_process(tmp_path: Path,
     losses = [r["loss"] for r in read_metrics(grid_dir / "metrics.jsonl") if "loss" in r]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(single.losses), rtol=1e-4,
                                atol=0)
+
+
+@pytest.mark.ranks
+@pytest.mark.usefixtures("one_thread")
+def test_lomo_through_fourfold_train_on_a_grid_matches_one_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.optimizer = lomo under torchrun on z = 2 (each shard updated inside backward,
+    after its reduce-scatter) trains as one process does."""
+    from fourfold.config import load_config
+    from fourfold.train import train
+    from fourfold.train.metrics import read_metrics
+
+    items = [*[o for o in OVERRIDES if not o.startswith("train.grad_accum")],
+             "train.optimizer=lomo", "train.clip_mode=none", "train.sample_tokens=0"]
+    env = outside_job_env(FOURFOLD_CACHE=str(tmp_path / "cache"))
+    torchrun_train([*items, "parallel.z=2"], tmp_path / "grid", env)
+    monkeypatch.setenv("FOURFOLD_CACHE", env["FOURFOLD_CACHE"])
+    single = train(load_config(None, items), tmp_path / "single", progress=False)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "grid" / "metrics.jsonl") if "loss" in r]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(single.losses), rtol=1e-5,
+                               atol=0)
+    assert single.losses[-1] != single.losses[0]

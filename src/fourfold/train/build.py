@@ -29,6 +29,7 @@ from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, 
 from fourfold.plan.search import check_grid_fits
 from fourfold.train.compile import BlockCompiler
 from fourfold.train.host_memory import keep_freed_host_memory
+from fourfold.train.methods import TrainingMethod, build_method
 from fourfold.train.optim import build_optimizer
 from fourfold.train.resilience import LossGuard
 
@@ -47,7 +48,8 @@ class Run:
     tokenizer: Tokenizer
     pmodel: ParallelModel
     compiler: BlockCompiler
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None  # AdamW; None when `method` trains instead
+    method: TrainingMethod | None  # train.optimizer other than adamw (train/methods)
     loader: BatchLoader  # whole steps; the trainer slices them into micro-batches
     val_loader: BatchLoader
     guard: LossGuard
@@ -63,6 +65,9 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
     validate(cfg)
     cfg = copy.deepcopy(cfg)  # the caller's config stays as it was
     t, p = cfg.train, cfg.parallel
+    if t.optimizer == "es":  # its batch is split over z only; the loaders split data * z
+        raise ConfigError('train.optimizer = "es" runs from Python (fourfold.train.methods) '
+                          "but not yet in fourfold train; choose adamw, lomo, adalomo or mezo")
 
     init_from = cfg.model.init_from if model is None else ""
     if init_from and (Path(init_from) / HF_CONFIG_FILE).is_file():
@@ -116,8 +121,12 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
     # optimizer, which then see only the adapter as trainable.
     apply_adapter(pmodel, cfg.adapter, t.seed)
     compiler = BlockCompiler(pmodel.module, t.compile)
-    optimizer = build_optimizer(pmodel.named_parameters(), t,
-                                tied_output=cfg.model.tie_embeddings)
+    optimizer, method = None, None
+    if t.optimizer == "adamw":
+        optimizer = build_optimizer(pmodel.named_parameters(), t,
+                                    tied_output=cfg.model.tie_embeddings)
+    else:
+        method = build_method(pmodel, t, tied_output=cfg.model.tie_embeddings)
 
     # The loader hands out whole steps; micro-batches are slices of them, so the data a step
     # sees does not depend on grad_accum. Validation batches are whole steps too (evaluated in
@@ -128,7 +137,8 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
                              shard_index=shard_index, num_shards=shard_count)
     return Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world_size=world_size, device=device,
                grid=grid, data_dir=data_dir, tokenizer=tokenizer, pmodel=pmodel,
-               compiler=compiler, optimizer=optimizer, loader=loader, val_loader=val_loader,
+               compiler=compiler, optimizer=optimizer, method=method, loader=loader,
+               val_loader=val_loader,
                guard=LossGuard(t.spike_threshold))
 
 

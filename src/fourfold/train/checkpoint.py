@@ -377,7 +377,8 @@ class CheckpointManager:
     """
 
     def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, grid: Grid,
-                 states: Mapping[str, Stateful] | None = None) -> None:
+                 states: Mapping[str, Stateful] | None = None,
+                 rank_states: Mapping[str, Stateful] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.root = checkpoint_root(run_dir)
         self.cfg = cfg
@@ -386,7 +387,8 @@ class CheckpointManager:
         self.states: dict[str, Stateful] = dict(states or {})
         if _EXTRA in self.states:
             raise ValueError(f"{_EXTRA!r} is reserved for save()'s extra; name the part otherwise")
-        self.rank_states: dict[str, Stateful] = {"rng": RandomState()}
+        # each rank's own parts: its RNG states, and the caller's (a method's local shards)
+        self.rank_states: dict[str, Stateful] = {"rng": RandomState(), **(rank_states or {})}
         self.distributed = grid.world_size > 1 and dist.is_initialized()
         # A group of its own: the writer thread's collectives never meet training traffic.
         self.group = dist.new_group(backend="gloo") if self.distributed else None

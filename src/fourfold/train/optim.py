@@ -57,9 +57,9 @@ def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay:
 def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], cfg: TrainConfig,
                     tied_output: bool = False) -> torch.optim.AdamW:
     """torch AdamW over the given (local) parameters, fused where the device supports it."""
-    if cfg.optimizer != "adamw":  # the trainer drives the others through train/methods
-        raise ConfigError(f"train.optimizer = {cfg.optimizer!r} is not in the trainer yet; "
-                          "use \"adamw\" (the others run through fourfold.train.methods)")
+    if cfg.optimizer != "adamw":  # the others: fourfold.train.methods.build_method
+        raise ConfigError(f"train.optimizer = {cfg.optimizer!r}: build_optimizer builds AdamW; "
+                          "the others are built by fourfold.train.methods.build_method")
     groups = param_groups(named_params, cfg.weight_decay, tied_output)
     groups = [g for g in groups if g["params"]]
     common = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
@@ -101,10 +101,12 @@ class LRSchedule:
         self.cfg = cfg
         self.changed: list[str] = []  # "train.lr 0.001 -> 0.0005", set by load_state_dict
 
-    def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
-        """Set the learning rate of optimizer step `step` (1-based); returns it."""
+    def apply(self, optimizer: torch.optim.Optimizer | None, step: int) -> float:
+        """Set the learning rate of optimizer step `step` (1-based); returns it (a training
+        method without a torch optimizer takes it as an argument)."""
         lr = lr_at(step, self.cfg)
-        set_lr(optimizer, lr)
+        if optimizer is not None:
+            set_lr(optimizer, lr)
         return lr
 
     def state_dict(self) -> dict[str, float | int]:

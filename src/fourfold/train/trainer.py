@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -29,6 +29,7 @@ from fourfold.plan.perf import hardware_flops_per_token
 from fourfold.train.build import Run, build_run
 from fourfold.train.checkpoint import CheckpointError, CheckpointManager
 from fourfold.train.host_memory import to_device
+from fourfold.train.methods import StepData, TrainingMethod
 from fourfold.train.metrics import MetricsLog, job_peak_flops, peak_memory_bytes
 from fourfold.train.optim import LRSchedule
 from fourfold.train.progress import Progress
@@ -116,7 +117,8 @@ class Trainer:
         self.tokenizer: Tokenizer = run.tokenizer
         self.pmodel: ParallelModel = run.pmodel
         self.compiler = run.compiler
-        self.optimizer = run.optimizer
+        self.optimizer = run.optimizer  # AdamW, or None when a training method runs the update
+        self.method = run.method
         self.loader, self.val_loader = run.loader, run.val_loader
         self.guard = run.guard
         self.schedule = LRSchedule(self.cfg.train)
@@ -143,7 +145,8 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             self.run_dir, self.cfg.checkpoint, self.grid,
             states={"trainer": self, "loader": self.loader, "guard": self.guard,
-                    "schedule": self.schedule})
+                    "schedule": self.schedule},
+            rank_states={"method": _MethodState(self.method)} if self.method else None)
         self.resumed_from: Path | None = None
         self._rollbacks: tuple[Path | None, int] = (None, 0)  # (checkpoint, rollbacks to it)
         if self.cfg.checkpoint.resume:
@@ -181,7 +184,7 @@ class Trainer:
         loader_state = self.loader.state_dict()
 
         def undo() -> None:  # what a first step that failed to compile changed
-            self.optimizer.zero_grad(set_to_none=True)
+            self.pmodel.module.zero_grad(set_to_none=True)
             self.loader.load_state_dict(loader_state)
 
         return self.compiler.first_step(self._train_step, undo, passthrough=(TrainingError,))
@@ -200,7 +203,11 @@ class Trainer:
         local_count = torch.stack([m.sum() for m in masks]).sum()
         global_count = self.pmodel.reduce_over_batch(local_count).clamp(min=1.0)
 
-        loss_value, grad_norm, what = self._update(step, micro, masks, global_count)
+        if self.method is not None:
+            loss_value, grad_norm, what = self._method_update(step, lr, micro, masks,
+                                                              global_count)
+        else:
+            loss_value, grad_norm, what = self._update(step, micro, masks, global_count)
         self.step = step
         return StepStats(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm,
                          skipped=what is not None, seconds=time.perf_counter() - start,
@@ -240,6 +247,33 @@ class Trainer:
             self.optimizer.step()
             self.guard.accept(loss_value)
         return loss_value, grad_norm, what
+
+    def _method_update(self, step: int, lr: float, micro: list[tuple[torch.Tensor, torch.Tensor]],
+                       masks: list[torch.Tensor], global_count: torch.Tensor
+                       ) -> tuple[float, float, str | None]:
+        """The update of train.optimizer other than adamw (train/methods): the method runs
+        the forwards (and backwards) itself from the micro-batch losses given here, and asks
+        the loss guard before it updates."""
+        assert self.method is not None
+
+        def losses() -> Iterator[torch.Tensor]:
+            for i, ((x, y), mask) in enumerate(zip(micro, masks)):
+                self.pmodel.set_requires_gradient_sync(i == len(micro) - 1)
+                with self._autocast():
+                    per_token = self.pmodel(x, y)  # (b, T)
+                yield (per_token.float() * mask).sum() / global_count
+
+        result = self.method.step(self.pmodel, StepData(len(micro), losses), lr,
+                                  guard=self.guard.check)
+        if result.skipped:
+            if self.cfg.train.nan_policy == "stop":
+                raise TrainingError(
+                    f"step {step}: {result.reason}; stopped (train.nan_policy = "
+                    f"{self.cfg.train.nan_policy!r}); try a lower train.lr or "
+                    "train.nan_policy = \"skip\"", step)
+            return result.loss, result.grad_norm, result.reason or "skipped"
+        self.guard.accept(result.loss)
+        return result.loss, result.grad_norm, None
 
     # ---- evaluation and samples -----------------------------------------------------------
 
@@ -591,3 +625,16 @@ def train(cfg: Config, run_dir: Path, *, progress: bool | None = None) -> TrainR
 __all__ = ["Run", "StepStats", "TrainResult", "Trainer", "TrainingError", "build_run",
            "count_parameters", "train"]
 
+
+class _MethodState:
+    """A training method's state as a checkpoint part of its rank (tensors plus JSON)."""
+
+    def __init__(self, method: TrainingMethod) -> None:
+        self.method = method
+
+    def state_dict(self) -> dict[str, Any]:
+        tensors, meta = self.method.state_dict()
+        return {"tensors": tensors, "meta": meta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.method.load_state_dict(state["tensors"], state["meta"])
