@@ -519,3 +519,63 @@ def test_overlap_forward_splits_the_output_all_reduces_and_hides_half():
     off = predict_step(*args)
     assert sum(on.hidden_s.values()) > sum(off.hidden_s.values())
     assert on.comm_bytes == off.comm_bytes
+
+
+def test_search_over_reduce_dtype_and_overlap_forward_keeps_the_ledger_bytes(capsys):
+    """Every candidate the search picks with --reduce-dtype auto --overlap-forward auto carries
+    the bytes the engine's ledger records for its switches (the schedule test_parallel holds
+    equal to the ledger), and the switches it chose are reported."""
+    machine = load_machine("perlmutter")
+    result = plan(TINY, 8, machine, 16, 16, "bfloat16", reduce_dtypes=("float32", "bfloat16"),
+                  overlap_forward=(False, True))
+    seen = set()
+    for c in result.candidates:
+        tokens = 16 // (c.shape.data * c.shape.z) // c.grad_accum * 16
+        gb = 2 if c.reduce_dtype == "bfloat16" else 4
+        assert c.prediction.comm_bytes == predict_comm_bytes(
+            TINY, c.shape, tokens, c.grad_accum, c.activation_checkpointing, act_bytes=2,
+            weight_bytes=2, grad_bytes=gb, residual_bytes=4,
+            overlap_forward=c.overlap_forward), c.shape
+        assert c.prediction.comm_bytes == expected_bytes(
+            TINY, c.shape.data, c.shape.z, c.shape.y, c.shape.x, tokens, c.grad_accum,
+            c.activation_checkpointing, 2, 2, gb, 4)
+        seen.add(c.reduce_dtype)
+    # bf16 reductions move half the gradient bytes: the search takes them where data/z > 1
+    assert "bfloat16" in seen
+    fixed = plan(TINY, 8, machine, 16, 16, "bfloat16")
+    assert {c.reduce_dtype for c in fixed.candidates} == {"float32"}
+    assert not any(c.overlap_forward for c in fixed.candidates)
+    assert plan_main(["--model", "1b", "--gpus", "16", "--machine", "perlmutter", "--json",
+                      "--global-batch", "64", "--seq", "2048", "--reduce-dtype", "auto",
+                      "--overlap-forward", "auto", "--top", "0"]) == 0
+    rows = json.loads(capsys.readouterr().out)["configurations"]
+    assert {r["reduce_dtype"] for r in rows} <= {"float32", "bfloat16"}
+    assert any(r["overlap_forward"] for r in rows)  # some grid's exposed all-reduces shrink
+    assert plan_main(["--model", "1b", "--gpus", "16", "--machine", "perlmutter",
+                      "--global-batch", "64", "--seq", "2048", "--overlap-forward", "on",
+                      "--top", "2"]) == 0
+    table = capsys.readouterr().out
+    assert " ovf " in table and all(" on " in row for row in table.splitlines()[-2:])
+    with pytest.raises(PlanError, match="--no-overlap"):
+        plan_main(["--model", "1b", "--gpus", "8", "--machine", "perlmutter", "--no-overlap",
+                   "--overlap-forward", "on"])
+
+
+def test_overlap_forward_pays_for_itself_only_where_all_reduces_are_exposed():
+    machine, prec = load_machine("perlmutter"), Precision.of("bfloat16")
+    cfg = model_config("1b")
+    # x = 4: the output all-reduces wait in the open; the split hides half of them
+    args = (cfg, GridShape(data=1, z=1, y=1, x=4), 4, 2048, 1, False, machine, prec)
+    on, off = predict_step(*args, overlap=Overlap(overlap_forward=True)), predict_step(*args)
+    assert on.step_s < off.step_s
+    assert on.comm_s["x"] >= off.comm_s["x"]  # twice the calls: the latency is paid twice
+    # data parallel only: no output all-reduce to hide, only smaller GEMMs and more launches
+    args = (cfg, GridShape(data=4), 4, 2048, 1, False, machine, prec)
+    on, off = predict_step(*args, overlap=Overlap(overlap_forward=True)), predict_step(*args)
+    assert on.compute_s > off.compute_s and on.step_s >= off.step_s
+    # the search takes the split only where it is faster
+    result = plan(cfg, 4, machine, 4, 2048, "bfloat16", overlap_forward=(False, True))
+    for c in result.candidates:
+        other = predict_step(cfg, c.shape, 4, 2048, c.grad_accum, c.activation_checkpointing,
+                             machine, prec, Overlap(overlap_forward=not c.overlap_forward))
+        assert c.prediction.step_s <= other.step_s

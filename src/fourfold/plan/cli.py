@@ -2,6 +2,7 @@
 
     fourfold plan --model PRESET|CONFIG.toml --gpus N --machine NAME|MACHINE.toml
                   [--global-batch B] [--seq S] [--top K] [--json]
+                  [--reduce-dtype float32|bfloat16|auto] [--overlap-forward auto|on|off]
     fourfold plan --compute FLOPS | --tokens T [--law chinchilla|epoch]
     fourfold plan --dataset DATA_DIR --compute FLOPS [--dataset-tokens N] [--out CONFIG.toml]
     fourfold plan --sweep [--machine NAME] [--gpus MAX] [--out PLOT.png]
@@ -57,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int, help="fix gradient accumulation (default: search)")
     p.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--no-overlap", action="store_true", help="predict with every overlap off")
+    p.add_argument("--reduce-dtype", choices=("float32", "bfloat16", "auto"), default="float32",
+                   help="parallel.reduce_dtype of the weight-gradient reduce-scatters and the "
+                   "data all-reduce (auto: the faster per grid; bfloat16 is not exact)")
+    p.add_argument("--overlap-forward", choices=("auto", "on", "off"), default="off",
+                   help="parallel.overlap_forward: forward GEMMs in two token halves, one "
+                   "half's output all-reduce under the other's GEMM (auto: the faster per grid)")
     p.add_argument("--top", type=int, default=10, help="rows to show (0: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--compute", type=_positive_number, help="training FLOPs for a scaling-law "
@@ -144,11 +151,13 @@ def format_plan(result: Plan, top: int, model_name: str | None = None) -> str:
               "per rank)",
               f"batch {result.global_batch} x {result.seq_len} tokens, {result.precision.name}; "
               f"{len(result.candidates)} grids, {len(result.rejected)} cannot split the model; "
-              f"comm columns: ms per step (hidden %)",
+              f"comm columns: ms per step (hidden %); red: parallel.reduce_dtype, ovf: "
+              "parallel.overlap_forward",
               "ranked by predicted step time (so by MFU: model FLOPs, 6N + attention per token); "
               "HFU also counts the forward that activation checkpointing (AC) recomputes",
               f"{m.device.note}; {m.note}" if m.note else m.device.note]
-    columns = (f"{'#':>3} {'data,z,y,x':>12} {'mb x acc':>9} {'AC':>3} {'step ms':>9} "
+    columns = (f"{'#':>3} {'data,z,y,x':>12} {'mb x acc':>9} {'AC':>3} {'red':>4} {'ovf':>3} "
+               f"{'step ms':>9} "
                f"{'tokens/s':>11} {'MFU':>5} {'HFU':>5} " + " ".join(f"{a + ' ms':>13}" for a in AXES)
                + f" {'GiB/GPU':>8}  fits")
     lines = header + [columns]
@@ -162,7 +171,9 @@ def format_plan(result: Plan, top: int, model_name: str | None = None) -> str:
             comm.append(f"{_ms(total) + share:>13}" if total > 0 else f"{'-':>13}")
         fits = "fits" if c.fits else f"OOM by {c.oom_gib:.1f} GiB"
         lines.append(f"{i:>3} {grid:>12} {f'{c.micro_batch}x{c.grad_accum}':>9} "
-                     f"{'on' if c.activation_checkpointing else 'off':>3} {_ms(p.step_s):>9} "
+                     f"{'on' if c.activation_checkpointing else 'off':>3} "
+                     f"{'bf16' if c.reduce_dtype == 'bfloat16' else 'f32':>4} "
+                     f"{'on' if c.overlap_forward else 'off':>3} {_ms(p.step_s):>9} "
                      f"{p.tokens_per_s:>11,.0f} {p.mfu:>5.0%} {p.hfu:>5.0%} " + " ".join(comm)
                      + f" {c.memory.total / GIB:>8.2f}  {fits}")
     if not any(c.fits for c in result.candidates):
@@ -208,9 +219,15 @@ def _plan_mode(args: argparse.Namespace) -> int:
     dtype = args.dtype or ("float32" if machine.device.shared_host else "bfloat16")
     checkpointing = {"auto": (False, True), "on": (True,), "off": (False,)}[
         args.activation_checkpointing]
+    if args.no_overlap and args.overlap_forward != "off":
+        raise PlanError(f"--overlap-forward {args.overlap_forward} with --no-overlap: "
+                        "--no-overlap turns every overlap off; drop one of them")
     overlap = Overlap(False, False, False, False) if args.no_overlap else Overlap()
+    reduce_dtypes = ("float32", "bfloat16") if args.reduce_dtype == "auto" else \
+        (args.reduce_dtype,)
+    splits = {"auto": (False, True), "on": (True,), "off": (False,)}[args.overlap_forward]
     result = plan(model, args.gpus, machine, batch, seq, dtype, overlap, checkpointing,
-                  args.grad_accum)
+                  args.grad_accum, reduce_dtypes, splits)
     if args.json:
         print(json.dumps(plan_json(result, args.top, describe_model(model, args.model)),
                          indent=2))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from fourfold.config import ModelConfig
 from fourfold.models.llama import flops_per_token
 from fourfold.parallel.grid import AXES, GridShape
+from fourfold.parallel.linear import split_rows
 from fourfold.plan.machines import HostCalibration, Machine, ring_volume
 from fourfold.plan.memory import Precision
 from fourfold.plan.schedule import Collective, block_linears, collective_schedule, local_param_numel
@@ -140,14 +141,21 @@ class _Compute:
 
 
 def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, rates: _Rates,
-                   precision: Precision) -> _Compute:
+                   precision: Precision, forward_split: bool = False) -> _Compute:
     gx, gy = shape.x, shape.y
     eb = precision.act_bytes
+    # overlap_forward runs each forward GEMM as two over the token halves: smaller GEMMs
+    # (lower shape efficiency) and one more launch each, the price of the hidden all-reduce
+    halves = [h for h in split_rows(n) if h > 0] if forward_split else [n]
+
+    def forward_gemm(out_f: int, in_f: int) -> float:
+        return sum(_gemm(h, out_f, in_f, rates, eb) for h in halves)
+
     fwd = dgrad = wgrad = 0.0
     for lin in block_linears(model):
         out_l, in_l = ((lin.out_features // gx, lin.in_features // gy) if lin.transposed
                        else (lin.out_features // gy, lin.in_features // gx))
-        fwd += _gemm(n, out_l, in_l, rates, eb)
+        fwd += forward_gemm(out_l, in_l)
         dgrad += _gemm(n, in_l, out_l, rates, eb)
         wgrad += _gemm(out_l, in_l, n, rates, eb)
     # attention: heads split over y (replicated over x); causal, so half of the score matrix
@@ -163,11 +171,12 @@ def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, r
     elem = elem_bytes / rates.bytes_per_s
     # per-kernel overhead: about 25 kernels in a block's forward, twice that in backward
     launch = rates.op_overhead_s
-    block_fwd = fwd + attn_fwd + elem + 25 * launch
+    # the split adds a GEMM and an all-reduce launch to each of the block's 4 fused units
+    block_fwd = fwd + attn_fwd + elem + (33 if forward_split else 25) * launch
     block_bwd = dgrad + wgrad + 2 * attn_fwd + 2 * elem + 50 * launch
     L = model.n_layers
     vocab_l, d_l = model.vocab_size // gy, model.dim // gx
-    out_fwd = _gemm(n, vocab_l, d_l, rates, eb)
+    out_fwd = forward_gemm(vocab_l, d_l)
     out_dgrad = _gemm(n, d_l, vocab_l, rates, eb)
     out_wgrad = _gemm(vocab_l, d_l, n, rates, eb)
     loss = 3 * n * vocab_l * 4 / rates.bytes_per_s
@@ -187,7 +196,7 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     n = global_batch // shards // grad_accum * seq_len  # tokens per rank per micro-step
     calibration = machine.calibration(world)
     rates = _rates(machine, precision.name, world, calibration)
-    comp = _compute_times(model, shape, n, seq_len, rates, precision)
+    comp = _compute_times(model, shape, n, seq_len, rates, precision, overlap.overlap_forward)
     schedule = collective_schedule(model, shape, n, grad_accum, activation_checkpointing,
                                    precision.act_bytes, precision.weight_bytes,
                                    precision.reduce_bytes, precision.residual_bytes,

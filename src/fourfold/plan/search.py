@@ -3,6 +3,7 @@ checkpointing setting that fits in memory for each, ranked by predicted step tim
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,8 @@ class Candidate:
     prediction: StepPrediction
     memory: MemoryBreakdown
     usable_bytes: float
+    reduce_dtype: str = "float32"  # parallel.reduce_dtype this prediction assumes
+    overlap_forward: bool = False  # parallel.overlap_forward this prediction assumes
 
     @property
     def fits(self) -> bool:
@@ -45,6 +48,7 @@ class Candidate:
             "grid": {a: getattr(self.shape, a) for a in RANK_ORDER},
             "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "activation_checkpointing": self.activation_checkpointing,
+            "reduce_dtype": self.reduce_dtype, "overlap_forward": self.overlap_forward,
             "step_s": p.step_s, "compute_s": p.compute_s, "tokens_per_s": p.tokens_per_s,
             "mfu": p.mfu, "hfu": p.hfu,
             "comm_s": dict(p.comm_s), "comm_hidden_s": dict(p.hidden_s),
@@ -130,41 +134,66 @@ def grid_problem(model: ModelConfig, shape: GridShape, global_batch: int) -> str
 def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_len: int,
                   machine: Machine, precision: Precision, overlap: Overlap,
                   checkpointing: tuple[bool, ...] = (False, True),
-                  grad_accum: int | None = None) -> Candidate:
-    """For one grid, the fastest (micro-batch, activation checkpointing) that fits; when none
-    fits, the one that needs least memory."""
+                  grad_accum: int | None = None, reduce_dtypes: tuple[str, ...] | None = None,
+                  overlap_forward: tuple[bool, ...] | None = None) -> Candidate:
+    """For one grid, the fastest (micro-batch, activation checkpointing, reduce dtype, forward
+    split) that fits; when none fits, the one that needs least memory. `reduce_dtypes` and
+    `overlap_forward` are the settings of parallel.reduce_dtype / parallel.overlap_forward to
+    consider (None: the precision's own reduce dtype, `overlap`'s own split); neither changes
+    the memory model's peak, so they are chosen by time alone."""
     world = shape.size
     usable = machine.usable_memory_bytes(world)
     local_batch = global_batch // (shape.data * shape.z)
     micro_options = ([local_batch // grad_accum] if grad_accum else
                      divisors(local_batch)[::-1])
+    wires = [(_reduce_dtype(precision), precision)] if reduce_dtypes is None else \
+        [(r, dataclasses.replace(precision, reduce_bytes=_REDUCE_BYTES[r]))
+         for r in reduce_dtypes]
+    splits = [dataclasses.replace(overlap, overlap_forward=f)
+              for f in ((overlap.overlap_forward,) if overlap_forward is None
+                        else overlap_forward)]
+
+    def candidates(micro: int, ac: bool, mem: MemoryBreakdown) -> list[Candidate]:
+        accum = local_batch // micro
+        return [Candidate(shape, micro, accum, ac,
+                          predict_step(model, shape, global_batch, seq_len, accum, ac, machine,
+                                       wire, split), mem, usable, reduce_dtype,
+                          split.overlap_forward)
+                for reduce_dtype, wire in wires for split in splits]
+
     fitting: list[Candidate] = []
-    smallest: tuple[int, int, bool, MemoryBreakdown] | None = None
+    smallest: tuple[int, bool, MemoryBreakdown] | None = None
     for ac in checkpointing:
         for micro in micro_options:  # largest first: bigger GEMMs, fewer repeated gathers
             mem = predict_memory(model, shape, micro * seq_len, ac, precision)
-            if smallest is None or mem.total < smallest[3].total:
-                smallest = (micro, local_batch // micro, ac, mem)
+            if smallest is None or mem.total < smallest[2].total:
+                smallest = (micro, ac, mem)
             if mem.total <= usable:
-                accum = local_batch // micro
-                pred = predict_step(model, shape, global_batch, seq_len, accum, ac, machine,
-                                    precision, overlap)
-                fitting.append(Candidate(shape, micro, accum, ac, pred, mem, usable))
+                fitting.extend(candidates(micro, ac, mem))
                 break
-    if fitting:
-        return min(fitting, key=lambda c: c.prediction.step_s)
-    assert smallest is not None
-    micro, accum, ac, mem = smallest
-    pred = predict_step(model, shape, global_batch, seq_len, accum, ac, machine, precision,
-                        overlap)
-    return Candidate(shape, micro, accum, ac, pred, mem, usable)
+    if not fitting:
+        assert smallest is not None
+        fitting = candidates(*smallest)
+    return min(fitting, key=lambda c: c.prediction.step_s)
+
+
+_REDUCE_BYTES = {"float32": 4, "bfloat16": 2}
+REDUCE_DTYPES: tuple[str, ...] = tuple(_REDUCE_BYTES)
+
+
+def _reduce_dtype(precision: Precision) -> str:
+    return "bfloat16" if precision.reduce_bytes == 2 else "float32"
 
 
 def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: int, seq_len: int,
          dtype: str | Precision = "bfloat16", overlap: Overlap = Overlap(),
-         checkpointing: tuple[bool, ...] = (False, True), grad_accum: int | None = None) -> Plan:
+         checkpointing: tuple[bool, ...] = (False, True), grad_accum: int | None = None,
+         reduce_dtypes: tuple[str, ...] | None = None,
+         overlap_forward: tuple[bool, ...] | None = None) -> Plan:
     """Predict every grid for this job and rank them (fitting ones first, each by step time).
-    `dtype` is a name (`Precision.of`) or a Precision (e.g. another wire dtype)."""
+    `dtype` is a name (`Precision.of`) or a Precision (e.g. another wire dtype);
+    `reduce_dtypes` / `overlap_forward`: the parallel.reduce_dtype / overlap_forward settings
+    the search may pick from (None: the precision's reduce dtype, `overlap`'s split)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"--gpus {world_size}: the GPU count must be a positive integer")
     if global_batch < 1:
@@ -174,6 +203,11 @@ def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: in
                         f"{model.max_seq_len}")
     if grad_accum is not None and grad_accum < 1:
         raise PlanError(f"--grad-accum {grad_accum}: must be at least 1")
+    for r in reduce_dtypes or ():
+        if r not in _REDUCE_BYTES:
+            raise PlanError(f"reduce dtype {r!r}: choose one of {', '.join(REDUCE_DTYPES)}")
+    if reduce_dtypes == () or overlap_forward == ():
+        raise PlanError("reduce_dtypes / overlap_forward: give at least one setting (or None)")
     precision = dtype if isinstance(dtype, Precision) else Precision.of(dtype)
     candidates, rejected = [], []
     for shape in grid_shapes(world_size):
@@ -185,7 +219,8 @@ def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: in
             rejected.append((shape, problem))
             continue
         candidates.append(best_for_grid(model, shape, global_batch, seq_len, machine, precision,
-                                        overlap, checkpointing, grad_accum))
+                                        overlap, checkpointing, grad_accum, reduce_dtypes,
+                                        overlap_forward))
     if not candidates:
         raise PlanError(_no_grid_message(model, world_size, global_batch, rejected))
     # those that fit by time; the rest by how much memory they need, the closest miss first
@@ -209,11 +244,14 @@ def _no_grid_message(model: ModelConfig, world_size: int, global_batch: int,
 def choose_grid(model_cfg: ModelConfig, world_size: int, machine: Machine | str,
                 global_batch: int, seq_len: int, dtype: str = "float32",
                 overlap: Overlap = Overlap(), activation_checkpointing: bool | None = None,
-                grad_accum: int | None = None) -> tuple[GridShape, str]:
+                grad_accum: int | None = None, reduce_dtype: str = "float32"
+                ) -> tuple[GridShape, str]:
     """The fastest grid predicted to fit, and a few lines explaining the choice.
 
     `activation_checkpointing` / `grad_accum` fix those settings (as the run's config does);
-    None lets the planner pick. Raises PlanError when no grid fits in memory.
+    None lets the planner pick. `reduce_dtype` and `overlap.overlap_forward` are the run's
+    parallel.reduce_dtype / overlap_forward (the bytes and overlaps it will have). Raises
+    PlanError when no grid fits in memory.
     """
     from fourfold.plan.machines import load_machine
 
@@ -221,7 +259,7 @@ def choose_grid(model_cfg: ModelConfig, world_size: int, machine: Machine | str,
     checkpointing = (False, True) if activation_checkpointing is None else \
         (activation_checkpointing,)
     result = plan(model_cfg, world_size, m, global_batch, seq_len, dtype, overlap,
-                  checkpointing, grad_accum)
+                  checkpointing, grad_accum, (reduce_dtype,))
     best = result.best
     if not best.fits:
         raise PlanError(f"no grid of {world_size} x {m.device.name} fits model "
@@ -233,7 +271,8 @@ def choose_grid(model_cfg: ModelConfig, world_size: int, machine: Machine | str,
              f"{p.step_s * 1e3:.1f} ms/step, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.0%}, "
              f"{best.memory.total / GIB:.2f} GiB/rank",
              f"  micro-batch {best.micro_batch} x grad_accum {best.grad_accum}, activation "
-             f"checkpointing {'on' if best.activation_checkpointing else 'off'}",
+             f"checkpointing {'on' if best.activation_checkpointing else 'off'}, reduce_dtype "
+             f"{best.reduce_dtype}, overlap_forward {'on' if best.overlap_forward else 'off'}",
              "  comm per step (total/hidden ms): " + ", ".join(
                  f"{a} {p.comm_s[a] * 1e3:.1f}/{p.hidden_s[a] * 1e3:.1f}" for a in AXES)]
     fitting = [c for c in result.candidates if c.fits]
