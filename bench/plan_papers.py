@@ -3,9 +3,11 @@ planner's best grid and its predicted MFU (model FLOPs) and HFU (with the recomp
 beside the paper's result in model-FLOPs terms (its Megatron-formula figures x 3/4: they count
 the recomputation) and the ratio paper / predicted (target: within 1.2x either way).
 
-Two wire dtypes: fourfold's engine as the planner's schedule has it now (`engine`), and
-bfloat16 on the wire for the z gathers and the gradient reductions (`bf16 wire`: what AxoNN
-moves, and what parallel.reduce_dtype = "bfloat16" selects once the engine does).
+Two wire dtypes: fourfold's engine with its defaults under bfloat16 (`engine`: bf16 z gathers
+and activations, float32 gradient reductions), and bfloat16 gradient reductions as well
+(`bf16 wire`: parallel.reduce_dtype = "bfloat16", what AxoNN moves: the row to hold against
+the paper). `bf16, no SM` is the bf16 wire without the SM-contention charge (Device.comm_sms
+= 0), to show what that charge costs; `SM s` is the charge in the step.
 
 The GPTs are custom models (this framework's blocks are Llama-style: SwiGLU with
 ffn_dim = 8/3 x width, rounded down to a multiple of 2048 so that the grids can split it, has
@@ -39,30 +41,26 @@ POINTS = [
 ]
 
 
-def bf16_wire() -> Precision:
-    """bfloat16 autocast with bfloat16 z gathers and gradient reductions on the wire."""
-    try:  # once Precision knows parallel.reduce_dtype
-        return Precision.of("bfloat16", "bfloat16")  # type: ignore[call-arg]
-    except TypeError:  # before it: grad_bytes is also the reductions' element size
-        return dataclasses.replace(Precision.of("bfloat16"), weight_bytes=2, grad_bytes=2)
-
-
 def main() -> None:
-    wires = [("engine", Precision.of("bfloat16")), ("bf16 wire", bf16_wire())]
-    print(f"{'point':<32} {'wire':<9} {'best grid data,z,y,x':>21} {'mb x acc':>8} {'AC':>3} "
-          f"{'step s':>7} {'MFU':>6} {'HFU':>6} {'paper':>6} {'paper/MFU':>9}")
+    engine, bf16 = Precision.of("bfloat16"), Precision.of("bfloat16", "bfloat16")
+    print(f"{'point':<32} {'wire':<12} {'best grid data,z,y,x':>21} {'mb x acc':>8} {'AC':>3} "
+          f"{'step s':>7} {'SM s':>5} {'MFU':>6} {'HFU':>6} {'paper':>6} {'paper/MFU':>9}")
     for label, model, gpus, machine_name, batch, paper in POINTS:
         machine = load_machine(machine_name)
-        for wire, precision in wires:
+        no_sm = dataclasses.replace(machine, device=dataclasses.replace(machine.device,
+                                                                        comm_sms=0.0))
+        for wire, precision, m in (("engine", engine, machine), ("bf16 wire", bf16, machine),
+                                   ("bf16, no SM", bf16, no_sm)):
             start = time.perf_counter()
-            best = plan(model, gpus, machine, batch, 2048, precision).best
+            best = plan(model, gpus, m, batch, 2048, precision).best
             p = best.prediction
             s = best.shape
             grid = f"{s.data},{s.z},{s.y},{s.x}"
             ratio = paper / p.mfu
             verdict = "ok" if 1 / 1.2 <= ratio <= 1.2 else "MISS"
-            print(f"{label:<32} {wire:<9} {grid:>21} {best.micro_batch:>4}x{best.grad_accum:<3} "
+            print(f"{label:<32} {wire:<12} {grid:>21} {best.micro_batch:>4}x{best.grad_accum:<3} "
                   f"{'on' if best.activation_checkpointing else 'off':>3} {p.step_s:>7.2f} "
+                  f"{p.contention_s:>5.2f} "
                   f"{p.mfu:>6.1%} {p.hfu:>6.1%} {paper:>6.1%} {ratio:>8.2f}x {verdict}"
                   f"  ({time.perf_counter() - start:.1f} s to plan)")
 

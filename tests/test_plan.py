@@ -579,3 +579,26 @@ def test_overlap_forward_pays_for_itself_only_where_all_reduces_are_exposed():
         other = predict_step(cfg, c.shape, 4, 2048, c.grad_accum, c.activation_checkpointing,
                              machine, prec, Overlap(overlap_forward=not c.overlap_forward))
         assert c.prediction.step_s <= other.step_s
+
+
+def test_hidden_collectives_slow_the_compute_by_the_sms_they_hold(tmp_path):
+    import dataclasses
+
+    machine = load_machine("perlmutter")
+    assert machine.device.comm_sm_fraction == pytest.approx(16 / 108)
+    free = dataclasses.replace(machine, device=dataclasses.replace(machine.device, comm_sms=0.0))
+    args = (model_config("1b"), GridShape(data=2, z=4), 16, 2048, 2, False)
+    prec = Precision.of("bfloat16")
+    charged, uncharged = predict_step(*args, machine, prec), predict_step(*args, free, prec)
+    hidden = sum(charged.hidden_s.values())
+    assert hidden > 0 and uncharged.contention_s == 0
+    assert charged.contention_s == pytest.approx(hidden * 16 / 108)
+    assert charged.step_s == pytest.approx(uncharged.step_s + charged.contention_s)
+    # nothing hidden, nothing charged
+    off = predict_step(*args, machine, prec, Overlap(False, False, False, False))
+    assert off.contention_s == 0
+    # the cpu machine's gloo overlap is priced by its probe, not by SMs
+    assert load_machine("cpu").device.comm_sm_fraction == 0
+    path = tmp_path / "nccl.toml"
+    path.write_text('base = "perlmutter"\n[device]\nsm_count = 108\ncomm_sms = 8\n')
+    assert load_machine(str(path)).device.comm_sm_fraction == pytest.approx(8 / 108)

@@ -25,6 +25,8 @@ MACHINE.toml (every key optional except where noted; unknown keys are an error):
     gemm_half_dim = 96.0        # a GEMM dimension this small halves the efficiency
     op_overhead_us = 5.0        # launch / framework cost per kernel (matters for small models)
     shared_host = false         # true when all ranks of a node share one device (CPU)
+    sm_count = 108              # SMs (CUs) per device
+    comm_sms = 16               # SMs a running collective holds (NCCL's "N coll channels")
 
     [network]
     latency_us = 10.0           # per step of a ring (or level of a tree) across the network
@@ -107,6 +109,26 @@ class Device:
     shared_host: bool = False
     peak_tf32_tflops: float | None = None  # float32 GEMMs with TF32 on; None: no such mode
     note: str = "vendor datasheet (dense); efficiencies are estimates"
+    # SM contention (see `comm_sm_fraction`): the device's SMs (CUs), and how many of them a
+    # running collective occupies (one CTA per NCCL/RCCL channel); 0: not modelled
+    sm_count: int = 0
+    comm_sms: float = 0.0
+
+    @property
+    def comm_sm_fraction(self) -> float:
+        """The share of compute a collective takes while it runs under compute.
+
+        NCCL (and RCCL, its port) runs each collective as a kernel of one CTA per channel, and
+        a channel's CTA holds its SM exclusively: it does not share the SM with compute
+        kernels (NCCL's maintainer, NVIDIA/nccl issue #689). So while a hidden collective runs,
+        the GEMMs have (sm_count - comm_sms) SMs, and compute that overlaps it for t seconds
+        takes comm_sms / sm_count x t longer (perf.py charges that). NCCL picks the fewest
+        channels that reach a platform's bandwidth: "on DGX with 8 NICs and a top speed of
+        190 GB/s, then it would use 16 SMs" (same issue); NCCL_MIN/MAX_NCHANNELS override it,
+        and NCCL_DEBUG=INFO prints the count ("N coll channels") for a user's cluster to put
+        in a MACHINE.toml. Memory-bandwidth contention (the kernels' reads and writes) is not
+        modelled."""
+        return self.comm_sms / self.sm_count if self.sm_count > 0 else 0.0
 
     def peak_flops(self, dtype: str, tf32: bool = False) -> float:
         """Peak FLOP/s of one device for GEMMs in `dtype` (float32 or bfloat16); `tf32`: float32
@@ -275,26 +297,44 @@ class Machine:
 #   board, 75 per GPU (the earlier Blackwell brief said 80; GB200's B200 at 1200 W is faster):
 #   the entry is the HGX part, 180 GB as DGX B200 ships it.
 # - MI300X: 1307.4 bfloat16, 653.7 TF32, 163.4 FP32 matrix (AMD datasheet, dense).
+# - sm_count / comm_sms (Device.comm_sm_fraction): SMs per device from the vendors' architecture
+#   papers (A100 108, H100 SXM/H200/GH200 132, H100 PCIe 114, B200 148); CUs per MI250X GCD 110,
+#   MI300X 304. comm_sms = 16: the channel count NCCL's maintainer states for a node of 8 NICs
+#   at 190 GB/s (NVIDIA/nccl #689), the one documented figure at this scale; Perlmutter's and
+#   Alps's nodes (4 NICs) need no more. RCCL (NCCL's port, same channel logic) on MI250X: no
+#   documented default was found, 16 is assumed; on MI300-class parts RCCL runs more (MI350X
+#   multi-node: 64 channels, 48 since RCCL 2.30.4, ROCm/rocm-systems PR #9764), so MI300X's
+#   figure is optimistic. Neither constant is fitted to any result; a MACHINE.toml sets them
+#   from its own NCCL_DEBUG=INFO log ("N coll channels").
 
 DEVICES: dict[str, Device] = {
     "a100-40gb": Device("A100-40GB", 312.0, 19.5, 40.0, 1555.0, gemm_efficiency=0.80,
-                        peak_tf32_tflops=156.0),
+                        peak_tf32_tflops=156.0,
+                        sm_count=108, comm_sms=16.0),
     "a100-80gb": Device("A100-80GB", 312.0, 19.5, 80.0, 2039.0, gemm_efficiency=0.80,
-                        peak_tf32_tflops=156.0),
+                        peak_tf32_tflops=156.0,
+                        sm_count=108, comm_sms=16.0),
     "h100-sxm": Device("H100-SXM", 989.0, 67.0, 80.0, 3350.0, gemm_efficiency=0.70,
-                       gemm_half_dim=128.0, peak_tf32_tflops=494.7),
+                       gemm_half_dim=128.0, peak_tf32_tflops=494.7,
+                       sm_count=132, comm_sms=16.0),
     "h100-pcie": Device("H100-PCIe", 756.0, 51.2, 80.0, 2000.0, gemm_efficiency=0.70,
-                        gemm_half_dim=128.0, peak_tf32_tflops=378.0),
+                        gemm_half_dim=128.0, peak_tf32_tflops=378.0,
+                        sm_count=114, comm_sms=16.0),
     "h200": Device("H200", 989.0, 67.0, 141.0, 4800.0, gemm_efficiency=0.72,
-                   gemm_half_dim=128.0, peak_tf32_tflops=494.7),
+                   gemm_half_dim=128.0, peak_tf32_tflops=494.7,
+                   sm_count=132, comm_sms=16.0),
     "gh200": Device("GH200", 989.0, 67.0, 96.0, 4000.0, gemm_efficiency=0.72,
-                    gemm_half_dim=128.0, peak_tf32_tflops=494.7),
+                    gemm_half_dim=128.0, peak_tf32_tflops=494.7,
+                    sm_count=132, comm_sms=16.0),
     "mi250x-gcd": Device("MI250X-GCD", 191.5, 47.9, 64.0, 1638.0, gemm_efficiency=0.60,
-                         gemm_half_dim=128.0),
+                         gemm_half_dim=128.0,
+                         sm_count=110, comm_sms=16.0),
     "mi300x": Device("MI300X", 1307.4, 163.4, 192.0, 5300.0, gemm_efficiency=0.55,
-                     gemm_half_dim=160.0, peak_tf32_tflops=653.7),
+                     gemm_half_dim=160.0, peak_tf32_tflops=653.7,
+                     sm_count=304, comm_sms=16.0),
     "b200": Device("B200", 2250.0, 75.0, 180.0, 7700.0, gemm_efficiency=0.70,
-                   gemm_half_dim=160.0, peak_tf32_tflops=1100.0),
+                   gemm_half_dim=160.0, peak_tf32_tflops=1100.0,
+                   sm_count=148, comm_sms=16.0),
 }
 
 # torch.cuda.get_device_name() substring -> catalog key. The first match wins, so the more
@@ -805,6 +845,8 @@ def _device_from(table: dict[str, Any], base: Device | None, where: str) -> Devi
             values[key] = str(value)
         elif key == "shared_host":
             values[key] = bool(value)
+        elif key == "sm_count":
+            values[key] = int(_number(f"{where}: [device].{key}", value))
         else:
             values[key] = _number(f"{where}: [device].{key}", value)
     required = {"name", "peak_bf16_tflops", "peak_fp32_tflops", "memory_gib", "hbm_gbps"}

@@ -7,9 +7,11 @@ Communication: the collectives of `schedule.collective_schedule`, each a ring ov
 bandwidth its group's placement sees (group size = the axis size; stride between its ranks:
 `GridShape.stride`, from the grid's rank order), all-reduces as NCCL's tree when that is
 faster (`collective_seconds`), minus the part the engine's overlap hides. Hidden communication
-is charged nothing beyond what stays exposed: the 0.1-of-hidden-time "interference" term that
-was here rested on no measurement and is gone (the kernels' contention for SMs and memory is
-not modelled: an optimistic choice, named here).
+costs the compute it runs under the SMs its kernels hold: compute overlapped by a collective for
+t seconds takes `Device.comm_sm_fraction` x t longer (NCCL's CTAs hold their SMs exclusively;
+the constants and their sources are in machines.py), the `contention_s` of a prediction. (The
+0.1-of-hidden-time "interference" term that was here rested on no measurement and is gone;
+contention for memory bandwidth is not modelled.)
 
 On the `cpu` machine (N ranks time-sharing this host's cores) the rates come from its probe
 (`Machine.calibration(N)`, see fourfold.plan.machines): GEMM, memory and per-op rates with all N
@@ -53,6 +55,7 @@ class StepPrediction:
     mfu: float  # model FLOPs (no recomputation) / peak: what the planner ranks by, via step_s
     flops_per_step: float  # model FLOPs of the whole job per step
     hfu: float = 0.0  # hardware FLOPs (with the recomputed forward of checkpointing) / peak
+    contention_s: float = 0.0  # compute slowed by the SMs hidden collectives hold
     notes: list[str] = field(default_factory=list)
 
 
@@ -252,7 +255,11 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
                                + 2 * precision.optimizer_bytes)
     optimizer_s = optimizer_bytes / rates.bytes_per_s
     compute = fwd_window + bwd_window + optimizer_s
-    step = compute + sum(comm[a] - hidden[a] for a in AXES)
+    # while a hidden collective runs, its kernels hold comm_sm_fraction of the SMs: the compute
+    # under it runs that much slower (W of work overlapped for t takes W + f t), summed over
+    # collectives, which each hold their own channels even when they run at the same time
+    contention = sum(hidden.values()) * machine.device.comm_sm_fraction
+    step = compute + contention + sum(comm[a] - hidden[a] for a in AXES)
     tokens = global_batch * seq_len
     flops = flops_per_token(model, seq_len) * tokens
     hardware = hardware_flops_per_token(model, seq_len, activation_checkpointing) * tokens
@@ -260,4 +267,4 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     return StepPrediction(step_s=step, compute_s=compute, comm_s=comm, hidden_s=hidden,
                           comm_bytes=comm_bytes, tokens_per_s=tokens / step,
                           mfu=flops / (step * peak), flops_per_step=flops,
-                          hfu=hardware / (step * peak))
+                          hfu=hardware / (step * peak), contention_s=contention)
