@@ -30,6 +30,11 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--grids", default="", help="only these grids, e.g. 1x1x2x4,2x1x2x2 (data x z x y x x)")
+    ap.add_argument("--passes", type=int, default=1, help="round-robin passes over the grids "
+                    "(--steps each, the first a warm-up); step_s is the median over all, so a "
+                    "load that drifts during the run weighs on every grid alike")
+    ap.add_argument("--probe", action="store_true", help="measure the host's costs "
+                    "(fourfold.plan.machines.measure_host_costs) inside the job, once per pass")
 
 
 def model_config(args: argparse.Namespace):
@@ -47,20 +52,32 @@ def all_grids(n: int) -> list[tuple[int, int, int, int]]:
 
 def run_grids(args: argparse.Namespace) -> list[dict]:
     """Launch the worker with torchrun; returns one dict per grid."""
+    return run_grids_with_probes(args)[0]
+
+
+def run_grids_with_probes(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """Launch the worker with torchrun; returns one dict per grid and, with --probe, the
+    job's merged host probe of each pass (else an empty list)."""
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"fourfold-grids-{os.getpid()}.jsonl"
+    probe_path = Path(f"{out}.probe.json")
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(args.nproc), __file__, "--worker", str(out)]
     for name in MODEL_ARGS:
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.grids:
         argv += ["--grids", args.grids]
+    argv += ["--passes", str(args.passes)] + (["--probe"] if args.probe else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(argv, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"worker failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     out.unlink()
-    return rows
+    probes = []
+    if probe_path.is_file():
+        probes = json.loads(probe_path.read_text())
+        probe_path.unlink()
+    return rows, probes
 
 
 def worker(args: argparse.Namespace, out_path: str) -> None:
@@ -71,6 +88,7 @@ def worker(args: argparse.Namespace, out_path: str) -> None:
     from fourfold.models import build_model
     from fourfold.parallel import (Grid, GridError, GridShape, init_distributed, leave_job,
                                    parallelize)
+    from fourfold.plan.machines import measure_host_costs, merge_rank_probes, probe_groups
 
     rank, world, device = init_distributed("gloo", 600)
     torch.set_num_threads(1)
@@ -80,43 +98,60 @@ def worker(args: argparse.Namespace, out_path: str) -> None:
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
             for _ in range(args.steps + 1)]
-    rows = []
-    for d, z, y, x in grids:
-        row: dict = {"grid": [d, z, y, x]}
-        try:
-            shape = GridShape(d, z, y, x)
-            grid = Grid.build(shape, device)
-            model = build_model(cfg, seed=1)
-            pm = parallelize(model, grid, ParallelConfig(x=x, y=y, z=z, data=d))
-            opt = torch.optim.AdamW(list(pm.parameters()), lr=1e-3)
-            index, count = grid.batch_shard
-            b = args.batch // count
-            times = []
-            for step, tokens in enumerate(data):
-                local = tokens[index * b:(index + 1) * b]
-                pm.ledger.reset()
-                dist.barrier()
-                start = time.perf_counter()
-                loss = pm(local[:, :-1], local[:, 1:]).sum() / (args.batch * args.seq)
-                loss.backward()
-                pm.finish_backward()
-                bytes_step = pm.ledger.snapshot()
-                pm.clip_grad_norm_(1.0)
-                opt.step()
-                mem = pm.memory_bytes(opt)  # before zero_grad frees the gradients
-                opt.zero_grad(set_to_none=True)
-                dist.barrier()
-                if step > 0:  # the first step warms up
-                    times.append(time.perf_counter() - start)
-            mem_max = torch.tensor([mem["params"], mem["grads"], mem["optimizer"]], dtype=torch.float64)
-            dist.all_reduce(mem_max, op=dist.ReduceOp.MAX)
-            row.update(ok=True, step_s=sorted(times)[len(times) // 2], bytes=bytes_step,
-                       micro_tokens=b * args.seq,
-                       mem={"params": int(mem_max[0]), "grads": int(mem_max[1]),
-                            "optimizer": int(mem_max[2])})
-        except GridError as e:
-            row.update(ok=False, error=str(e))
-        rows.append(row)
+    rows = {g: {"grid": list(g)} for g in grids}
+    times: dict[tuple, list[float]] = {g: [] for g in grids}
+    built: dict[tuple, object] = {}  # one Grid (its process groups) per shape, for every pass
+    probes = []
+    groups = probe_groups(world) if args.probe else None
+    for _ in range(args.passes):
+        if groups is not None:
+            parts = [None] * world
+            dist.all_gather_object(parts, measure_host_costs(groups))
+            probes.append(merge_rank_probes(parts))
+        for d, z, y, x in grids:
+            row = rows[(d, z, y, x)]
+            if row.get("ok") is False:
+                continue
+            try:
+                shape = GridShape(d, z, y, x)
+                if shape not in built:
+                    built[shape] = Grid.build(shape, device)
+                grid = built[shape]
+                model = build_model(cfg, seed=1)
+                pm = parallelize(model, grid, ParallelConfig(x=x, y=y, z=z, data=d))
+                opt = torch.optim.AdamW(list(pm.parameters()), lr=1e-3)
+                index, count = grid.batch_shard
+                b = args.batch // count
+                for step, tokens in enumerate(data):
+                    local = tokens[index * b:(index + 1) * b]
+                    pm.ledger.reset()
+                    dist.barrier()
+                    start = time.perf_counter()
+                    loss = pm(local[:, :-1], local[:, 1:]).sum() / (args.batch * args.seq)
+                    loss.backward()
+                    pm.finish_backward()
+                    bytes_step = pm.ledger.snapshot()
+                    pm.clip_grad_norm_(1.0)
+                    opt.step()
+                    mem = pm.memory_bytes(opt)  # before zero_grad frees the gradients
+                    opt.zero_grad(set_to_none=True)
+                    dist.barrier()
+                    if step > 0:  # the first step warms up
+                        times[(d, z, y, x)].append(time.perf_counter() - start)
+                mem_max = torch.tensor([mem["params"], mem["grads"], mem["optimizer"]],
+                                       dtype=torch.float64)
+                dist.all_reduce(mem_max, op=dist.ReduceOp.MAX)
+                t = sorted(times[(d, z, y, x)])
+                row.update(ok=True, step_s=t[len(t) // 2], bytes=bytes_step,
+                           micro_tokens=b * args.seq,
+                           mem={"params": int(mem_max[0]), "grads": int(mem_max[1]),
+                                "optimizer": int(mem_max[2])})
+                del pm, opt, model
+            except GridError as e:
+                row.update(ok=False, error=str(e))
+    rows = list(rows.values())
+    if rank == 0 and probes:
+        Path(f"{out_path}.probe.json").write_text(json.dumps(probes))
     if rank == 0:
         Path(out_path).write_text("".join(json.dumps(r) + "\n" for r in rows))
     dist.barrier()

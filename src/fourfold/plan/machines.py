@@ -56,17 +56,22 @@ $FOURFOLD_CACHE/plan/, keyed by host, torch version, and for the second rank and
   law rate(d) = peak * (d / (d + gemm_half_dim))^3 (and a copy gives memory bandwidth).
 - `measure_cpu_comm(N)` (~2-4 s, once per N, run the first time a grid of N ranks is
   predicted): a fresh interpreter forks N gloo ranks (FileStore rendezvous) that, all at once,
-  as a job's axis groups do, time all-reduce, all-gather and reduce-scatter at 4 KiB, 256 KiB
-  and 2 MiB for every group size p dividing N (median call, slowest rank); then, still all
-  busy, a 256^3 matmul, an 8 MiB copy and a small autograd op loop.
+  as a job's axis groups do, time all-reduce, all-gather and reduce-scatter at 4 KiB, 512 KiB
+  and 8 MiB for every group size p dividing N (median call, slowest rank); then, still all
+  busy, a 256^3 matmul, an 8 MiB copy and a small autograd op loop, each looped by every rank
+  for 0.4 s by its own clock (`_calls_per_second`).
 From these (`host_calibration(N, ...)` -> `HostCalibration`):
 - a collective over p ranks costs latency_p + ring volume x seconds_per_byte_p, both fitted by
   least squares over the three ops and three sizes of group size p. On an oversubscribed host
   the latency (ms, not us: every ring step waits for a descheduled rank) dominates small
   buffers, so per-call counts from the schedule matter as much as bytes.
-- compute runs at the per-rank matmul rate with all N ranks busy (shape law above), memory-bound
-  work at the per-rank copy rate with all busy, and every framework op costs the measured
-  small-op time (N ranks' Python and autograd overhead queue on the same cores).
+- compute runs at the per-rank matmul rate with all N ranks busy (shape law above), the blocks'
+  element-wise work at the rate of silu(gate) * up, the loss at cross-entropy's forward +
+  backward time per logit (both with exps, on a CPU several times slower than a copy: a
+  2048 x 4096 cross-entropy took 0.78 s on 2 ranks where 6 copy passes take 0.24 s), other
+  memory-bound work (optimizer) at the per-rank copy rate, all with all N busy; every framework
+  op costs the measured small-op time (N ranks' Python and autograd overhead queue on the
+  same cores).
 - overlap hides communication only where a core is spare: gloo moves bytes with CPU threads
   that compete with the GEMMs, so the engine's overlap is scaled by (cores - N) / N, clipped
   to [0, 1] (nothing hides when N >= cores).
@@ -275,6 +280,15 @@ class Machine:
             self._calibrations[world_size] = host_calibration(
                 world_size, cores=self.gpus_per_node, gemm_half_dim=self.device.gemm_half_dim)
         return self._calibrations[world_size]
+
+    def calibrated(self, calibration: "HostCalibration") -> "Machine":
+        """This machine with `calibration` for its rank count instead of the cached probe's
+        (bench/plan_check.py: a probe taken inside the job it checks, under the same load)."""
+        if not self.probed_host:
+            raise PlanError(f"machine {self.name!r} is not probed: it takes no host calibration")
+        machine = dataclasses.replace(self)
+        machine._calibrations[calibration.world] = calibration
+        return machine
 
     def hbm_bytes_per_s_per_rank(self, world_size: int) -> float:
         return self.device.hbm_gbps * 1e9 / self.ranks_per_device(world_size)
@@ -537,7 +551,7 @@ def _probe_cpu() -> dict[str, Any]:
 _MAX_PROBE_RANKS = 16
 _PROBE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 _PROBE_SIZES = (4 * 1024, 512 * 1024, 8 * 1024 * 1024)  # bytes per call, as the ledger counts
-_PROBE_REPEATS = (9, 5, 3)  # calls timed per size (fixed, so every rank issues the same calls)
+_PROBE_REPEATS = (15, 7, 3)  # calls timed per size (fixed, so every rank issues the same calls)
 
 
 def ring_volume(op: str, group_size: int, nbytes: float) -> float:
@@ -583,49 +597,98 @@ def time_collective(op: str, group: Any, group_size: int, sizes: tuple[int, ...]
     return points
 
 
+_BUSY_WINDOW_S = 0.4  # per compute probe: long against barrier skew and scheduler slices
+
+
+def _calls_per_second(work: Callable[[], Any]) -> float:
+    """How often this rank runs `work` per second while every rank runs it: all start at a
+    barrier, each loops for _BUSY_WINDOW_S by its own clock (no collective in the interval;
+    the skew of the start, a few ms, is the only time not every rank is busy)."""
+    import torch.distributed as dist
+
+    work()  # warm-up: allocation, autograd graph
+    dist.barrier()
+    calls, start = 0, time.perf_counter()
+    while True:
+        work()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= _BUSY_WINDOW_S:
+            break
+    dist.barrier()  # nobody's window ends while another still runs alone
+    return calls / elapsed
+
+
+def probe_groups(world: int) -> dict[int, Any]:
+    """This rank's group of every size p > 1 dividing `world` (consecutive ranks, as the x
+    axis; on loopback the stride does not matter). Every rank must call it, once."""
+    import torch.distributed as dist
+
+    rank, mine = dist.get_rank(), {}
+    for p in divisors(world)[1:]:
+        groups = [dist.new_group(list(range(g, g + p))) for g in range(0, world, p)]
+        mine[p] = groups[rank // p]
+    return mine
+
+
+def measure_host_costs(groups: dict[int, Any]) -> dict[str, Any]:
+    """One rank's part of the host probe, in an initialised gloo job whose every rank calls it:
+    collectives over each of `groups` (all groups of a size at once), then a matmul, a copy and
+    a small-op loop with every rank busy. `merge_rank_probes` combines the ranks' parts."""
+    import torch
+
+    out: dict[str, Any] = {"comm": {}}
+    for p, group in sorted(groups.items()):
+        for op in _PROBE_OPS:
+            points = time_collective(op, group, p, _PROBE_SIZES, _PROBE_REPEATS,
+                                     torch.device("cpu"), torch.float32)
+            out["comm"][f"{op}/{p}"] = points
+    # compute with every rank busy. Each rank loops for a fixed window after a common barrier
+    # and divides by its own elapsed time: timed between two barriers, a short loop measured
+    # the barriers instead (16 256^3 GEMMs are ~4 ms of work per rank against ~10-20 ms for a
+    # gloo barrier of 8 ranks on 2 cores: the GEMM rate read 2-4x low, every prediction slow)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    out["matmul_flops"] = 2 * 256**3 * _calls_per_second(lambda: torch.mm(a, b))
+    src, dst = torch.ones(2 * 1024 * 1024), torch.empty(2 * 1024 * 1024)  # 8 MiB: past caches
+    out["copy_bytes_per_s"] = 2 * src.numel() * 4 * _calls_per_second(lambda: dst.copy_(src))
+    x = torch.ones(8, requires_grad=True)
+    # small ops with autograd: framework cost, not arithmetic (mul, sum, and their backward)
+    out["small_op_s"] = 1 / 4 / _calls_per_second(lambda: (x * 2.0).sum().backward())
+    # element-wise work as a block runs it: SwiGLU's silu(gate) * up (an exp per element: on a
+    # CPU slower than a copy), counted as the 3 tensors it reads and writes
+    gate, up = torch.randn(2 * 1024 * 1024), torch.randn(2 * 1024 * 1024)
+    out["elementwise_bytes_per_s"] = 3 * gate.numel() * 4 * _calls_per_second(
+        lambda: torch.nn.functional.silu(gate) * up)
+    # the loss over the logits, forward and backward (log-softmax: exps, several passes)
+    logits = torch.randn(512, 4096, requires_grad=True)
+    targets = torch.randint(0, 4096, (512,))
+    out["loss_s_per_logit"] = 1 / logits.numel() / _calls_per_second(
+        lambda: torch.nn.functional.cross_entropy(logits, targets).backward())
+    return out
+
+
+def merge_rank_probes(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The job's probe from its ranks' parts: a collective ends when its slowest rank does;
+    compute is shared evenly, so it is averaged."""
+    world = len(ranks)
+    return {"comm": {k: [(n, max(r["comm"][k][i][1] for r in ranks))
+                         for i, (n, _) in enumerate(ranks[0]["comm"][k])]
+                     for k in ranks[0]["comm"]},
+            "matmul_flops": sum(r["matmul_flops"] for r in ranks) / world,
+            "copy_bytes_per_s": sum(r["copy_bytes_per_s"] for r in ranks) / world,
+            **{k: sum(r[k] for r in ranks) / world
+               for k in ("small_op_s", "elementwise_bytes_per_s", "loss_s_per_logit")}}
+
+
 def _probe_rank(rank: int, world: int, store_path: str) -> dict[str, Any]:
-    """One rank of the comm probe: collectives over every group size, all groups at once,
-    then a matmul and a small-op loop with every rank busy."""
+    """One forked rank of the cpu machine's probe: its own gloo job, then the host costs."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    out: dict[str, Any] = {"comm": {}}
-    for p in divisors(world)[1:]:  # every group size but 1
-        # consecutive ranks, as the x axis; on loopback the stride does not matter
-        groups = [dist.new_group(list(range(g, g + p))) for g in range(0, world, p)]
-        group = groups[rank // p]
-        for op in _PROBE_OPS:
-            points = time_collective(op, group, p, _PROBE_SIZES, _PROBE_REPEATS,
-                                     torch.device("cpu"), torch.float32)
-            out["comm"][f"{op}/{p}"] = points
-    # compute with every rank busy: the wall time from the common start to the last rank's end
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-    torch.mm(a, b)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(max(4, 2 * world)):
-        torch.mm(a, b)
-    dist.barrier()
-    out["matmul_flops"] = max(4, 2 * world) * 2 * 256**3 / (time.perf_counter() - t0)
-    src, dst = torch.ones(2 * 1024 * 1024), torch.empty(2 * 1024 * 1024)  # 8 MiB: past caches
-    dst.copy_(src)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(8):
-        dst.copy_(src)
-    dist.barrier()
-    out["copy_bytes_per_s"] = 8 * 2 * src.numel() * 4 / (time.perf_counter() - t0)
-    x = torch.ones(8, requires_grad=True)
-    (x * 2.0).sum().backward()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(100):  # small ops with autograd: framework cost, not arithmetic
-        (x * 2.0).sum().backward()
-    dist.barrier()
-    out["small_op_s"] = (time.perf_counter() - t0) / 100 / 4  # mul, sum, and their backward
+    out = measure_host_costs(probe_groups(world))
     dist.destroy_process_group()
     return out
 
@@ -657,14 +720,7 @@ def _probe_main(world: int, result_path: str) -> None:
     if failed:
         sys.exit(f"{len(failed)} probe ranks failed")
     ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
-    # a collective ends when its slowest rank does; compute is shared evenly, so average it
-    merged = {"comm": {k: [(n, max(r["comm"][k][i][1] for r in ranks))
-                           for i, (n, _) in enumerate(ranks[0]["comm"][k])]
-                       for k in ranks[0]["comm"]},
-              "matmul_flops": sum(r["matmul_flops"] for r in ranks) / world,
-              "copy_bytes_per_s": sum(r["copy_bytes_per_s"] for r in ranks) / world,
-              "small_op_s": sum(r["small_op_s"] for r in ranks) / world}
-    Path(result_path).write_text(json.dumps(merged))
+    Path(result_path).write_text(json.dumps(merge_rank_probes(ranks)))
 
 
 def _host_memory_gib() -> float:
@@ -701,7 +757,9 @@ def measure_cpu_comm(world: int, refresh: bool = False) -> dict[str, Any]:
     """Probe (or read from the cache) what `world` gloo ranks on this host pay: collectives by
     group size and buffer size, the matmul rate and the small-op cost per rank (~2-4 s)."""
     path = cache_dir() / f"cpu_comm_{world}ranks_{cores_available()}cores.json"
-    return _cached_probe(path, f"{_probe_key()}|{world}", refresh,
+    # v3: compute rates timed by `_calls_per_second` (v1 caches read 2-4x low: re-measure),
+    # element-wise and loss rates probed
+    return _cached_probe(path, f"{_probe_key()}|{world}|v3", refresh,
                          lambda: _run_comm_probe(world))
 
 
@@ -733,6 +791,8 @@ class HostCalibration:
     bytes_per_s_per_rank: float  # memory-bound work (copies, element-wise) with every rank busy
     op_overhead_s: float  # framework cost of one op with every rank busy
     scale: float = 1.0  # > 1 when world exceeds the probed rank count (extrapolated)
+    elementwise_bytes_per_s: float = 0.0  # silu * mul with every rank busy (0: as copies)
+    loss_s_per_logit: float = 0.0  # cross-entropy forward + backward (0: as 6 copy passes)
 
     def collective_seconds(self, op: str, group_size: int, nbytes: float) -> float:
         fit = self.collective_fit[0][1]
@@ -753,7 +813,13 @@ def host_calibration(world: int, cores: int, gemm_half_dim: float) -> HostCalibr
     """What `world` ranks on this host of `cores` cores pay, fitted from the comm probe (run
     once per rank count and cached); gemm_half_dim is the single-thread GEMM shape law's."""
     probed = min(world, _MAX_PROBE_RANKS)
-    probe = measure_cpu_comm(probed)
+    return calibration_from_probe(measure_cpu_comm(probed), world, probed, cores, gemm_half_dim)
+
+
+def calibration_from_probe(probe: dict[str, Any], world: int, probed: int, cores: int,
+                           gemm_half_dim: float) -> HostCalibration:
+    """Fit a HostCalibration for `world` ranks to a probe of `probed` ranks (the dict that
+    `measure_cpu_comm` caches, or `merge_rank_probes` of a job's own `measure_host_costs`)."""
     by_size: dict[int, list[tuple[float, float]]] = {}
     for name, points in probe["comm"].items():
         op, size = name.split("/")
@@ -769,7 +835,10 @@ def host_calibration(world: int, cores: int, gemm_half_dim: float) -> HostCalibr
     return HostCalibration(world=world, cores=cores, collective_fit=fits,
                            flops_per_rank=probe["matmul_flops"] / shape / scale,
                            bytes_per_s_per_rank=probe["copy_bytes_per_s"] / scale,
-                           op_overhead_s=probe["small_op_s"] * scale, scale=scale)
+                           op_overhead_s=probe["small_op_s"] * scale, scale=scale,
+                           elementwise_bytes_per_s=probe.get("elementwise_bytes_per_s", 0.0)
+                           / scale,
+                           loss_s_per_logit=probe.get("loss_s_per_logit", 0.0) * scale)
 
 
 def machine_for_torch_device(device: Any, refresh: bool = False) -> Machine | None:

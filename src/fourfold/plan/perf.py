@@ -82,6 +82,8 @@ class _Rates:
     bytes_per_s: float
     op_overhead_s: float
     gemm_half_dim: float
+    elementwise_bytes_per_s: float  # the blocks' element-wise work
+    loss_s_per_logit: float  # cross-entropy forward + backward, per logit
 
 
 def _rates(machine: Machine, dtype: str, world_size: int,
@@ -89,11 +91,18 @@ def _rates(machine: Machine, dtype: str, world_size: int,
     dev = machine.device
     if calibration is not None:
         # every rank time-shares the host's cores and memory: the probe ran them all at once
-        return _Rates(calibration.flops_per_rank, calibration.bytes_per_s_per_rank,
-                      calibration.op_overhead_s, dev.gemm_half_dim)
-    return _Rates(machine.peak_flops_per_rank(dtype, world_size) * dev.gemm_efficiency,
-                  machine.hbm_bytes_per_s_per_rank(world_size), dev.op_overhead_us * 1e-6,
-                  dev.gemm_half_dim)
+        copy = calibration.bytes_per_s_per_rank
+        return _Rates(calibration.flops_per_rank, copy, calibration.op_overhead_s,
+                      dev.gemm_half_dim, calibration.elementwise_bytes_per_s or copy,
+                      calibration.loss_s_per_logit or _LOSS_PASS_BYTES / copy)
+    hbm = machine.hbm_bytes_per_s_per_rank(world_size)
+    # on a GPU element-wise kernels and the loss are bound by memory bandwidth
+    return _Rates(machine.peak_flops_per_rank(dtype, world_size) * dev.gemm_efficiency, hbm,
+                  dev.op_overhead_us * 1e-6, dev.gemm_half_dim, hbm, _LOSS_PASS_BYTES / hbm)
+
+
+# the loss's memory traffic per fp32 logit: 3 passes forward, 3 backward
+_LOSS_PASS_BYTES = 2 * 3 * 4
 
 
 def _gemm(m: int, n: int, k: int, rates: _Rates, elem_bytes: int, batch: int = 1) -> float:
@@ -171,7 +180,7 @@ def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, r
     kv = model.n_kv_heads * model.head_dim
     elem_bytes = n * eb * (12 * model.dim // gx + 5 * model.ffn_dim // gy
                            + 4 * (model.dim + 2 * kv) // gy)
-    elem = elem_bytes / rates.bytes_per_s
+    elem = elem_bytes / rates.elementwise_bytes_per_s
     # per-kernel overhead: about 25 kernels in a block's forward, twice that in backward
     launch = rates.op_overhead_s
     # the split adds a GEMM and an all-reduce launch to each of the block's 4 fused units
@@ -182,7 +191,7 @@ def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, r
     out_fwd = forward_gemm(vocab_l, d_l)
     out_dgrad = _gemm(n, d_l, vocab_l, rates, eb)
     out_wgrad = _gemm(vocab_l, d_l, n, rates, eb)
-    loss = 3 * n * vocab_l * 4 / rates.bytes_per_s
+    loss = n * vocab_l * rates.loss_s_per_logit / 2  # forward; the same again in backward
     return _Compute(forward=L * block_fwd + out_fwd + loss + 10 * launch,
                     backward=L * block_bwd + out_dgrad + out_wgrad + loss + 20 * launch,
                     weight_grad=L * wgrad + out_wgrad, recompute=L * block_fwd,
