@@ -183,7 +183,7 @@ def test_fine_tune_a_converted_run_with_lora_end_to_end(tmp_path: Path, fourfold
 
     from fourfold.cli import main as fourfold_main
     from fourfold.train.runs import load_trained
-    from fourfold.train.trainer import Trainer
+    from fourfold.train.trainer import Trainer, TrainingError
 
     common = ["model.preset=debug", "train.batch_size=8", "train.seq_len=32", "train.steps=4",
               "train.warmup_steps=1", "train.eval_every=0", "train.eval_batches=0",
@@ -191,12 +191,22 @@ def test_fine_tune_a_converted_run_with_lora_end_to_end(tmp_path: Path, fourfold
     Trainer(load_config(None, common), tmp_path / "pre", progress=False).fit()
     assert fourfold_main(["convert", str(tmp_path / "pre"), "--to", "hf",
                           str(tmp_path / "hf")]) == 0
-    cfg = load_config(None, common + [f"model.init_from={tmp_path / 'hf'}", "adapter.kind=lora",
-                                      "adapter.r=4", "train.lr=1e-2"])
+    lora = [f"model.init_from={tmp_path / 'hf'}", "adapter.kind=lora", "adapter.r=4",
+            "train.lr=1e-2", "checkpoint.every=2", "checkpoint.async=false"]
+    cfg = load_config(None, common + lora)
     trainer = Trainer(cfg, tmp_path / "lora", progress=False)
     trainable = [n for n, p in trainer.pmodel.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)
     trainer.fit()
+    # a base that changed since the adapter's checkpoints were written: refused in one line
+    base_file = tmp_path / "hf" / "model.safetensors"
+    stat = base_file.stat()
+    os.utime(base_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(TrainingError) as e:
+        Trainer(load_config(None, common + lora + ["train.steps=6"]), tmp_path / "lora",
+                progress=False)
+    assert "changed since the adapter checkpoint" in str(e.value) and "\n" not in str(e.value)
+    os.utime(base_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
     model, _ = load_trained(tmp_path / "lora")  # merged: a plain Llama, no adapter code
     tokens = torch.randint(0, 257, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -224,8 +234,14 @@ def test_a_lora_run_resumes_from_its_checkpoint(tmp_path: Path, fourfold_cache: 
                     progress=False).fit()
     Trainer(load_config(None, common + ["train.steps=4"]), tmp_path / "b",
             progress=False).fit()
-    # the same run again from its step-2 checkpoint: drop the finished model, keep step 2
+    # the checkpoints hold the adapter and its optimizer state, not the frozen base again
     from fourfold.train.checkpoint import list_checkpoints, step_of
+    base_bytes = (tmp_path / "a" / "model.safetensors").stat().st_size
+    for path in list_checkpoints(tmp_path / "a"):
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        # (the adapter is 2.7% of this tiny model; AdamW state and RNG states add the rest)
+        assert size < base_bytes / 5, f"{path}: {size} bytes, the base has {base_bytes}"
+    # the same run again from its step-2 checkpoint: drop the finished model, keep step 2
     for path in list_checkpoints(tmp_path / "b"):
         if step_of(path) == 4:
             shutil.rmtree(path)

@@ -27,7 +27,7 @@ from fourfold.parallel import Grid, ParallelModel
 from fourfold.parallel.grid import check_shared_directory
 from fourfold.plan.perf import hardware_flops_per_token
 from fourfold.train.build import Run, build_run
-from fourfold.train.checkpoint import CheckpointError, CheckpointManager
+from fourfold.train.checkpoint import BaseReference, CheckpointError, CheckpointManager
 from fourfold.train.host_memory import to_device
 from fourfold.train.methods import StepData, TrainingMethod
 from fourfold.train.metrics import MetricsLog, job_peak_flops, peak_memory_bytes
@@ -145,8 +145,9 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             self.run_dir, self.cfg.checkpoint, self.grid,
             states={"trainer": self, "loader": self.loader, "guard": self.guard,
-                    "schedule": self.schedule},
-            rank_states={"method": _MethodState(self.method)} if self.method else None)
+                    "schedule": self.schedule, **self._adapter_base()},
+            rank_states={"method": _MethodState(self.method)} if self.method else None,
+            trainable_only=self.cfg.adapter.kind != "none")
         self.resumed_from: Path | None = None
         self._rollbacks: tuple[Path | None, int] = (None, 0)  # (checkpoint, rollbacks to it)
         if self.cfg.checkpoint.resume:
@@ -154,6 +155,12 @@ class Trainer:
             if path is not None:
                 self._restore(path)
                 self.resumed_from = path
+
+    def _adapter_base(self) -> dict[str, BaseReference]:
+        # An adapter run's checkpoints hold the adapter alone, and which base it belongs to.
+        if self.cfg.adapter.kind == "none":
+            return {}
+        return {"base": BaseReference(self.cfg.model.init_from, self.cfg.train.seed)}
 
     # ---- building blocks ----------------------------------------------------------------
 
