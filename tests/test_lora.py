@@ -221,6 +221,33 @@ def test_fine_tune_a_converted_run_with_lora_end_to_end(tmp_path: Path, fourfold
     assert float((before - ours).abs().max()) > 1e-3  # fine-tuning changed the model
     assert float((theirs - ours).abs().max()) < 1e-4
 
+    # the run's streamed merge is the whole-state merge, and convert --merge writes it
+    from safetensors.torch import load_file
+    written = load_file(str(tmp_path / "lora" / "model.safetensors"))
+    expected = merged_state_dict(trainer.pmodel.module.state_dict(), cfg.adapter)
+    assert sorted(written) == sorted(expected)
+    assert all(torch.equal(written[n], expected[n]) for n in written)
+    assert fourfold_main(["convert", str(tmp_path / "lora"), "--to", "hf",
+                          str(tmp_path / "merged"), "--merge"]) == 0
+    converted = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    as_hf = state_dict_to_hf(written, trainer.cfg.model)
+    assert sorted(converted) == sorted(as_hf)
+    assert all(torch.equal(converted[n], as_hf[n]) for n in converted)
+    with torch.no_grad():
+        merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        assert float((merged(input_ids=tokens).logits - ours).abs().max()) < 1e-4
+        # without --merge: the base checkpoint, and the adapter beside it
+        assert fourfold_main(["convert", str(tmp_path / "lora"), "--to", "hf",
+                              str(tmp_path / "apart")]) == 0
+        base = LlamaForCausalLM.from_pretrained(tmp_path / "apart").eval()
+        apart = peft.PeftModel.from_pretrained(base, tmp_path / "apart" / "adapter").eval()
+        assert float((apart(input_ids=tokens).logits - ours).abs().max()) < 1e-4
+    assert json.loads((tmp_path / "apart" / "adapter" / "adapter_config.json").read_text())[
+        "base_model_name_or_path"] == str(tmp_path / "apart")
+    # --merge of a run without an adapter: one line, exit 2
+    assert fourfold_main(["convert", str(tmp_path / "pre"), "--to", "hf",
+                          str(tmp_path / "x"), "--merge"]) == 2
+
 
 @pytest.mark.slow
 def test_a_lora_run_resumes_from_its_checkpoint(tmp_path: Path, fourfold_cache: Path) -> None:

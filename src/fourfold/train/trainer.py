@@ -21,7 +21,7 @@ import torch
 from fourfold.config import Config
 from fourfold.data import Tokenizer
 from fourfold.errors import EXIT_FAILED, FourfoldError
-from fourfold.models.adapter import finish_adapter
+from fourfold.models.adapter import write_adapter_run
 from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, ParallelModel
 from fourfold.parallel.grid import check_shared_directory
@@ -36,7 +36,7 @@ from fourfold.train.progress import Progress
 from fourfold.train.resilience import (gather_step_times, restart_count, resume_record,
                                        straggler_report)
 from fourfold.train.runs import (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, WEIGHTS_FILE,
-                                 load_weights, save_weights, save_weights_streamed,
+                                 load_weights, save_weights_streamed,
                                  write_summary)
 from fourfold.train.sampling import generate
 
@@ -404,14 +404,9 @@ class Trainer:
                 save_weights_streamed(self.pmodel, self.run_dir / WEIGHTS_FILE,
                                       self.cfg.model.tie_embeddings)
             else:
-                # An adapter run writes the adapter and the merged model from one gathered
-                # copy (not streamed yet). Collective: every rank takes part in the gather.
-                state = self.pmodel.full_state_dict()
-                if self.is_main:
-                    state = finish_adapter(state, self.cfg, self.run_dir)
-                    save_weights(state, self.run_dir / WEIGHTS_FILE,
-                                 self.cfg.model.tie_embeddings)
-                del state
+                # The merged model, streamed as above, and the adapter alone in peft's files.
+                write_adapter_run(self.pmodel, self.cfg, self.run_dir,
+                                  self.run_dir / WEIGHTS_FILE)
             final_sample = None
             if self.is_main and t.sample_tokens > 0:
                 model = self._local_whole_model() or self._model_from_file()
