@@ -121,28 +121,37 @@ def test_norm_tuning_trains_only_the_gains() -> None:
     assert names[-1] == "output.weight"
 
 
-def _tiny_lora_model(seed: int = 3):
+def _tiny_adapted_model(acfg: AdapterConfig, seed: int = 3):
     cfg = model_config("debug", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128,
                        vocab_size=96, max_seq_len=32)
     model = build_model(cfg, seed=seed)
     base = {k: v.clone() for k, v in model.state_dict().items()}
-    acfg = AdapterConfig(kind="lora", r=4, alpha=12.0,
-                         targets=["q", "k", "v", "o", "gate", "up", "down", "output"])
-    apply_adapter(model, acfg, seed=5)
-    with torch.no_grad():  # B starts at zero: give it values, as training would
+    trainable = apply_adapter(model, acfg, seed=5)
+    with torch.no_grad():  # B starts at zero, the gains at one: give them values, as training
         g = torch.Generator().manual_seed(9)
         for name, p in model.named_parameters():
-            if name.endswith("lora_B.weight"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return cfg, acfg, model, base
+            if name in trainable and not name.endswith("lora_A.weight"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return cfg, model, base
 
 
-def test_peft_and_merged_checkpoints_give_fourfold_logits(tmp_path: Path) -> None:
+PEFT_ADAPTERS = [
+    AdapterConfig(kind="lora", r=4, alpha=12.0, targets=ALL_TARGETS),
+    # the tuned gains are peft's modules_to_save
+    AdapterConfig(kind="lora", r=4, alpha=12.0, targets=["q", "v", "down"], train_norms=True),
+    AdapterConfig(kind="norm"),  # peft's LN tuning
+    AdapterConfig(kind="norm", train_output=True),  # lm_head a module to save
+]
+
+
+@pytest.mark.parametrize("acfg", PEFT_ADAPTERS, ids=["lora", "lora+norms", "norm", "norm+output"])
+def test_peft_and_merged_checkpoints_give_fourfold_logits(acfg: AdapterConfig, tmp_path: Path
+                                                          ) -> None:
     import peft  # the test extra installs it
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
-    cfg, acfg, model, base = _tiny_lora_model()
+    cfg, model, base = _tiny_adapted_model(acfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     model.eval()
     with torch.no_grad():
@@ -158,6 +167,9 @@ def test_peft_and_merged_checkpoints_give_fourfold_logits(tmp_path: Path) -> Non
     adapter_dir = tmp_path / "adapter"
     full = model.state_dict()
     save_peft_adapter(full, acfg, adapter_dir, base_model=str(base_dir))
+    expected_type = "LORA" if acfg.kind == "lora" else "LN_TUNING"
+    assert json.loads((adapter_dir / "adapter_config.json").read_text())["peft_type"] \
+        == expected_type
     hf = LlamaForCausalLM.from_pretrained(base_dir).eval()
     peft_model = peft.PeftModel.from_pretrained(hf, adapter_dir).eval()
     with torch.no_grad():
@@ -171,6 +183,12 @@ def test_peft_and_merged_checkpoints_give_fourfold_logits(tmp_path: Path) -> Non
         theirs = merged(input_ids=tokens).logits
     assert float((theirs - ours).abs().max()) < 1e-4
     assert not any("lora" in k for k in merged_state_dict(full, acfg))
+
+
+def test_tuned_output_tied_to_the_embedding_has_no_peft_files(tmp_path: Path) -> None:
+    acfg = AdapterConfig(kind="norm", train_output=True)
+    with pytest.raises(ConfigError, match="train_output = true with tied embeddings"):
+        save_peft_adapter({}, acfg, tmp_path, tie_embeddings=True)
 
 
 @pytest.mark.slow
