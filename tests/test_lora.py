@@ -121,28 +121,37 @@ def test_norm_tuning_trains_only_the_gains() -> None:
     assert names[-1] == "output.weight"
 
 
-def _tiny_lora_model(seed: int = 3):
+def _tiny_adapted_model(acfg: AdapterConfig, seed: int = 3):
     cfg = model_config("debug", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128,
                        vocab_size=96, max_seq_len=32)
     model = build_model(cfg, seed=seed)
     base = {k: v.clone() for k, v in model.state_dict().items()}
-    acfg = AdapterConfig(kind="lora", r=4, alpha=12.0,
-                         targets=["q", "k", "v", "o", "gate", "up", "down", "output"])
-    apply_adapter(model, acfg, seed=5)
-    with torch.no_grad():  # B starts at zero: give it values, as training would
+    trainable = apply_adapter(model, acfg, seed=5)
+    with torch.no_grad():  # B starts at zero, the gains at one: give them values, as training
         g = torch.Generator().manual_seed(9)
         for name, p in model.named_parameters():
-            if name.endswith("lora_B.weight"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return cfg, acfg, model, base
+            if name in trainable and not name.endswith("lora_A.weight"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return cfg, model, base
 
 
-def test_peft_and_merged_checkpoints_give_fourfold_logits(tmp_path: Path) -> None:
+PEFT_ADAPTERS = [
+    AdapterConfig(kind="lora", r=4, alpha=12.0, targets=ALL_TARGETS),
+    # the tuned gains are peft's modules_to_save
+    AdapterConfig(kind="lora", r=4, alpha=12.0, targets=["q", "v", "down"], train_norms=True),
+    AdapterConfig(kind="norm"),  # peft's LN tuning
+    AdapterConfig(kind="norm", train_output=True),  # lm_head a module to save
+]
+
+
+@pytest.mark.parametrize("acfg", PEFT_ADAPTERS, ids=["lora", "lora+norms", "norm", "norm+output"])
+def test_peft_and_merged_checkpoints_give_fourfold_logits(acfg: AdapterConfig, tmp_path: Path
+                                                          ) -> None:
     import peft  # the test extra installs it
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
-    cfg, acfg, model, base = _tiny_lora_model()
+    cfg, model, base = _tiny_adapted_model(acfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     model.eval()
     with torch.no_grad():
@@ -158,6 +167,9 @@ def test_peft_and_merged_checkpoints_give_fourfold_logits(tmp_path: Path) -> Non
     adapter_dir = tmp_path / "adapter"
     full = model.state_dict()
     save_peft_adapter(full, acfg, adapter_dir, base_model=str(base_dir))
+    expected_type = "LORA" if acfg.kind == "lora" else "LN_TUNING"
+    assert json.loads((adapter_dir / "adapter_config.json").read_text())["peft_type"] \
+        == expected_type
     hf = LlamaForCausalLM.from_pretrained(base_dir).eval()
     peft_model = peft.PeftModel.from_pretrained(hf, adapter_dir).eval()
     with torch.no_grad():
@@ -173,6 +185,12 @@ def test_peft_and_merged_checkpoints_give_fourfold_logits(tmp_path: Path) -> Non
     assert not any("lora" in k for k in merged_state_dict(full, acfg))
 
 
+def test_tuned_output_tied_to_the_embedding_has_no_peft_files(tmp_path: Path) -> None:
+    acfg = AdapterConfig(kind="norm", train_output=True)
+    with pytest.raises(ConfigError, match="train_output = true with tied embeddings"):
+        save_peft_adapter({}, acfg, tmp_path, tie_embeddings=True)
+
+
 @pytest.mark.slow
 def test_fine_tune_a_converted_run_with_lora_end_to_end(tmp_path: Path, fourfold_cache: Path
                                                         ) -> None:
@@ -183,7 +201,7 @@ def test_fine_tune_a_converted_run_with_lora_end_to_end(tmp_path: Path, fourfold
 
     from fourfold.cli import main as fourfold_main
     from fourfold.train.runs import load_trained
-    from fourfold.train.trainer import Trainer
+    from fourfold.train.trainer import Trainer, TrainingError
 
     common = ["model.preset=debug", "train.batch_size=8", "train.seq_len=32", "train.steps=4",
               "train.warmup_steps=1", "train.eval_every=0", "train.eval_batches=0",
@@ -191,12 +209,22 @@ def test_fine_tune_a_converted_run_with_lora_end_to_end(tmp_path: Path, fourfold
     Trainer(load_config(None, common), tmp_path / "pre", progress=False).fit()
     assert fourfold_main(["convert", str(tmp_path / "pre"), "--to", "hf",
                           str(tmp_path / "hf")]) == 0
-    cfg = load_config(None, common + [f"model.init_from={tmp_path / 'hf'}", "adapter.kind=lora",
-                                      "adapter.r=4", "train.lr=1e-2"])
+    lora = [f"model.init_from={tmp_path / 'hf'}", "adapter.kind=lora", "adapter.r=4",
+            "train.lr=1e-2", "checkpoint.every=2", "checkpoint.async=false"]
+    cfg = load_config(None, common + lora)
     trainer = Trainer(cfg, tmp_path / "lora", progress=False)
     trainable = [n for n, p in trainer.pmodel.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)
     trainer.fit()
+    # a base that changed since the adapter's checkpoints were written: refused in one line
+    base_file = tmp_path / "hf" / "model.safetensors"
+    stat = base_file.stat()
+    os.utime(base_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(TrainingError) as e:
+        Trainer(load_config(None, common + lora + ["train.steps=6"]), tmp_path / "lora",
+                progress=False)
+    assert "changed since the adapter checkpoint" in str(e.value) and "\n" not in str(e.value)
+    os.utime(base_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
     model, _ = load_trained(tmp_path / "lora")  # merged: a plain Llama, no adapter code
     tokens = torch.randint(0, 257, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -211,6 +239,33 @@ def test_fine_tune_a_converted_run_with_lora_end_to_end(tmp_path: Path, fourfold
     assert float((before - ours).abs().max()) > 1e-3  # fine-tuning changed the model
     assert float((theirs - ours).abs().max()) < 1e-4
 
+    # the run's streamed merge is the whole-state merge, and convert --merge writes it
+    from safetensors.torch import load_file
+    written = load_file(str(tmp_path / "lora" / "model.safetensors"))
+    expected = merged_state_dict(trainer.pmodel.module.state_dict(), cfg.adapter)
+    assert sorted(written) == sorted(expected)
+    assert all(torch.equal(written[n], expected[n]) for n in written)
+    assert fourfold_main(["convert", str(tmp_path / "lora"), "--to", "hf",
+                          str(tmp_path / "merged"), "--merge"]) == 0
+    converted = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    as_hf = state_dict_to_hf(written, trainer.cfg.model)
+    assert sorted(converted) == sorted(as_hf)
+    assert all(torch.equal(converted[n], as_hf[n]) for n in converted)
+    with torch.no_grad():
+        merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        assert float((merged(input_ids=tokens).logits - ours).abs().max()) < 1e-4
+        # without --merge: the base checkpoint, and the adapter beside it
+        assert fourfold_main(["convert", str(tmp_path / "lora"), "--to", "hf",
+                              str(tmp_path / "apart")]) == 0
+        base = LlamaForCausalLM.from_pretrained(tmp_path / "apart").eval()
+        apart = peft.PeftModel.from_pretrained(base, tmp_path / "apart" / "adapter").eval()
+        assert float((apart(input_ids=tokens).logits - ours).abs().max()) < 1e-4
+    assert json.loads((tmp_path / "apart" / "adapter" / "adapter_config.json").read_text())[
+        "base_model_name_or_path"] == str(tmp_path / "apart")
+    # --merge of a run without an adapter: one line, exit 2
+    assert fourfold_main(["convert", str(tmp_path / "pre"), "--to", "hf",
+                          str(tmp_path / "x"), "--merge"]) == 2
+
 
 @pytest.mark.slow
 def test_a_lora_run_resumes_from_its_checkpoint(tmp_path: Path, fourfold_cache: Path) -> None:
@@ -224,8 +279,14 @@ def test_a_lora_run_resumes_from_its_checkpoint(tmp_path: Path, fourfold_cache: 
                     progress=False).fit()
     Trainer(load_config(None, common + ["train.steps=4"]), tmp_path / "b",
             progress=False).fit()
-    # the same run again from its step-2 checkpoint: drop the finished model, keep step 2
+    # the checkpoints hold the adapter and its optimizer state, not the frozen base again
     from fourfold.train.checkpoint import list_checkpoints, step_of
+    base_bytes = (tmp_path / "a" / "model.safetensors").stat().st_size
+    for path in list_checkpoints(tmp_path / "a"):
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        # (the adapter is 2.7% of this tiny model; AdamW state and RNG states add the rest)
+        assert size < base_bytes / 5, f"{path}: {size} bytes, the base has {base_bytes}"
+    # the same run again from its step-2 checkpoint: drop the finished model, keep step 2
     for path in list_checkpoints(tmp_path / "b"):
         if step_of(path) == 4:
             shutil.rmtree(path)

@@ -232,12 +232,24 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from fourfold.config import ConfigError
+    from fourfold.models.adapter import export_base_and_adapter
     from fourfold.models.hf import save_hf_checkpoint
-    from fourfold.train.runs import trained_tensors
+    from fourfold.train.runs import run_config, trained_tensors
 
-    # one tensor at a time (a run still training: its newest complete checkpoint, whole)
-    cfg, specs, tensors = trained_tensors(Path(args.run_dir))
-    for path in save_hf_checkpoint(specs, tensors, cfg.model, Path(args.out_dir)):
+    kind = run_config(Path(args.run_dir)).adapter.kind
+    if args.merge and kind == "none":
+        raise ConfigError(f"--merge: {args.run_dir} has no adapter (adapter.kind = 'none'); "
+                          "leave --merge out")
+    if kind != "none" and not args.merge:  # the base and the adapter, apart
+        paths = export_base_and_adapter(run_config(Path(args.run_dir)), Path(args.run_dir),
+                                        Path(args.out_dir))
+    else:
+        # one tensor at a time (a run still training: its newest complete checkpoint, whole);
+        # an adapter run's model.safetensors is the merged model
+        cfg, specs, tensors = trained_tensors(Path(args.run_dir))
+        paths = save_hf_checkpoint(specs, tensors, cfg.model, Path(args.out_dir))
+    for path in paths:
         print(path)
     return EXIT_OK
 
@@ -336,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("run_dir", metavar="RUN_DIR")
     convert.add_argument("--to", required=True, choices=["hf"], help="target format")
     convert.add_argument("out_dir", metavar="OUT_DIR")
+    convert.add_argument("--merge", action="store_true",
+                         help="an adapter run: the merged model (without: the base checkpoint "
+                              "in OUT_DIR and the peft adapter in OUT_DIR/adapter)")
     convert.set_defaults(handler=cmd_convert)
     return parser
 

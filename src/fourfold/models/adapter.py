@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from torch import nn
 from fourfold.config import ADAPTER_TARGETS, AdapterConfig, ConfigError, ModelConfig
 from fourfold.models.hf import fourfold_to_hf_name, state_dict_to_hf
 from fourfold.parallel.lora import ForwardCounter, LoRAError, LoRASpec, add_lora, lora_layers
+from fourfold.safetensors_stream import TensorSpec
 
 # adapter target -> the leaf names of that layer (fourfold's, then Hugging Face's)
 TARGET_LEAVES: dict[str, tuple[str, ...]] = {
@@ -94,55 +95,106 @@ def _hf_name(name: str, hf_names: bool) -> str:
     return name if hf_names else fourfold_to_hf_name(name)
 
 
-def peft_state_dict(full_state: Mapping[str, torch.Tensor], hf_names: bool = False
-                    ) -> dict[str, torch.Tensor]:
-    """The LoRA factors of a full state dict under peft's key names
-    (base_model.model.<HF layer>.lora_A.weight)."""
+def _is_norm_weight(name: str, t: torch.Tensor) -> bool:
+    module, _, leaf = name.rpartition(".")
+    return leaf == "weight" and module.rsplit(".", 1)[-1].endswith("norm") and t.dim() == 1
+
+
+def _is_output_weight(name: str) -> bool:
+    return name.rsplit(".", 1)[0].rsplit(".", 1)[-1] in TARGET_LEAVES["output"] \
+        and name.endswith(".weight")
+
+
+def is_adapter_tensor(name: str, t: torch.Tensor, cfg: AdapterConfig) -> bool:
+    """Whether `name` (a full state dict's) is part of what the adapter `cfg` trains: the LoRA
+    factors, the tuned norm gains, the output layer of norm tuning with train_output."""
+    if cfg.kind == "none":
+        return False
+    if _is_factor(name):
+        return True
+    if (cfg.kind == "norm" or cfg.train_norms) and _is_norm_weight(name, t):
+        return True
+    return cfg.kind == "norm" and cfg.train_output and _is_output_weight(name)
+
+
+def _hf_module(name: str, hf_names: bool) -> str:
+    """The Hugging Face module of a parameter (model.layers.0.input_layernorm for
+    layers.0.attn_norm.weight)."""
+    if _is_factor(name):
+        layer = name[:-len(".lora_A.weight")]
+        return _hf_name(layer + ".weight", hf_names)[:-len(".weight")]
+    return _hf_name(name, hf_names).rsplit(".", 1)[0]
+
+
+def peft_state_dict(state: Mapping[str, torch.Tensor], cfg: AdapterConfig,
+                    hf_names: bool = False) -> dict[str, torch.Tensor]:
+    """The adapter's tensors of a state dict (full, or the adapter's alone) under peft's key
+    names: base_model.model.<HF layer>.lora_A.weight for LoRA factors; <HF norm>.weight for
+    LoRA's modules_to_save; <HF norm>.ln_tuning_layers.weight for LN tuning (kind = norm),
+    whose output layer is a module to save (lm_head.weight)."""
     out = {}
-    for name, t in full_state.items():
-        if not _is_factor(name):
+    for name, t in state.items():
+        if not is_adapter_tensor(name, t, cfg):
             continue
-        layer, factor = name[:-len(".lora_A.weight")], name[-len("lora_A.weight"):]
-        hf_layer = _hf_name(layer + ".weight", hf_names)[:-len(".weight")]
-        out[f"{_PEFT_PREFIX}{hf_layer}.{factor}"] = t.detach().cpu().contiguous().clone()
+        module = _hf_module(name, hf_names)
+        if _is_factor(name):
+            key = f"{module}.{name[-len('lora_A.weight'):]}"
+        elif cfg.kind == "norm" and _is_norm_weight(name, t):
+            key = f"{module}.ln_tuning_layers.weight"
+        else:
+            key = f"{module}.weight"
+        out[_PEFT_PREFIX + key] = t.detach().cpu().contiguous().clone()
     return out
 
 
+_HF_NORMS = ["input_layernorm", "post_attention_layernorm", "norm"]
+
+
 def peft_config(cfg: AdapterConfig, base_model: str = "") -> dict[str, Any]:
-    """adapter_config.json as peft writes it for a LoRA adapter of a causal LM."""
+    """adapter_config.json as peft writes it: LoRA (peft_type LORA, trained norms as
+    modules_to_save) or LN tuning (LN_TUNING, for kind = norm)."""
+    if cfg.kind == "norm":
+        return {"peft_type": "LN_TUNING", "task_type": "CAUSAL_LM",
+                "base_model_name_or_path": base_model, "target_modules": _HF_NORMS,
+                "exclude_modules": None, "inference_mode": True, "revision": None,
+                "modules_to_save": ["lm_head"] if cfg.train_output else None}
     targets = sorted({TARGET_LEAVES[t][-1] for t in cfg.targets})  # the HF leaf names
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": cfg.r, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout,
         "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
-        "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
+        "inference_mode": True, "init_lora_weights": True,
+        "modules_to_save": _HF_NORMS if cfg.train_norms else None,
         "use_rslora": False, "use_dora": False, "layers_to_transform": None,
         "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
     }
 
 
-def save_peft_adapter(full_state: Mapping[str, torch.Tensor], cfg: AdapterConfig,
-                      out_dir: str | Path, base_model: str = "", hf_names: bool = False
-                      ) -> list[Path]:
-    """Write adapter_model.safetensors and adapter_config.json, loadable with
-    peft.PeftModel.from_pretrained(base, out_dir)."""
+def save_peft_adapter(state: Mapping[str, torch.Tensor], cfg: AdapterConfig,
+                      out_dir: str | Path, base_model: str = "", hf_names: bool = False,
+                      tie_embeddings: bool = False) -> list[Path]:
+    """Write adapter_model.safetensors and adapter_config.json from a state dict (full, or
+    the adapter's tensors alone), loadable with peft.PeftModel.from_pretrained(base, out_dir)."""
     from safetensors.torch import save_file
 
-    if cfg.kind != "lora":
-        raise ConfigError(f"adapter.kind = {cfg.kind!r}: only a LoRA adapter has peft files; "
-                          "export the merged model instead")
-    if cfg.train_norms:
-        raise ConfigError("adapter.train_norms = true: peft's LoRA files cannot hold the tuned "
-                          "norm gains; export the merged model instead")
-    state = peft_state_dict(full_state, hf_names)
-    if not state:
-        raise ConfigError("the model has no LoRA factors to export")
+    if cfg.kind == "none":
+        raise ConfigError("adapter.kind = 'none': the run has no adapter to export")
+    if cfg.kind == "norm" and cfg.train_output and tie_embeddings:
+        raise ConfigError("adapter.train_output = true with tied embeddings: peft saves lm_head "
+                          "apart from the embedding it is tied to; export the merged model")
+    weights = peft_state_dict(state, cfg, hf_names)
+    if not weights:
+        raise ConfigError("the model has no adapter tensors to export")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    weights, config = out / "adapter_model.safetensors", out / "adapter_config.json"
-    save_file(state, str(weights), metadata={"format": "pt"})
+    weights_file, config = out / "adapter_model.safetensors", out / "adapter_config.json"
+    save_file(weights, str(weights_file), metadata={"format": "pt"})
     config.write_text(json.dumps(peft_config(cfg, base_model), indent=2) + "\n")
-    return [weights, config]
+    return [weights_file, config]
+
+
+def _merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    return (w.double() + (b.double() @ a.double()) * scale).to(w.dtype)
 
 
 def merged_state_dict(full_state: Mapping[str, torch.Tensor], cfg: AdapterConfig
@@ -154,11 +206,55 @@ def merged_state_dict(full_state: Mapping[str, torch.Tensor], cfg: AdapterConfig
         if not name.endswith(".lora_A.weight"):
             continue
         layer = name[:-len(".lora_A.weight")]
-        b = full_state[layer + ".lora_B.weight"]
         w = out[layer + ".weight"]
-        delta = (b.double() @ a.double()) * scale
-        out[layer + ".weight"] = (w.double() + delta).to(w.dtype)
+        out[layer + ".weight"] = _merge(w, a, full_state[layer + ".lora_B.weight"], scale)
     return out
+
+
+def merge_stream(specs: Sequence[TensorSpec],
+                 tensors: Iterable[tuple[TensorSpec, torch.Tensor | None]], cfg: AdapterConfig,
+                 adapter_out: dict[str, torch.Tensor] | None = None
+                 ) -> tuple[list[TensorSpec], Iterator[tuple[TensorSpec, torch.Tensor | None]]]:
+    """The merged model as specs and a stream, from a model's stream (as
+    ParallelModel.stream_full_tensors yields it: a layer's weight before its factors): each
+    adapted weight is held only until its factors arrive, then yielded as W + alpha/r B A, so
+    the writer holds one weight at a time. The adapter's tensors go into `adapter_out` (small:
+    for the peft files). Tensors may be None (ranks that do not write): passed on as None."""
+    names = {s.name for s in specs}
+    adapted = {s.name[:-len(".lora_A.weight")] + ".weight" for s in specs
+               if s.name.endswith(".lora_A.weight")}
+    missing = sorted(adapted - names)
+    if missing:  # a tied output layer's weight is the embedding's, streamed under its name
+        raise ConfigError(f"{missing[0]}: is tied to another tensor, so its LoRA term cannot "
+                          "be merged; leave 'output' out of adapter.targets")
+    by_name = {s.name: s for s in specs}
+    out_specs = []
+    for s in specs:
+        if s.name.endswith(".lora_B.weight"):
+            out_specs.append(by_name[s.name[:-len(".lora_B.weight")] + ".weight"])
+        elif not _is_factor(s.name) and s.name not in adapted:
+            out_specs.append(s)
+    scale = cfg.alpha / cfg.r
+
+    def run() -> Iterator[tuple[TensorSpec, torch.Tensor | None]]:
+        held: dict[str, torch.Tensor | None] = {}
+        for spec, t in tensors:
+            if adapter_out is not None and t is not None and is_adapter_tensor(spec.name, t, cfg):
+                adapter_out[spec.name] = t.detach().cpu().clone()
+            if spec.name in adapted or spec.name.endswith(".lora_A.weight"):
+                held[spec.name] = t
+            elif spec.name.endswith(".lora_B.weight"):
+                layer = spec.name[:-len(".lora_B.weight")]
+                w, a = held.pop(layer + ".weight"), held.pop(layer + ".lora_A.weight")
+                merged = None if w is None or a is None or t is None else _merge(w, a, t, scale)
+                del w
+                yield by_name[layer + ".weight"], merged
+            else:
+                yield spec, t
+        if held:
+            raise RuntimeError(f"merge_stream: no factors came for {sorted(held)[:2]}")
+
+    return out_specs, run()
 
 
 def save_merged_hf(full_state: Mapping[str, torch.Tensor], cfg: AdapterConfig,
@@ -183,15 +279,54 @@ def save_merged_hf(full_state: Mapping[str, torch.Tensor], cfg: AdapterConfig,
     return [weights, config]
 
 
-def finish_adapter(full_state: Mapping[str, torch.Tensor], cfg: Any, run_dir: str | Path
-                   ) -> Mapping[str, torch.Tensor]:
-    """At the end of a run (`cfg` a Config): write a LoRA adapter alone in peft's files under
-    RUN_DIR/adapter, and return the weights to save as the run's model (LoRA merged in, so that
-    generate, eval and convert use the adapted model with no adapter code)."""
-    a = cfg.adapter
-    if a.kind != "lora":
-        return full_state
-    if not a.train_norms:
-        save_peft_adapter(full_state, a, Path(run_dir) / "adapter",
-                          base_model=cfg.model.init_from)
-    return merged_state_dict(full_state, a)
+def write_adapter_run(pmodel: Any, cfg: Any, run_dir: str | Path, weights_path: Path,
+                      writer_rank: int = 0) -> None:
+    """At the end of an adapter run (`cfg` a Config): write the merged model to
+    `weights_path` (fourfold's safetensors, so that generate, eval and convert use the adapted
+    model with no adapter code), streamed one tensor at a time, and the adapter alone in
+    peft's files under RUN_DIR/adapter. Collective: every rank of the grid calls it."""
+    from fourfold.safetensors_stream import write_streamed
+
+    writer = pmodel.grid.rank == writer_rank
+    adapter: dict[str, torch.Tensor] = {}
+    specs, stream = merge_stream(pmodel.full_tensor_specs(),
+                                 pmodel.stream_full_tensors(writer_rank), cfg.adapter, adapter)
+    tie = cfg.model.tie_embeddings
+    keep = {s.name: s.name for s in specs if not (tie and s.name == "output.weight")}
+    write_streamed(weights_path if writer else None, specs, stream, {"format": "fourfold"},
+                   keep)
+    if writer and not (cfg.adapter.kind == "norm" and cfg.adapter.train_output and tie):
+        save_peft_adapter(adapter, cfg.adapter, Path(run_dir) / "adapter",
+                          base_model=cfg.model.init_from, tie_embeddings=tie)
+
+
+def export_base_and_adapter(cfg: Any, run_dir: str | Path, out_dir: str | Path) -> list[Path]:
+    """`fourfold convert RUN --to hf OUT` of an adapter run without --merge: OUT holds the
+    frozen base as a Hugging Face checkpoint (model.init_from's config.json and safetensors,
+    copied) and OUT/adapter the run's peft files, whose base_model_name_or_path is OUT."""
+    import shutil
+
+    base, adapter = cfg.model.init_from, Path(run_dir) / "adapter"
+    if not base:
+        raise ConfigError(f"{run_dir}: the adapter's base was built from train.seed, not read "
+                          "from model.init_from, so there is no base checkpoint to export; "
+                          "use --merge")
+    if not (adapter / "adapter_config.json").is_file():
+        raise ConfigError(f"{run_dir}: no peft adapter files in {adapter} (tied embeddings with "
+                          "adapter.train_output, or a run still training); use --merge")
+    root, out = Path(base), Path(out_dir)
+    files = sorted(f for f in root.iterdir()
+                   if f.is_file() and f.suffix in (".json", ".safetensors"))
+    if not any(f.suffix == ".safetensors" for f in files):
+        raise ConfigError(f"model.init_from = {base!r}: no safetensors files to export")
+    (out / "adapter").mkdir(parents=True, exist_ok=True)
+    written = []
+    for f in files:
+        shutil.copy2(f, out / f.name)
+        written.append(out / f.name)
+    shutil.copy2(adapter / "adapter_model.safetensors", out / "adapter")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(out)
+    (out / "adapter" / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return written + [out / "adapter" / "adapter_model.safetensors",
+                      out / "adapter" / "adapter_config.json"]

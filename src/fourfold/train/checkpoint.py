@@ -374,12 +374,17 @@ class CheckpointManager:
     loader, loss guard), collected at save() and restored by load(); the caller's `extra`
     (JSON values and tensors); and each rank's RNG states. Everything is tensors plus JSON:
     loading never unpickles anything from the checkpoint's data.
+
+    trainable_only (an adapter run): only the parameters that train are saved and loaded; the
+    frozen base is rebuilt by the run builder (a BaseReference part checks it is the same).
     """
 
     def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, grid: Grid,
                  states: Mapping[str, Stateful] | None = None,
-                 rank_states: Mapping[str, Stateful] | None = None) -> None:
+                 rank_states: Mapping[str, Stateful] | None = None,
+                 trainable_only: bool = False) -> None:
         self.run_dir = Path(run_dir)
+        self.trainable_only = trainable_only
         self.root = checkpoint_root(run_dir)
         self.cfg = cfg
         self.grid = grid
@@ -475,6 +480,8 @@ class CheckpointManager:
         json_keys: set[str] = set()
         full_shapes: dict[str, tuple[int, ...]] = {}
         for name, p in pmodel.named_parameters():
+            if self.trainable_only and not p.requires_grad:
+                continue  # the frozen base: rebuilt from model.init_from (or the seed)
             full_shapes[name] = _full_shape(p, layouts[name], self.grid)
             state[_MODEL + name] = _wrap(prepare(p), layouts[name], full_shapes[name], self.mesh,
                                          name)
@@ -731,6 +738,49 @@ def load_weights_from_checkpoint(path: str | Path, model: torch.nn.Module) -> No
     manager.load(path, pmodel, None, restore_rng=False)
 
 
+class BaseReference:
+    """A checkpoint part of an adapter run: which frozen base its adapter belongs to (the
+    init_from directory with the size and mtime of each of its files, or the seed of a base
+    built from scratch). Restoring it refuses a base that has changed since, in one line."""
+
+    def __init__(self, init_from: str, seed: int) -> None:
+        self.init_from = init_from
+        self.seed = seed
+
+    def _files(self) -> dict[str, list[int]]:
+        if not self.init_from:
+            return {}
+        root = Path(self.init_from)
+        files = [root] if root.is_file() else sorted(
+            f for f in root.iterdir() if f.is_file() and f.suffix in (".json", ".safetensors"))
+        return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"init_from": self.init_from, "seed": self.seed, "files": self._files()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved_from, saved_files = state["init_from"], state["files"]
+        if not saved_from:
+            now = f"model.init_from = {self.init_from!r}" if self.init_from \
+                else f"train.seed = {self.seed}"
+            if self.init_from or state["seed"] != self.seed:
+                raise CheckpointError(f"the adapter checkpoint's base was built from train.seed "
+                                      f"= {state['seed']}, not {now}; resume with the base it "
+                                      "was trained on")
+            return
+        if Path(saved_from).resolve() != Path(self.init_from or ".").resolve():
+            raise CheckpointError(f"the adapter checkpoint's base is model.init_from = "
+                                  f"{saved_from!r}, not {self.init_from!r}; resume with the base "
+                                  "it was trained on")
+        now = self._files()
+        changed = sorted(n for n in set(saved_files) | set(now)
+                         if list(saved_files.get(n, [])) != list(now.get(n, [])))
+        if changed:
+            raise CheckpointError(f"model.init_from = {saved_from!r} changed since the adapter "
+                                  f"checkpoint was written ({changed[0]}: size or mtime "
+                                  "differs); resume with the base it was trained on")
+
+
 # --------------------------------------------------------------------------------------------
 # small helpers
 
@@ -792,7 +842,7 @@ def _os_error_within(error: BaseException) -> OSError | None:
     return None
 
 
-__all__ = ["CHECKPOINT_DIR", "CheckpointError", "CheckpointManager",
+__all__ = ["BaseReference", "CHECKPOINT_DIR", "CheckpointError", "CheckpointManager",
            "build_mesh", "checkpoint_root", "init_optimizer_state",
            "list_checkpoints", "load_weights_from_checkpoint", "mesh_tensor",
            "placements_for",

@@ -106,6 +106,11 @@ def _run_config(run_dir: str | Path) -> Config:
         raise RunDirError(f"{run / CONFIG_FILE}: {e}") from None
 
 
+def run_config(run_dir: str | Path) -> Config:
+    """The config.toml of a RUN_DIR (a RunDirError, one line, if it is not one)."""
+    return _run_config(run_dir)
+
+
 def load_trained(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, Config]:
     """The trained model (in eval mode) and the config of a run: its model.safetensors, or,
     for a run still training or one that died, the weights of its newest complete checkpoint."""

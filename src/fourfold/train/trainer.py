@@ -21,13 +21,13 @@ import torch
 from fourfold.config import Config
 from fourfold.data import Tokenizer
 from fourfold.errors import EXIT_FAILED, FourfoldError
-from fourfold.models.adapter import finish_adapter
+from fourfold.models.adapter import write_adapter_run
 from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, ParallelModel
 from fourfold.parallel.grid import check_shared_directory
 from fourfold.plan.perf import hardware_flops_per_token
 from fourfold.train.build import Run, build_run
-from fourfold.train.checkpoint import CheckpointError, CheckpointManager
+from fourfold.train.checkpoint import BaseReference, CheckpointError, CheckpointManager
 from fourfold.train.host_memory import to_device
 from fourfold.train.methods import StepData, TrainingMethod
 from fourfold.train.metrics import MetricsLog, job_peak_flops, peak_memory_bytes
@@ -36,7 +36,7 @@ from fourfold.train.progress import Progress
 from fourfold.train.resilience import (gather_step_times, restart_count, resume_record,
                                        straggler_report)
 from fourfold.train.runs import (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, WEIGHTS_FILE,
-                                 load_weights, save_weights, save_weights_streamed,
+                                 load_weights, save_weights_streamed,
                                  write_summary)
 from fourfold.train.sampling import generate
 
@@ -145,8 +145,9 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             self.run_dir, self.cfg.checkpoint, self.grid,
             states={"trainer": self, "loader": self.loader, "guard": self.guard,
-                    "schedule": self.schedule},
-            rank_states={"method": _MethodState(self.method)} if self.method else None)
+                    "schedule": self.schedule, **self._adapter_base()},
+            rank_states={"method": _MethodState(self.method)} if self.method else None,
+            trainable_only=self.cfg.adapter.kind != "none")
         self.resumed_from: Path | None = None
         self._rollbacks: tuple[Path | None, int] = (None, 0)  # (checkpoint, rollbacks to it)
         if self.cfg.checkpoint.resume:
@@ -154,6 +155,12 @@ class Trainer:
             if path is not None:
                 self._restore(path)
                 self.resumed_from = path
+
+    def _adapter_base(self) -> dict[str, BaseReference]:
+        # An adapter run's checkpoints hold the adapter alone, and which base it belongs to.
+        if self.cfg.adapter.kind == "none":
+            return {}
+        return {"base": BaseReference(self.cfg.model.init_from, self.cfg.train.seed)}
 
     # ---- building blocks ----------------------------------------------------------------
 
@@ -397,14 +404,9 @@ class Trainer:
                 save_weights_streamed(self.pmodel, self.run_dir / WEIGHTS_FILE,
                                       self.cfg.model.tie_embeddings)
             else:
-                # An adapter run writes the adapter and the merged model from one gathered
-                # copy (not streamed yet). Collective: every rank takes part in the gather.
-                state = self.pmodel.full_state_dict()
-                if self.is_main:
-                    state = finish_adapter(state, self.cfg, self.run_dir)
-                    save_weights(state, self.run_dir / WEIGHTS_FILE,
-                                 self.cfg.model.tie_embeddings)
-                del state
+                # The merged model, streamed as above, and the adapter alone in peft's files.
+                write_adapter_run(self.pmodel, self.cfg, self.run_dir,
+                                  self.run_dir / WEIGHTS_FILE)
             final_sample = None
             if self.is_main and t.sample_tokens > 0:
                 model = self._local_whole_model() or self._model_from_file()
