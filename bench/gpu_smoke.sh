@@ -117,6 +117,32 @@ for step in range(3):  # the first step may set things up; the later ones must n
     finally:
         torch.cuda.set_sync_debug_mode("default")
 print("sync check: no host synchronisation in forward, backward, gradient sync and AdamW")
+
+# The trainer's whole step (batch copy, loss guard, device-side skip): steps that do not log
+# must not wait for the GPU; a logging step reads its numbers (and may).
+import tempfile
+from fourfold.config import load_config
+from fourfold.train import Trainer
+
+cfg = load_config(None, ["model.preset=debug", "data.path=builtin:stdlib", "data.tokenizer=byte",
+                         "train.device=cuda", "train.steps=4", "train.batch_size=4",
+                         "train.seq_len=64", "train.log_every=100", "train.eval_batches=0",
+                         "train.sample_tokens=0", "train.spike_threshold=3",
+                         "train.nan_policy=skip", "train.grad_accum=2"])
+trainer = Trainer(cfg, tempfile.mkdtemp(), progress=False)
+for step in range(3):
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error" if step else "default")
+    try:
+        trainer.train_step()
+    except RuntimeError as error:
+        torch.cuda.set_sync_debug_mode("default")
+        print(f"sync check: trainer step {step + 1} synchronised with the host: "
+              f"{str(error).splitlines()[0]}")
+        raise SystemExit(1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+print("sync check: no host synchronisation in the trainer's steps between logging steps")
 PYEOF
 }
 

@@ -119,3 +119,38 @@ def test_lomo_through_fourfold_train_on_a_grid_matches_one_process(
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(single.losses), rtol=1e-5,
                                atol=0)
     assert single.losses[-1] != single.losses[0]
+
+
+@pytest.mark.ranks
+@pytest.mark.usefixtures("one_thread")
+def test_a_vocabulary_split_grid_samples_and_logs_as_one_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """y = 2 (logits split over the vocabulary): the samples, during training and at the end,
+    are made on the grid (every rank runs the forwards on its shards, rank 0 picks) and equal
+    one process's text; with train.log_every = 3 the steps between logs keep their numbers on
+    the device, and the logged ones equal one process's."""
+    from fourfold.config import load_config
+    from fourfold.train import train
+    from fourfold.train.metrics import read_metrics
+
+    items = [*[o for o in OVERRIDES if not o.startswith("train.log_every")],
+             "train.log_every=3", "train.sample_every=2"]
+    env = outside_job_env(FOURFOLD_CACHE=str(tmp_path / "cache"))
+    grid_dir = tmp_path / "grid"
+    launch = torchrun_train([*items, "parallel.y=2"], grid_dir, env)
+    assert "too large to rebuild" not in launch.stderr and "skipped on a grid" not in launch.stderr
+
+    monkeypatch.setenv("FOURFOLD_CACHE", env["FOURFOLD_CACHE"])
+    single = train(load_config(None, items), tmp_path / "single", progress=False)
+    summary = json.loads((grid_dir / "summary.json").read_text())
+    single_summary = json.loads((tmp_path / "single" / "summary.json").read_text())
+    assert summary["grid"] == "data=1 z=1 y=2 x=1"
+    assert summary["sample"] and summary["sample"] == single_summary["sample"]
+    samples = (grid_dir / "samples.txt").read_text()
+    assert samples.count("--- step ") == 2  # step 2 (sample_every) and the end
+    assert samples == (tmp_path / "single" / "samples.txt").read_text()
+    records = [r for r in read_metrics(grid_dir / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == [3, 4]
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in records]),
+                               torch.tensor(single.losses[2:]), rtol=1e-5, atol=0)
+    assert summary["skipped_steps"] == single_summary["skipped_steps"] == []

@@ -118,9 +118,10 @@ class ParallelModel:
         self.engine.finish_backward(*self._grad_groups)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip gradients by their total norm over the whole grid (each element counted once);
-        returns the norm before clipping. The same formula as torch.nn.utils.clip_grad_norm_."""
+        returns the norm before clipping, a 0-d float64 tensor on the device (as torch's, so
+        that nothing waits for the host). The same formula as torch.nn.utils.clip_grad_norm_."""
         layouts = self.layouts()
         by_replicas: dict[int, list[torch.Tensor]] = {}
         for name, p in self.module.named_parameters():
@@ -140,7 +141,7 @@ class ParallelModel:
             # min(1, coef) instead of a sync and a loop of small kernels.
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef)
-        return float(norm)
+        return norm
 
     def reduce_over_batch(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the batch axes (data and z); x/y replicas hold the same value."""

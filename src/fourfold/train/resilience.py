@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
-from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,33 @@ STRAGGLER_FACTOR = 1.5  # a rank this many times slower than the median is named
 STRAGGLER_MIN_GAP_S = 0.05  # ...and at least this much slower, so noise on tiny steps is quiet
 
 
+# Verdict codes of LossGuard.judge (device tensors hold these).
+FINE, LOSS_NOT_FINITE, NORM_NOT_FINITE, SPIKE = 0, 1, 2, 3
+
+
+@dataclass
+class Verdict:
+    """A LossGuard's judgement of one step, as 0-d device tensors: the host reads them only
+    when it reports the step (a logging step), never to decide the update."""
+
+    code: torch.Tensor  # int64: FINE, LOSS_NOT_FINITE, NORM_NOT_FINITE or SPIKE
+    loss: torch.Tensor  # float64
+    grad_norm: torch.Tensor  # float64
+    mean: torch.Tensor  # float64: the running mean the loss was judged against (NaN: none)
+
+    @property
+    def bad(self) -> torch.Tensor:
+        return self.code != FINE
+
+
 class LossGuard:
     """Says whether a step is bad: a non-finite loss or gradient norm, or a loss above
     `spike_threshold` times the running mean of recent accepted losses (0 disables spikes).
-    Its history is part of a checkpoint (state_dict), so that a resumed run judges alike."""
+    Its history is part of a checkpoint (state_dict), so that a resumed run judges alike.
+
+    The history lives in a device tensor: `judge` and `record` decide and remember without a
+    host read (the trainer's path); `check` and `accept` take host floats (training methods
+    that read their loss anyway, and tests) and act on the same history."""
 
     def __init__(self, spike_threshold: float, window: int = SPIKE_WINDOW,
                  min_history: int = SPIKE_MIN_HISTORY) -> None:
@@ -37,35 +60,89 @@ class LossGuard:
                              "positive number")
         self.spike_threshold = spike_threshold
         self.min_history = min_history
-        self.recent: deque[float] = deque(maxlen=window)
+        self.window = window
+        # the last `window` accepted losses, newest last; zeros before the first `count`
+        self._history = torch.zeros(window, dtype=torch.float64)
+        self._count = torch.zeros((), dtype=torch.int64)
+
+    def _on(self, device: torch.device) -> None:
+        if self._history.device != device:  # once: the guard is built before the device is known
+            self._history, self._count = self._history.to(device), self._count.to(device)
+
+    @property
+    def recent(self) -> list[float]:
+        """The accepted losses in the history, oldest first (a host read)."""
+        n = int(self._count)
+        return self._history[self.window - n:].tolist() if n else []
 
     @property
     def running_mean(self) -> float | None:
-        return sum(self.recent) / len(self.recent) if self.recent else None
+        recent = self.recent
+        return sum(recent) / len(recent) if recent else None
 
     def check(self, loss: float, grad_norm: float) -> str | None:
         """Why this step is bad (one phrase), or None when it is fine."""
+        recent = self.recent
+        mean = sum(recent) / len(recent) if recent else None
         if not math.isfinite(loss):
-            return f"loss is {loss}"
-        if not math.isfinite(grad_norm):
-            return f"gradient norm is {grad_norm}"
-        mean = self.running_mean
-        if (self.spike_threshold > 0 and mean is not None and len(self.recent) >= self.min_history
+            code = LOSS_NOT_FINITE
+        elif not math.isfinite(grad_norm):
+            code = NORM_NOT_FINITE
+        elif (self.spike_threshold > 0 and mean is not None and len(recent) >= self.min_history
                 and loss > self.spike_threshold * mean):
+            code = SPIKE
+        else:
+            code = FINE
+        return self.reason(code, loss, grad_norm, math.nan if mean is None else mean)
+
+    def reason(self, code: int, loss: float, grad_norm: float, mean: float) -> str | None:
+        """The phrase for a verdict code (None for FINE), from the verdict's numbers."""
+        if code == LOSS_NOT_FINITE:
+            return f"loss is {loss}"
+        if code == NORM_NOT_FINITE:
+            return f"gradient norm is {grad_norm}"
+        if code == SPIKE:
             return (f"loss {loss:.4g} is a spike (over {self.spike_threshold:g} x the running "
                     f"mean {mean:.4g})")
         return None
 
+    def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> Verdict:
+        """`check` on the device: the same verdict, as tensors, with no host read."""
+        self._on(loss.device)
+        loss, norm = loss.detach().double(), grad_norm.detach().double().to(loss.device)
+        count = self._count
+        mean = self._history.sum() / count.clamp(min=1)
+        spike = torch.zeros((), dtype=torch.bool, device=loss.device)
+        if self.spike_threshold > 0:
+            spike = (count >= max(self.min_history, 1)) & (loss > self.spike_threshold * mean)
+        code = torch.where(~torch.isfinite(loss), LOSS_NOT_FINITE,
+                           torch.where(~torch.isfinite(norm), NORM_NOT_FINITE,
+                                       torch.where(spike, SPIKE, FINE)))
+        return Verdict(code, loss, norm, torch.where(count > 0, mean, math.nan))
+
+    def record(self, loss: torch.Tensor, applied: torch.Tensor) -> None:
+        """`accept` on the device: remember the loss where `applied` (a bool tensor) is true."""
+        self._on(loss.device)
+        shifted = torch.cat([self._history[1:], loss.detach().double().reshape(1)])
+        self._history = torch.where(applied, shifted, self._history)
+        self._count = torch.where(applied, (self._count + 1).clamp(max=self.window), self._count)
+
     def accept(self, loss: float) -> None:
         """Record the loss of a step whose update was applied."""
-        self.recent.append(float(loss))
+        self.record(torch.tensor(float(loss), dtype=torch.float64, device=self._history.device),
+                    torch.ones((), dtype=torch.bool, device=self._history.device))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"recent": list(self.recent)}
+        return {"recent": self.recent}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.recent.clear()
-        self.recent.extend(float(x) for x in state["recent"])
+        recent = [float(x) for x in state["recent"]][-self.window:]
+        history = torch.zeros(self.window, dtype=torch.float64)
+        if recent:
+            history[self.window - len(recent):] = torch.tensor(recent, dtype=torch.float64)
+        device = self._history.device
+        self._history = history.to(device)
+        self._count = torch.tensor(len(recent), dtype=torch.int64, device=device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,5 +192,5 @@ def resume_record(step: int, checkpoint: Path, restarts: int) -> dict[str, Any]:
             "checkpoint": str(checkpoint), "restart_count": restarts}
 
 
-__all__ = ["LossGuard", "gather_step_times", "restart_count", "resume_record",
+__all__ = ["FINE", "LOSS_NOT_FINITE", "NORM_NOT_FINITE", "SPIKE", "LossGuard", "Verdict", "gather_step_times", "restart_count", "resume_record",
            "straggler_report"]

@@ -22,7 +22,7 @@ from fourfold.config import Config
 from fourfold.data import Tokenizer
 from fourfold.errors import EXIT_FAILED, FourfoldError
 from fourfold.models.adapter import write_adapter_run
-from fourfold.models.llama import Llama, build_model, flops_per_token
+from fourfold.models.llama import Llama, flops_per_token
 from fourfold.parallel import Grid, ParallelModel
 from fourfold.parallel.grid import check_shared_directory
 from fourfold.plan.perf import hardware_flops_per_token
@@ -33,18 +33,16 @@ from fourfold.train.methods import StepData, TrainingMethod
 from fourfold.train.metrics import MetricsLog, job_peak_flops, peak_memory_bytes
 from fourfold.train.optim import LRSchedule
 from fourfold.train.progress import Progress
-from fourfold.train.resilience import (gather_step_times, restart_count, resume_record,
-                                       straggler_report)
+from fourfold.train.resilience import (LossGuard, Verdict, gather_step_times, restart_count,
+                                       resume_record, straggler_report)
 from fourfold.train.runs import (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, WEIGHTS_FILE,
-                                 load_weights, save_weights_streamed,
+                                 save_weights_streamed,
                                  write_summary)
-from fourfold.train.sampling import generate
+from fourfold.train.sampling import generate, generate_on_grid
 
 SAMPLE_PROMPT_TOKENS = 16
 SAMPLE_TEMPERATURE = 0.8
 SAMPLE_TOP_K = 40
-# Above this many parameters rank 0 does not rebuild the whole model on its own to sample.
-MAX_GATHERED_SAMPLE_PARAMS = 2_000_000_000
 # train.nan_policy = "rollback" gives up after this many rollbacks to the same checkpoint.
 MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 3
 
@@ -59,16 +57,67 @@ class TrainingError(FourfoldError, RuntimeError):
         self.step = step
 
 
-@dataclass
 class StepStats:
-    step: int
-    loss: float
-    lr: float
-    grad_norm: float
-    skipped: bool
-    seconds: float
-    token_fraction: float  # counted tokens / all tokens (below 1 with the goldfish loss)
-    reason: str = ""  # why the step was bad (NaN/inf, spike), when it was
+    """One step's numbers. The loss, gradient norm and verdict of an AdamW step stay on the
+    device until first read (`read_steps` reads several steps in one transfer), so that a step
+    that is not logged never waits for the device."""
+
+    def __init__(self, step: int, lr: float, seconds: float, *,
+                 device_values: torch.Tensor | None = None,
+                 host_values: tuple[float, float, bool, str, float] | None = None,
+                 guard: LossGuard | None = None) -> None:
+        self.step, self.lr, self.seconds = step, lr, seconds
+        # device_values: float64 (6,) = loss, grad_norm, verdict code, running mean, applied,
+        # counted tokens / all tokens; host_values: (loss, grad_norm, skipped, reason, fraction)
+        self._device_values = device_values
+        self._host = host_values
+        self._guard = guard
+
+    def _set_read(self, values: list[float]) -> None:
+        loss, grad_norm, code, mean, applied, fraction = values
+        reason = "" if self._guard is None else self._guard.reason(
+            int(code), loss, grad_norm, mean) or ""
+        if not applied and not reason:
+            reason = ("an earlier step was bad (train.nan_policy = \"stop\" keeps its weights "
+                      "until the host sees it)")
+        self._host = (loss, grad_norm, not applied, reason, fraction)
+        self._device_values = None
+
+    def _read(self) -> tuple[float, float, bool, str, float]:
+        if self._host is None:
+            read_steps([self])
+        assert self._host is not None
+        return self._host
+
+    @property
+    def loss(self) -> float:
+        return self._read()[0]
+
+    @property
+    def grad_norm(self) -> float:
+        return self._read()[1]
+
+    @property
+    def skipped(self) -> bool:
+        return self._read()[2]
+
+    @property
+    def reason(self) -> str:  # why the step was bad (NaN/inf, spike), when it was
+        return self._read()[3]
+
+    @property
+    def token_fraction(self) -> float:  # counted tokens / all tokens (below 1 with goldfish)
+        return self._read()[4]
+
+
+def read_steps(steps: list[StepStats]) -> None:
+    """Bring the device numbers of `steps` to the host in one transfer (one wait)."""
+    waiting = [s for s in steps if s._host is None and s._device_values is not None]
+    if not waiting:
+        return
+    rows = torch.stack([s._device_values for s in waiting]).tolist()  # type: ignore[misc]
+    for s, row in zip(waiting, rows):
+        s._set_read(row)
 
 
 @dataclass
@@ -121,6 +170,8 @@ class Trainer:
         self.method = run.method
         self.loader, self.val_loader = run.loader, run.val_loader
         self.guard = run.guard
+        # nan_policy = "stop": set on the device by a bad step, holds every later update
+        self._stopped = torch.zeros((), dtype=torch.bool, device=self.device)
         self.schedule = LRSchedule(self.cfg.train)
         t = self.cfg.train
         self._val_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -210,23 +261,29 @@ class Trainer:
         local_count = torch.stack([m.sum() for m in masks]).sum()
         global_count = self.pmodel.reduce_over_batch(local_count).clamp(min=1.0)
 
-        if self.method is not None:
+        if self.method is not None:  # the methods read their loss on the host anyway
             loss_value, grad_norm, what = self._method_update(step, lr, micro, masks,
                                                               global_count)
-        else:
-            loss_value, grad_norm, what = self._update(step, micro, masks, global_count)
+            self.step = step
+            return StepStats(step, lr, time.perf_counter() - start, host_values=(
+                loss_value, grad_norm, what is not None, what or "",
+                float(global_count) / self.tokens_per_step))
+        verdict, applied = self._update(step, micro, masks, global_count)
         self.step = step
-        return StepStats(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm,
-                         skipped=what is not None, seconds=time.perf_counter() - start,
-                         token_fraction=float(global_count) / self.tokens_per_step,
-                         reason=what or "")
+        values = torch.stack([verdict.loss, verdict.grad_norm, verdict.code.double(),
+                              verdict.mean, applied.double(),
+                              global_count.double() / self.tokens_per_step])
+        return StepStats(step, lr, time.perf_counter() - start, device_values=values,
+                         guard=self.guard)
 
     def _update(self, step: int, micro: list[tuple[torch.Tensor, torch.Tensor]],
                 masks: list[torch.Tensor], global_count: torch.Tensor
-                ) -> tuple[float, float, str | None]:
+                ) -> tuple[Verdict, torch.Tensor]:
         """Forward and backward over the micro-batches, then the update: the one place where
-        gradients are made and the optimizer steps. Returns the step's loss and gradient norm
-        (reduced over the grid) and why the update was skipped (None when it was applied)."""
+        gradients are made and the optimizer steps. Returns the loss guard's verdict on the
+        step (loss and gradient norm reduced over the grid) and whether the update was applied,
+        as device tensors: the skip is decided on the device (nan_policy is acted on when the
+        host reads the verdict, see fit)."""
         t = self.cfg.train
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
@@ -238,22 +295,33 @@ class Trainer:
             loss.backward()
             self.pmodel.finish_backward()
             loss_sum += loss.detach()
-        loss_value = float(self.pmodel.reduce_over_batch(loss_sum))
+        loss_value = self.pmodel.reduce_over_batch(loss_sum)
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
-        grad_norm = float(self.pmodel.clip_grad_norm_(max_norm))
+        grad_norm = self.pmodel.clip_grad_norm_(max_norm)
 
         # loss_value and grad_norm are reduced over the grid: every rank judges alike.
-        what = self.guard.check(loss_value, grad_norm)
-        if what is not None:
-            if t.nan_policy == "stop":
-                raise TrainingError(
-                    f"step {step}: {what}; stopped (train.nan_policy = {t.nan_policy!r}); try a "
-                    "lower train.lr or train.nan_policy = \"skip\"", step)
-            self.optimizer.zero_grad(set_to_none=True)  # skip; fit() rolls back if asked
-        else:
+        verdict = self.guard.judge(loss_value, grad_norm)
+        applied = ~verdict.bad
+        if t.nan_policy == "stop":  # after a bad step, nothing moves until fit() stops
+            applied = applied & ~self._stopped
+            self._stopped = ~applied
+        self._optimizer_step_if(applied)
+        self.guard.record(loss_value, applied)
+        return verdict, applied
+
+    def _optimizer_step_if(self, applied: torch.Tensor) -> None:
+        """optimizer.step() where the device says so (a bool tensor), without asking the host:
+        the fused AdamW kernel leaves parameters, moments and step count as they were when its
+        found_inf is 1 (as for a mixed-precision step with an overflow)."""
+        if not self.optimizer.defaults.get("fused"):
+            if bool(applied):  # a host read: the foreach AdamW has no skip on the device
+                self.optimizer.step()
+            return
+        self.optimizer.found_inf = (~applied).float()  # type: ignore[attr-defined]
+        try:
             self.optimizer.step()
-            self.guard.accept(loss_value)
-        return loss_value, grad_norm, what
+        finally:
+            del self.optimizer.found_inf  # type: ignore[attr-defined]
 
     def _method_update(self, step: int, lr: float, micro: list[tuple[torch.Tensor, torch.Tensor]],
                        masks: list[torch.Tensor], global_count: torch.Tensor
@@ -311,29 +379,26 @@ class Trainer:
             tuple(b.to(self.device) for b in self.val_loader.eval_batches(1)[0])]
         return batches[0][0][0, :SAMPLE_PROMPT_TOKENS].tolist()
 
-    def sample_text(self, model: Llama) -> str:
-        """A continuation of a validation-text prompt by `model` (a whole, local model)."""
+    def sample_text(self) -> str:
+        """A continuation of a validation-text prompt by the model. Collective on a grid: every
+        rank runs the forwards on its own shards (train/sampling.py generate_on_grid), so no
+        rank holds the whole model; the text is rank 0's to record."""
         prompt = self._sample_prompt()
+        t = self.cfg.train
+        module = self.pmodel.module
         with self._autocast(), self.compiler.eager():
-            new = generate(model, prompt, self.cfg.train.sample_tokens,
-                           temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K,
-                           seed=self.cfg.train.seed, vocab_size=self.tokenizer.vocab_size)
+            if self.world_size == 1 and isinstance(module, Llama):
+                new = generate(module, prompt, t.sample_tokens, temperature=SAMPLE_TEMPERATURE,
+                               top_k=SAMPLE_TOP_K, seed=t.seed,
+                               vocab_size=self.tokenizer.vocab_size)
+            else:
+                new = generate_on_grid(self.pmodel, prompt, t.sample_tokens,
+                                       temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K,
+                                       seed=t.seed, vocab_size=self.tokenizer.vocab_size)
         return self.tokenizer.decode(prompt) + self.tokenizer.decode(new)
 
-    def _local_whole_model(self) -> Llama | None:
-        """The model itself when one process holds all of it (no grid), else None."""
-        module = self.pmodel.module
-        if self.world_size == 1 and isinstance(module, Llama):
-            return module
-        return None
-
-    def _model_from_file(self) -> Llama | None:
-        if sum(math.prod(s.shape) for s in self.pmodel.full_tensor_specs()) \
-                > MAX_GATHERED_SAMPLE_PARAMS:
-            return None
-        model = build_model(self.cfg.model, seed=0, device="meta")
-        load_weights(model, self.run_dir / WEIGHTS_FILE)  # the meta tensors take the file's
-        return model.to(self.device)
+    def _can_sample(self) -> bool:
+        return isinstance(self.pmodel.module, Llama)
 
     # ---- the run ------------------------------------------------------------------------
 
@@ -370,32 +435,56 @@ class Trainer:
             if validating and t.eval_every > 0 and self.step == 0:
                 self._validate(metrics, progress)
             interval_tokens, interval_seconds = 0, 0.0
+            pending: list[StepStats] = []  # steps whose numbers are still on the device
             while self.step < t.steps:
                 stats = self.train_step()
-                if stats.skipped and t.nan_policy == "rollback":
-                    self._rollback(stats, metrics, progress)
-                    continue
-                self.losses.append(stats.loss if not stats.skipped else math.nan)
-                self.train_seconds += stats.seconds
-                interval_tokens += self.tokens_per_step
-                interval_seconds += stats.seconds
-                tokens_per_s = interval_tokens / max(interval_seconds, 1e-9)
-                mfu = self._mfu(tokens_per_s)
-                progress.step(stats.step, stats.loss, stats.lr, stats.grad_norm, tokens_per_s, mfu)
-                if stats.skipped:
-                    self.skipped_steps.append(stats.step)
-                    progress.message(f"step {stats.step}: {stats.reason}: update skipped "
-                                     "(train.nan_policy = \"skip\")")
+                pending.append(stats)
                 last = stats.step == t.steps
-                if stats.skipped or stats.step % t.log_every == 0 or last:
-                    self._log_step(metrics, stats, tokens_per_s, mfu)
-                    self._report_stragglers(stats, metrics, progress)  # collective
-                    interval_tokens, interval_seconds = 0, 0.0
-                if validating and ((t.eval_every > 0 and stats.step % t.eval_every == 0) or last):
+                validate = validating and ((t.eval_every > 0 and stats.step % t.eval_every == 0)
+                                           or last)
+                sample = t.sample_every > 0 and stats.step % t.sample_every == 0 and not last
+                checkpoint = self.checkpoints.due(stats.step)
+                # The host reads the device (and acts on nan_policy) only on these steps; a
+                # rollback has to act on the very step that went bad.
+                if not (stats.step % t.log_every == 0 or last or validate or sample
+                        or checkpoint or t.nan_policy == "rollback"):
+                    continue
+                read_steps(pending)
+                rolled_back = False
+                for done in pending:
+                    if done.skipped and t.nan_policy == "stop":
+                        raise TrainingError(
+                            f"step {done.step}: {done.reason}; stopped (train.nan_policy = "
+                            f"{t.nan_policy!r}); try a lower train.lr or train.nan_policy = "
+                            "\"skip\"", done.step)
+                    if done.skipped and t.nan_policy == "rollback":
+                        self._rollback(done, metrics, progress)
+                        rolled_back = True
+                        break
+                    self.losses.append(done.loss if not done.skipped else math.nan)
+                    self.train_seconds += done.seconds
+                    interval_tokens += self.tokens_per_step
+                    interval_seconds += done.seconds
+                    tokens_per_s = interval_tokens / max(interval_seconds, 1e-9)
+                    mfu = self._mfu(tokens_per_s)
+                    progress.step(done.step, done.loss, done.lr, done.grad_norm, tokens_per_s,
+                                  mfu)
+                    if done.skipped:
+                        self.skipped_steps.append(done.step)
+                        progress.message(f"step {done.step}: {done.reason}: update skipped "
+                                         "(train.nan_policy = \"skip\")")
+                    if done.skipped or done.step % t.log_every == 0 or done.step == t.steps:
+                        self._log_step(metrics, done, tokens_per_s, mfu)
+                        self._report_stragglers(done, metrics, progress)  # collective
+                        interval_tokens, interval_seconds = 0, 0.0
+                pending.clear()
+                if rolled_back:
+                    continue
+                if validate:
                     self._validate(metrics, progress)
-                if t.sample_every > 0 and stats.step % t.sample_every == 0 and not last:
+                if sample:
                     self._sample_during(progress)
-                if self.checkpoints.due(stats.step):
+                if checkpoint:
                     self.save_checkpoint()
             self._wait_for_checkpoints()
 
@@ -408,14 +497,12 @@ class Trainer:
                 write_adapter_run(self.pmodel, self.cfg, self.run_dir,
                                   self.run_dir / WEIGHTS_FILE)
             final_sample = None
-            if self.is_main and t.sample_tokens > 0:
-                model = self._local_whole_model() or self._model_from_file()
-                if model is None:
-                    progress.message("no final sample: the model is too large to rebuild on "
-                                     "one rank")
-                else:
-                    final_sample = self.sample_text(model)
+            if t.sample_tokens > 0 and self._can_sample():
+                final_sample = self.sample_text()  # collective on a grid
+                if self.is_main:
                     self._record_sample(progress, final_sample)
+                else:
+                    final_sample = None
             result = self._result(time.perf_counter() - started)
             if self.is_main:
                 write_summary(self.run_dir, self._summary(result, final_sample))
@@ -437,14 +524,11 @@ class Trainer:
         progress.message(f"step {self.step}/{self.cfg.train.steps} | val_loss {val:.4f}")
 
     def _sample_during(self, progress: Progress) -> None:
-        model = self._local_whole_model()
-        if model is None:  # on a grid only the final sample is made (from gathered weights)
-            if self.step == self.cfg.train.sample_every:
-                progress.message("samples during training are skipped on a grid; the final "
-                                 "sample comes at the end")
+        if not self._can_sample():
             return
+        text = self.sample_text()  # collective on a grid
         if self.is_main:
-            self._record_sample(progress, self.sample_text(model))
+            self._record_sample(progress, text)
 
     def _record_sample(self, progress: Progress, text: str) -> None:
         progress.message(f"--- sample at step {self.step} ---\n{text}\n---")
