@@ -602,3 +602,30 @@ def test_hidden_collectives_slow_the_compute_by_the_sms_they_hold(tmp_path):
     path = tmp_path / "nccl.toml"
     path.write_text('base = "perlmutter"\n[device]\nsm_count = 108\ncomm_sms = 8\n')
     assert load_machine(str(path)).device.comm_sm_fraction == pytest.approx(8 / 108)
+
+
+@pytest.mark.ranks
+def test_cpu_probe_times_compute_by_each_rank_and_feeds_the_calibration():
+    """The real probe with 2 forked ranks: rates come from a window each rank times itself (so
+    no barrier enters them), the element-wise and loss rates reach the calibration, and a
+    calibration fitted to a job's own probe replaces the cached one."""
+    import fourfold.plan.machines as machines
+
+    probe = machines.measure_cpu_comm(2, refresh=True)
+    for key in ("matmul_flops", "copy_bytes_per_s", "elementwise_bytes_per_s"):
+        assert probe[key] > 1e6, key
+    assert 0 < probe["loss_s_per_logit"] < 1e-3 and 0 < probe["small_op_s"] < 0.1
+    assert set(probe["comm"]) == {"all_reduce/2", "all_gather/2", "reduce_scatter/2"}
+    cpu = load_machine("cpu")
+    cal = machines.calibration_from_probe(probe, 2, 2, cpu.gpus_per_node,
+                                          cpu.device.gemm_half_dim)
+    assert cal.loss_s_per_logit == probe["loss_s_per_logit"]
+    assert cal.elementwise_bytes_per_s == probe["elementwise_bytes_per_s"]
+    slower = machines.calibration_from_probe({**probe, "loss_s_per_logit": 2e-3}, 2, 2,
+                                             cpu.gpus_per_node, cpu.device.gemm_half_dim)
+    args = (TINY, GridShape(data=2), 8, 16, 1, False)
+    fast = predict_step(*args, cpu.calibrated(cal), Precision.of("float32"))
+    slow = predict_step(*args, cpu.calibrated(slower), Precision.of("float32"))
+    assert slow.compute_s > fast.compute_s  # the loss's probed cost is what the model charges
+    with pytest.raises(PlanError, match="not probed"):
+        load_machine("perlmutter").calibrated(cal)

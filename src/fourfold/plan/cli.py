@@ -157,8 +157,8 @@ def format_plan(result: Plan, top: int, model_name: str | None = None) -> str:
               "HFU also counts the forward that activation checkpointing (AC) recomputes",
               f"{m.device.note}; {m.note}" if m.note else m.device.note]
     columns = (f"{'#':>3} {'data,z,y,x':>12} {'mb x acc':>9} {'AC':>3} {'red':>4} {'ovf':>3} "
-               f"{'step ms':>9} "
-               f"{'tokens/s':>11} {'MFU':>5} {'HFU':>5} " + " ".join(f"{a + ' ms':>13}" for a in AXES)
+               f"{'step ms':>9} {'tokens/s':>11} {'MFU':>5} {'HFU':>5} "
+               + " ".join(f"{a + ' ms':>13}" for a in AXES)
                + f" {'GiB/GPU':>8}  fits")
     lines = header + [columns]
     for i, c in enumerate(rows, 1):
