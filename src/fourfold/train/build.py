@@ -159,12 +159,18 @@ def _planned_grid(cfg: Config, world_size: int, rank: int) -> GridShape:
     choice: list[object] = [None]
     if rank == 0:
         from fourfold.plan import choose_grid  # the planner never imports the trainer
+        from fourfold.plan.perf import Overlap
 
-        t = cfg.train
-        shape, why = choose_grid(cfg.model, world_size, cfg.parallel.machine, t.batch_size,
-                                 t.seq_len, dtype=t.dtype,
+        t, p = cfg.train, cfg.parallel
+        overlap = Overlap(overlap_input_grad=p.overlap_input_grad,
+                          overlap_weight_grad=p.overlap_weight_grad,
+                          prefetch_weights=p.prefetch_weights,
+                          overlap_data_grad=p.overlap_data_grad,
+                          overlap_forward=p.overlap_forward)
+        shape, why = choose_grid(cfg.model, world_size, p.machine, t.batch_size,
+                                 t.seq_len, dtype=t.dtype, overlap=overlap,
                                  activation_checkpointing=t.activation_checkpointing,
-                                 grad_accum=t.grad_accum)
+                                 grad_accum=t.grad_accum, reduce_dtype=p.reduce_dtype)
         print(f"parallel.auto chose grid {shape}: {why}", file=sys.stderr, flush=True)
         choice[0] = (shape.data, shape.z, shape.y, shape.x)
     if world_size > 1:
