@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,9 @@ from fourfold.models import build_model
 from fourfold.models.adapter import (apply_adapter, merged_state_dict, save_merged_hf,
                                      save_peft_adapter)
 from fourfold.models.hf import config_to_hf, state_dict_to_hf
+from fourfold.parallel import GridShape
+from fourfold.plan.schedule import predict_comm_bytes
+from test_parallel import run_worker  # the shared torchrun launcher (tests/ is on sys.path)
 
 WORKER = Path(__file__).with_name("lora_worker.py")
 
@@ -34,29 +35,17 @@ VARIANTS = [
     {"kind": "lora", "dropout": 0.2, "ckpt": True},  # replicas agree; no one-process twin
 ]
 
+LORA_STEPS, LORA_BATCH, LORA_SEQ = 20, 8, 16  # as in lora_worker.py
 GRIDS = {  # (data, z, y, x)
     2: [[1, 1, 1, 2], [1, 1, 2, 1], [1, 2, 1, 1], [2, 1, 1, 1]],
     4: [[1, 1, 2, 2], [2, 2, 1, 1], [1, 2, 1, 2], [2, 1, 2, 1]],
 }
 
 
-def run_worker(nproc: int, grids: list, variants: list, tmp_path: Path) -> list[dict]:
-    out = tmp_path / f"lora_{nproc}.jsonl"
-    env = dict(os.environ, FOURFOLD_TEST_SHAPES=json.dumps(grids),
-               FOURFOLD_TEST_VARIANTS=json.dumps(variants), FOURFOLD_TEST_OUT=str(out),
-               OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-         "--standalone", str(WORKER)],
-        env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in out.read_text().splitlines()]
-
-
 @pytest.mark.ranks
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_adapters_train_the_same_on_every_grid(nproc: int, tmp_path: Path) -> None:
-    results = run_worker(nproc, GRIDS[nproc], VARIANTS, tmp_path)
+    results = run_worker(nproc, GRIDS[nproc], VARIANTS, tmp_path, WORKER, timeout=900)
     assert len(results) == len(GRIDS[nproc]) * len(VARIANTS)
     for r in results:
         label = f"grid {r['shape']} variant {r['variant']}"
@@ -67,6 +56,25 @@ def test_adapters_train_the_same_on_every_grid(nproc: int, tmp_path: Path) -> No
         data, z, y, x = r["shape"]
         for axis, size in (("x", x), ("y", y), ("z", z), ("data", data)):
             assert (r["ledger"][axis] > 0) == (size > 1), f"{label}: ledger {r['ledger']}"
+        # the ledger is what torch.distributed was handed (dist_count.py), and for LoRA on
+        # fourfold's Llama the planner predicts it exactly: the (tokens x r) all-reduces, their
+        # backward twins, the adapter's gradient reductions, and no dW traffic for the base
+        assert r["handed"] == {k: r["ledger"][k] for k in r["handed"]}, \
+            f"{label}: torch.distributed was handed {r['handed']}, ledger {r['ledger']}"
+        variant = r["variant"]
+        if variant["kind"] == "lora" and not variant.get("hf"):
+            cfg = model_config("debug", bias=variant.get("bias", False),
+                               tie_embeddings=variant.get("tie", False))
+            accum = variant.get("accum", 1)
+            tokens = LORA_BATCH // accum // (data * z) * LORA_SEQ
+            per_step = predict_comm_bytes(cfg, GridShape(data, z, y, x), tokens, accum,
+                                          variant.get("ckpt", False), residual_bytes=4,
+                                          adapter=AdapterConfig(**{
+                                              k: v for k, v in variant.items()
+                                              if k in AdapterConfig.__dataclass_fields__}))
+            predicted = {k: v * LORA_STEPS for k, v in per_step.items()}
+            recorded = {k: r["ledger"][k] for k in ("x", "y", "z", "data")}
+            assert predicted == recorded, f"{label}: planner {predicted} != ledger {recorded}"
         if r["variant"].get("dropout"):
             continue  # masks are keyed by grid position: not the one-process masks
         assert r["init_diff"] == 0.0, f"{label}: the adapter starts differently"
