@@ -199,6 +199,14 @@ def test_tuned_output_tied_to_the_embedding_has_no_peft_files(tmp_path: Path) ->
         save_peft_adapter({}, acfg, tmp_path, tie_embeddings=True)
 
 
+def test_the_fine_tuning_corpus_is_another_part_of_the_stdlib() -> None:
+    from fourfold.data.builtin import stdlib_files
+
+    modules, tests = stdlib_files(), stdlib_files(tests=True)
+    assert modules and tests and not set(modules) & set(tests)
+    assert all({"test", "tests"} & set(p.parts) for p in tests)
+
+
 @pytest.mark.slow
 def test_fine_tune_a_converted_run_with_lora_end_to_end(tmp_path: Path, fourfold_cache: Path
                                                         ) -> None:
@@ -217,8 +225,10 @@ def test_fine_tune_a_converted_run_with_lora_end_to_end(tmp_path: Path, fourfold
     Trainer(load_config(None, common), tmp_path / "pre", progress=False).fit()
     assert fourfold_main(["convert", str(tmp_path / "pre"), "--to", "hf",
                           str(tmp_path / "hf")]) == 0
+    # fine-tuned on another part of the built-in corpus, as examples/lora.toml
     lora = [f"model.init_from={tmp_path / 'hf'}", "adapter.kind=lora", "adapter.r=4",
-            "train.lr=1e-2", "checkpoint.every=2", "checkpoint.async=false"]
+            "train.lr=1e-2", "checkpoint.every=2", "checkpoint.async=false",
+            "data.path=builtin:stdlib-tests"]
     cfg = load_config(None, common + lora)
     trainer = Trainer(cfg, tmp_path / "lora", progress=False)
     trainable = [n for n, p in trainer.pmodel.named_parameters() if p.requires_grad]
