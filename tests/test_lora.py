@@ -314,3 +314,29 @@ def test_a_lora_run_resumes_from_its_checkpoint(tmp_path: Path, fourfold_cache: 
     assert resumed.step == 2
     result = resumed.fit()
     assert result.final_loss == pytest.approx(whole.final_loss, abs=1e-6)
+
+
+@pytest.mark.ranks
+@pytest.mark.usefixtures("one_thread")
+def test_a_grid_adapter_run_writes_the_one_process_files(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """On x = 2 the merged model streams from both ranks: the same model.safetensors and
+    adapter/ (LoRA factors and the gains as modules_to_save) as one process."""
+    from safetensors.torch import load_file
+
+    from conftest import outside_job_env
+    from fourfold.train.trainer import Trainer
+    from test_train_multirank import torchrun_train
+
+    items = ["model.preset=debug", "train.batch_size=8", "train.seq_len=32", "train.steps=3",
+             "train.eval_every=0", "train.eval_batches=0", "train.sample_tokens=0",
+             "adapter.kind=lora", "adapter.r=4", "adapter.train_norms=true", "train.lr=1e-2"]
+    env = outside_job_env(FOURFOLD_CACHE=str(tmp_path / "cache"))
+    torchrun_train([*items, "parallel.x=2"], tmp_path / "grid", env)
+    monkeypatch.setenv("FOURFOLD_CACHE", env["FOURFOLD_CACHE"])
+    Trainer(load_config(None, items), tmp_path / "one", progress=False).fit()
+    for file in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        grid, one = load_file(str(tmp_path / "grid" / file)), load_file(str(tmp_path / "one" / file))
+        assert sorted(grid) == sorted(one), file
+        for name in one:
+            torch.testing.assert_close(grid[name], one[name], rtol=0, atol=1e-5)
