@@ -15,6 +15,7 @@ import torch.distributed as dist
 from fourfold.config import AdapterConfig, ParallelConfig, model_config
 from fourfold.models.adapter import apply_adapter
 from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
+from dist_count import DistCount  # what torch.distributed is handed, counted apart
 from parallel_worker import build  # the same tiny models as the engine's exactness test
 
 STEPS = 20
@@ -91,6 +92,7 @@ def main() -> int:
     variants = json.loads(os.environ["FOURFOLD_TEST_VARIANTS"])
     out_path = os.environ["FOURFOLD_TEST_OUT"]
     results = []
+    counter = DistCount().install()
     for shape_list in shapes:
         shape = GridShape(*shape_list)
         if shape.size != world:
@@ -121,8 +123,10 @@ def main() -> int:
                                 for k, v in ref_init.items() if "lora_A" in k) \
                     if acfg.kind == "lora" else 0.0
                 pmodel.ledger.reset()
+                counter.reset()
                 losses = train(pmodel, data, grid.batch_shard, variant.get("opt", "adamw"))
                 ledger = pmodel.ledger.snapshot()
+                handed = counter.by_axis(grid)
                 spread = replica_spread(pmodel, grid)
                 state = pmodel.full_state_dict()
                 with_vars = ref_model.state_dict(keep_vars=True)  # tied names share a tensor
@@ -140,7 +144,7 @@ def main() -> int:
                                       for k in tuned),
                     max_frozen_change=max(float((state[k] - base_state[k]).abs().max())
                                           for k in frozen if k in base_state),
-                    init_diff=init_diff, replica_spread=spread, ledger=ledger,
+                    init_diff=init_diff, replica_spread=spread, ledger=ledger, handed=handed,
                     same_trainable=sorted(trainable) == sorted(ref_trainable),
                     n_trainable=len(trainable))
             except Exception:  # reported to the test, which fails with the traceback

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,9 @@ from fourfold.models import build_model
 from fourfold.models.adapter import (apply_adapter, merged_state_dict, save_merged_hf,
                                      save_peft_adapter)
 from fourfold.models.hf import config_to_hf, state_dict_to_hf
+from fourfold.parallel import GridShape
+from fourfold.plan.schedule import predict_comm_bytes
+from test_parallel import run_worker  # the shared torchrun launcher (tests/ is on sys.path)
 
 WORKER = Path(__file__).with_name("lora_worker.py")
 
@@ -34,29 +35,17 @@ VARIANTS = [
     {"kind": "lora", "dropout": 0.2, "ckpt": True},  # replicas agree; no one-process twin
 ]
 
+LORA_STEPS, LORA_BATCH, LORA_SEQ = 20, 8, 16  # as in lora_worker.py
 GRIDS = {  # (data, z, y, x)
     2: [[1, 1, 1, 2], [1, 1, 2, 1], [1, 2, 1, 1], [2, 1, 1, 1]],
     4: [[1, 1, 2, 2], [2, 2, 1, 1], [1, 2, 1, 2], [2, 1, 2, 1]],
 }
 
 
-def run_worker(nproc: int, grids: list, variants: list, tmp_path: Path) -> list[dict]:
-    out = tmp_path / f"lora_{nproc}.jsonl"
-    env = dict(os.environ, FOURFOLD_TEST_SHAPES=json.dumps(grids),
-               FOURFOLD_TEST_VARIANTS=json.dumps(variants), FOURFOLD_TEST_OUT=str(out),
-               OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-         "--standalone", str(WORKER)],
-        env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in out.read_text().splitlines()]
-
-
 @pytest.mark.ranks
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_adapters_train_the_same_on_every_grid(nproc: int, tmp_path: Path) -> None:
-    results = run_worker(nproc, GRIDS[nproc], VARIANTS, tmp_path)
+    results = run_worker(nproc, GRIDS[nproc], VARIANTS, tmp_path, WORKER, timeout=900)
     assert len(results) == len(GRIDS[nproc]) * len(VARIANTS)
     for r in results:
         label = f"grid {r['shape']} variant {r['variant']}"
@@ -67,6 +56,25 @@ def test_adapters_train_the_same_on_every_grid(nproc: int, tmp_path: Path) -> No
         data, z, y, x = r["shape"]
         for axis, size in (("x", x), ("y", y), ("z", z), ("data", data)):
             assert (r["ledger"][axis] > 0) == (size > 1), f"{label}: ledger {r['ledger']}"
+        # the ledger is what torch.distributed was handed (dist_count.py), and for LoRA on
+        # fourfold's Llama the planner predicts it exactly: the (tokens x r) all-reduces, their
+        # backward twins, the adapter's gradient reductions, and no dW traffic for the base
+        assert r["handed"] == {k: r["ledger"][k] for k in r["handed"]}, \
+            f"{label}: torch.distributed was handed {r['handed']}, ledger {r['ledger']}"
+        variant = r["variant"]
+        if variant["kind"] == "lora" and not variant.get("hf"):
+            cfg = model_config("debug", bias=variant.get("bias", False),
+                               tie_embeddings=variant.get("tie", False))
+            accum = variant.get("accum", 1)
+            tokens = LORA_BATCH // accum // (data * z) * LORA_SEQ
+            per_step = predict_comm_bytes(cfg, GridShape(data, z, y, x), tokens, accum,
+                                          variant.get("ckpt", False), residual_bytes=4,
+                                          adapter=AdapterConfig(**{
+                                              k: v for k, v in variant.items()
+                                              if k in AdapterConfig.__dataclass_fields__}))
+            predicted = {k: v * LORA_STEPS for k, v in per_step.items()}
+            recorded = {k: r["ledger"][k] for k in ("x", "y", "z", "data")}
+            assert predicted == recorded, f"{label}: planner {predicted} != ledger {recorded}"
         if r["variant"].get("dropout"):
             continue  # masks are keyed by grid position: not the one-process masks
         assert r["init_diff"] == 0.0, f"{label}: the adapter starts differently"
@@ -191,6 +199,14 @@ def test_tuned_output_tied_to_the_embedding_has_no_peft_files(tmp_path: Path) ->
         save_peft_adapter({}, acfg, tmp_path, tie_embeddings=True)
 
 
+def test_the_fine_tuning_corpus_is_another_part_of_the_stdlib() -> None:
+    from fourfold.data.builtin import stdlib_files
+
+    modules, tests = stdlib_files(), stdlib_files(tests=True)
+    assert modules and tests and not set(modules) & set(tests)
+    assert all({"test", "tests"} & set(p.parts) for p in tests)
+
+
 @pytest.mark.slow
 def test_fine_tune_a_converted_run_with_lora_end_to_end(tmp_path: Path, fourfold_cache: Path
                                                         ) -> None:
@@ -209,8 +225,10 @@ def test_fine_tune_a_converted_run_with_lora_end_to_end(tmp_path: Path, fourfold
     Trainer(load_config(None, common), tmp_path / "pre", progress=False).fit()
     assert fourfold_main(["convert", str(tmp_path / "pre"), "--to", "hf",
                           str(tmp_path / "hf")]) == 0
+    # fine-tuned on another part of the built-in corpus, as examples/lora.toml
     lora = [f"model.init_from={tmp_path / 'hf'}", "adapter.kind=lora", "adapter.r=4",
-            "train.lr=1e-2", "checkpoint.every=2", "checkpoint.async=false"]
+            "train.lr=1e-2", "checkpoint.every=2", "checkpoint.async=false",
+            "data.path=builtin:stdlib-tests"]
     cfg = load_config(None, common + lora)
     trainer = Trainer(cfg, tmp_path / "lora", progress=False)
     trainable = [n for n, p in trainer.pmodel.named_parameters() if p.requires_grad]
@@ -296,3 +314,29 @@ def test_a_lora_run_resumes_from_its_checkpoint(tmp_path: Path, fourfold_cache: 
     assert resumed.step == 2
     result = resumed.fit()
     assert result.final_loss == pytest.approx(whole.final_loss, abs=1e-6)
+
+
+@pytest.mark.ranks
+@pytest.mark.usefixtures("one_thread")
+def test_a_grid_adapter_run_writes_the_one_process_files(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """On x = 2 the merged model streams from both ranks: the same model.safetensors and
+    adapter/ (LoRA factors and the gains as modules_to_save) as one process."""
+    from safetensors.torch import load_file
+
+    from conftest import outside_job_env
+    from fourfold.train.trainer import Trainer
+    from test_train_multirank import torchrun_train
+
+    items = ["model.preset=debug", "train.batch_size=8", "train.seq_len=32", "train.steps=3",
+             "train.eval_every=0", "train.eval_batches=0", "train.sample_tokens=0",
+             "adapter.kind=lora", "adapter.r=4", "adapter.train_norms=true", "train.lr=1e-2"]
+    env = outside_job_env(FOURFOLD_CACHE=str(tmp_path / "cache"))
+    torchrun_train([*items, "parallel.x=2"], tmp_path / "grid", env)
+    monkeypatch.setenv("FOURFOLD_CACHE", env["FOURFOLD_CACHE"])
+    Trainer(load_config(None, items), tmp_path / "one", progress=False).fit()
+    for file in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        grid, one = load_file(str(tmp_path / "grid" / file)), load_file(str(tmp_path / "one" / file))
+        assert sorted(grid) == sorted(one), file
+        for name in one:
+            torch.testing.assert_close(grid[name], one[name], rtol=0, atol=1e-5)

@@ -50,15 +50,16 @@ GRIDS = {  # (data, z, y, x)
 }
 
 
-def run_worker(nproc: int, grids: list, variants: list, tmp_path: Path) -> list[dict]:
-    out = tmp_path / f"results_{nproc}.jsonl"
+def run_worker(nproc: int, grids: list, variants: list, tmp_path: Path,
+               worker: Path = WORKER, timeout: int = 600) -> list[dict]:
+    out = tmp_path / f"results_{worker.stem}_{nproc}.jsonl"
     env = dict(os.environ, FOURFOLD_TEST_SHAPES=json.dumps(grids),
                FOURFOLD_TEST_VARIANTS=json.dumps(variants), FOURFOLD_TEST_OUT=str(out),
                OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-         "--standalone", str(WORKER)],
-        env=env, capture_output=True, text=True, timeout=600)
+         "--standalone", str(worker)],
+        env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in out.read_text().splitlines()]
 

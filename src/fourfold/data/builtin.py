@@ -21,7 +21,10 @@ from fourfold.data.manifest import MANIFEST_FILE
 from fourfold.data.prepare import prepare
 from fourfold.data.tokenizers import HF_FILE, META_FILE, check_spec
 
-BUILTIN_NAMES = ("builtin:stdlib",)
+# builtin:stdlib-tests, the standard library's own tests, is a second part of the same code
+# (for fine-tuning on what pretraining did not see).
+BUILTIN_NAMES = ("builtin:stdlib", "builtin:stdlib-tests")
+TEST_DIRS = frozenset({"test", "tests"})
 # Tests, GUI and retired packages: large, repetitive, and not what a demo model should imitate.
 SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
                           "tkinter", "turtledemo", "__pycache__"})
@@ -30,15 +33,19 @@ BUILTIN_VERSION = 1  # bump when the file selection changes, so old caches are n
 BUILTIN_VAL_FRACTION = 0.01  # ~6 files of ~600: a validation split of ~100k tokens
 
 
-def stdlib_files(max_bytes: int = MAX_CORPUS_BYTES) -> list[Path]:
-    """The standard library's .py files in sorted order, up to `max_bytes` in total."""
+def stdlib_files(max_bytes: int = MAX_CORPUS_BYTES, tests: bool = False) -> list[Path]:
+    """The standard library's .py files in sorted order, up to `max_bytes` in total (tests:
+    those of its test packages instead, which builtin:stdlib leaves out)."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    skipped = SKIPPED_DIRS - TEST_DIRS if tests else SKIPPED_DIRS
     files: list[Path] = []
     total = 0
     for path in sorted(root.rglob("*.py")):
         parts = path.relative_to(root).parts[:-1]
-        if any(p in SKIPPED_DIRS or p.startswith(".") for p in parts) or not path.is_file():
+        if any(p in skipped or p.startswith(".") for p in parts) or not path.is_file():
             continue
+        if tests and (not any(p in TEST_DIRS for p in parts) or not _utf8(path)):
+            continue  # (some tests are deliberately in other encodings)
         size = path.stat().st_size
         if total + size > max_bytes:
             break
@@ -47,8 +54,18 @@ def stdlib_files(max_bytes: int = MAX_CORPUS_BYTES) -> list[Path]:
     return files
 
 
-def builtin_corpus(tokenizer: str = "byte", cache_dir: Path | None = None) -> Path:
-    """The DATA_DIR of the stdlib corpus for `tokenizer`, prepared on first use.
+def _utf8(path: Path) -> bool:
+    try:
+        path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def builtin_corpus(tokenizer: str = "byte", cache_dir: Path | None = None,
+                   name: str = "builtin:stdlib") -> Path:
+    """The DATA_DIR of the built-in corpus `name` (BUILTIN_NAMES) for `tokenizer`, prepared on
+    first use.
 
     Safe when several processes (ranks) call it at once: one prepares under a lock into a
     temporary directory and renames it into place; the others wait and then reuse it.
@@ -56,17 +73,21 @@ def builtin_corpus(tokenizer: str = "byte", cache_dir: Path | None = None) -> Pa
     check_spec(tokenizer)
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    target = root / _cache_key(tokenizer)
+    tests = name == "builtin:stdlib-tests"
+    target = root / (_cache_key(tokenizer).replace("stdlib-", "stdlib-tests-", 1) if tests
+                     else _cache_key(tokenizer))
     if (target / MANIFEST_FILE).is_file():
         return target
     with open(root / f"{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if (target / MANIFEST_FILE).is_file():  # another process finished while we waited
             return target
-        files = stdlib_files()
+        files = stdlib_files(tests=tests)
         if not files:
-            raise DataError(f"data.path = 'builtin:stdlib': no standard library sources under "
-                            f"{sysconfig.get_paths()['stdlib']}")
+            raise DataError(f"data.path = {name!r}: no standard library "
+                            f"{'test ' if tests else ''}sources under "
+                            f"{sysconfig.get_paths()['stdlib']}"
+                            + (" (some distributions package them apart)" if tests else ""))
         building = root / f".{target.name}.building"
         shutil.rmtree(building, ignore_errors=True)  # left by a process that died mid-way
         prepare(files, building, tokenizer=tokenizer, val_fraction=BUILTIN_VAL_FRACTION,
@@ -82,7 +103,7 @@ def resolve_data_path(path: str, tokenizer: str) -> Path:
         if path not in BUILTIN_NAMES:
             raise DataError(f"data.path = {path!r}: unknown built-in corpus; expected "
                             f"{', '.join(BUILTIN_NAMES)} or a DATA_DIR made by `fourfold prepare`")
-        return builtin_corpus(tokenizer)
+        return builtin_corpus(tokenizer, name=path)
     data_dir = Path(path).expanduser()
     if not (data_dir / MANIFEST_FILE).is_file():
         raise DataError(f"data.path = {path!r}: not a prepared data directory (no "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from fourfold.config import ModelConfig
+from fourfold.config import AdapterConfig, ModelConfig
 from fourfold.parallel.engine import keeps_output_block
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.parallel.linear import split_rows
@@ -97,8 +97,8 @@ def local_param_numel(model: ModelConfig, shape: GridShape) -> dict[str, int]:
 def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens: int,
                         grad_accum: int, activation_checkpointing: bool, act_bytes: int = 4,
                         weight_bytes: int = 4, grad_bytes: int = 4,
-                        residual_bytes: int | None = None, overlap_forward: bool = False
-                        ) -> list[Collective]:
+                        residual_bytes: int | None = None, overlap_forward: bool = False,
+                        adapter: AdapterConfig | None = None) -> list[Collective]:
     """Every collective of one optimizer step, per rank.
 
     n = micro_batch_tokens: tokens per rank per micro-step (sequences per (data, z) shard per
@@ -141,6 +141,7 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
       (their local numel) * grad_bytes.
     - all-reduce data of all local gradients: (total local numel) * grad_bytes.
     A collective over an axis of size 1 is not issued and appears nowhere.
+    With an adapter (kind = lora, `adapter_collectives`), the frozen base changes this list.
     """
     if micro_batch_tokens < 1 or grad_accum < 1:
         raise PlanError(f"micro_batch_tokens = {micro_batch_tokens}, grad_accum = {grad_accum}: "
@@ -152,6 +153,13 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
     d_over_x = _exact(d, gx, "model.dim")
     rb = act_bytes if residual_bytes is None else residual_bytes
     events: list[Collective] = []
+    if adapter is not None and adapter.kind not in ("none", "lora"):
+        raise PlanError(f"adapter.kind = {adapter.kind!r}: the planner models LoRA only")
+    lora = adapter if adapter is not None and adapter.kind == "lora" else None
+    # a frozen base: no dW reduce-scatters, and no input gradient below the first block's
+    # norm (the embedding is frozen, so block 0's attention norm input needs none)
+    train_base = lora is None
+    first_fan_out = 1 if lora is None or lora.train_norms else 0
 
     def add(axis: str, op: Op, nbytes: int, calls: int, phase: Phase) -> None:
         if getattr(shape, axis) > 1 and calls > 0:
@@ -176,7 +184,8 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
         add("z", "all_gather", block * weight_bytes, m * L, "fwd_gather")
         # backward: the recompute's gather (checkpointing) or the backward's own
         add("z", "all_gather", block * weight_bytes, m * L, "bwd_gather")
-        add("z", "reduce_scatter", block * grad_bytes, m * L, "bwd_weight")
+        if train_base:
+            add("z", "reduce_scatter", block * grad_bytes, m * L, "bwd_weight")
         if transposed:
             out_local = _exact(sum(lin.out_features for lin in unit), gx, f"{name} out")
             output_reduce("y", out_local * act_bytes, m * L * replays)
@@ -186,17 +195,19 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
             out_local = sum(_exact(lin.out_features, gy, f"{lin.name} out") for lin in unit)
             output_reduce("x", out_local * act_bytes, m * L * replays)
     # fused input-gradient all-reduces over y: (q, k, v) and (gate, up) per block
-    add("y", "all_reduce", n * d_over_x * act_bytes, 2 * m * L, "bwd_input")
+    add("y", "all_reduce", n * d_over_x * act_bytes, (2 * L - 1 + first_fan_out) * m,
+        "bwd_input")
     # block norms (2 per block), then the final norm (never recomputed)
     add("x", "all_reduce", 4 * n, 2 * m * L * replays, "fwd_output")
-    add("x", "all_reduce", 4 * n, 2 * m * L, "bwd_norm")
+    add("x", "all_reduce", 4 * n, (2 * L - (0 if train_base else 1)) * m, "bwd_norm")
     add("x", "all_reduce", 4 * n, m, "fwd_output")
     add("x", "all_reduce", 4 * n, m, "bwd_norm")
     # embedding
     vocab_block = weight_block(v, d, False, "embedding")
     add("z", "all_gather", vocab_block * rb, m, "fwd_gather")
     add("y", "all_reduce", n * d_over_x * rb, m, "fwd_output")
-    add("z", "reduce_scatter", vocab_block * grad_bytes, m, "bwd_weight")
+    if train_base:
+        add("z", "reduce_scatter", vocab_block * grad_bytes, m, "bwd_weight")
     # output layer (a normal linear, own gathers even when tied) and the loss
     vocab_local = _exact(v, gy, "model.vocab_size")
     add("z", "all_gather", vocab_block * weight_bytes, m, "fwd_gather")
@@ -204,27 +215,71 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
     if not keeps_output_block(vocab_block * weight_bytes, n * vocab_local * act_bytes,
                               n * vocab_local):
         add("z", "all_gather", vocab_block * weight_bytes, m, "bwd_gather")
-    add("z", "reduce_scatter", vocab_block * grad_bytes, m, "bwd_weight")
+    if train_base:
+        add("z", "reduce_scatter", vocab_block * grad_bytes, m, "bwd_weight")
     add("y", "all_reduce", n * d_over_x * act_bytes, m, "bwd_input")
     add("y", "all_reduce", 12 * n, m, "fwd_output")
+    if lora is not None:
+        for c in adapter_collectives(model, shape, lora, n, m, replays, act_bytes):
+            add(c.axis, c.op, c.nbytes, c.calls, c.phase)
     # once per optimizer step
-    numel = local_param_numel(model, shape)
+    numel = local_param_numel(model, shape) if lora is None else lora_param_numel(model, shape,
+                                                                                  lora)
     add("z", "all_reduce", numel["z_replicated"] * grad_bytes, 1, "step_z")
     add("data", "all_reduce", (numel["z_sharded"] + numel["z_replicated"]) * grad_bytes, 1,
         "step_data")
     return events
 
 
+def _lora_linears(model: ModelConfig, cfg: AdapterConfig) -> list[tuple[LinearShape, int]]:
+    """The adapted layers with how many of each there are (per block, or the output layer)."""
+    out = [(lin, model.n_layers) for lin in block_linears(model) if lin.name in cfg.targets]
+    if "output" in cfg.targets:
+        out.append((LinearShape("output", model.vocab_size, model.dim, False), 1))
+    return out
+
+
+def adapter_collectives(model: ModelConfig, shape: GridShape, cfg: AdapterConfig, n: int,
+                        m: int, replays: int, act_bytes: int) -> list[Collective]:
+    """LoRA's own collectives per optimizer step (parallel/lora.py): each adapted layer
+    all-reduces x A^T (n x r) over its input axis in forward (again in a recompute) and its
+    twin dL/dh = dy B over its output axis in backward. Axes of size 1 are left out."""
+    events = []
+    for lin, count in _lora_linears(model, cfg):
+        in_axis, out_axis = ("y", "x") if lin.transposed else ("x", "y")
+        nbytes = n * cfg.r * act_bytes
+        calls = m * count * (replays if lin.name != "output" else 1)
+        for axis, c, phase in ((in_axis, calls, "fwd_output"), (out_axis, m * count,
+                                                                "bwd_input")):
+            if getattr(shape, axis) > 1:
+                events.append(Collective(axis, "all_reduce", nbytes, c, phase))  # type: ignore[arg-type]
+    return events
+
+
+def lora_param_numel(model: ModelConfig, shape: GridShape, cfg: AdapterConfig
+                     ) -> dict[str, int]:
+    """local_param_numel for a LoRA run: only the trainable parameters (the factors, A split
+    like the layer's input and B like its output, and trained norms), all replicated over z."""
+    numel = 0
+    for lin, count in _lora_linears(model, cfg):
+        split_in, split_out = (shape.y, shape.x) if lin.transposed else (shape.x, shape.y)
+        numel += count * cfg.r * (_exact(lin.in_features, split_in, f"{lin.name} in")
+                                  + _exact(lin.out_features, split_out, f"{lin.name} out"))
+    if cfg.train_norms:
+        numel += (2 * model.n_layers + 1) * _exact(model.dim, shape.x, "model.dim")
+    return {"z_sharded": 0, "z_replicated": numel}
+
+
 def predict_comm_bytes(model_cfg: ModelConfig, shape: GridShape, micro_batch_tokens: int,
                        grad_accum: int, activation_checkpointing: bool, act_bytes: int = 4,
                        weight_bytes: int = 4, grad_bytes: int = 4,
-                       residual_bytes: int | None = None, overlap_forward: bool = False
-                       ) -> dict[str, int]:
+                       residual_bytes: int | None = None, overlap_forward: bool = False,
+                       adapter: AdapterConfig | None = None) -> dict[str, int]:
     """Bytes per rank per optimizer step that the engine's ledger records, by axis
     ("x", "y", "z", "data"); the schedule is spelled out in `collective_schedule`."""
     totals = {axis: 0 for axis in AXES}
     for c in collective_schedule(model_cfg, shape, micro_batch_tokens, grad_accum,
                                  activation_checkpointing, act_bytes, weight_bytes, grad_bytes,
-                                 residual_bytes, overlap_forward):
+                                 residual_bytes, overlap_forward, adapter):
         totals[c.axis] += c.nbytes * c.calls
     return totals

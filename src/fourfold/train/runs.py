@@ -128,11 +128,42 @@ def load_trained(run_dir: str | Path, device: str | torch.device = "cpu") -> tup
             raise RunDirError(f"run directory {str(run_dir)!r} has no {WEIGHTS_FILE} and no "
                               "complete checkpoint; train it to the end, or with "
                               "checkpoint.every > 0")
-        model = Llama(cfg.model)
-        load_weights_from_checkpoint(path, model)
+        if cfg.adapter.kind != "none":  # the checkpoint holds the adapter alone
+            model = _adapter_model_from_checkpoint(path, cfg)
+        else:
+            model = Llama(cfg.model)
+            load_weights_from_checkpoint(path, model)
     model.to(device)
     model.eval()
     return model, cfg
+
+
+def _adapter_model_from_checkpoint(path: Path, cfg: Config) -> Llama:
+    """The merged model of an adapter run's checkpoint: the base rebuilt as the run built it
+    (model.init_from, or the seed), the adapter loaded onto it, folded in."""
+    from fourfold.config import CheckpointConfig, ParallelConfig
+    from fourfold.models.adapter import apply_adapter, merged_state_dict
+    from fourfold.models.hf import load_hf_into
+    from fourfold.parallel import Grid, parallelize
+    from fourfold.train.checkpoint import BaseReference, CheckpointManager
+
+    grid = Grid.single()
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    pmodel = parallelize(model, grid, ParallelConfig(gemm_tuning=False))
+    if cfg.model.init_from:
+        load_hf_into(pmodel, cfg.model.init_from)
+    apply_adapter(pmodel, cfg.adapter, cfg.train.seed)
+    manager = CheckpointManager(path.parent.parent, CheckpointConfig(), grid,
+                                states={"base": BaseReference(cfg.model.init_from,
+                                                              cfg.train.seed)},
+                                trainable_only=True)
+    manager.load(path, pmodel, None, restore_rng=False)
+    merged = Llama(cfg.model)
+    state = merged_state_dict(model.state_dict(), cfg.adapter)
+    if cfg.model.tie_embeddings:
+        state.pop("output.weight", None)
+    merged.load_state_dict(state, strict=False)
+    return merged
 
 
 def trained_tensors(run_dir: str | Path
