@@ -56,3 +56,19 @@ def test_generate_restores_training_mode() -> None:
     model.train()
     generate(model, [1], 2)
     assert model.training
+
+
+def test_generate_on_a_grid_of_one_equals_generate(model: torch.nn.Module) -> None:
+    """generate_on_grid's decoding (engine passes, logits gathered over y, rank 0's pick
+    shared) on one process; tests/test_train_multirank.py runs it on two ranks."""
+    from fourfold.parallel import Grid, parallelize
+    from fourfold.train.sampling import generate_on_grid
+
+    pmodel = parallelize(build_model(model.cfg, seed=3), Grid.single())
+    prompt = [4, 9, 60]
+    for temperature in (0.0, 1.0):
+        assert generate_on_grid(pmodel, prompt, 12, temperature=temperature, top_k=5, seed=2) \
+            == generate(model, prompt, 12, temperature=temperature, top_k=5, seed=2)
+    with pytest.raises(TypeError, match="fourfold Llama"):
+        generate_on_grid(parallelize(torch.nn.Sequential(torch.nn.Linear(4, 4)),
+                                     Grid.single()), prompt, 1)
