@@ -20,6 +20,8 @@ METHODS: dict[str, tuple[str, str]] = {
     "adalomo": ("fourfold.train.methods.lomo", "AdaLomo"),
     "mezo": ("fourfold.train.methods.zeroth", "MeZO"),
     "es": ("fourfold.train.methods.zeroth", "EvolutionStrategies"),
+    "blockllm": ("fourfold.train.methods.blockllm", "BlockLLM"),
+    "galore": ("fourfold.train.methods.galore", "GaLore"),
 }
 
 
