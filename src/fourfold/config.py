@@ -113,6 +113,7 @@ class TrainConfig:
     block_patience: int = 10  # blockllm: steps without a better loss before reselecting
     galore_rank: int = 0  # galore: projection rank; 0: a quarter of each matrix's smaller side
     galore_gap: int = 200  # galore: steps between refreshes of the projection
+    memory_report: bool = False  # peak bytes per rank by category into summary.json
 
 
 @dataclass

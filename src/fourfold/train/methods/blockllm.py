@@ -82,6 +82,7 @@ class BlockLLM(AdamW):
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         loss = reduce_loss(pmodel, backward_pass(pmodel, data))
+        self.note_gradients(pmodel)
         if selecting:
             if self.best < math.inf:  # not the first selection
                 self.reselections += 1

@@ -27,18 +27,12 @@ import torch
 
 from fourfold.config import TrainConfig
 from fourfold.parallel.parallelize import _gather_full
+from fourfold.plan.memory import galore_rank
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (Guard, ParamView, StepData, StepResult, TrainingMethod,
                                          check_meta, param_views, reduce_loss)
 
 EPS = 1e-8
-
-
-def galore_rank(full_shape: tuple[int, ...], rank: int) -> int:
-    """The projection rank of a matrix: `rank` (0: a quarter of the smaller side), at most the
-    smaller side, at least 1."""
-    small = min(full_shape)
-    return max(1, min(small, rank if rank > 0 else small // 4))
 
 
 class GaLore(TrainingMethod):
@@ -114,6 +108,7 @@ class GaLore(TrainingMethod):
         for v in self.views:
             v.param.grad = None
         loss = reduce_loss(pmodel, backward_pass(pmodel, data))
+        self.note_gradients(pmodel)
         norm = float(pmodel.clip_grad_norm_(self.grad_clip if self.grad_clip > 0 else math.inf))
         reason = guard(loss, norm) if guard is not None else None
         if reason is None:
