@@ -32,7 +32,7 @@ from fourfold.plan.memory import (GIB, MemoryBreakdown, Precision, predict_memor
 from fourfold.plan.search import check_grid_fits, rank_memory_capacity
 from fourfold.train.compile import BlockCompiler
 from fourfold.train.host_memory import keep_freed_host_memory
-from fourfold.train.methods import TrainingMethod, build_method
+from fourfold.train.methods import TrainingMethod, batch_shard, build_method, method_batch_axes
 from fourfold.train.optim import build_optimizer
 from fourfold.train.resilience import LossGuard
 
@@ -68,9 +68,6 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
     validate(cfg)
     cfg = copy.deepcopy(cfg)  # the caller's config stays as it was
     t, p = cfg.train, cfg.parallel
-    if t.optimizer == "es":  # its batch is split over z only; the loaders split data * z
-        raise ConfigError('train.optimizer = "es" runs from Python (fourfold.train.methods) '
-                          "but not yet in fourfold train; choose adamw, lomo, adalomo or mezo")
 
     init_from = cfg.model.init_from if model is None else ""
     if init_from and (Path(init_from) / HF_CONFIG_FILE).is_file():
@@ -88,11 +85,14 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
                                                data=planned.data)
     shape = GridShape.resolve(p.x, p.y, p.z, p.data, world_size)
     grid = Grid.build(shape, device, timeout_s=p.timeout_s)
-    shard_index, shard_count = grid.batch_shard
+    # the axes the method splits its batch over: es gives every data replica the whole batch
+    # (its population members split the data axis instead)
+    shard_index, shard_count = batch_shard(grid, method_batch_axes(t.optimizer))
     if t.batch_size % (t.grad_accum * shard_count):
         raise ConfigError(
             f"train.batch_size = {t.batch_size} does not split into train.grad_accum = "
-            f"{t.grad_accum} micro-steps over data*z = {shard_count} batch shards; use a "
+            f"{t.grad_accum} micro-steps over {shard_count} batch shards "
+            f"({'*'.join(method_batch_axes(t.optimizer))}); use a "
             f"multiple of {t.grad_accum * shard_count}")
     torch.manual_seed(t.seed)
     # one line naming the memory needed and a grid that fits, not an OOM halfway through

@@ -211,7 +211,7 @@ class Trainer:
         micro = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
         masks = [self._loss_mask(x, y) for x, y in micro]
         local_count = torch.stack([m.sum() for m in masks]).sum()
-        global_count = self.pmodel.reduce_over_batch(local_count).clamp(min=1.0)
+        global_count = self._count_over_batch(local_count).clamp(min=1.0)
 
         if self.method is not None:
             loss_value, grad_norm, what = self._method_update(step, lr, micro, masks,
@@ -223,6 +223,17 @@ class Trainer:
                          skipped=what is not None, seconds=time.perf_counter() - start,
                          token_fraction=float(global_count) / self.tokens_per_step,
                          reason=what or "")
+
+    def _count_over_batch(self, local: torch.Tensor) -> torch.Tensor:
+        """A token count summed over the axes the step's batch is split over (es: z only; its
+        data replicas see the same batch)."""
+        if self.method is None or self.method.batch_axes == ("data", "z"):
+            return self.pmodel.reduce_over_batch(local)
+        total = local.detach().double().clone()
+        for axis in self.method.batch_axes:
+            if self.grid.size(axis) > 1:
+                total = self.pmodel.comm.all_reduce(total, axis).wait()
+        return total.to(local.dtype)
 
     def _update(self, step: int, micro: list[tuple[torch.Tensor, torch.Tensor]],
                 masks: list[torch.Tensor], global_count: torch.Tensor
