@@ -101,8 +101,8 @@ def main() -> None:
     ref = rows["adamw"]
     print(f"preset {args.preset}, float32, batch {args.batch} x {args.seq}, activation "
           f"checkpointing, one process; baseline (import fourfold) {base / 1024:.0f} MiB")
-    print(f"| method | peak RSS - base | ratio | planner | state | peak grads | tokens/s "
-          f"| vs adamw | first step |")
+    print("| method | peak RSS - base | ratio | planner | state | peak grads | tokens/s "
+          "| vs adamw | first step |")
     print("|---|---|---|---|---|---|---|---|---|")
     for m, r in rows.items():
         above = r["rss_kib"] - base

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fourfold.config import Config, ConfigError, load_config
+from fourfold.config import Config, load_config
 from fourfold.train import Trainer, TrainingError
 from fourfold.train.checkpoint import list_checkpoints
 from fourfold.train.metrics import read_metrics
