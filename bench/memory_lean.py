@@ -4,7 +4,10 @@ Each method trains the same model (float32, activation checkpointing on) for a f
 fresh process; its peak RSS above a process that only imports fourfold and builds nothing is
 given as a ratio to AdamW's, and its tokens/s (steps after the first) beside AdamW's. A
 training step of MeZO is two forwards, of ES `--population` forwards: tokens/s counts the
-tokens of the batch once per step, so it compares steps, not forwards.
+tokens of the batch once per step, so it compares steps, not forwards. BlockLLM runs at its
+default sparsity (0.9) and patience (10, so the timed steps train the selection of the first
+step, which held every gradient); GaLore at rank dim/4 with its SVD refresh in the first,
+untimed step (one refresh per 200 steps by default: `first_step_s` shows its cost).
 
     python bench/memory_lean.py [--preset small] [--steps 4] [--batch 2] [--seq 128]
 
@@ -21,7 +24,7 @@ import subprocess
 import sys
 import time
 
-METHODS = ("adamw", "lomo", "adalomo", "mezo", "es")
+METHODS = ("adamw", "lomo", "adalomo", "mezo", "es", "blockllm", "galore")
 
 
 def child(preset: str, method: str, steps: int, batch: int, seq: int, population: int) -> dict:
@@ -36,7 +39,8 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     from fourfold.train.methods import StepData, build_method
 
     torch.set_num_threads(1)
-    model = build_model(model_config(preset), seed=0)
+    # on the meta device, as build_run does: parallelize makes the (one) shard of each tensor
+    model = build_model(model_config(preset), seed=0, device="meta")
     model.activation_checkpointing = True
     pmodel = parallelize(model, Grid.single())
     extra = {"es_population": population} if method == "es" else {}
@@ -56,7 +60,19 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
         times.append(time.perf_counter() - start)
     return {"rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
             "tokens_per_s": batch * seq * (len(times) - 1) / sum(times[1:]),
+            "first_step_s": times[0], "peak_grad_bytes": trainer.peak_grad_bytes,
+            "predicted": predicted_bytes(model.cfg, cfg, batch * seq),
             "loss": result.loss, "state_bytes": trainer.state_bytes()}
+
+
+def predicted_bytes(model_cfg, train_cfg, tokens: int) -> int:
+    """The planner's peak for this run (plan/memory.py with the method's state)."""
+    from fourfold.parallel import GridShape
+    from fourfold.plan.memory import Precision, predict_memory, predict_method_memory
+
+    one, precision = GridShape(1, 1, 1, 1), Precision.of("float32")
+    mem = predict_memory(model_cfg, one, tokens, True, precision, on_host=True)
+    return predict_method_memory(mem, model_cfg, one, train_cfg, precision).total
 
 
 def measure(args: argparse.Namespace, method: str) -> dict:
@@ -85,13 +101,16 @@ def main() -> None:
     ref = rows["adamw"]
     print(f"preset {args.preset}, float32, batch {args.batch} x {args.seq}, activation "
           f"checkpointing, one process; baseline (import fourfold) {base / 1024:.0f} MiB")
-    print(f"{'method':<8} {'peak RSS - base':>16} {'ratio':>6} {'state':>10} {'tokens/s':>9} "
-          f"{'vs adamw':>8}")
+    print("| method | peak RSS - base | ratio | planner | state | peak grads | tokens/s "
+          "| vs adamw | first step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for m, r in rows.items():
         above = r["rss_kib"] - base
-        print(f"{m:<8} {above / 1024:>12.0f} MiB {above / (ref['rss_kib'] - base):>6.2f} "
-              f"{r['state_bytes'] / 2**20:>6.1f} MiB {r['tokens_per_s']:>9.0f} "
-              f"{r['tokens_per_s'] / ref['tokens_per_s']:>8.2f}")
+        print(f"| {m} | {above / 1024:.0f} MiB | {above / (ref['rss_kib'] - base):.2f} | "
+              f"{r['predicted'] / 2**20:.0f} MiB | "
+              f"{r['state_bytes'] / 2**20:.1f} MiB | {r['peak_grad_bytes'] / 2**20:.1f} MiB | "
+              f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / ref['tokens_per_s']:.2f} | "
+              f"{r['first_step_s']:.1f} s |")
 
 
 if __name__ == "__main__":

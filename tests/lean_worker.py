@@ -54,9 +54,9 @@ def pcfg(shape: GridShape) -> ParallelConfig:
     return ParallelConfig(x=shape.x, y=shape.y, z=shape.z, data=shape.data, bucket_mb=0.05)
 
 
-def freeze(model: torch.nn.Module) -> None:
+def freeze(model: torch.nn.Module, names: tuple[str, ...] = FROZEN) -> None:
     for name, p in model.named_parameters():
-        if name.endswith(FROZEN):
+        if name.endswith(names):
             p.requires_grad_(False)
 
 
@@ -161,14 +161,15 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
                        **check.get("train", {}))
     # two batches in turn: a loss that goes down shows the method learns
     data = batches(cfg.vocab_size, 2, tcfg.grad_accum) * (check["steps"] // 2)
+    # "freeze": true freezes FROZEN, a list the names ending so
+    frozen = check.get("freeze", False)
+    frozen = tuple(frozen) if isinstance(frozen, list) else FROZEN if frozen else ()
     ref_model = build_model(cfg, seed=7)
-    if check.get("freeze"):
-        freeze(ref_model)
+    freeze(ref_model, frozen)
     ref_losses, _ = run_method(parallelize(ref_model, Grid.single()), tcfg, data)
     ref_state = ref_model.state_dict()
     model = build_model(cfg, seed=7)
-    if check.get("freeze"):
-        freeze(model)
+    freeze(model, frozen)
     pmodel = parallelize(model, grid, pcfg(shape))
     pmodel.ledger.reset()
     losses, method = run_method(pmodel, tcfg, data)
@@ -179,6 +180,8 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
                 max_rel_loss=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
                 max_weight_diff=max(float((state[k] - ref_state[k]).abs().max())
                                     for k in ref_state),
+                worst_weight=max(ref_state, key=lambda k: float((state[k] - ref_state[k])
+                                                                .abs().max())),
                 weight_change=max(float((ref_state[k] - build_model(cfg, seed=7).state_dict()[k])
                                         .abs().max()) for k in ref_state),
                 state_bytes=method.state_bytes(), meta=meta,
@@ -188,6 +191,7 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
                 grads_left=[n for n, p in pmodel.named_parameters() if p.grad is not None],
                 trainable_bytes=sum(p.numel() * p.element_size() for p in pmodel.parameters()
                                     if p.requires_grad),
+                param_bytes=sum(p.numel() * p.element_size() for p in pmodel.parameters()),
                 # what one forward all-gathers over z: every z-sharded module's block
                 forward_gather_bytes=sum(m.block_shape[0] * m.block_shape[1] * 4
                                          for m in pmodel.engine.sharded) if shape.z > 1 else 0)

@@ -115,7 +115,15 @@ def test_optimizer_keys_are_checked() -> None:
            ("train.es_sigma=0.1",): "train.es_sigma = 0.1 applies only to train.optimizer = 'es'",
            ("train.optimizer=es", "train.es_population=1"): "train.es_population = 1",
            ("train.optimizer=mezo", "train.mezo_eps=0"): "train.mezo_eps = 0.0: must be a positive number",
-           ("train.clip_mode=value",): "train.clip_mode = 'value' applies only to"}
+           ("train.clip_mode=value",): "train.clip_mode = 'value' applies only to",
+           ("train.block_sparsity=0.5",): "train.block_sparsity = 0.5 applies only to "
+                                          "train.optimizer = 'blockllm', not 'adamw'",
+           ("train.optimizer=galore", "train.block_patience=3"): "train.block_patience = 3 "
+                                                                 "applies only to",
+           ("train.optimizer=blockllm", "train.block_sparsity=1"): "train.block_sparsity = 1.0",
+           ("train.optimizer=galore", "train.galore_gap=0"): "train.galore_gap = 0: must be",
+           ("train.optimizer=galore", "train.galore_rank=-2"): "train.galore_rank = -2",
+           ("train.optimizer=galore", "adapter.kind=norm"): "cannot train a subset"}
     for items, message in bad.items():
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
             load_config(None, list(items))
@@ -152,14 +160,16 @@ def test_frozen_parameters_have_no_optimizer_state() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("optimizer", ["mezo", "es", "adalomo", "adamw"])
+@pytest.mark.parametrize("optimizer", ["mezo", "es", "adalomo", "adamw", "blockllm", "galore"])
 def test_state_dict_resumes_exactly(optimizer: str) -> None:
     from fourfold.config import TrainConfig, model_config
     from fourfold.models import build_model
     from fourfold.parallel import Grid, parallelize
     from fourfold.train.methods import StepData, build_method
 
-    extra = {"es_population": 4} if optimizer == "es" else {}
+    # blockllm reselects and galore refreshes its projection across the resume
+    extra = {"es": {"es_population": 4}, "blockllm": {"block_sparsity": 0.5, "block_patience": 1},
+             "galore": {"galore_gap": 3}}.get(optimizer, {})
     cfg = TrainConfig(optimizer=optimizer, lr=1e-3, **extra)
     tokens = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
 
@@ -199,11 +209,53 @@ ADALOMO_CHECKS = [{"name": "adalomo", "steps": 20, "train": {"lr": 1e-2}},
                    "train": {"lr": 1e-2, "clip_mode": "two_pass", "grad_clip": 0.05}}]
 
 
+# patience 1: the alternating batches make every other step a reselection. The key bias has
+# no gradient but rounding noise (softmax ignores it), which an Adam step turns into +-lr
+# whatever the noise's size: it stays frozen, as its grid-vs-one-process noise is no test
+SUBSET_LR = 3e-3
+BLOCKLLM = {"name": "blockllm", "steps": 20, "freeze": ["k_proj.bias"],
+            "train": {"lr": SUBSET_LR, "block_sparsity": 0.6, "block_patience": 1}}
+GALORE = {"name": "galore", "steps": 20, "freeze": ["k_proj.bias"],
+          "train": {"lr": SUBSET_LR, "galore_gap": 5}}
+
+
+def check_subset_method(r: dict) -> None:
+    """BlockLLM and GaLore: losses as one process, less optimizer state than AdamW's.
+
+    Weights: both run Adam, which divides tiny gradients by their own size and so turns float
+    rounding into visible weight noise (test_parallel compares AdamW by its losses only);
+    BlockLLM restarts Adam on each newly selected block, so its weights are not compared;
+    GaLore's stay within a fifth of one step (lr)."""
+    label = f"grid {r['shape']} {r['check']['name']}"
+    assert r["max_rel_loss"] < 1e-5, f"{label}: losses {r['losses']} vs {r['ref_losses']}"
+    first, last = sum(r["ref_losses"][:2]), sum(r["ref_losses"][-2:])
+    assert last < first, f"{label}: did not learn {r['ref_losses']}"
+    assert r["grads_left"] == [], label
+    adamw_state = 2 * r["param_bytes"]
+    if r["check"]["name"] == "blockllm":
+        assert r["meta"]["reselections"] >= 5, f"{label}: {r['meta']}"
+        # moments of the selected blocks (40% of the elements; a little more of a rank's
+        # shards, which hold replicated vectors whole), and of no others
+        assert r["state_bytes"] == 2 * r["trainable_bytes"], label
+        assert 0 < r["state_bytes"] <= 0.45 * adamw_state, label
+        # frozen blocks join no data all-reduce: ~70% of every block's gradient every step
+        # (40% of them, and all of them at the ~10 selection steps), not 100%
+        if r["shape"][0] > 1:
+            every = r["check"]["steps"] * r["param_bytes"]
+            assert 0 < r["ledger"]["data"] < 0.8 * every, f"{label}: {r['ledger']} vs {every}"
+    else:  # rank-16 moments of 64-wide matrices, plus the projections
+        assert r["max_weight_diff"] < 0.2 * SUBSET_LR, f"{label}: {r['max_weight_diff']}"
+        assert 0 < r["state_bytes"] < 0.6 * adamw_state, label
+
+
 def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
-    for r in run_worker(2, grids, LOMO_CHECKS + ADALOMO_CHECKS, tmp_path):
-        check_trains_as_one_process(r)
+    for r in run_worker(2, grids, LOMO_CHECKS + ADALOMO_CHECKS + [BLOCKLLM, GALORE], tmp_path):
         name = r["check"]["name"]
+        if name in ("blockllm", "galore"):
+            check_subset_method(r)
+            continue
+        check_trains_as_one_process(r)
         label = f"grid {r['shape']} {name} {r['check']['train'].get('clip_mode', 'none')}"
         if name == "adalomo":  # row and column statistics: far less than AdamW's two moments
             assert 0 < r["state_bytes"] < 0.1 * r["trainable_bytes"], label
@@ -252,10 +304,120 @@ def test_lomo_refuses_what_it_cannot_do() -> None:
 
 def test_every_method_on_four_rank_grids(tmp_path: Path) -> None:
     """Several axes at once: z and y split the same matrices' rows, data with x."""
-    checks = [{"name": "frozen"}, MEZO, ES, LOMO_CHECKS[0], ADALOMO_CHECKS[1]]
+    checks = [{"name": "frozen"}, MEZO, ES, LOMO_CHECKS[0], ADALOMO_CHECKS[1], BLOCKLLM, GALORE]
     for r in run_worker(4, [[1, 2, 2, 1], [2, 1, 1, 2]], checks, tmp_path):
         if r["check"]["name"] == "frozen":
             check_frozen(r)
+        elif r["check"]["name"] in ("blockllm", "galore"):
+            check_subset_method(r)
         else:
             check_trains_as_one_process(r)
             assert r["grads_left"] == [], r["shape"]
+
+
+# ---- the planner's memory per method, and train.memory_report ----------------------------------
+
+
+def test_planner_state_bytes_follow_the_method() -> None:
+    """plan/memory.method_state_bytes: each method's gradients and state, against what the
+    method itself holds after a step (one process, the tiny model)."""
+    from fourfold.config import TrainConfig, model_config
+    from fourfold.models import build_model
+    from fourfold.parallel import Grid, GridShape, parallelize
+    from fourfold.plan.memory import method_state_bytes
+    from fourfold.train.methods import StepData, build_method
+
+    mcfg = model_config("debug", bias=True, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    one = GridShape(1, 1, 1, 1)
+    tokens = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+    numel = build_model(mcfg, seed=0).num_params()
+    predicted = {}
+    for name in ("adamw", "lomo", "adalomo", "mezo", "es", "blockllm", "galore"):
+        cfg = TrainConfig(optimizer=name, **({"es_population": 2} if name == "es" else {}))
+        predicted[name] = method_state_bytes(mcfg, one, cfg)
+        pmodel = parallelize(build_model(mcfg, seed=0), Grid.single())
+        method = build_method(pmodel, cfg)
+        data = StepData(1, lambda: iter([pmodel(tokens[:, :-1], tokens[:, 1:]).mean()]))
+        method.step(pmodel, data, lr=1e-3)
+        if name != "blockllm":  # blockllm's selection keeps whole tensors: at most its share
+            assert method.state_bytes() == predicted[name]["optimizer"], name
+        else:
+            assert 0 < method.state_bytes() <= predicted[name]["optimizer"], name
+        if name in ("adamw", "galore", "blockllm"):  # every gradient at once (blockllm: at a
+            assert method.peak_grad_bytes == predicted[name]["grads"], name  # selection step)
+        elif name in ("lomo", "adalomo"):
+            assert 0 < method.peak_grad_bytes <= predicted[name]["grads"], name
+    assert predicted["adamw"] == {"grads": 4 * numel, "optimizer": 8 * numel}
+    assert predicted["mezo"] == predicted["es"] == {"grads": 0, "optimizer": 0}
+    assert predicted["lomo"]["optimizer"] == 0 < predicted["lomo"]["grads"] < numel
+    assert 0 < predicted["adalomo"]["optimizer"] < 0.1 * predicted["adamw"]["optimizer"]
+    assert predicted["blockllm"]["optimizer"] == pytest.approx(0.1 * 8 * numel, rel=1e-3)
+    assert 0.2 < predicted["galore"]["optimizer"] / predicted["adamw"]["optimizer"] < 0.6
+    # a sparser selection, a lower GaLore rank: less state; on 4 ranks: a quarter or less
+    sparse = method_state_bytes(mcfg, one, TrainConfig(optimizer="blockllm", block_sparsity=0.95))
+    assert sparse["optimizer"] < predicted["blockllm"]["optimizer"]
+    low = method_state_bytes(mcfg, one, TrainConfig(optimizer="galore", galore_rank=4))
+    assert low["optimizer"] < predicted["galore"]["optimizer"]
+    split = method_state_bytes(mcfg, GridShape(1, 2, 2, 1), TrainConfig(optimizer="adalomo"))
+    assert split["optimizer"] < predicted["adalomo"]["optimizer"]
+
+
+def test_preflight_check_uses_the_methods_memory() -> None:
+    """build_run's check: a capacity that AdamW's run exceeds but MeZO's fits."""
+    from fourfold.config import load_config
+    from fourfold.parallel import GridShape
+    from fourfold.plan.errors import PlanError
+    from fourfold.train.build import check_method_fits, predicted_memory
+
+    shape = GridShape(1, 1, 1, 1)
+    need = {o: predicted_memory(load_config(None, ["model.preset=125m",
+                                                   f"train.optimizer={o}"]), shape, True).total
+            for o in ("adamw", "mezo", "lomo", "galore", "blockllm")}
+    assert need["mezo"] < need["lomo"] < need["blockllm"] < need["adamw"]
+    assert need["galore"] < need["adamw"]
+    capacity = (need["mezo"] + need["adamw"]) // 2
+    check_method_fits(load_config(None, ["model.preset=125m", "train.optimizer=mezo"]), shape,
+                      True, capacity)
+    with pytest.raises(PlanError, match="under train.optimizer = 'blockllm': a rank needs"):
+        check_method_fits(load_config(None, ["model.preset=125m", "train.optimizer=blockllm"]),
+                          shape, True, need["blockllm"] - 1)
+
+
+@pytest.mark.usefixtures("fourfold_cache")
+@pytest.mark.parametrize("optimizer", ["adamw", "lomo", "galore", "mezo"])
+def test_memory_report_in_summary(tmp_path: Path, optimizer: str) -> None:
+    from fourfold.config import load_config
+    from fourfold.train import Trainer
+
+    cfg = load_config(None, ["model.preset=debug", "train.batch_size=4", "train.seq_len=32",
+                             "train.steps=3", "train.eval_every=0", "train.eval_batches=0",
+                             "train.sample_tokens=0", "train.memory_report=true",
+                             f"train.optimizer={optimizer}",
+                             f"train.activation_checkpointing={optimizer == 'galore'}".lower()])
+    Trainer(cfg, tmp_path, progress=False).fit()
+    report = json.loads((tmp_path / "summary.json").read_text())["memory_report"]
+    (measured,), predicted = report["measured_per_rank"], report["predicted_per_rank"]
+    label = f"{optimizer}: {measured} vs {predicted}"
+    assert set(measured) == set(predicted) == {"parameters", "gradients", "optimizer_state",
+                                               "activations", "communication_buffers"}
+    assert measured["parameters"] == predicted["parameters"], label
+    assert measured["optimizer_state"] == predicted["optimizer_state"], label
+    assert measured["communication_buffers"] == 0, label  # one process: nothing gathered
+    if optimizer in ("adamw", "galore"):
+        assert measured["gradients"] == predicted["gradients"], label
+    elif optimizer == "lomo":
+        assert 0 < measured["gradients"] <= predicted["gradients"], label
+    else:
+        assert measured["gradients"] == predicted["gradients"] == 0, label
+    if optimizer == "mezo":  # forwards only: nothing saved for backward
+        assert measured["activations"] == 0, label
+    elif optimizer == "galore":  # checkpointed: the hook does not see one block's recompute
+        from fourfold.parallel import GridShape
+        from fourfold.plan.memory import Precision, activation_bytes_per_token
+
+        block = 4 * 32 * activation_bytes_per_token(cfg.model, GridShape(1, 1, 1, 1),
+                                                    Precision.of("float32"))["block"]
+        assert measured["activations"] < predicted["activations"], label
+        assert 0.5 < measured["activations"] / (predicted["activations"] - block) < 2.0, label
+    else:
+        assert 0.5 < measured["activations"] / predicted["activations"] < 2.0, label

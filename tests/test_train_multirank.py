@@ -101,18 +101,23 @@ def test_compiled_tensor_parallel_ranks_match_one_process(tmp_path: Path,
 
 @pytest.mark.ranks
 @pytest.mark.usefixtures("one_thread")
-def test_lomo_through_fourfold_train_on_a_grid_matches_one_process(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("method, grid", [
+    (["train.optimizer=lomo", "train.clip_mode=none"], "parallel.z=2"),
+    (["train.optimizer=es", "train.es_population=4", "train.lr=1e-4", "train.grad_clip=0"],
+     "parallel.data=2")])
+def test_lean_method_through_fourfold_train_on_a_grid_matches_one_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: list[str], grid: str) -> None:
     """train.optimizer = lomo under torchrun on z = 2 (each shard updated inside backward,
-    after its reduce-scatter) trains as one process does."""
+    after its reduce-scatter) trains as one process does; so does es on data = 2 (both
+    replicas load the same batch and evaluate half of the population each)."""
     from fourfold.config import load_config
     from fourfold.train import train
     from fourfold.train.metrics import read_metrics
 
     items = [*[o for o in OVERRIDES if not o.startswith("train.grad_accum")],
-             "train.optimizer=lomo", "train.clip_mode=none", "train.sample_tokens=0"]
+             *method, "train.sample_tokens=0"]
     env = outside_job_env(FOURFOLD_CACHE=str(tmp_path / "cache"))
-    torchrun_train([*items, "parallel.z=2"], tmp_path / "grid", env)
+    torchrun_train([*items, grid], tmp_path / "grid", env)
     monkeypatch.setenv("FOURFOLD_CACHE", env["FOURFOLD_CACHE"])
     single = train(load_config(None, items), tmp_path / "single", progress=False)
     losses = [r["loss"] for r in read_metrics(tmp_path / "grid" / "metrics.jsonl") if "loss" in r]

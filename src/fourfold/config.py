@@ -104,11 +104,16 @@ class TrainConfig:
     nan_policy: str = "stop"  # stop | skip | rollback
     spike_threshold: float = 0.0  # 0 disables; else a loss above threshold x running mean is a spike
     max_restarts: int = 0
-    optimizer: str = "adamw"  # adamw | lomo | adalomo | mezo | es (train/methods)
+    optimizer: str = "adamw"  # adamw, lomo, adalomo, mezo, es, blockllm, galore (train/methods)
     clip_mode: str = "none"  # lomo, adalomo: value (clamp each element to grad_clip) | two_pass | none
     mezo_eps: float = 1e-3  # mezo: size of the two-sided perturbation
     es_population: int = 8  # es: perturbed members per step
     es_sigma: float = 1e-3  # es: size of each member's perturbation
+    block_sparsity: float = 0.9  # blockllm: fraction of the parameters frozen at a time
+    block_patience: int = 10  # blockllm: steps without a better loss before reselecting
+    galore_rank: int = 0  # galore: projection rank; 0: a quarter of each matrix's smaller side
+    galore_gap: int = 200  # galore: steps between refreshes of the projection
+    memory_report: bool = False  # peak bytes per rank by category into summary.json
 
 
 @dataclass
@@ -226,7 +231,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("train", "loss"): ("cross_entropy", "goldfish"),
     ("train", "device"): ("auto", "cpu", "cuda"),
     ("train", "nan_policy"): ("stop", "skip", "rollback"),
-    ("train", "optimizer"): ("adamw", "lomo", "adalomo", "mezo", "es"),
+    ("train", "optimizer"): ("adamw", "lomo", "adalomo", "mezo", "es", "blockllm", "galore"),
     ("train", "clip_mode"): ("none", "value", "two_pass"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
@@ -491,6 +496,10 @@ OPTIMIZER_OPTIONS: dict[str, tuple[str, ...]] = {
     "mezo_eps": ("mezo",),
     "es_population": ("es",),
     "es_sigma": ("es",),
+    "block_sparsity": ("blockllm",),
+    "block_patience": ("blockllm",),
+    "galore_rank": ("galore",),
+    "galore_gap": ("galore",),
 }
 
 
@@ -512,6 +521,15 @@ def _validate_optimizer(t: TrainConfig) -> None:
     for key, value in (("mezo_eps", t.mezo_eps), ("es_sigma", t.es_sigma)):
         if not value > 0 or not math.isfinite(value):
             raise ConfigError(f"train.{key} = {value}: must be a positive number")
+    if not 0.0 <= t.block_sparsity < 1.0:
+        raise ConfigError(f"train.block_sparsity = {t.block_sparsity}: the fraction of the "
+                          "parameters frozen must be in [0, 1)")
+    for key, value in (("block_patience", t.block_patience), ("galore_gap", t.galore_gap)):
+        if value < 1:
+            raise ConfigError(f"train.{key} = {value}: must be at least 1")
+    if t.galore_rank < 0:
+        raise ConfigError(f"train.galore_rank = {t.galore_rank}: must be a positive rank, or 0 "
+                          "for a quarter of each matrix's smaller side")
     if t.es_population < 2:
         raise ConfigError(f"train.es_population = {t.es_population}: must be at least 2 (rewards "
                           "are standardised over the population)")

@@ -20,12 +20,17 @@ by several ranks (a host's) among them and takes `reserved_gib` per rank off for
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fourfold.config import ModelConfig
 from fourfold.parallel.grid import GridShape
 from fourfold.plan.errors import PlanError
 from fourfold.plan.schedule import block_linears, local_param_numel
+
+if TYPE_CHECKING:
+    from fourfold.config import TrainConfig
 
 GIB = 1024**3
 
@@ -185,3 +190,84 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
                            optimizer=states["optimizer"], activations=activations,
                            gathered_weights=gathered, logits=logits, comm_buffers=comm_buffers,
                            startup=startup, export=export, checkpoint=checkpoint)
+
+
+# ---- per training method (train.optimizer): kept apart from the rank model above ---------------
+
+
+def _local_matrices(model: ModelConfig, shape: GridShape) -> list[tuple[int, int, int, int]]:
+    """(full rows, full cols, local rows, local cols) of every weight matrix on a rank, as the
+    engine lays them out: W[out, in] with out split over (y, z) and in over x (a transposed
+    layer swaps x and y); the embedding and output layer as a normal layer."""
+    gx, gy, gz = shape.x, shape.y, shape.z
+    out = []
+    for lin in block_linears(model):
+        g_out, g_in = (gx, gy) if lin.transposed else (gy, gx)
+        out += [(lin.out_features, lin.in_features, lin.out_features // (g_out * gz),
+                 lin.in_features // g_in)] * model.n_layers
+    table = (model.vocab_size, model.dim, model.vocab_size // (gy * gz), model.dim // gx)
+    out += [table] * (1 if model.tie_embeddings else 2)
+    return out
+
+
+def galore_rank(full_shape: tuple[int, ...], rank: int) -> int:
+    """GaLore's projection rank of a matrix: `rank` (0: a quarter of the smaller side), at most
+    the smaller side, at least 1 (train/methods/galore.py uses this rule)."""
+    small = min(full_shape)
+    return max(1, min(small, rank if rank > 0 else small // 4))
+
+
+def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig",
+                       precision: Precision | None = None) -> dict[str, int]:
+    """Per rank, the peak gradient bytes and the optimizer-state bytes of train.optimizer.
+
+    adamw: every gradient, two moments. lomo / adalomo: one tensor's gradient at a time (the
+    largest block; with data > 1 up to two buckets are in flight, not counted); adalomo keeps a
+    row and a column statistic per matrix, a second moment per vector. mezo / es: neither.
+    blockllm: moments of the selected (1 - block_sparsity) share; a selection step holds every
+    gradient for one backward, so the peak of gradients is all of them. galore: every
+    gradient; per matrix its projection (local rows of the projected side x r) and two r-rank
+    moments; vectors plain AdamW."""
+    p = precision or Precision.of("float32")
+    numel = sum(local_param_numel(model, shape).values())
+    matrices = _local_matrices(model, shape)
+    vectors = numel - sum(rl * cl for _, _, rl, cl in matrices)
+    state_bytes = p.optimizer_bytes // 2  # one float32 state tensor per element
+    name = train.optimizer
+    if name == "adamw":
+        return {"grads": numel * p.grad_bytes, "optimizer": numel * p.optimizer_bytes}
+    if name in ("lomo", "adalomo"):
+        grads = largest_tensor_numel(model, shape)[1] * p.grad_bytes
+        if name == "lomo":
+            return {"grads": grads, "optimizer": 0}
+        factored = sum(rl + cl for _, _, rl, cl in matrices) + vectors
+        return {"grads": grads, "optimizer": factored * state_bytes}
+    if name in ("mezo", "es"):
+        return {"grads": 0, "optimizer": 0}
+    if name == "blockllm":
+        selected = int(numel * (1.0 - train.block_sparsity))
+        return {"grads": numel * p.grad_bytes, "optimizer": selected * p.optimizer_bytes}
+    if name == "galore":
+        state = 2 * vectors
+        for m, n, rl, cl in matrices:
+            r = galore_rank((m, n), train.galore_rank)
+            # m < n: P (local rows x r), moments r x local cols; else Q and m_local x r moments
+            state += rl * r + 2 * r * cl if m < n else cl * r + 2 * rl * r
+        return {"grads": numel * p.grad_bytes, "optimizer": state * state_bytes}
+    raise PlanError(f"train.optimizer = {name!r}: no memory model for it")
+
+
+def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape: GridShape,
+                          train: "TrainConfig", precision: Precision | None = None
+                          ) -> MemoryBreakdown:
+    """`breakdown` (predict_memory's, which counts AdamW) with train.optimizer's gradients and
+    state; mezo and es run forwards only: no saved activations, no dW or gradient buckets."""
+    p = precision or Precision.of("float32")
+    states = method_state_bytes(model, shape, train, p)
+    out = dataclasses.replace(breakdown, grads=states["grads"], optimizer=states["optimizer"])
+    if train.optimizer in ("mezo", "es"):
+        layer_block = sum(lin.out_features * lin.in_features for lin in block_linears(model))
+        layer_block //= shape.x * shape.y
+        gathered = 2 * layer_block * p.weight_bytes if shape.z > 1 else 0
+        out = dataclasses.replace(out, activations=0, comm_buffers=0, gathered_weights=gathered)
+    return out

@@ -26,10 +26,13 @@ from fourfold.models.adapter import apply_adapter
 from fourfold.models.hf import HF_CONFIG_FILE, hf_model_config
 from fourfold.models.llama import Llama, build_model
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
-from fourfold.plan.search import check_grid_fits
+from fourfold.plan.errors import PlanError
+from fourfold.plan.memory import (GIB, MemoryBreakdown, Precision, predict_memory,
+                                  predict_method_memory)
+from fourfold.plan.search import check_grid_fits, rank_memory_capacity
 from fourfold.train.compile import BlockCompiler
 from fourfold.train.host_memory import keep_freed_host_memory
-from fourfold.train.methods import TrainingMethod, build_method
+from fourfold.train.methods import TrainingMethod, batch_shard, build_method, method_batch_axes
 from fourfold.train.optim import build_optimizer
 from fourfold.train.resilience import LossGuard
 
@@ -65,9 +68,6 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
     validate(cfg)
     cfg = copy.deepcopy(cfg)  # the caller's config stays as it was
     t, p = cfg.train, cfg.parallel
-    if t.optimizer == "es":  # its batch is split over z only; the loaders split data * z
-        raise ConfigError('train.optimizer = "es" runs from Python (fourfold.train.methods) '
-                          "but not yet in fourfold train; choose adamw, lomo, adalomo or mezo")
 
     init_from = cfg.model.init_from if model is None else ""
     if init_from and (Path(init_from) / HF_CONFIG_FILE).is_file():
@@ -85,15 +85,23 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
                                                data=planned.data)
     shape = GridShape.resolve(p.x, p.y, p.z, p.data, world_size)
     grid = Grid.build(shape, device, timeout_s=p.timeout_s)
-    shard_index, shard_count = grid.batch_shard
+    # the axes the method splits its batch over: es gives every data replica the whole batch
+    # (its population members split the data axis instead)
+    shard_index, shard_count = batch_shard(grid, method_batch_axes(t.optimizer))
     if t.batch_size % (t.grad_accum * shard_count):
         raise ConfigError(
             f"train.batch_size = {t.batch_size} does not split into train.grad_accum = "
-            f"{t.grad_accum} micro-steps over data*z = {shard_count} batch shards; use a "
+            f"{t.grad_accum} micro-steps over {shard_count} batch shards "
+            f"({'*'.join(method_batch_axes(t.optimizer))}); use a "
             f"multiple of {t.grad_accum * shard_count}")
     torch.manual_seed(t.seed)
     # one line naming the memory needed and a grid that fits, not an OOM halfway through
-    check_grid_fits(cfg, grid.shape, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if t.optimizer == "adamw":
+        check_grid_fits(cfg, grid.shape, device, local_ranks)
+    else:  # the method's own gradients and state, not AdamW's
+        check_method_fits(cfg, grid.shape, device.type == "cpu",
+                          rank_memory_capacity(device, local_ranks))
 
     data_dir = resolve_data_path(cfg.data.path, cfg.data.tokenizer)
     tokenizer = load_tokenizer(data_dir)
@@ -140,6 +148,33 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
                compiler=compiler, optimizer=optimizer, method=method, loader=loader,
                val_loader=val_loader,
                guard=LossGuard(t.spike_threshold))
+
+
+def predicted_memory(cfg: Config, shape: GridShape, on_host: bool) -> MemoryBreakdown:
+    """The planner's peak bytes per rank for cfg's run on `shape`, with train.optimizer's own
+    gradients and optimizer state (plan/memory.py)."""
+    t, p = cfg.train, cfg.parallel
+    precision = Precision.of(t.dtype)
+    micro_tokens = t.batch_size // (shape.data * shape.z) // t.grad_accum * t.seq_len
+    mem = predict_memory(cfg.model, shape, micro_tokens, t.activation_checkpointing, precision,
+                         bucket_bytes=int(p.bucket_mb * 2**20), on_host=on_host, writer=True,
+                         async_checkpoint=cfg.checkpoint.async_save and cfg.checkpoint.every > 0)
+    return predict_method_memory(mem, cfg.model, shape, t, precision)
+
+
+def check_method_fits(cfg: Config, shape: GridShape, on_host: bool, capacity: int) -> None:
+    """A one-line PlanError when a rank of `shape` cannot hold cfg's run under its
+    train.optimizer (the AdamW check, check_grid_fits, also suggests a grid)."""
+    mem = predicted_memory(cfg, shape, on_host)
+    if mem.total <= capacity:
+        return
+    state = mem.params + mem.grads + mem.optimizer
+    raise PlanError(f"grid {shape} cannot hold model {cfg.model.preset!r} under "
+                    f"train.optimizer = {cfg.train.optimizer!r}: a rank needs "
+                    f"{mem.total / GIB:.2f} GiB ({state / GIB:.2f} GiB weights, gradients and "
+                    f"optimizer state + {(mem.total - state) / GIB:.2f} GiB at the peak of a "
+                    f"step, build or export) and has {capacity / GIB:.2f} GiB; use more ranks "
+                    "(parallel.x, y, z) or a smaller model")
 
 
 def _choose_device(requested: str, dist_device: torch.device, world_size: int) -> torch.device:

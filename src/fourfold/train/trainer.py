@@ -26,9 +26,10 @@ from fourfold.models.llama import Llama, flops_per_token
 from fourfold.parallel import Grid, ParallelModel
 from fourfold.parallel.grid import check_shared_directory
 from fourfold.plan.perf import hardware_flops_per_token
-from fourfold.train.build import Run, build_run
+from fourfold.train.build import Run, build_run, predicted_memory
 from fourfold.train.checkpoint import BaseReference, CheckpointError, CheckpointManager
 from fourfold.train.host_memory import to_device
+from fourfold.train.memory_report import MemoryMeter, gather_reports, predicted_report
 from fourfold.train.methods import StepData, TrainingMethod
 from fourfold.train.metrics import MetricsLog, job_peak_flops, peak_memory_bytes
 from fourfold.train.optim import LRSchedule
@@ -173,6 +174,9 @@ class Trainer:
         # nan_policy = "stop": set on the device by a bad step, holds every later update
         self._stopped = torch.zeros((), dtype=torch.bool, device=self.device)
         self.schedule = LRSchedule(self.cfg.train)
+        self.memory_meter = (MemoryMeter(self.pmodel, self.optimizer, self.method,
+                                         self.cfg.train.activation_checkpointing)
+                             if self.cfg.train.memory_report else None)
         t = self.cfg.train
         self._val_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -238,14 +242,20 @@ class Trainer:
     def train_step(self) -> StepStats:
         """One optimizer step (train.grad_accum micro-steps). Collective on a grid."""
         if not self.compiler.pending:
-            return self._train_step()
+            return self._watched_step()
         loader_state = self.loader.state_dict()
 
         def undo() -> None:  # what a first step that failed to compile changed
             self.pmodel.module.zero_grad(set_to_none=True)
             self.loader.load_state_dict(loader_state)
 
-        return self.compiler.first_step(self._train_step, undo, passthrough=(TrainingError,))
+        return self.compiler.first_step(self._watched_step, undo, passthrough=(TrainingError,))
+
+    def _watched_step(self) -> StepStats:
+        if self.memory_meter is None:
+            return self._train_step()
+        with self.memory_meter.step():  # train.memory_report
+            return self._train_step()
 
     def _train_step(self) -> StepStats:
         t = self.cfg.train
@@ -259,7 +269,7 @@ class Trainer:
         micro = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
         masks = [self._loss_mask(x, y) for x, y in micro]
         local_count = torch.stack([m.sum() for m in masks]).sum()
-        global_count = self.pmodel.reduce_over_batch(local_count).clamp(min=1.0)
+        global_count = self._count_over_batch(local_count).clamp(min=1.0)
 
         if self.method is not None:  # the methods read their loss on the host anyway
             loss_value, grad_norm, what = self._method_update(step, lr, micro, masks,
@@ -275,6 +285,17 @@ class Trainer:
                               global_count.double() / self.tokens_per_step])
         return StepStats(step, lr, time.perf_counter() - start, device_values=values,
                          guard=self.guard)
+
+    def _count_over_batch(self, local: torch.Tensor) -> torch.Tensor:
+        """A token count summed over the axes the step's batch is split over (es: z only; its
+        data replicas see the same batch)."""
+        if self.method is None or self.method.batch_axes == ("data", "z"):
+            return self.pmodel.reduce_over_batch(local)
+        total = local.detach().double().clone()
+        for axis in self.method.batch_axes:
+            if self.grid.size(axis) > 1:
+                total = self.pmodel.comm.all_reduce(total, axis).wait()
+        return total.to(local.dtype)
 
     def _update(self, step: int, micro: list[tuple[torch.Tensor, torch.Tensor]],
                 masks: list[torch.Tensor], global_count: torch.Tensor
@@ -504,8 +525,12 @@ class Trainer:
                 else:
                     final_sample = None
             result = self._result(time.perf_counter() - started)
+            memory = self._memory_report()  # collective
             if self.is_main:
-                write_summary(self.run_dir, self._summary(result, final_sample))
+                summary = self._summary(result, final_sample)
+                if memory is not None:
+                    summary["memory_report"] = memory
+                write_summary(self.run_dir, summary)
                 progress.message(f"done: {result.steps} steps, loss {result.final_loss:.4f}"
                                  + (f", val_loss {result.val_loss:.4f}"
                                     if result.val_loss is not None else "")
@@ -515,6 +540,18 @@ class Trainer:
             progress.close()
             if metrics is not None:
                 metrics.close()
+
+    def _memory_report(self) -> dict[str, Any] | None:
+        """train.memory_report: every rank's measured peaks beside the planner's prediction
+        (collective on a grid)."""
+        if self.memory_meter is None:
+            return None
+        self.memory_meter.close()
+        measured = gather_reports(self.memory_meter, self.pmodel.comm)
+        predicted = predicted_report(predicted_memory(self.cfg, self.grid.shape,
+                                                      self.device.type == "cpu"),
+                                     self.grid.size("z"))
+        return {"measured_per_rank": measured, "predicted_per_rank": predicted}
 
     def _validate(self, metrics: MetricsLog | None, progress: Progress) -> None:
         val = self.evaluate()

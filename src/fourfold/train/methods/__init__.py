@@ -20,7 +20,17 @@ METHODS: dict[str, tuple[str, str]] = {
     "adalomo": ("fourfold.train.methods.lomo", "AdaLomo"),
     "mezo": ("fourfold.train.methods.zeroth", "MeZO"),
     "es": ("fourfold.train.methods.zeroth", "EvolutionStrategies"),
+    "blockllm": ("fourfold.train.methods.blockllm", "BlockLLM"),
+    "galore": ("fourfold.train.methods.galore", "GaLore"),
 }
+
+
+def method_batch_axes(name: str) -> tuple[str, ...]:
+    """The grid axes that train.optimizer = `name` splits a step's batch over."""
+    if name not in METHODS:
+        return ("data", "z")
+    module, cls = METHODS[name]
+    return getattr(importlib.import_module(module), cls).batch_axes
 
 
 def build_method(pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> TrainingMethod:
@@ -33,4 +43,4 @@ def build_method(pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> Tr
 
 
 __all__ = ["METHODS", "ParamView", "StepData", "StepResult", "TrainingMethod", "batch_shard",
-           "build_method", "param_views"]
+           "build_method", "method_batch_axes", "param_views"]

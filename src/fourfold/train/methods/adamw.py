@@ -39,6 +39,7 @@ class AdamW(TrainingMethod):
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         loss = reduce_loss(pmodel, backward_pass(pmodel, data))
+        self.note_gradients(pmodel)
         norm = float(pmodel.clip_grad_norm_(self.grad_clip if self.grad_clip > 0 else math.inf))
         reason = guard(loss, norm) if guard is not None else None
         if reason is None:

@@ -98,6 +98,13 @@ class TrainingMethod(ABC):
     name: str = ""
     update_time: UpdateTime = "after_backward"
     batch_axes: tuple[Axis, ...] = ("data", "z")
+    peak_grad_bytes: int = 0  # the most gradient bytes alive at once (train.memory_report)
+
+    def note_gradients(self, pmodel: Any) -> None:
+        """Record the gradient bytes alive now (call where they peak: after backward)."""
+        live = sum(p.grad.numel() * p.grad.element_size() for p in pmodel.parameters()
+                   if p.grad is not None)
+        self.peak_grad_bytes = max(self.peak_grad_bytes, live)
 
     @abstractmethod
     def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None

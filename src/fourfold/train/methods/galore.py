@@ -1,0 +1,134 @@
+"""GaLore (Zhao et al. 2024): AdamW whose moments live in a rank-r projection of each matrix's
+gradient; vectors (norms, biases) get plain AdamW.
+
+For an m x n gradient G with m < n the projection is P = the top r left singular vectors of G
+(m x r); the moments follow R = P^T G (r x n) and the step is P N(R), N being Adam's
+normalised step. With m >= n it is the right side: Q = top r right singular vectors (n x r),
+R = G Q (m x r), step N(R) Q^T. P (or Q) is recomputed from the step's gradient every
+train.galore_gap steps; the moments carry over, as in the paper. The rank is train.galore_rank,
+or a quarter of the smaller side (0), and never above the smaller side.
+
+On a grid this is the projection of the global gradient, so it trains as one process does. At
+a refresh each matrix's gradient is all-gathered over the axes that split it (one matrix at a
+time: a transient full m x n copy per rank) and every rank computes the same SVD, keeping only
+the rows of P (or Q) that its shard needs. Between refreshes a step costs one all-reduce of R's
+local part over the axes that split the projected side (r floats per column or row), and the
+state per rank is its part of P (or Q) and of R's two moments. A refreshed singular vector takes
+the sign that agrees with the one it replaces (an SVD's signs are arbitrary, and a near-equal
+gradient on another grid could flip them; the first ones meet zero moments, where sign is moot).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fourfold.config import TrainConfig
+from fourfold.parallel.parallelize import _gather_full
+from fourfold.plan.memory import galore_rank
+from fourfold.train.methods.adamw import backward_pass
+from fourfold.train.methods.base import (Guard, ParamView, StepData, StepResult, TrainingMethod,
+                                         check_meta, param_views, reduce_loss)
+
+EPS = 1e-8
+
+
+class GaLore(TrainingMethod):
+    name = "galore"
+    update_time = "after_backward"
+
+    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+        self.views = param_views(pmodel, tied_output)
+        self.grid, self.comm = pmodel.grid, pmodel.comm
+        self.beta1, self.beta2 = cfg.beta1, cfg.beta2
+        self.weight_decay, self.grad_clip = cfg.weight_decay, cfg.grad_clip
+        self.rank, self.gap = cfg.galore_rank, cfg.galore_gap
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        self.steps_done = 0
+
+    def _sum(self, t: torch.Tensor, axes: tuple) -> torch.Tensor:
+        for axis in axes:
+            if self.grid.size(axis) > 1:
+                t = self.comm.all_reduce(t, axis).wait()
+        return t
+
+    @torch.no_grad()
+    def _projection(self, view: ParamView, grad: torch.Tensor, left: bool, r: int,
+                    previous: torch.Tensor | None) -> torch.Tensor:
+        """This shard's rows of P (left) or Q (right) from the full gradient's SVD."""
+        full = _gather_full(grad.float().contiguous(), view.layout, self.comm)
+        u, _, vh = torch.linalg.svd(full, full_matrices=False)
+        basis = u[:, :r] if left else vh[:r].T  # (m, r) or (n, r)
+        dim = 0 if left else 1
+        start, size = view.offsets[dim], view.param.shape[dim]
+        basis = basis[start:start + size].contiguous()
+        if previous is not None:
+            # the moments were kept in the old basis: each new direction takes the sign that
+            # agrees with the old one (dot products over the full vectors: summed over the
+            # axes that split this side). Before the first step's moments the sign is moot.
+            split = view.layout.dims[dim] if dim < len(view.layout.dims) else ()
+            dots = self._sum((basis * previous).sum(0), split)
+            basis = basis * torch.where(dots < 0, -1.0, 1.0)
+        return basis
+
+    @torch.no_grad()
+    def _update(self, view: ParamView, lr: float, t: int, refresh: bool) -> None:
+        p, g = view.param, view.param.grad.float()
+        state = self.state.setdefault(view.name, {})
+        if p.dim() == 2:
+            m, n = view.full_shape
+            left = m < n
+            r = galore_rank(view.full_shape, self.rank)
+            row_axes, col_axes = view.layout.dims + ((),) * (2 - len(view.layout.dims))
+            if refresh or "proj" not in state:
+                state["proj"] = self._projection(view, g, left, r, state.get("proj"))
+            proj = state["proj"]
+            if left:  # R = P^T G, summed over the axes that split G's rows
+                low = self._sum(proj.T @ g, row_axes)  # (r, n_local)
+            else:  # R = G Q, summed over the axes that split G's columns
+                low = self._sum(g @ proj, col_axes)  # (m_local, r)
+        else:
+            low = g
+        if "m" not in state:
+            state["m"], state["v"] = torch.zeros_like(low), torch.zeros_like(low)
+        state["m"].mul_(self.beta1).add_(low, alpha=1.0 - self.beta1)
+        state["v"].mul_(self.beta2).addcmul_(low, low, value=1.0 - self.beta2)
+        step = (state["m"] / (1.0 - self.beta1 ** t)).div_(
+            (state["v"] / (1.0 - self.beta2 ** t)).sqrt_().add_(EPS))
+        if p.dim() == 2:
+            step = state["proj"] @ step if left else step @ state["proj"].T
+        if view.decay and self.weight_decay:
+            p.mul_(1.0 - lr * self.weight_decay)
+        p.add_(step.to(p.dtype), alpha=-lr)
+
+    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+             ) -> StepResult:
+        for v in self.views:
+            v.param.grad = None
+        loss = reduce_loss(pmodel, backward_pass(pmodel, data))
+        self.note_gradients(pmodel)
+        norm = float(pmodel.clip_grad_norm_(self.grad_clip if self.grad_clip > 0 else math.inf))
+        reason = guard(loss, norm) if guard is not None else None
+        if reason is None:
+            t, refresh = self.steps_done + 1, self.steps_done % self.gap == 0
+            for v in self.views:
+                if v.param.grad is not None:
+                    self._update(v, lr, t, refresh)
+            self.steps_done += 1
+        for v in self.views:
+            v.param.grad = None
+        return StepResult(loss, norm, reason is not None, reason or "")
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors = {f"{name}/{key}": t for name, s in self.state.items() for key, t in s.items()}
+        return tensors, {"kind": self.name, "steps_done": self.steps_done}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        check_meta(meta, self.name)
+        self.steps_done = int(meta["steps_done"])
+        self.state = {}
+        for key, t in tensors.items():
+            name, field = key.rsplit("/", 1)
+            self.state.setdefault(name, {})[field] = t.clone()
