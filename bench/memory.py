@@ -69,7 +69,7 @@ def activations_table(nprocs: list[int]) -> None:
 
 
 def train_config(preset: str, nproc: int, steps: int, batch: int, seq: int, dtype: str,
-                 run_dir: Path, async_checkpoint: bool) -> Path:
+                 run_dir: Path, async_checkpoint: bool, activation_checkpointing: bool = False) -> Path:
     data, z, y, x = TRAIN_GRIDS[nproc]
     cfg = load_config(None, [f"model.preset={preset}", f"train.steps={steps}",
                              f"train.batch_size={batch}", f"train.seq_len={seq}",
@@ -77,6 +77,8 @@ def train_config(preset: str, nproc: int, steps: int, batch: int, seq: int, dtyp
                              "train.sample_tokens=0", "train.log_every=1",
                              f"checkpoint.every={max(1, steps - 1)}", "checkpoint.keep=1",
                              f"checkpoint.async={'true' if async_checkpoint else 'false'}",
+                             "train.activation_checkpointing="
+                             f"{'true' if activation_checkpointing else 'false'}",
                              f"parallel.x={x}", f"parallel.y={y}", f"parallel.z={z}",
                              f"parallel.data={data}"])
     path = run_dir / "bench_config.toml"
@@ -97,30 +99,58 @@ def predicted(cfg_path: Path, rank: int) -> int:
                           ).total
 
 
+def phase_table(nproc: int, results: list[dict]) -> None:
+    """Per phase (in order): the largest VmRSS and VmHWM over the ranks, and glibc's heap in
+    use and held (held includes the untouched top pad of the tuned heap) and the resident
+    pages of mapped files (libraries) of the rank with the largest peak; MiB above the import
+    baseline."""
+    rows = [r["phases"] for r in results]
+    worst = max(range(len(results)), key=lambda i: results[i]["peak"])
+    base = results[worst]["baseline"]
+    heap0 = rows[worst][0][3], rows[worst][0][4]
+    print(f"  phases of the {nproc}-rank run (MiB above import; rss/hwm: max over ranks; heap: "
+          f"rank {results[worst]['rank']})")
+    print(f"  {'#':>3} {'after':<24} {'rss':>7} {'hwm':>7} {'heap used':>9} {'heap held':>9} "
+          f"{'files':>6}")
+    for i, phase in enumerate(rows[worst]):
+        name = phase[0]
+        rss = max(r[i][1] for r in rows if len(r) > i) - base
+        hwm = max(r[i][2] for r in rows if len(r) > i) - base
+        used, held = phase[3] - heap0[0], phase[4] - heap0[1]
+        files = phase[5] - rows[worst][0][5] if len(phase) > 5 else 0
+        print(f"  {i:>3} {name:<24} {rss / MIB:7,.0f} {hwm / MIB:7,.0f} {used / MIB:9,.0f} "
+              f"{held / MIB:9,.0f} {files / MIB:6,.0f}", flush=True)
+
+
 def train_table(preset: str, nprocs: list[int], steps: int, batch: int, seq: int,
-                dtype: str, async_checkpoint: bool) -> None:
+                dtype: str, async_checkpoint: bool, phases: bool = False,
+                tunables: bool = True, activation_checkpointing: bool = False) -> None:
     from fourfold.models import build_model, model_config
 
     weights = 4 * build_model(model_config(preset), device="meta").num_params()
     print(f"{preset} preset ({weights / MIB:,.0f} MiB of float32 weights), {dtype}, {steps} "
           f"steps of {batch} x {seq} tokens, a checkpoint "
-          f"({'async' if async_checkpoint else 'sync'}), the streamed export; MiB per rank "
+          f"({'async' if async_checkpoint else 'sync'}), the streamed export, "
+          f"{'the launcher' if tunables else 'in-process'} malloc tuning, activation checkpointing "
+          f"{'on' if activation_checkpointing else 'off'}; MiB per rank "
           "above a process that only imported fourfold")
     print(f"{'ranks':>5} {'data z y x':<11} {'rank':>4} {'measured':>9} {'predicted':>9} "
           f"{'error':>7} {'x weights':>9} {'1-proc meas':>11} {'1-proc pred':>11}")
     one_measured: float | None = None
     with tempfile.TemporaryDirectory() as tmp:
         one_cfg = train_config(preset, 1, steps, batch, seq, dtype, Path(tmp) / "one",
-                               async_checkpoint)
+                               async_checkpoint, activation_checkpointing)
         one_predicted = predicted(one_cfg, 0)
         for nproc in nprocs:
             run_dir = Path(tmp) / f"run{nproc}"
             cfg_path = train_config(preset, nproc, steps, batch, seq, dtype, run_dir,
-                                    async_checkpoint)
+                                    async_checkpoint, activation_checkpointing)
             results, stderr = rank_memory_worker.launch(
                 nproc, "train", Path(tmp) / f"mem{nproc}.jsonl",
                 {"FOURFOLD_RANK_MEM_CONFIG": str(cfg_path),
-                 "FOURFOLD_RANK_MEM_RUN": str(run_dir)}, timeout_s=3600)
+                 "FOURFOLD_RANK_MEM_RUN": str(run_dir),
+                 "FOURFOLD_RANK_MEM_PHASES": "1" if phases else "0",
+                 "FOURFOLD_RANK_MEM_TUNABLES": "1" if tunables else "0"}, timeout_s=3600)
             if results is None:
                 sys.exit(f"error: {nproc}-rank run failed:\n{stderr[-3000:]}")
             if nproc == 1:
@@ -134,6 +164,8 @@ def train_table(preset: str, nprocs: list[int], steps: int, batch: int, seq: int
                       f"{measured / MIB:9,.0f} {pred / MIB:9,.0f} "
                       f"{(pred - measured) / measured:+7.1%} {measured / weights:9.2f} "
                       f"{one} {one_predicted / MIB:11,.0f}", flush=True)
+            if phases:
+                phase_table(nproc, results)
 
 
 def main() -> None:
@@ -148,6 +180,13 @@ def main() -> None:
     ap.add_argument("--sync-checkpoint", action="store_true",
                     help="checkpoint.async = false: no host snapshot of the shards (on a CPU "
                     "rank the snapshot holds its weights and AdamW states once more)")
+    ap.add_argument("--no-rank-tunables", action="store_true",
+                    help="start the ranks without the GLIBC_TUNABLES that `fourfold train "
+                    "--nproc` sets (as under torchrun: the in-process malloc tuning only)")
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--phases", action="store_true",
+                    help="also a table of resident memory and glibc's heap at each phase of "
+                    "each run (build, each forward/backward/step, checkpoint, export)")
     ap.add_argument("--activations", action="store_true",
                     help="the activation-memory table of the debug model instead")
     args = ap.parse_args()
@@ -155,7 +194,9 @@ def main() -> None:
         activations_table(args.nproc)
     else:
         train_table(args.preset, sorted(args.nproc), args.steps, args.batch_size, args.seq_len,
-                    args.dtype, not args.sync_checkpoint)
+                    args.dtype, not args.sync_checkpoint, args.phases,
+                    not args.no_rank_tunables,
+                    args.activation_checkpointing)
 
 
 if __name__ == "__main__":

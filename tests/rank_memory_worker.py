@@ -13,6 +13,8 @@ Modes (FOURFOLD_RANK_MEM_MODE):
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import subprocess
@@ -31,12 +33,93 @@ from fourfold.models import build_model
 from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
 
 
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def vm_hwm() -> int:
     """Peak resident set of this process so far, in bytes (Linux /proc)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    return _status("VmHWM")
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _heap() -> tuple[int, int]:
+    """(bytes malloc has handed out and not had back, bytes it holds from the kernel: heap
+    arenas plus mmapped blocks), over all arenas; (-1, -1) off glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        f = libc.mallinfo2
+    except (OSError, AttributeError):
+        return -1, -1
+    f.restype = _Mallinfo2
+    m = f()
+    return m.uordblks + m.hblkhd, m.arena + m.hblkhd
+
+
+class Phases:
+    """VmRSS, VmHWM and glibc's heap in use / held at named points of a run (FOURFOLD_RANK_MEM_
+    PHASES=1): where a rank's peak comes from. Records (name, rss, hwm, heap_used, heap_held,
+    rss_file: the resident pages of mapped files, i.e. libraries' code and data)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, int, int, int, int, int]] = []
+
+    def mark(self, name: str) -> None:
+        used, held = _heap()
+        self.rows.append((name, _status("VmRSS"), vm_hwm(), used, held, _status("RssFile")))
+
+    def wrap(self, owner: object, attr: str, name: str, before: bool = False) -> None:
+        inner = getattr(owner, attr)
+
+        def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if before:
+                self.mark("before " + name)
+            out = inner(*args, **kwargs)
+            self.mark(name)
+            return out
+
+        setattr(owner, attr, wrapped)
+
+
+def instrument_trainer_build(phases: Phases) -> None:
+    """Marks inside build_run: after the grid, the sharded model and the optimizer."""
+    import fourfold.train.build as build
+    from fourfold.parallel.grid import Grid as GridClass
+
+    phases.wrap(build, "init_distributed", "init_distributed")
+    build_grid = GridClass.build
+
+    def grid_build(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        out = build_grid(*args, **kwargs)
+        phases.mark("Grid.build")
+        return out
+
+    GridClass.build = staticmethod(grid_build)  # type: ignore[method-assign]
+    phases.wrap(build, "parallelize", "parallelize")
+    phases.wrap(build, "build_optimizer", "build_optimizer")
+
+
+def instrument_trainer_run(phases: Phases, trainer: object) -> None:
+    """Marks inside fit: each forward, backward, gradient clip, optimizer step, checkpoint
+    (snapshot, wait) and the export."""
+    import fourfold.train.trainer as trainer_module
+
+    phases.wrap(trainer.pmodel.module, "forward", "forward")
+    phases.wrap(trainer.pmodel, "finish_backward", "backward")
+    phases.wrap(trainer.pmodel, "clip_grad_norm_", "clip_grad_norm")
+    if trainer.optimizer is not None:
+        phases.wrap(trainer.optimizer, "step", "optimizer.step")
+    phases.wrap(trainer.checkpoints, "save", "checkpoint.save")
+    phases.wrap(trainer.checkpoints, "wait", "checkpoint.wait")
+    phases.wrap(trainer_module, "save_weights_streamed", "export", before=True)
 
 
 def main() -> None:
@@ -44,13 +127,23 @@ def main() -> None:
     mode = os.environ["FOURFOLD_RANK_MEM_MODE"]
     out_path = Path(os.environ["FOURFOLD_RANK_MEM_OUT"])
     record: dict = {"mode": mode, "baseline": baseline}
+    phases = Phases() if os.environ.get("FOURFOLD_RANK_MEM_PHASES") == "1" else None
+    if phases is not None:
+        phases.mark("import")
     if mode == "train":
         from fourfold.train import Trainer
 
         cfg = load_config(os.environ["FOURFOLD_RANK_MEM_CONFIG"])
+        if phases is not None:
+            instrument_trainer_build(phases)
         trainer = Trainer(cfg, os.environ["FOURFOLD_RANK_MEM_RUN"], progress=False)
         record["after_build"] = vm_hwm()
+        if phases is not None:
+            phases.mark("Trainer()")
+            instrument_trainer_run(phases, trainer)
         trainer.fit()
+        if phases is not None:
+            phases.mark("fit done")
         rank, world = trainer.rank, trainer.world_size
         record["grid"] = str(trainer.grid.shape)
     else:
@@ -71,6 +164,8 @@ def main() -> None:
             save_weights_streamed(pmodel, Path(spec["export"]), cfg.tie_embeddings)
         record["grid"] = str(shape)
     record["peak"] = vm_hwm()
+    if phases is not None:
+        record["phases"] = phases.rows
     records = [record]
     if world > 1:
         records = [None] * world
@@ -88,8 +183,14 @@ def launch(nproc: int, mode: str, out: Path, env_extra: dict[str, str],
            timeout_s: float = 900) -> tuple[list[dict] | None, str]:
     """Run this worker on `nproc` ranks; (its JSON lines, or None if the launch failed, and
     the launch's stderr)."""
+    from fourfold.train.host_memory import rank_malloc_environment
+
+    # the malloc tuning `fourfold train --nproc` gives its CPU ranks (FOURFOLD_RANK_MEM_TUNABLES
+    # = 0: without it, as under a launcher of the user's, with the in-process tuning only)
+    tunables = rank_malloc_environment() if env_extra.get("FOURFOLD_RANK_MEM_TUNABLES",
+                                                          "1") == "1" else {}
     env = dict(os.environ, FOURFOLD_RANK_MEM_MODE=mode, FOURFOLD_RANK_MEM_OUT=str(out),
-               OMP_NUM_THREADS="1", **env_extra)
+               OMP_NUM_THREADS="1", **tunables, **env_extra)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)

@@ -78,6 +78,10 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    import torch
+
+    from fourfold.train.host_memory import rank_malloc_environment
+
     if nproc < 1:
         raise ValueError(f"--nproc {nproc}: must be at least 1")
     if max_restarts < 0:
@@ -103,6 +107,8 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
            # Elastic shares one TCPStore across restarts by default; restarted gloo ranks
            # then read the dead ranks' addresses from it and fail (connection refused).
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if not torch.cuda.is_available():  # CPU ranks: a heap that reuses, and coalesces
+        env.update(rank_malloc_environment())
     try:
         with _environment(env), _quiet_logger("torch.distributed.elastic"):
             elastic_launch(config, sys.executable)(*entrypoint_args)

@@ -1,18 +1,38 @@
 """Memory per rank of a 4D configuration: parameters, gradients, AdamW states, activations
 (with and without activation checkpointing), gathered-weight buffers, the data-parallel
-gradient buckets, and the transients of building the model in shards and of exporting it.
+gradient buckets, the transients of building the model in shards and of exporting it, an
+asynchronous checkpoint's snapshot, and (on a host) the runtime's own growth.
+
+`predict_memory` is the rank model: one MemoryBreakdown, each term named below with the
+measurement it rests on (bench/memory.py, whose --phases table gives VmRSS, VmHWM and glibc's
+heap in use at each phase of a run; float32, 2 steps of 8 x 64 tokens, sync and async
+checkpoint, the streamed export):
+- params, grads, optimizer: local_param_numel x bytes (tests/test_parallel.py checks them
+  against the built model); the heap in use after the first optimizer step equals them plus
+  a few MiB on every preset;
+- activations, logits: autograd's saved tensors (tests/test_memory_model.py); the forward's
+  end in --phases is the model state plus these;
+- gathered_weights: the z all-gather buffers (current + prefetched) and one dW block;
+- comm_buffers: the data-parallel buckets in flight;
+- startup, export: one block and one init tile; the export writer's full tensor (on a host);
+- checkpoint: the async snapshot (params and AdamW states copied to host memory), which is
+  alive through the next step: on a CPU rank it alone is 0.375x the model's float32 weights
+  on 8 ranks, so an async checkpoint keeps such a rank above 0.5 + 0.375 = 0.875x;
+- runtime (on a host): what a rank touches beyond a process that imported fourfold, not as
+  tensors: library code and data first used by a step, gloo's and the checkpoint writer's
+  threads, the interpreter's objects; a constant ~40 MiB per rank on every preset measured
+  (15m: 37-59 MiB above the other terms on 1-8 ranks).
+On CPU the allocator keeps freed blocks for reuse (train/host_memory.py) and, so tuned, its
+resident memory stays within a few percent of the heap in use. Measured with it, 350m preset,
+8 ranks (x2 y2 z2): 1,117-1,155 MiB per rank with a sync checkpoint (predicted 1,101),
+1,594-1,655 with an async one (predicted 1,636); 15m: within 7% on 1-8 ranks.
 
 What a rank holds that the model leaves out, and why:
-- the runtime itself: the Python interpreter, torch's libraries and (on a GPU) the CUDA
-  context; measure it as a process that has only imported fourfold (bench/memory.py does);
-- allocator slack: freed blocks that the caching allocator (CUDA) or glibc malloc (CPU, which
-  the trainer tunes to keep freed memory for reuse) keeps for the next step;
+- the runtime's import itself (Python, torch's libraries, on a GPU the CUDA context): the
+  search takes `reserved_gib` per rank off for it (`Machine.usable_memory_bytes`);
 - the token shards, which are memory-mapped and paged in and out by the kernel;
-- the optimizer step's temporaries (foreach AdamW works tensor group by tensor group) and the
-  gradient-norm reductions, a few tensors of one layer's size.
-Measured on CPU (bench/memory.py, 15m preset, 1-8 gloo ranks) these come to a roughly constant
-70-90 MiB per rank above the prediction: the 15m preset's rows read -19% (one process) to -54%
-(8 ranks), a model whose weights dominate much less so.
+- the optimizer step's and the gradient norm's temporaries (a few tensors of one layer's size);
+- on a GPU, the caching allocator's slack (its fragmentation is not modelled).
 
 The search compares the total with `Machine.usable_memory_bytes`, which divides a memory shared
 by several ranks (a host's) among them and takes `reserved_gib` per rank off for the runtime.
@@ -81,6 +101,7 @@ class MemoryBreakdown:
     startup: int = 0  # building in shards: one block of the largest tensor and one init tile
     export: int = 0  # streaming the model out: the writer's full tensor (host), a block
     checkpoint: int = 0  # an asynchronous checkpoint's snapshot, when it shares this memory
+    runtime: int = 0  # on a host: pages a run touches beyond the import, other than tensors
 
     @property
     def step(self) -> int:
@@ -92,7 +113,7 @@ class MemoryBreakdown:
     def total(self) -> int:
         """Peak bytes: the model state plus the largest of the step, the build and the export
         (which run one after the other)."""
-        return (self.params + self.grads + self.optimizer
+        return (self.params + self.grads + self.optimizer + self.runtime
                 + max(self.step, self.startup, self.export))
 
 
@@ -131,6 +152,7 @@ def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
             "checkpoint": d // gx * residual, "outside": outside}
 
 
+HOST_RUNTIME_BYTES = 40 * 2**20  # measured: see the module docstring (runtime)
 INIT_TILE_BYTES = 1024 * 1024 * 4  # fourfold.models.init: one float32 tile drawn at a time
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb
 
@@ -153,7 +175,9 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
 
     `on_host`: the rank computes in host memory (a CPU run), so that the host-side parts count:
     the export writer's (`writer`) full copy of each tensor in turn, and the snapshot an
-    asynchronous checkpoint copies the shards into while training goes on."""
+    asynchronous checkpoint copies the shards into while training goes on, and the runtime's
+    own growth (HOST_RUNTIME_BYTES). Each term and the measurement it rests on: see the module
+    docstring."""
     gx, gy = shape.x, shape.y
     states = predict_param_memory(model, shape, precision)
     n = micro_batch_tokens
@@ -189,7 +213,8 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     return MemoryBreakdown(params=states["params"], grads=states["grads"],
                            optimizer=states["optimizer"], activations=activations,
                            gathered_weights=gathered, logits=logits, comm_buffers=comm_buffers,
-                           startup=startup, export=export, checkpoint=checkpoint)
+                           startup=startup, export=export, checkpoint=checkpoint,
+                           runtime=HOST_RUNTIME_BYTES if on_host else 0)
 
 
 # ---- per training method (train.optimizer): kept apart from the rank model above ---------------

@@ -28,7 +28,7 @@ from fourfold.parallel.grid import check_shared_directory
 from fourfold.plan.perf import hardware_flops_per_token
 from fourfold.train.build import Run, build_run, predicted_memory
 from fourfold.train.checkpoint import BaseReference, CheckpointError, CheckpointManager
-from fourfold.train.host_memory import to_device
+from fourfold.train.host_memory import to_device, trim_host_memory
 from fourfold.train.memory_report import MemoryMeter, gather_reports, predicted_report
 from fourfold.train.methods import StepData, TrainingMethod
 from fourfold.train.metrics import MetricsLog, job_peak_flops, peak_memory_bytes
@@ -509,6 +509,8 @@ class Trainer:
                     self.save_checkpoint()
             self._wait_for_checkpoints()
 
+            if self.device.type == "cpu":
+                trim_host_memory()  # the steps' freed blocks, before the writer's tensor
             if self.cfg.adapter.kind == "none":
                 # Collective: the weights stream to the main rank one tensor at a time.
                 save_weights_streamed(self.pmodel, self.run_dir / WEIGHTS_FILE,
