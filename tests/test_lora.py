@@ -79,10 +79,10 @@ def test_adapters_train_the_same_on_every_grid(nproc: int, tmp_path: Path) -> No
             continue  # masks are keyed by grid position: not the one-process masks
         assert r["init_diff"] == 0.0, f"{label}: the adapter starts differently"
         assert r["max_loss_diff"] < 1e-5, f"{label}: losses {r['losses']} vs {r['ref_losses']}"
-        # SGD shows exactness (about 1e-7 measured); AdamW divides by sqrt(v) and so magnifies
-        # the last-bit differences of another GEMM order (the fused q/k/v of a grid) into its
-        # steps: 1.25e-4 measured at x = 2 over 20 steps
-        tol = 1e-5 if r["variant"].get("opt") == "sgd" else 2e-4
+        # SGD: about 1e-7 measured; AdamW with a larger eps (see lora_worker.train: at eps =
+        # 1e-8 it magnifies the last-bit noise of another GEMM order in near-zero gradients
+        # into 1.25e-4 over 20 steps; the losses agree within 4e-6 at any eps)
+        tol = 1e-5
         assert r["max_adapter_diff"] < tol, \
             f"{label}: {r['worst_adapter']} differs by {r['max_adapter_diff']}"
         assert r["loss_drop"] > 0.05, f"{label}: did not learn: {r['ref_losses']}"
@@ -312,6 +312,13 @@ def test_a_lora_run_resumes_from_its_checkpoint(tmp_path: Path, fourfold_cache: 
     resumed = Trainer(load_config(None, common + ["train.steps=4"]), tmp_path / "b",
                       progress=False)
     assert resumed.step == 2
+    # a run without its model file: the base rebuilt, the checkpoint's adapter merged in
+    from fourfold.models.adapter import merged_state_dict
+    from fourfold.train.runs import load_trained
+    model, cfg = load_trained(tmp_path / "b")
+    expected = merged_state_dict(resumed.pmodel.module.state_dict(), cfg.adapter)
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, expected[name]), name
     result = resumed.fit()
     assert result.final_loss == pytest.approx(whole.final_loss, abs=1e-6)
 
