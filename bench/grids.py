@@ -33,6 +33,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--passes", type=int, default=1, help="round-robin passes over the grids "
                     "(--steps each, the first a warm-up); step_s is the median over all, so a "
                     "load that drifts during the run weighs on every grid alike")
+    ap.add_argument("--overlap-forward", dest="overlap_forward", action="store_true",
+                    help="parallel.overlap_forward: each forward GEMM in two token halves")
     ap.add_argument("--probe", action="store_true", help="measure the host's costs "
                     "(fourfold.plan.machines.measure_host_costs) inside the job, once per pass")
 
@@ -67,6 +69,7 @@ def run_grids_with_probes(args: argparse.Namespace) -> tuple[list[dict], list[di
     if args.grids:
         argv += ["--grids", args.grids]
     argv += ["--passes", str(args.passes)] + (["--probe"] if args.probe else [])
+    argv += ["--overlap-forward"] if getattr(args, "overlap_forward", False) else []
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(argv, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -118,7 +121,8 @@ def worker(args: argparse.Namespace, out_path: str) -> None:
                     built[shape] = Grid.build(shape, device)
                 grid = built[shape]
                 model = build_model(cfg, seed=1)
-                pm = parallelize(model, grid, ParallelConfig(x=x, y=y, z=z, data=d))
+                pm = parallelize(model, grid, ParallelConfig(x=x, y=y, z=z, data=d,
+                                                               overlap_forward=args.overlap_forward))
                 opt = torch.optim.AdamW(list(pm.parameters()), lr=1e-3)
                 index, count = grid.batch_shard
                 b = args.batch // count
