@@ -27,7 +27,7 @@ rank above the import, range over the ranks, planner's prediction, x the weights
       8    1 2 2 2         sync        on           917-943      871/894*   -5.0..-7.6% 0.64-0.66
       8    1 2 2 2         async       off        1,594-1,655    1,636      +2.6..-1.2% 1.12-1.16
     (* rank 0 writes the export.) Before the coalescing malloc tuning (train/host_memory.py)
-    the 8-rank rows read 1,689-2,133 (sync) and 2,023-2,367 (async): 1.2-1.7x the weights.
+    the 8-rank rows read 1,770-2,173 (sync) and 2,023-2,367 (async): 1.2-1.7x the weights.
 An async checkpoint's snapshot (weights and AdamW moments, 0.375x the weights on 8 ranks) is
 alive through the next step, so a CPU rank with one cannot go below 0.875x; the 0.75x goal
 needs checkpoint.async = false and, at 8 x 64 tokens, activation checkpointing (without it
