@@ -25,6 +25,8 @@ rank above the import, range over the ranks, planner's prediction, x the weights
       4    1 2 2 1         sync        off        2,061-2,092    1,950      -5.4..-6.8% 1.45-1.47
       8    1 2 2 2         sync        off        1,117-1,155    1,101      -1.4..-4.7% 0.78-0.81
       8    1 2 2 2         sync        on           917-943      871/894*   -5.0..-7.6% 0.64-0.66
+      2    1 2 1 1         async       off        5,652-5,750    5,852      +1.8..+3.5% 3.96-4.03
+      4    1 2 2 1         async       off        2,879-2,968    3,020      +1.8..+4.9% 2.02-2.08
       8    1 2 2 2         async       off        1,594-1,655    1,636      +2.6..-1.2% 1.12-1.16
     (* rank 0 writes the export.) Before the coalescing malloc tuning (train/host_memory.py)
     the 8-rank rows read 1,770-2,173 (sync) and 2,023-2,367 (async): 1.2-1.7x the weights.
@@ -91,7 +93,8 @@ def activations_table(nprocs: list[int]) -> None:
 
 
 def train_config(preset: str, nproc: int, steps: int, batch: int, seq: int, dtype: str,
-                 run_dir: Path, async_checkpoint: bool, activation_checkpointing: bool = False) -> Path:
+                 run_dir: Path, async_checkpoint: bool,
+                 activation_checkpointing: bool = False) -> Path:
     data, z, y, x = TRAIN_GRIDS[nproc]
     cfg = load_config(None, [f"model.preset={preset}", f"train.steps={steps}",
                              f"train.batch_size={batch}", f"train.seq_len={seq}",
@@ -100,7 +103,7 @@ def train_config(preset: str, nproc: int, steps: int, batch: int, seq: int, dtyp
                              f"checkpoint.every={max(1, steps - 1)}", "checkpoint.keep=1",
                              f"checkpoint.async={'true' if async_checkpoint else 'false'}",
                              "train.activation_checkpointing="
-                             f"{'true' if activation_checkpointing else 'false'}",
+                             + str(activation_checkpointing).lower(),
                              f"parallel.x={x}", f"parallel.y={y}", f"parallel.z={z}",
                              f"parallel.data={data}"])
     path = run_dir / "bench_config.toml"
