@@ -28,7 +28,8 @@ rank above the import, range over the ranks, planner's prediction, x the weights
       2    1 2 1 1         async       off        5,652-5,750    5,852      +1.8..+3.5% 3.96-4.03
       4    1 2 2 1         async       off        2,879-2,968    3,020      +1.8..+4.9% 2.02-2.08
       8    1 2 2 2         async       off        1,594-1,655    1,636      +2.6..-1.2% 1.12-1.16
-    (* rank 0 writes the export.) Before the coalescing malloc tuning (train/host_memory.py)
+    (* rank 0 writes the export.) With --no-rank-tunables (no tcache switch, as under torchrun)
+    the 8-rank sync row reads 1,594-1,961 (1.12-1.37x). Before the coalescing malloc tuning (train/host_memory.py)
     the 8-rank rows read 1,770-2,173 (sync) and 2,023-2,367 (async): 1.2-1.7x the weights.
 An async checkpoint's snapshot (weights and AdamW moments, 0.375x the weights on 8 ranks) is
 alive through the next step, so a CPU rank with one cannot go below 0.875x; the 0.75x goal
