@@ -7,9 +7,34 @@ that rank, and the one-process figures. One torchrun launch per world size.
 
     python bench/memory.py [--preset 15m] [--nproc 1 2 4 8] [--steps 3]
 
-The `350m` preset needs about 20 GiB on 8 ranks of one host. With --activations: the
+The ranks get the malloc tuning that `fourfold train --nproc` gives CPU ranks
+(--no-rank-tunables: the in-process part only, as under a launcher of the user's). With
+--phases: VmRSS, VmHWM and glibc's heap in use at each phase of each run (after the grid, the
+sharded build, the optimizer, every forward / backward / step, the checkpoint, the export).
+The `350m` preset needs about 17 GiB on 8 ranks of one host. With --activations: the
 activation bytes of the `debug` model (what autograd saves for backward, see
 tests/memory_worker.py) beside the planner's activation model, on every grid.
+
+Measured on the shared 2-core, 24 GiB machine (350m preset, 1,426 MiB of float32 weights,
+`--preset 350m --steps 2 --nproc N [--sync-checkpoint] [--activation-checkpointing]`), MiB per
+rank above the import, range over the ranks, planner's prediction, x the weights:
+
+    ranks  grid (d z y x)  checkpoint  act. ckpt  measured       predicted  error       x weights
+      1    1 1 1 1         sync        off        6,764          6,934      +2.5%       4.74
+      2    1 2 1 1         sync        off        3,936-3,957    3,713      -5.7..-6.2% 2.76-2.77
+      4    1 2 2 1         sync        off        2,061-2,092    1,950      -5.4..-6.8% 1.45-1.47
+      8    1 2 2 2         sync        off        1,117-1,155    1,101      -1.4..-4.7% 0.78-0.81
+      8    1 2 2 2         sync        on           917-943      871/894*   -5.0..-7.6% 0.64-0.66
+      2    1 2 1 1         async       off        5,652-5,750    5,852      +1.8..+3.5% 3.96-4.03
+      4    1 2 2 1         async       off        2,879-2,968    3,020      +1.8..+4.9% 2.02-2.08
+      8    1 2 2 2         async       off        1,594-1,655    1,636      +2.6..-1.2% 1.12-1.16
+    (* rank 0 writes the export.) With --no-rank-tunables (no tcache switch, as under torchrun)
+    the 8-rank sync row reads 1,594-1,961 (1.12-1.37x). Before the coalescing malloc tuning (train/host_memory.py)
+    the 8-rank rows read 1,770-2,173 (sync) and 2,023-2,367 (async): 1.2-1.7x the weights.
+An async checkpoint's snapshot (weights and AdamW moments, 0.375x the weights on 8 ranks) is
+alive through the next step, so a CPU rank with one cannot go below 0.875x; the 0.75x goal
+needs checkpoint.async = false and, at 8 x 64 tokens, activation checkpointing (without it
+the activations alone are 0.18x).
 """
 
 from __future__ import annotations
@@ -69,7 +94,8 @@ def activations_table(nprocs: list[int]) -> None:
 
 
 def train_config(preset: str, nproc: int, steps: int, batch: int, seq: int, dtype: str,
-                 run_dir: Path, async_checkpoint: bool, activation_checkpointing: bool = False) -> Path:
+                 run_dir: Path, async_checkpoint: bool,
+                 activation_checkpointing: bool = False) -> Path:
     data, z, y, x = TRAIN_GRIDS[nproc]
     cfg = load_config(None, [f"model.preset={preset}", f"train.steps={steps}",
                              f"train.batch_size={batch}", f"train.seq_len={seq}",
@@ -78,7 +104,7 @@ def train_config(preset: str, nproc: int, steps: int, batch: int, seq: int, dtyp
                              f"checkpoint.every={max(1, steps - 1)}", "checkpoint.keep=1",
                              f"checkpoint.async={'true' if async_checkpoint else 'false'}",
                              "train.activation_checkpointing="
-                             f"{'true' if activation_checkpointing else 'false'}",
+                             + str(activation_checkpointing).lower(),
                              f"parallel.x={x}", f"parallel.y={y}", f"parallel.z={z}",
                              f"parallel.data={data}"])
     path = run_dir / "bench_config.toml"

@@ -79,7 +79,7 @@ class Phases:
     def wrap(self, owner: object, attr: str, name: str, before: bool = False) -> None:
         inner = getattr(owner, attr)
 
-        def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def wrapped(*args, **kwargs):
             if before:
                 self.mark("before " + name)
             out = inner(*args, **kwargs)
@@ -91,13 +91,13 @@ class Phases:
 
 def instrument_trainer_build(phases: Phases) -> None:
     """Marks inside build_run: after the grid, the sharded model and the optimizer."""
-    import fourfold.train.build as build
     from fourfold.parallel.grid import Grid as GridClass
+    from fourfold.train import build
 
     phases.wrap(build, "init_distributed", "init_distributed")
     build_grid = GridClass.build
 
-    def grid_build(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def grid_build(*args, **kwargs):
         out = build_grid(*args, **kwargs)
         phases.mark("Grid.build")
         return out

@@ -74,11 +74,10 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
     """Run `python -m fourfold *argv` on `nproc` local ranks; return 0 when every rank exited
     with 0, else the first failed rank's exit code (after printing one line naming it)."""
     # Imported here: the elastic launcher pulls in a lot that `fourfold --help` does not need.
+    import torch
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    import torch
 
     from fourfold.train.host_memory import rank_malloc_environment
 

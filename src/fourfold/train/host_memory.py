@@ -25,7 +25,10 @@ resident memory reached 1.3-1.5x the model's weights while it held at most 0.8x.
 are off (M_MXFAST = 0), all threads share one arena (gloo's worker threads would each keep
 their own peak), and ranks started by `fourfold train --nproc` also run without the tcache
 (`RANK_TUNABLES`, which only the environment can set); then a rank's resident memory stays
-within a few percent of what it holds, without page faults (bench/memory.py --phases).
+within a few percent of what it holds, without page faults (bench/memory.py --phases). The
+tcache matters most: with the in-process part alone (ranks of a launcher of the user's, such
+as torchrun or srun) the 350m ranks still read 1.1-1.4x; export GLIBC_TUNABLES=RANK_TUNABLES
+there.
 
 It only changes glibc's tuning (`mallopt`); on other C libraries, or when the user tunes malloc
 through the environment (MALLOC_* variables or GLIBC_TUNABLES), it does nothing.
