@@ -53,3 +53,40 @@ def test_user_malloc_settings_are_left_alone(monkeypatch):
     monkeypatch.setattr(host_memory, "_done", False)
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     assert host_memory.keep_freed_host_memory() is False
+
+
+def _reexec_target(monkeypatch, argv, env):
+    """What `fourfold` would exec into for this argv and environment (None: it goes on)."""
+    from fourfold import cli, host
+
+    for name in list(os.environ):
+        if name.startswith(("MALLOC_", "GLIBC_", "WORLD_SIZE", "SLURM_")):
+            monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(host, "has_accelerator_devices", lambda: False)
+    calls = []
+    monkeypatch.setattr(os, "execve", lambda path, args, environ: calls.append((args, environ)))
+    cli._retune_malloc_of_a_cpu_rank()
+    return calls[0] if calls else None
+
+
+def test_a_cpu_rank_of_torchrun_or_srun_restarts_once_with_the_rank_heap(monkeypatch):
+    from fourfold.host import RANK_TUNABLES
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc tuning is Linux only")
+    args, environ = _reexec_target(monkeypatch, ["fourfold", "train", "--preset", "debug"],
+                                   {"WORLD_SIZE": "4"})
+    assert args[1:] == ["-m", "fourfold", "train", "--preset", "debug"]
+    assert environ["GLIBC_TUNABLES"] == RANK_TUNABLES
+    assert _reexec_target(monkeypatch, ["fourfold", "train"],
+                          {"SLURM_STEP_NUM_TASKS": "2"}) is not None
+    # once only (the restarted process has the tunables), and never for what is not asked for
+    assert _reexec_target(monkeypatch, ["fourfold", "train"],
+                          {"WORLD_SIZE": "4", "GLIBC_TUNABLES": RANK_TUNABLES}) is None
+    assert _reexec_target(monkeypatch, ["fourfold", "train"],
+                          {"WORLD_SIZE": "4", "MALLOC_ARENA_MAX": "2"}) is None
+    assert _reexec_target(monkeypatch, ["fourfold", "train"], {"WORLD_SIZE": "1"}) is None
+    assert _reexec_target(monkeypatch, ["fourfold", "plan"], {"WORLD_SIZE": "4"}) is None

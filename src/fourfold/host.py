@@ -7,6 +7,7 @@ can all ask without importing one another.
 from __future__ import annotations
 
 import os
+import sys
 
 
 def cores_available() -> int:
@@ -19,3 +20,42 @@ def cores_available() -> int:
 def threads_per_rank(nproc: int, cores: int | None = None) -> int:
     """Ranks split the machine's cores: max(1, cores // nproc) threads each."""
     return max(1, (cores if cores is not None else cores_available()) // max(1, nproc))
+
+
+# glibc malloc tuning for CPU ranks (train/host_memory.py says why), here without torch so that
+# the command line can act on it before anything is imported.
+_TOP_PAD = 1 << 30  # grow the heap 1 GiB at a time (virtual: untouched pages cost nothing)
+_TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: the largest, i.e. never trim in practice
+
+# The same tuning as glibc tunables, read once at a process's start: what the local launcher
+# (fourfold train --nproc) gives its CPU ranks, since the tcache (a per-thread cache of small
+# chunks) can only be switched off this way.
+RANK_TUNABLES = ":".join([
+    "glibc.malloc.mmap_max=0", f"glibc.malloc.trim_threshold={_TRIM_THRESHOLD}",
+    f"glibc.malloc.top_pad={_TOP_PAD}", "glibc.malloc.mxfast=0", "glibc.malloc.tcache_count=0",
+    "glibc.malloc.arena_max=1"])
+
+
+def _user_tunes_malloc() -> bool:
+    return any(name.startswith("MALLOC_") for name in os.environ) or (
+        "GLIBC_TUNABLES" in os.environ and os.environ["GLIBC_TUNABLES"] != RANK_TUNABLES)
+
+
+def rank_malloc_environment() -> dict[str, str]:
+    """Environment for CPU ranks that a launcher starts: RANK_TUNABLES as GLIBC_TUNABLES,
+    unless the user tunes malloc (then nothing)."""
+    if not sys.platform.startswith("linux") or _user_tunes_malloc():
+        return {}
+    return {"GLIBC_TUNABLES": RANK_TUNABLES}
+
+
+def has_accelerator_devices() -> bool:
+    """Whether this host shows GPU device files (NVIDIA or AMD), read without importing torch."""
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd"))
+
+
+def rank_of_outside_launcher() -> bool:
+    """Whether this process is a rank that torchrun or srun started (not fourfold's launcher,
+    which sets the tuning itself) in a job of more than one rank."""
+    world = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_STEP_NUM_TASKS") or "1"
+    return world.isdigit() and int(world) > 1

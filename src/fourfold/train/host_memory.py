@@ -26,9 +26,9 @@ are off (M_MXFAST = 0), all threads share one arena (gloo's worker threads would
 their own peak), and ranks started by `fourfold train --nproc` also run without the tcache
 (`RANK_TUNABLES`, which only the environment can set); then a rank's resident memory stays
 within a few percent of what it holds, without page faults (bench/memory.py --phases). The
-tcache matters most: with the in-process part alone (ranks of a launcher of the user's, such
-as torchrun or srun) the 350m ranks still read 1.1-1.4x; export GLIBC_TUNABLES=RANK_TUNABLES
-there.
+tcache matters most: with the in-process part alone the 350m ranks still read 1.1-1.4x, so a
+CPU rank of `fourfold train` that torchrun or srun started restarts itself once with
+RANK_TUNABLES (fourfold.cli).
 
 It only changes glibc's tuning (`mallopt`); on other C libraries, or when the user tunes malloc
 through the environment (MALLOC_* variables or GLIBC_TUNABLES), it does nothing.
@@ -43,6 +43,9 @@ import sys
 
 import torch
 
+from fourfold.host import (_TOP_PAD, _TRIM_THRESHOLD, RANK_TUNABLES,  # noqa: F401
+                           _user_tunes_malloc, rank_malloc_environment)
+
 # mallopt parameters (malloc.h)
 _M_MXFAST = 1
 _M_TRIM_THRESHOLD = -1
@@ -50,23 +53,8 @@ _M_TOP_PAD = -2
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
 
-_TOP_PAD = 1 << 30  # grow the heap 1 GiB at a time (virtual: untouched pages cost nothing)
-_TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: the largest, i.e. never trim in practice
-
-# The same tuning as glibc tunables, read once at a process's start: what the local launcher
-# (fourfold train --nproc) gives its CPU ranks, since the tcache (a per-thread cache of small
-# chunks) can only be switched off this way.
-RANK_TUNABLES = ":".join([
-    "glibc.malloc.mmap_max=0", f"glibc.malloc.trim_threshold={_TRIM_THRESHOLD}",
-    f"glibc.malloc.top_pad={_TOP_PAD}", "glibc.malloc.mxfast=0", "glibc.malloc.tcache_count=0",
-    "glibc.malloc.arena_max=1"])
 
 _done = False
-
-
-def _user_tunes_malloc() -> bool:
-    return any(name.startswith("MALLOC_") for name in os.environ) or (
-        "GLIBC_TUNABLES" in os.environ and os.environ["GLIBC_TUNABLES"] != RANK_TUNABLES)
 
 
 def keep_freed_host_memory() -> bool:
@@ -92,14 +80,6 @@ def keep_freed_host_memory() -> bool:
         (_M_MMAP_MAX, 0), (_M_MXFAST, 0), (_M_ARENA_MAX, 1)))
     _done = ok
     return ok
-
-
-def rank_malloc_environment() -> dict[str, str]:
-    """Environment for CPU ranks that a launcher starts: RANK_TUNABLES as GLIBC_TUNABLES,
-    unless the user tunes malloc (then nothing)."""
-    if not sys.platform.startswith("linux") or _user_tunes_malloc():
-        return {}
-    return {"GLIBC_TUNABLES": RANK_TUNABLES}
 
 
 def trim_host_memory() -> None:
