@@ -421,3 +421,32 @@ def test_memory_report_in_summary(tmp_path: Path, optimizer: str) -> None:
         assert 0.5 < measured["activations"] / (predicted["activations"] - block) < 2.0, label
     else:
         assert 0.5 < measured["activations"] / predicted["activations"] < 2.0, label
+
+
+def test_adalomo_row_blocks_change_nothing_but_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AdaLomo works on a matrix a row block at a time (no temporary as large as it): tiny
+    blocks train as whole matrices do."""
+    import fourfold.train.methods.lomo as lomo
+    from fourfold.config import TrainConfig, model_config
+    from fourfold.models import build_model
+    from fourfold.parallel import Grid, parallelize
+    from fourfold.train.methods import StepData, build_method
+
+    cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+
+    def run() -> dict[str, torch.Tensor]:
+        model = build_model(cfg, seed=1)
+        pmodel = parallelize(model, Grid.single())
+        method = build_method(pmodel, TrainConfig(optimizer="adalomo"))
+        for _ in range(3):
+            data = StepData(1, lambda: iter([pmodel(tokens[:, :-1], tokens[:, 1:]).mean()]))
+            method.step(pmodel, data, lr=1e-2)
+        return model.state_dict()
+
+    whole = run()
+    monkeypatch.setattr(lomo, "CHUNK_ELEMENTS", 200)  # 1-3 rows of each matrix per block
+    blocks = run()
+    for name in whole:
+        torch.testing.assert_close(blocks[name], whole[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert any(not torch.equal(blocks[n], whole[n]) for n in whole)  # the blocks did differ

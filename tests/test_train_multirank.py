@@ -117,7 +117,14 @@ def test_lean_method_through_fourfold_train_on_a_grid_matches_one_process(
     items = [*[o for o in OVERRIDES if not o.startswith("train.grad_accum")],
              *method, "train.sample_tokens=0"]
     env = outside_job_env(FOURFOLD_CACHE=str(tmp_path / "cache"))
-    torchrun_train([*items, grid], tmp_path / "grid", env)
+    torchrun_train([*items, grid, "train.memory_report=true"], tmp_path / "grid", env)
+    # train.memory_report on a grid: one row per rank; what can be counted exactly, is
+    report = json.loads((tmp_path / "grid" / "summary.json").read_text())["memory_report"]
+    predicted = report["predicted_per_rank"]
+    assert len(report["measured_per_rank"]) == 2
+    for row in report["measured_per_rank"]:
+        assert row["parameters"] == predicted["parameters"], report
+        assert row["optimizer_state"] == predicted["optimizer_state"] == 0, report
     monkeypatch.setenv("FOURFOLD_CACHE", env["FOURFOLD_CACHE"])
     single = train(load_config(None, items), tmp_path / "single", progress=False)
     losses = [r["loss"] for r in read_metrics(tmp_path / "grid" / "metrics.jsonl") if "loss" in r]

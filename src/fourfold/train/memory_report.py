@@ -114,7 +114,7 @@ class MemoryMeter:
         grid = self.pmodel.grid
         total = 0
         if grid.size("z") > 1 and engine.sharded:
-            blocks = sorted((m.block_shape[0] * m.block_shape[1] * m.weight.element_size()
+            blocks = sorted((m.block_shape[0] * m.block_shape[1] * _element_size(m)
                              for m in engine.sharded), reverse=True)
             total += sum(blocks[:2] if engine.prefetch_enabled else blocks[:1])
         if grid.size("data") > 1 and self.peak["gradients"]:
@@ -125,6 +125,12 @@ class MemoryMeter:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+
+def _element_size(module: Any) -> int:
+    """Bytes per element of a z-sharded module's weight (a fused group: its first member's)."""
+    weight = module.weight if hasattr(module, "weight") else module.members[0].weight
+    return weight.element_size()
 
 
 def gather_reports(meter: MemoryMeter, comm: Any) -> list[dict[str, int]]:

@@ -24,6 +24,7 @@ from fourfold.config import TrainConfig
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (Guard, StepData, StepResult, TrainingMethod, check_meta,
                                          param_views, reduce_loss)
+from fourfold.train.methods.noise import CHUNK_ELEMENTS
 
 
 class FusedBackward(TrainingMethod):
@@ -157,28 +158,41 @@ class AdaLomo(FusedBackward):
     def update(self, view: Any, grad: torch.Tensor) -> None:
         p, b2 = view.param, self.beta2
         g = grad.float()
-        g2 = g.pow(2).add_(1e-30)
         state = self.state.setdefault(view.name, {})
         dims = view.layout.dims + ((),) * (p.dim() - len(view.layout.dims))
         correction = 1.0 - b2 ** self._t
         if p.dim() == 2:
             (m, n), (row_axes, col_axes) = view.full_shape, dims
-            rows = self._sum(g2.sum(1), col_axes) / n  # (m_local,) full-row means
-            cols = self._sum(g2.sum(0), row_axes) / m  # (n_local,) full-column means
+            # row blocks of ~CHUNK_ELEMENTS: no temporary as large as the matrix (the
+            # embedding's would be as large as its gradient)
+            chunks = [(r, min(r + max(1, CHUNK_ELEMENTS // g.shape[1]), g.shape[0]))
+                      for r in range(0, g.shape[0], max(1, CHUNK_ELEMENTS // g.shape[1]))]
+            row_sums, col_sums = [], torch.zeros(g.shape[1], dtype=g.dtype, device=g.device)
+            for a, b in chunks:
+                g2 = g[a:b].pow(2).add_(1e-30)
+                row_sums.append(g2.sum(1))
+                col_sums += g2.sum(0)
+            rows = self._sum(torch.cat(row_sums), col_axes) / n  # (m_local,) full-row means
+            cols = self._sum(col_sums, row_axes) / m  # (n_local,) full-column means
             if not state:
                 state["row"], state["col"] = torch.zeros_like(rows), torch.zeros_like(cols)
             state["row"].mul_(b2).add_(rows, alpha=1.0 - b2)
             state["col"].mul_(b2).add_(cols, alpha=1.0 - b2)
             mean_row = self._sum(state["row"].sum(), row_axes) / m
-            v = torch.outer(state["row"], state["col"]).div_(mean_row * correction)
+            for a, b in chunks:  # u = g / sqrt(v), v = r c^T / mean(r), a row block at a time
+                v = torch.outer(state["row"][a:b], state["col"]).div_(mean_row * correction)
+                g[a:b].div_(v.sqrt_())
+            u = g
         else:
+            g2 = g.pow(2).add_(1e-30)
             if not state:
                 state["v"] = torch.zeros_like(g2)
             state["v"].mul_(b2).add_(g2, alpha=1.0 - b2)
-            v = state["v"] / correction
-        u = g.div_(v.sqrt_())
+            u = g.div_((state["v"] / correction).sqrt_())
         numel = math.prod(view.full_shape)
-        sums = self._sum(torch.stack([u.pow(2).sum(), p.detach().float().pow(2).sum()]),
+        flat_u, flat_p = u.reshape(-1), p.detach().float().reshape(-1)
+        # dot products: sums of squares without a full-size temporary
+        sums = self._sum(torch.stack([torch.dot(flat_u, flat_u), torch.dot(flat_p, flat_p)]),
                          view.layout.split_axes)
         rms_u, rms_p = math.sqrt(float(sums[0]) / numel), math.sqrt(float(sums[1]) / numel)
         u.div_(max(1.0, rms_u))
