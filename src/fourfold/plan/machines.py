@@ -601,9 +601,15 @@ _BUSY_WINDOW_S = 0.4  # per compute probe: long against barrier skew and schedul
 
 
 def _calls_per_second(work: Callable[[], Any]) -> float:
-    """How often this rank runs `work` per second while every rank runs it: all start at a
-    barrier, each loops for _BUSY_WINDOW_S by its own clock (no collective in the interval;
-    the skew of the start, a few ms, is the only time not every rank is busy)."""
+    """How often this rank runs `work` per second while every rank runs it, as a synchronous
+    step sees it. First each rank counts its calls in a window of _BUSY_WINDOW_S by its own
+    clock (no collective inside it). Ranks that share cores do not all run for the whole of
+    their windows (a rank released early from the barrier, or finished early, has the cores
+    to fewer others), so those rates overstate the shared rate: on 8 ranks over 2 cores they
+    summed to twice the machine's GEMM peak and every prediction of bench/plan_check.py was
+    about 2x too fast. So then every rank runs the number of calls the slowest rank made in
+    the window, between two barriers: the time until the last rank is done is the rate."""
+    import torch
     import torch.distributed as dist
 
     work()  # warm-up: allocation, autograd graph
@@ -615,8 +621,15 @@ def _calls_per_second(work: Callable[[], Any]) -> float:
         elapsed = time.perf_counter() - start
         if elapsed >= _BUSY_WINDOW_S:
             break
-    dist.barrier()  # nobody's window ends while another still runs alone
-    return calls / elapsed
+    slowest = torch.tensor([calls / elapsed], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
+    n = max(1, int(float(slowest) * _BUSY_WINDOW_S))
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(n):
+        work()
+    dist.barrier()  # ends when the last rank is done
+    return n / (time.perf_counter() - start)
 
 
 def probe_groups(world: int) -> dict[int, Any]:
@@ -757,9 +770,10 @@ def measure_cpu_comm(world: int, refresh: bool = False) -> dict[str, Any]:
     """Probe (or read from the cache) what `world` gloo ranks on this host pay: collectives by
     group size and buffer size, the matmul rate and the small-op cost per rank (~2-4 s)."""
     path = cache_dir() / f"cpu_comm_{world}ranks_{cores_available()}cores.json"
+    # v4: compute rates shared by all ranks (v3 read up to 2x high on shared cores),
     # v3: compute rates timed by `_calls_per_second` (v1 caches read 2-4x low: re-measure),
     # element-wise and loss rates probed
-    return _cached_probe(path, f"{_probe_key()}|{world}|v3", refresh,
+    return _cached_probe(path, f"{_probe_key()}|{world}|v4", refresh,
                          lambda: _run_comm_probe(world))
 
 
