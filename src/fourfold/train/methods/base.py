@@ -133,6 +133,21 @@ def check_meta(meta: dict[str, Any], kind: str) -> None:
     json.dumps(meta)  # JSON only: nothing is unpickled on load
 
 
+def flatten_state(state: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-parameter state {name: {field: tensor}} as the flat {"name/field": tensor} that
+    checkpoints hold."""
+    return {f"{name}/{key}": t for name, s in state.items() for key, t in s.items()}
+
+
+def unflatten_state(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """flatten_state's inverse, on copies (the loaded tensors belong to the checkpoint)."""
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        name, field = key.rsplit("/", 1)
+        state.setdefault(name, {})[field] = t.clone()
+    return state
+
+
 def reduce_loss(pmodel: Any, local: torch.Tensor) -> float:
     """A loss summed over the batch axes (data and z): only a scalar crosses them."""
     return float(pmodel.reduce_over_batch(local.detach().double()))

@@ -30,7 +30,8 @@ from fourfold.parallel.parallelize import _gather_full
 from fourfold.plan.memory import galore_rank
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (Guard, ParamView, StepData, StepResult, TrainingMethod,
-                                         check_meta, param_views, reduce_loss)
+                                         check_meta, flatten_state, param_views, reduce_loss,
+                                         unflatten_state)
 
 EPS = 1e-8
 
@@ -122,13 +123,9 @@ class GaLore(TrainingMethod):
         return StepResult(loss, norm, reason is not None, reason or "")
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        tensors = {f"{name}/{key}": t for name, s in self.state.items() for key, t in s.items()}
-        return tensors, {"kind": self.name, "steps_done": self.steps_done}
+        return flatten_state(self.state), {"kind": self.name, "steps_done": self.steps_done}
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         check_meta(meta, self.name)
         self.steps_done = int(meta["steps_done"])
-        self.state = {}
-        for key, t in tensors.items():
-            name, field = key.rsplit("/", 1)
-            self.state.setdefault(name, {})[field] = t.clone()
+        self.state = unflatten_state(tensors)

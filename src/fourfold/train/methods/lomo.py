@@ -23,7 +23,8 @@ from torch import nn
 from fourfold.config import TrainConfig
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (Guard, StepData, StepResult, TrainingMethod, check_meta,
-                                         param_views, reduce_loss)
+                                         flatten_state, param_views, reduce_loss,
+                                         unflatten_state)
 from fourfold.train.methods.noise import CHUNK_ELEMENTS
 
 
@@ -201,13 +202,9 @@ class AdaLomo(FusedBackward):
         p.add_(u.to(p.dtype), alpha=-self._lr * max(1e-3, rms_p))
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        tensors = {f"{name}/{key}": t for name, s in self.state.items() for key, t in s.items()}
-        return tensors, {"kind": self.name, "steps_done": self.steps_done}
+        return flatten_state(self.state), {"kind": self.name, "steps_done": self.steps_done}
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         check_meta(meta, self.name)
         self.steps_done = int(meta["steps_done"])
-        self.state = {}
-        for key, t in tensors.items():
-            name, field = key.rsplit("/", 1)
-            self.state.setdefault(name, {})[field] = t.clone()
+        self.state = unflatten_state(tensors)
