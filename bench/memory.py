@@ -16,7 +16,7 @@ activation bytes of the `debug` model (what autograd saves for backward, see
 tests/memory_worker.py) beside the planner's activation model, on every grid.
 
 Measured on the shared 2-core, 24 GiB machine (350m preset, 1,426 MiB of float32 weights,
-`--preset 350m --steps 2 --nproc N [--sync-checkpoint] [--activation-checkpointing]`), MiB per
+`--preset 350m --steps 2 --nproc N [--async-checkpoint] [--activation-checkpointing]`), MiB per
 rank above the import, range over the ranks, planner's prediction, x the weights:
 
     ranks  grid (d z y x)  checkpoint  act. ckpt  measured       predicted  error       x weights
@@ -32,9 +32,10 @@ rank above the import, range over the ranks, planner's prediction, x the weights
     the 8-rank sync row reads 1,594-1,961 (1.12-1.37x). Before the coalescing malloc tuning (train/host_memory.py)
     the 8-rank rows read 1,770-2,173 (sync) and 2,023-2,367 (async): 1.2-1.7x the weights.
 An async checkpoint's snapshot (weights and AdamW moments, 0.375x the weights on 8 ranks) is
-alive through the next step, so a CPU rank with one cannot go below 0.875x; the 0.75x goal
-needs checkpoint.async = false and, at 8 x 64 tokens, activation checkpointing (without it
-the activations alone are 0.18x).
+alive through the next step, so a CPU rank with one cannot go below 0.875x: that is why
+checkpoint.async = "auto" (the default) writes a CPU rank's checkpoints synchronously. The
+0.75x goal needs, at 8 x 64 tokens, activation checkpointing too (without it the activations
+alone are 0.18x).
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ def predicted(cfg_path: Path, rank: int) -> int:
     return predict_memory(cfg.model, shape, micro_tokens, t.activation_checkpointing,
                           Precision.of(t.dtype), bucket_bytes=int(p.bucket_mb * MIB),
                           on_host=True, writer=rank == 0,
-                          async_checkpoint=cfg.checkpoint.async_save and cfg.checkpoint.every > 0
-                          ).total
+                          async_checkpoint=cfg.checkpoint.is_async(True)
+                          and cfg.checkpoint.every > 0).total
 
 
 def phase_table(nproc: int, results: list[dict]) -> None:
@@ -203,9 +204,10 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per step, whole job")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--sync-checkpoint", action="store_true",
-                    help="checkpoint.async = false: no host snapshot of the shards (on a CPU "
-                    "rank the snapshot holds its weights and AdamW states once more)")
+    ap.add_argument("--async-checkpoint", action="store_true",
+                    help="checkpoint.async = true (the default, \"auto\", writes a CPU rank's "
+                    "checkpoints synchronously): a host snapshot of the shards, which on a CPU "
+                    "rank holds its weights and AdamW states once more")
     ap.add_argument("--no-rank-tunables", action="store_true",
                     help="start the ranks without the GLIBC_TUNABLES that `fourfold train "
                     "--nproc` sets (as under torchrun: the in-process malloc tuning only)")
@@ -220,7 +222,7 @@ def main() -> None:
         activations_table(args.nproc)
     else:
         train_table(args.preset, sorted(args.nproc), args.steps, args.batch_size, args.seq_len,
-                    args.dtype, not args.sync_checkpoint, args.phases,
+                    args.dtype, args.async_checkpoint, args.phases,
                     not args.no_rank_tunables,
                     args.activation_checkpointing)
 

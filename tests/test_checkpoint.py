@@ -306,3 +306,27 @@ def test_load_rejects_a_checkpoint_of_another_model(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="cannot load checkpoint") as info:
         manager.load(manager.latest_valid(), wrong, None)
     assert "\n" not in str(info.value)
+
+
+def test_async_auto_writes_synchronously_on_a_cpu_rank_only(tmp_path: Path) -> None:
+    """checkpoint.async = "auto" (the default): a CPU rank's snapshot would be a second copy
+    of its weights and AdamW states in the memory it trains in, so it writes synchronously; a
+    GPU rank writes in the background; true / false are taken as given."""
+    from fourfold.config import ConfigError, load_config
+
+    default = load_config(None).checkpoint
+    assert default.async_save == "auto"
+    assert (default.is_async(on_host=True), default.is_async(on_host=False)) == (False, True)
+    for value, expected in (("true", True), ("false", False)):
+        cfg = load_config(None, [f"checkpoint.async={value}"]).checkpoint
+        assert cfg.is_async(on_host=True) is expected and cfg.is_async(on_host=False) is expected
+    with pytest.raises(ConfigError, match=r"checkpoint.async = 'sometimes': expected true"):
+        load_config(None, ["checkpoint.async=sometimes"])
+
+    pmodel, optimizer = worker.build(Grid.single(), seed=7)
+    manager = CheckpointManager(tmp_path, CheckpointConfig(every=1), Grid.single())
+    worker.train_step(pmodel, optimizer, 1)
+    manager.save(1, pmodel, optimizer, {"step": 1})
+    # complete when save returns: no writer thread, the checkpoint already listed
+    assert manager._thread is None
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001"]

@@ -312,7 +312,7 @@ def check_grid_fits(cfg: "Config", shape: GridShape, device: "torch.device",
         return predict_memory(cfg.model, s, micro_tokens, t.activation_checkpointing,
                               Precision.of(t.dtype), bucket_bytes=int(p.bucket_mb * 2**20),
                               on_host=device.type == "cpu", writer=True,
-                              async_checkpoint=cfg.checkpoint.async_save
+                              async_checkpoint=cfg.checkpoint.is_async(device.type == "cpu")
                               and cfg.checkpoint.every > 0)
 
     mem = need(shape)

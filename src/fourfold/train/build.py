@@ -158,7 +158,8 @@ def predicted_memory(cfg: Config, shape: GridShape, on_host: bool) -> MemoryBrea
     micro_tokens = t.batch_size // (shape.data * shape.z) // t.grad_accum * t.seq_len
     mem = predict_memory(cfg.model, shape, micro_tokens, t.activation_checkpointing, precision,
                          bucket_bytes=int(p.bucket_mb * 2**20), on_host=on_host, writer=True,
-                         async_checkpoint=cfg.checkpoint.async_save and cfg.checkpoint.every > 0)
+                         async_checkpoint=cfg.checkpoint.is_async(on_host)
+                         and cfg.checkpoint.every > 0)
     return predict_method_memory(mem, cfg.model, shape, t, precision)
 
 

@@ -388,6 +388,7 @@ class CheckpointManager:
         self.root = checkpoint_root(run_dir)
         self.cfg = cfg
         self.grid = grid
+        self.async_save = cfg.is_async(on_host=grid.device.type == "cpu")
         self.rank = grid.rank
         self.states: dict[str, Stateful] = dict(states or {})
         if _EXTRA in self.states:
@@ -412,13 +413,13 @@ class CheckpointManager:
 
     def save(self, step: int, pmodel: Any, optimizer: torch.optim.Optimizer | None,
              extra: Any = None) -> None:
-        """Checkpoint the state after `step`. With checkpoint.async_save the state is copied
+        """Checkpoint the state after `step`. With checkpoint.async (is_async) the state is copied
         to CPU here and written in the background (call wait() to know it is complete);
         otherwise this returns when the checkpoint is complete. Raises CheckpointError for a
         failed earlier asynchronous save or (synchronously) a failed write."""
         self.wait()
         snapshot = self._snapshot(pmodel, optimizer, extra)
-        if not self.cfg.async_save:
+        if not self.async_save:
             self._last_saved = self._write(step, snapshot)
             return
 
@@ -455,7 +456,7 @@ class CheckpointManager:
         asynchronous save (training goes on changing the tensors), the tensors themselves for
         a synchronous save of CPU tensors. The parts' states are taken here, on the calling
         thread."""
-        copy = self.cfg.async_save
+        copy = self.async_save
 
         def to_cpu(t: torch.Tensor) -> torch.Tensor:
             return to_host(t, copy)  # from a GPU: pinned, not blocking
