@@ -148,6 +148,23 @@ def unflatten_state(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, tor
     return state
 
 
+class PerParameterState:
+    """The checkpoint state of a method that keeps {parameter name: {field: tensor}} and a
+    step count (AdaLomo, GaLore): put it before TrainingMethod among the bases."""
+
+    name: str
+    state: dict[str, dict[str, torch.Tensor]]
+    steps_done: int
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return flatten_state(self.state), {"kind": self.name, "steps_done": self.steps_done}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        check_meta(meta, self.name)
+        self.steps_done = int(meta["steps_done"])
+        self.state = unflatten_state(tensors)
+
+
 def reduce_loss(pmodel: Any, local: torch.Tensor) -> float:
     """A loss summed over the batch axes (data and z): only a scalar crosses them."""
     return float(pmodel.reduce_over_batch(local.detach().double()))

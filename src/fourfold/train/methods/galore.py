@@ -29,14 +29,13 @@ from fourfold.config import TrainConfig
 from fourfold.parallel.parallelize import _gather_full
 from fourfold.plan.memory import galore_rank
 from fourfold.train.methods.adamw import backward_pass
-from fourfold.train.methods.base import (Guard, ParamView, StepData, StepResult, TrainingMethod,
-                                         check_meta, flatten_state, param_views, reduce_loss,
-                                         unflatten_state)
+from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
+                                         StepResult, TrainingMethod, param_views, reduce_loss)
 
 EPS = 1e-8
 
 
-class GaLore(TrainingMethod):
+class GaLore(PerParameterState, TrainingMethod):
     name = "galore"
     update_time = "after_backward"
 
@@ -121,11 +120,3 @@ class GaLore(TrainingMethod):
         for v in self.views:
             v.param.grad = None
         return StepResult(loss, norm, reason is not None, reason or "")
-
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return flatten_state(self.state), {"kind": self.name, "steps_done": self.steps_done}
-
-    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        check_meta(meta, self.name)
-        self.steps_done = int(meta["steps_done"])
-        self.state = unflatten_state(tensors)

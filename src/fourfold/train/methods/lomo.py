@@ -22,9 +22,8 @@ from torch import nn
 
 from fourfold.config import TrainConfig
 from fourfold.train.methods.adamw import backward_pass
-from fourfold.train.methods.base import (Guard, StepData, StepResult, TrainingMethod, check_meta,
-                                         flatten_state, param_views, reduce_loss,
-                                         unflatten_state)
+from fourfold.train.methods.base import (Guard, PerParameterState, StepData, StepResult,
+                                         TrainingMethod, check_meta, param_views, reduce_loss)
 from fourfold.train.methods.noise import CHUNK_ELEMENTS
 
 
@@ -122,7 +121,7 @@ class LOMO(FusedBackward):
         p.add_(grad, alpha=-self._lr)
 
 
-class AdaLomo(FusedBackward):
+class AdaLomo(PerParameterState, FusedBackward):
     """AdaLomo (Lv et al. 2023): LOMO with an Adafactor-style factored second moment and a
     relative, normalised step, fused into backward like LOMO.
 
@@ -200,11 +199,3 @@ class AdaLomo(FusedBackward):
         if view.decay and self.weight_decay:
             p.mul_(1.0 - self._lr * self.weight_decay)
         p.add_(u.to(p.dtype), alpha=-self._lr * max(1e-3, rms_p))
-
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return flatten_state(self.state), {"kind": self.name, "steps_done": self.steps_done}
-
-    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        check_meta(meta, self.name)
-        self.steps_done = int(meta["steps_done"])
-        self.state = unflatten_state(tensors)
