@@ -5,17 +5,15 @@ and the (frozen) base. Writes one JSON line per case."""
 
 from __future__ import annotations
 
-import json
-import os
-import traceback
 
 import torch
 import torch.distributed as dist
 
 from fourfold.config import AdapterConfig, ParallelConfig, model_config
 from fourfold.models.adapter import apply_adapter
-from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
+from fourfold.parallel import Grid, GridShape, parallelize
 from dist_count import DistCount  # what torch.distributed is handed, counted apart
+from grid_cases import run_grid_cases
 from parallel_worker import build  # the same tiny models as the engine's exactness test
 
 STEPS = 20
@@ -90,76 +88,60 @@ def adapter_cfg(variant: dict) -> AdapterConfig:
     return AdapterConfig(**{k: v for k, v in variant.items() if k in ADAPTER_KEYS})
 
 
-def main() -> int:
-    rank, world, device = init_distributed("gloo", timeout_s=120)
-    shapes = json.loads(os.environ["FOURFOLD_TEST_SHAPES"])
-    variants = json.loads(os.environ["FOURFOLD_TEST_VARIANTS"])
-    out_path = os.environ["FOURFOLD_TEST_OUT"]
-    results = []
-    counter = DistCount().install()
-    for shape_list in shapes:
-        shape = GridShape(*shape_list)
-        if shape.size != world:
-            continue
-        grid = Grid.build(shape, device)
-        for variant in variants:
-            case = {"shape": shape_list, "variant": variant}
-            try:
-                cfg = model_config("debug", bias=variant.get("bias", False),
-                                   tie_embeddings=variant.get("tie", False))
-                data = batches(cfg.vocab_size, variant.get("accum", 1))
-                acfg = adapter_cfg(variant)
-                ref_model = build(cfg, variant)
-                base_state = {k: v.clone() for k, v in ref_model.state_dict().items()}
-                ref = parallelize(ref_model, Grid.single())
-                ref_trainable = apply_adapter(ref, acfg, seed=11)
-                ref_init = {k: v.clone() for k, v in ref_model.state_dict().items()}
-                ref_losses = train(ref, data, (0, 1), variant.get("opt", "adamw"))
-                ref_state = ref_model.state_dict()
+def run_variant(shape: GridShape, grid: Grid, variant: dict, counter: DistCount) -> dict:
+    """One adapter variant on one grid against the same run on one process."""
+    cfg = model_config("debug", bias=variant.get("bias", False),
+                       tie_embeddings=variant.get("tie", False))
+    data = batches(cfg.vocab_size, variant.get("accum", 1))
+    acfg = adapter_cfg(variant)
+    ref_model = build(cfg, variant)
+    base_state = {k: v.clone() for k, v in ref_model.state_dict().items()}
+    ref = parallelize(ref_model, Grid.single())
+    ref_trainable = apply_adapter(ref, acfg, seed=11)
+    ref_init = {k: v.clone() for k, v in ref_model.state_dict().items()}
+    ref_losses = train(ref, data, (0, 1), variant.get("opt", "adamw"))
+    ref_state = ref_model.state_dict()
 
-                model = build(cfg, variant)
-                pcfg = ParallelConfig(x=shape.x, y=shape.y, z=shape.z, data=shape.data,
-                                      bucket_mb=0.05)
-                pmodel = parallelize(model, grid, pcfg)
-                trainable = apply_adapter(pmodel, acfg, seed=11)
-                init_state = pmodel.full_state_dict()
-                init_diff = max(float((init_state[k] - v).abs().max())
-                                for k, v in ref_init.items() if "lora_A" in k) \
-                    if acfg.kind == "lora" else 0.0
-                pmodel.ledger.reset()
-                counter.reset()
-                losses = train(pmodel, data, grid.batch_shard, variant.get("opt", "adamw"))
-                ledger = pmodel.ledger.snapshot()
-                handed = counter.by_axis(grid)
-                spread = replica_spread(pmodel, grid)
-                state = pmodel.full_state_dict()
-                with_vars = ref_model.state_dict(keep_vars=True)  # tied names share a tensor
-                tuned = [k for k in ref_state if with_vars[k].requires_grad]
-                frozen = [k for k in ref_state if not with_vars[k].requires_grad]
-                case.update(
-                    ok=True, losses=losses, ref_losses=ref_losses,
-                    max_loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
-                    loss_drop=ref_losses[0] - ref_losses[-1],
-                    max_adapter_diff=max(float((state[k] - ref_state[k]).abs().max())
-                                         for k in tuned),
-                    worst_adapter=max(tuned, key=lambda k: float((state[k] - ref_state[k])
-                                                                 .abs().max())),
-                    adapter_moved=max(float((ref_state[k] - ref_init[k]).abs().max())
-                                      for k in tuned),
-                    max_frozen_change=max(float((state[k] - base_state[k]).abs().max())
-                                          for k in frozen if k in base_state),
-                    init_diff=init_diff, replica_spread=spread, ledger=ledger, handed=handed,
-                    same_trainable=sorted(trainable) == sorted(ref_trainable),
-                    n_trainable=len(trainable))
-            except Exception:  # reported to the test, which fails with the traceback
-                case.update(ok=False, error=traceback.format_exc())
-            results.append(case)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
-    dist.barrier()
-    leave_job(0)
+    model = build(cfg, variant)
+    pcfg = ParallelConfig(x=shape.x, y=shape.y, z=shape.z, data=shape.data,
+                          bucket_mb=0.05)
+    pmodel = parallelize(model, grid, pcfg)
+    trainable = apply_adapter(pmodel, acfg, seed=11)
+    init_state = pmodel.full_state_dict()
+    init_diff = max(float((init_state[k] - v).abs().max())
+                    for k, v in ref_init.items() if "lora_A" in k) \
+        if acfg.kind == "lora" else 0.0
+    pmodel.ledger.reset()
+    counter.reset()
+    losses = train(pmodel, data, grid.batch_shard, variant.get("opt", "adamw"))
+    ledger = pmodel.ledger.snapshot()
+    handed = counter.by_axis(grid)
+    spread = replica_spread(pmodel, grid)
+    state = pmodel.full_state_dict()
+    with_vars = ref_model.state_dict(keep_vars=True)  # tied names share a tensor
+    tuned = [k for k in ref_state if with_vars[k].requires_grad]
+    frozen = [k for k in ref_state if not with_vars[k].requires_grad]
+    return dict(
+        ok=True, losses=losses, ref_losses=ref_losses,
+        max_loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        loss_drop=ref_losses[0] - ref_losses[-1],
+        max_adapter_diff=max(float((state[k] - ref_state[k]).abs().max())
+                             for k in tuned),
+        worst_adapter=max(tuned, key=lambda k: float((state[k] - ref_state[k])
+                                                     .abs().max())),
+        adapter_moved=max(float((ref_state[k] - ref_init[k]).abs().max())
+                          for k in tuned),
+        max_frozen_change=max(float((state[k] - base_state[k]).abs().max())
+                              for k in frozen if k in base_state),
+        init_diff=init_diff, replica_spread=spread, ledger=ledger, handed=handed,
+        same_trainable=sorted(trainable) == sorted(ref_trainable),
+        n_trainable=len(trainable))
+
+
+def main() -> None:
+    counter = DistCount().install()
+    run_grid_cases("FOURFOLD_TEST_VARIANTS", "variant",
+                   lambda shape, grid, variant: run_variant(shape, grid, variant, counter))
 
 
 if __name__ == "__main__":

@@ -7,19 +7,16 @@ then runs the same autocast on one process. Writes one JSON line per case."""
 
 from __future__ import annotations
 
-import json
-import os
-import traceback
 
 import torch
-import torch.distributed as dist
 
 from fourfold.config import ParallelConfig, model_config
 from fourfold.models import build_model
-from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
+from fourfold.parallel import Grid, GridShape, parallelize
 from fourfold.train.goldfish import goldfish_mask
 
 from dist_count import DistCount  # noqa: E402  (tests/ is this script's directory)
+from grid_cases import run_grid_cases  # noqa: E402
 
 STEPS = 3
 BATCH = 8  # sequences per step, whole job (test_parallel.py uses the same numbers)
@@ -111,63 +108,47 @@ def build(cfg, variant: dict) -> torch.nn.Module:
     return model
 
 
-def main() -> int:
-    counter = DistCount().install()
-    rank, world, device = init_distributed("gloo", timeout_s=120)
-    shapes = [s for s in json.loads(os.environ["FOURFOLD_TEST_SHAPES"])]
-    variants = json.loads(os.environ["FOURFOLD_TEST_VARIANTS"])
-    out_path = os.environ["FOURFOLD_TEST_OUT"]
-    results = []
-    for shape_list in shapes:
-        shape = GridShape(*shape_list)
-        if shape.size != world:
-            continue
-        grid = Grid.build(shape, device)
-        for variant in variants:
-            case = {"shape": shape_list, "variant": variant}
-            try:
-                cfg = model_config("debug", bias=variant.get("bias", False),
-                                   tie_embeddings=variant.get("tie", False))
-                accum = variant.get("accum", 1)
-                data = batches(cfg.vocab_size, accum)
-                ref_model = build(cfg, variant)
-                ref = parallelize(ref_model, Grid.single())
-                ref_losses, _ = train(ref, data, (0, 1), variant.get("opt", "sgd"),
-                                      variant.get("goldfish", False), variant.get("bf16", False))
-                ref_state = ref_model.state_dict()
+def run_variant(shape: GridShape, grid: Grid, variant: dict, counter: DistCount) -> dict:
+    """One variant on one grid against the same model trained by one process."""
+    cfg = model_config("debug", bias=variant.get("bias", False),
+                       tie_embeddings=variant.get("tie", False))
+    accum = variant.get("accum", 1)
+    data = batches(cfg.vocab_size, accum)
+    ref_model = build(cfg, variant)
+    ref = parallelize(ref_model, Grid.single())
+    ref_losses, _ = train(ref, data, (0, 1), variant.get("opt", "sgd"),
+                          variant.get("goldfish", False), variant.get("bf16", False))
+    ref_state = ref_model.state_dict()
 
-                model = build(cfg, variant)
-                overlap = variant.get("overlap", True)
-                pcfg = ParallelConfig(x=shape.x, y=shape.y, z=shape.z, data=shape.data,
-                                      overlap_input_grad=overlap, overlap_weight_grad=overlap,
-                                      prefetch_weights=overlap, overlap_data_grad=overlap,
-                                      bucket_mb=0.05,
-                                      reduce_dtype=variant.get("reduce", "float32"),
-                                      overlap_forward=variant.get("split", False))
-                pmodel = parallelize(model, grid, pcfg)
-                pmodel.ledger.reset()
-                counter.reset()
-                losses, memory = train(pmodel, data, grid.batch_shard, variant.get("opt", "sgd"),
-                                       variant.get("goldfish", False), variant.get("bf16", False))
-                ledger = pmodel.ledger.snapshot()
-                handed = counter.by_axis(grid)
-                state = pmodel.full_state_dict()
-                max_w = max(float((state[k] - ref_state[k]).abs().max()) for k in ref_state)
-                max_rel_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-                case.update(ok=True, losses=losses, ref_losses=ref_losses,
-                            max_weight_diff=max_w, max_rel_loss=max_rel_loss, ledger=ledger,
-                            handed=handed, emulated=pmodel.ledger.emulated,
-                            memory=memory,
-                            keys_equal=sorted(state) == sorted(ref_state))
-            except Exception:  # reported to the test, which fails with the traceback
-                case.update(ok=False, error=traceback.format_exc())
-            results.append(case)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
-    dist.barrier()
-    leave_job(0)  # destroy the process group, flush, os._exit
+    model = build(cfg, variant)
+    overlap = variant.get("overlap", True)
+    pcfg = ParallelConfig(x=shape.x, y=shape.y, z=shape.z, data=shape.data,
+                          overlap_input_grad=overlap, overlap_weight_grad=overlap,
+                          prefetch_weights=overlap, overlap_data_grad=overlap,
+                          bucket_mb=0.05,
+                          reduce_dtype=variant.get("reduce", "float32"),
+                          overlap_forward=variant.get("split", False))
+    pmodel = parallelize(model, grid, pcfg)
+    pmodel.ledger.reset()
+    counter.reset()
+    losses, memory = train(pmodel, data, grid.batch_shard, variant.get("opt", "sgd"),
+                           variant.get("goldfish", False), variant.get("bf16", False))
+    ledger = pmodel.ledger.snapshot()
+    handed = counter.by_axis(grid)
+    state = pmodel.full_state_dict()
+    max_w = max(float((state[k] - ref_state[k]).abs().max()) for k in ref_state)
+    max_rel_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    return dict(ok=True, losses=losses, ref_losses=ref_losses,
+                max_weight_diff=max_w, max_rel_loss=max_rel_loss, ledger=ledger,
+                handed=handed, emulated=pmodel.ledger.emulated,
+                memory=memory,
+                keys_equal=sorted(state) == sorted(ref_state))
+
+
+def main() -> None:
+    counter = DistCount().install()
+    run_grid_cases("FOURFOLD_TEST_VARIANTS", "variant",
+                   lambda shape, grid, variant: run_variant(shape, grid, variant, counter))
 
 
 if __name__ == "__main__":

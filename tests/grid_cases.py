@@ -1,0 +1,44 @@
+"""The loop every multi-rank test worker runs: for each grid of FOURFOLD_TEST_SHAPES that has
+this job's world size, each case of the job (a JSON list in an environment variable) is run
+by the worker's own function; a case that raises is reported with its traceback (the test
+fails with it), the others go on. Rank 0 writes one JSON line per case to FOURFOLD_TEST_OUT."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from typing import Callable
+
+import torch.distributed as dist
+
+from fourfold.parallel import Grid, GridShape, init_distributed, leave_job
+
+RunCase = Callable[[GridShape, Grid, dict], dict]
+
+
+def run_grid_cases(cases_env: str, label: str, run_case: RunCase) -> None:
+    """Run every (grid, case) of this job; `cases_env` names the variable that holds the cases
+    and `label` the key each result carries its case under ({"shape": [...], label: case,
+    **run_case(shape, grid, case)}). Ends the rank (leave_job)."""
+    rank, world, device = init_distributed("gloo", timeout_s=120)
+    cases = json.loads(os.environ[cases_env])
+    results = []
+    for shape_list in json.loads(os.environ["FOURFOLD_TEST_SHAPES"]):
+        shape = GridShape(*shape_list)
+        if shape.size != world:
+            continue
+        grid = Grid.build(shape, device)
+        for case in cases:
+            result = {"shape": shape_list, label: case}
+            try:
+                result.update(run_case(shape, grid, case))
+            except Exception:  # reported to the test, which fails with the traceback
+                result.update(ok=False, error=traceback.format_exc())
+            results.append(result)
+    if rank == 0:
+        with open(os.environ["FOURFOLD_TEST_OUT"], "w") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+    dist.barrier()
+    leave_job(0)  # destroy the process group, flush, os._exit
