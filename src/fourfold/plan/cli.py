@@ -3,6 +3,7 @@
     fourfold plan --model PRESET|CONFIG.toml --gpus N --machine NAME|MACHINE.toml
                   [--global-batch B] [--seq S] [--top K] [--json]
                   [--reduce-dtype float32|bfloat16|auto] [--overlap-forward auto|on|off]
+                  [--optimizer adamw|lomo|adalomo|mezo|es|blockllm|galore]
     fourfold plan --compute FLOPS | --tokens T [--law chinchilla|epoch]
     fourfold plan --dataset DATA_DIR --compute FLOPS [--dataset-tokens N] [--out CONFIG.toml]
     fourfold plan --sweep [--machine NAME] [--gpus MAX] [--out PLOT.png]
@@ -17,7 +18,8 @@ import math
 import sys
 from pathlib import Path
 
-from fourfold.config import PRESETS, ConfigError, ModelConfig, load_config, model_config
+from fourfold.config import (PRESETS, ConfigError, ModelConfig, TrainConfig, load_config,
+                             model_config)
 from fourfold.errors import FourfoldError
 from fourfold.parsing import ArgumentParser
 from fourfold.parallel.grid import AXES, RANK_ORDER
@@ -27,7 +29,7 @@ from fourfold.plan.perf import Overlap
 from fourfold.plan.scaling import (count_params, data_constrained_optimum, dataset_tokens,
                                    dataset_vocab_size, format_count, get_law, model_for_params,
                                    training_config)
-from fourfold.plan.search import Plan, model_label, plan
+from fourfold.plan.search import OPTIMIZERS, Plan, model_label, plan
 from fourfold.plan.sweep import format_sweep, gpu_counts, plot_sweep, run_sweep
 
 
@@ -64,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-forward", choices=("auto", "on", "off"), default="off",
                    help="parallel.overlap_forward: forward GEMMs in two token halves, one "
                    "half's output all-reduce under the other's GEMM (auto: the faster per grid)")
+    p.add_argument("--optimizer", help="train.optimizer whose gradients and state the memory "
+                   "column counts: " + ", ".join(OPTIMIZERS) + " (default: the config's "
+                   "train.optimizer, else adamw); the step time stays AdamW's")
     p.add_argument("--top", type=int, default=10, help="rows to show (0: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--compute", type=_positive_number, help="training FLOPs for a scaling-law "
@@ -91,12 +96,13 @@ _SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_s
                  "tie_embeddings", "bias")
 
 
-def resolve_model(spec: str) -> tuple[ModelConfig, int | None, int | None]:
-    """(model, batch, seq_len) from a preset name or a CONFIG.toml (which also gives its
-    train.batch_size and train.seq_len). A file whose model keys change its preset's shape
-    describes another model: its preset reads "custom", not the name it started from."""
+def resolve_model(spec: str) -> tuple[ModelConfig, int | None, int | None, TrainConfig | None]:
+    """(model, batch, seq_len, train) from a preset name or a CONFIG.toml (which also gives its
+    train.batch_size, train.seq_len and its [train] table, None for a preset). A file whose
+    model keys change its preset's shape describes another model: its preset reads "custom",
+    not the name it started from."""
     if spec in PRESETS:
-        return model_config(spec), None, None
+        return model_config(spec), None, None, None
     path = Path(spec)
     if path.suffix == ".toml" or path.is_file() or path.is_dir():
         try:
@@ -108,9 +114,19 @@ def resolve_model(spec: str) -> tuple[ModelConfig, int | None, int | None]:
             preset = model_config(model.preset)
             if any(getattr(model, f) != getattr(preset, f) for f in _SHAPE_FIELDS):
                 model = dataclasses.replace(model, preset="custom")
-        return model, cfg.train.batch_size, cfg.train.seq_len
+        return model, cfg.train.batch_size, cfg.train.seq_len, cfg.train
     raise PlanError(f"unknown model {spec!r}: choose a preset ({', '.join(PRESETS)}) or a "
                     "CONFIG.toml path")
+
+
+def resolve_train(optimizer: str | None, config_train: TrainConfig | None) -> TrainConfig:
+    """The train config whose optimizer the memory is planned for: --optimizer over the
+    config file's train.optimizer (keeping its block_sparsity, galore_rank), else adamw."""
+    if optimizer is not None and optimizer not in OPTIMIZERS:
+        raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if config_train is None:
+        return TrainConfig(optimizer=optimizer or "adamw")
+    return dataclasses.replace(config_train, optimizer=optimizer or config_train.optimizer)
 
 
 def _default_batch(world: int, seq_len: int, machine: Machine) -> int:
@@ -155,6 +171,8 @@ def format_plan(result: Plan, top: int, model_name: str | None = None) -> str:
               "parallel.overlap_forward",
               "ranked by predicted step time (so by MFU: model FLOPs, 6N + attention per token); "
               "HFU also counts the forward that activation checkpointing (AC) recomputes",
+              f"memory planned for train.optimizer = {result.optimizer} (its gradients and "
+              "state)" + (f"; {result.time_note}" if result.time_note else ""),
               f"{m.device.note}; {m.note}" if m.note else m.device.note]
     columns = (f"{'#':>3} {'data,z,y,x':>12} {'mb x acc':>9} {'AC':>3} {'red':>4} {'ovf':>3} "
                f"{'step ms':>9} {'tokens/s':>11} {'MFU':>5} {'HFU':>5} "
@@ -177,7 +195,8 @@ def format_plan(result: Plan, top: int, model_name: str | None = None) -> str:
                      f"{p.tokens_per_s:>11,.0f} {p.mfu:>5.0%} {p.hfu:>5.0%} " + " ".join(comm)
                      + f" {c.memory.total / GIB:>8.2f}  {fits}")
     if not any(c.fits for c in result.candidates):
-        lines.append("no grid fits in memory: add GPUs, use a bigger device, or shrink the batch")
+        lines.append("no grid fits in memory: add GPUs, use a bigger device, shrink the batch, "
+                     "or plan a leaner --optimizer")
     return "\n".join(lines)
 
 
@@ -193,6 +212,9 @@ def plan_json(result: Plan, top: int, model_name: str | None = None) -> dict:
         "gpus": result.world_size, "global_batch": result.global_batch,
         "seq_len": result.seq_len, "dtype": result.precision.name,
         "ranked_by": "step_s (equivalently mfu: model FLOPs; hfu adds the recomputed forward)",
+        "optimizer": result.optimizer,
+        "step_time_method_specific": result.time_note is None,
+        "step_time_note": result.time_note or "AdamW's forward, backward and communication",
         "configurations": [c.to_json() for c in rows],
         "rejected": [{"grid": {a: getattr(s, a) for a in RANK_ORDER},
                       "reason": why} for s, why in result.rejected],
@@ -211,7 +233,8 @@ def _plan_mode(args: argparse.Namespace) -> int:
         raise PlanError("--gpus is required: how many GPUs (ranks) the job has")
     if args.gpus < 1:
         raise PlanError(f"--gpus {args.gpus}: the GPU count must be at least 1")
-    model, config_batch, config_seq = resolve_model(args.model)
+    model, config_batch, config_seq, config_train = resolve_model(args.model)
+    train = resolve_train(args.optimizer, config_train)
     machine = load_machine(args.machine or "cpu")
     seq = args.seq or config_seq or model.max_seq_len
     batch = args.global_batch if args.global_batch is not None else \
@@ -227,7 +250,7 @@ def _plan_mode(args: argparse.Namespace) -> int:
         (args.reduce_dtype,)
     splits = {"auto": (False, True), "on": (True,), "off": (False,)}[args.overlap_forward]
     result = plan(model, args.gpus, machine, batch, seq, dtype, overlap, checkpointing,
-                  args.grad_accum, reduce_dtypes, splits)
+                  args.grad_accum, reduce_dtypes, splits, train)
     if args.json:
         print(json.dumps(plan_json(result, args.top, describe_model(model, args.model)),
                          indent=2))

@@ -4,21 +4,23 @@ checkpointing setting that fits in memory for each, ranked by predicted step tim
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fourfold.config import PRESETS, ModelConfig, model_config
+from fourfold.config import CHOICES, PRESETS, ModelConfig, model_config
 from fourfold.intmath import divisors
 from fourfold.parallel.grid import AXES, RANK_ORDER, GridShape
 from fourfold.plan.errors import PlanError
 from fourfold.plan.machines import GIB, Machine
-from fourfold.plan.memory import MemoryBreakdown, Precision, predict_memory
+from fourfold.plan.memory import (MemoryBreakdown, Precision, predict_memory,
+                                  predict_method_memory)
 from fourfold.plan.perf import Overlap, StepPrediction, predict_step
 
 if TYPE_CHECKING:
     import torch
 
-    from fourfold.config import Config
+    from fourfold.config import Config, TrainConfig
 
 
 @dataclass
@@ -73,10 +75,42 @@ class Plan:
     precision: Precision
     candidates: list[Candidate]  # best first: those that fit by time, then the rest by memory
     rejected: list[tuple[GridShape, str]] = field(default_factory=list)
+    optimizer: str = "adamw"  # train.optimizer the memory column was planned for
 
     @property
     def best(self) -> Candidate:
         return self.candidates[0]
+
+    @property
+    def time_note(self) -> str | None:
+        """Why the step-time column is not this optimizer's own (None for AdamW)."""
+        return STEP_TIME_NOTES.get(self.optimizer)
+
+
+OPTIMIZERS: tuple[str, ...] = CHOICES[("train", "optimizer")]
+# train.optimizer -> the grid axes its step's batch is split over (train/methods: each
+# method's batch_axes; the planner never imports the trainer, tests hold the two equal)
+METHOD_BATCH_AXES: dict[str, tuple[str, ...]] = {"es": ("z",)}
+# methods that update each shard inside backward and so cannot accumulate micro-steps
+NO_ACCUMULATION = ("lomo", "adalomo")
+# The step-time model is AdamW's forward + backward + communication; where a method's step
+# differs, the time column says so instead of claiming a figure for it.
+STEP_TIME_NOTES: dict[str, str] = {
+    "lomo": "step time is AdamW's forward+backward (lomo's fused update is not modelled)",
+    "adalomo": "step time is AdamW's forward+backward (adalomo's fused update is not modelled)",
+    "mezo": "step time is AdamW's forward+backward, not mezo's (two forwards, no backward, "
+            "no gradient communication)",
+    "es": "step time is AdamW's forward+backward, not es's (one forward per population member, "
+          "no backward, no gradient communication)",
+    "blockllm": "step time is AdamW's forward+backward (blockllm's skipped weight gradients of "
+                "frozen blocks are not modelled)",
+    "galore": "step time is AdamW's forward+backward (galore's projections are not modelled)",
+}
+
+
+def batch_split(shape: GridShape, optimizer: str = "adamw") -> int:
+    """How many shards a step's batch is split into on `shape` under `optimizer`."""
+    return math.prod(getattr(shape, a) for a in METHOD_BATCH_AXES.get(optimizer, ("data", "z")))
 
 
 _SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
@@ -110,13 +144,15 @@ def grid_shapes(world_size: int) -> list[GridShape]:
     return shapes
 
 
-def grid_problem(model: ModelConfig, shape: GridShape, global_batch: int) -> str | None:
+def grid_problem(model: ModelConfig, shape: GridShape, global_batch: int,
+                 optimizer: str = "adamw") -> str | None:
     """Why this grid cannot run this model and batch, or None.
 
     Normal layers split out over y then z and in over x; transposed layers (o, down) split out
     over x then z and in over y; attention needs whole heads per y rank; the batch is split over
-    data and z."""
+    data and z (over z alone under es, whose replicas each see the whole batch)."""
     gx, gy, gz = shape.x, shape.y, shape.z
+    batch_axes = "*".join(METHOD_BATCH_AXES.get(optimizer, ("data", "z")))
     kv = model.n_kv_heads * model.head_dim
     checks = [
         (model.dim, gx * gz, "model.dim", "x*z"), (model.dim, gy, "model.dim", "y"),
@@ -124,7 +160,7 @@ def grid_problem(model: ModelConfig, shape: GridShape, global_batch: int) -> str
         (model.n_heads, gy, "model.n_heads", "y"), (model.n_kv_heads, gy, "model.n_kv_heads", "y"),
         (kv, gy * gz, "kv dim", "y*z"), (model.dim, gy * gz, "model.dim", "y*z"),
         (model.vocab_size, gy * gz, "model.vocab_size", "y*z"),
-        (global_batch, shape.data * gz, "batch", "data*z"),
+        (global_batch, batch_split(shape, optimizer), "batch", batch_axes),
     ]
     for value, parts, what, axes in checks:
         if value % parts:
@@ -136,15 +172,20 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
                   machine: Machine, precision: Precision, overlap: Overlap,
                   checkpointing: tuple[bool, ...] = (False, True),
                   grad_accum: int | None = None, reduce_dtypes: tuple[str, ...] | None = None,
-                  overlap_forward: tuple[bool, ...] | None = None) -> Candidate:
+                  overlap_forward: tuple[bool, ...] | None = None,
+                  train: "TrainConfig | None" = None) -> Candidate:
     """For one grid, the fastest (micro-batch, activation checkpointing, reduce dtype, forward
     split) that fits; when none fits, the one that needs least memory. `reduce_dtypes` and
     `overlap_forward` are the settings of parallel.reduce_dtype / parallel.overlap_forward to
     consider (None: the precision's own reduce dtype, `overlap`'s own split); neither changes
-    the memory model's peak, so they are chosen by time alone."""
+    the memory model's peak, so they are chosen by time alone. `train`: the memory is that of
+    its train.optimizer (predict_method_memory); None: AdamW's."""
     world = shape.size
     usable = machine.usable_memory_bytes(world)
-    local_batch = global_batch // (shape.data * shape.z)
+    optimizer = "adamw" if train is None else train.optimizer
+    local_batch = global_batch // batch_split(shape, optimizer)
+    if optimizer in NO_ACCUMULATION:
+        grad_accum = 1
     micro_options = ([local_batch // grad_accum] if grad_accum else
                      divisors(local_batch)[::-1])
     wires = [(_reduce_dtype(precision), precision)] if reduce_dtypes is None else \
@@ -154,12 +195,23 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
               for f in ((overlap.overlap_forward,) if overlap_forward is None
                         else overlap_forward)]
 
+    # A rank's share of the step: under es every data replica runs the whole batch, so the
+    # time model (which splits its batch over data and z) is given `copies` times the batch and
+    # its throughput figures are divided back to the job's real tokens.
+    copies = local_batch * shape.data * shape.z // global_batch
+
+    def step(accum: int, ac: bool, wire: Precision, split: Overlap) -> StepPrediction:
+        p = predict_step(model, shape, global_batch * copies, seq_len, accum, ac, machine, wire,
+                         split)
+        if copies == 1:
+            return p
+        return dataclasses.replace(p, tokens_per_s=p.tokens_per_s / copies, mfu=p.mfu / copies,
+                                   hfu=p.hfu / copies, flops_per_step=p.flops_per_step / copies)
+
     def candidates(micro: int, ac: bool, mem: MemoryBreakdown) -> list[Candidate]:
         accum = local_batch // micro
-        return [Candidate(shape, micro, accum, ac,
-                          predict_step(model, shape, global_batch, seq_len, accum, ac, machine,
-                                       wire, split), mem, usable, reduce_dtype,
-                          split.overlap_forward)
+        return [Candidate(shape, micro, accum, ac, step(accum, ac, wire, split), mem, usable,
+                          reduce_dtype, split.overlap_forward)
                 for reduce_dtype, wire in wires for split in splits]
 
     fitting: list[Candidate] = []
@@ -167,6 +219,8 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
     for ac in checkpointing:
         for micro in micro_options:  # largest first: bigger GEMMs, fewer repeated gathers
             mem = predict_memory(model, shape, micro * seq_len, ac, precision)
+            if train is not None:
+                mem = predict_method_memory(mem, model, shape, train, precision)
             if smallest is None or mem.total < smallest[2].total:
                 smallest = (micro, ac, mem)
             if mem.total <= usable:
@@ -190,11 +244,20 @@ def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: in
          dtype: str | Precision = "bfloat16", overlap: Overlap = Overlap(),
          checkpointing: tuple[bool, ...] = (False, True), grad_accum: int | None = None,
          reduce_dtypes: tuple[str, ...] | None = None,
-         overlap_forward: tuple[bool, ...] | None = None) -> Plan:
+         overlap_forward: tuple[bool, ...] | None = None,
+         train: "TrainConfig | None" = None) -> Plan:
     """Predict every grid for this job and rank them (fitting ones first, each by step time).
     `dtype` is a name (`Precision.of`) or a Precision (e.g. another wire dtype);
     `reduce_dtypes` / `overlap_forward`: the parallel.reduce_dtype / overlap_forward settings
-    the search may pick from (None: the precision's reduce dtype, `overlap`'s split)."""
+    the search may pick from (None: the precision's reduce dtype, `overlap`'s split);
+    `train`: plan the memory of its train.optimizer (with its block_sparsity, galore_rank),
+    None: AdamW's."""
+    optimizer = "adamw" if train is None else train.optimizer
+    if optimizer not in OPTIMIZERS:
+        raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if optimizer in NO_ACCUMULATION and grad_accum not in (None, 1):
+        raise PlanError(f"--grad-accum {grad_accum}: {optimizer} updates each weight during "
+                        "backward, so it cannot accumulate; use 1")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"--gpus {world_size}: the GPU count must be a positive integer")
     if global_batch < 1:
@@ -212,30 +275,32 @@ def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: in
     precision = dtype if isinstance(dtype, Precision) else Precision.of(dtype)
     candidates, rejected = [], []
     for shape in grid_shapes(world_size):
-        problem = grid_problem(model, shape, global_batch)
+        problem = grid_problem(model, shape, global_batch, optimizer)
         if problem is None and grad_accum is not None and \
-                (global_batch // (shape.data * shape.z)) % grad_accum:
+                (global_batch // batch_split(shape, optimizer)) % grad_accum:
             problem = f"grad_accum {grad_accum} does not divide the per-shard batch"
         if problem:
             rejected.append((shape, problem))
             continue
         candidates.append(best_for_grid(model, shape, global_batch, seq_len, machine, precision,
                                         overlap, checkpointing, grad_accum, reduce_dtypes,
-                                        overlap_forward))
+                                        overlap_forward, train))
     if not candidates:
-        raise PlanError(_no_grid_message(model, world_size, global_batch, rejected))
+        raise PlanError(_no_grid_message(model, world_size, global_batch, rejected, optimizer))
     # those that fit by time; the rest by how much memory they need, the closest miss first
     candidates.sort(key=lambda c: (0, c.prediction.step_s) if c.fits else (1, c.memory.total))
     return Plan(model, machine, world_size, global_batch, seq_len, precision, candidates,
-                rejected)
+                rejected, optimizer)
 
 
 def _no_grid_message(model: ModelConfig, world_size: int, global_batch: int,
-                     rejected: list[tuple[GridShape, str]]) -> str:
-    batch_ok = [(s, why) for s, why in rejected if global_batch % (s.data * s.z) == 0]
+                     rejected: list[tuple[GridShape, str]], optimizer: str = "adamw") -> str:
+    batch_ok = [(s, why) for s, why in rejected
+                if global_batch % batch_split(s, optimizer) == 0]
     if not batch_ok:
+        axes = "*".join(METHOD_BATCH_AXES.get(optimizer, ("data", "z")))
         return (f"--global-batch {global_batch}: no grid of {world_size} GPUs can split it "
-                f"(data*z must divide the batch); try a multiple of {world_size}")
+                f"({axes} must divide the batch); try a multiple of {world_size}")
     shape, why = batch_ok[0]
     return (f"no grid of {world_size} GPUs can split model {model_label(model)!r} with --global-batch "
             f"{global_batch}: the grids that split the batch cannot split the model ({shape}: "
@@ -245,14 +310,15 @@ def _no_grid_message(model: ModelConfig, world_size: int, global_batch: int,
 def choose_grid(model_cfg: ModelConfig, world_size: int, machine: Machine | str,
                 global_batch: int, seq_len: int, dtype: str = "float32",
                 overlap: Overlap = Overlap(), activation_checkpointing: bool | None = None,
-                grad_accum: int | None = None, reduce_dtype: str = "float32"
-                ) -> tuple[GridShape, str]:
+                grad_accum: int | None = None, reduce_dtype: str = "float32",
+                train: "TrainConfig | None" = None) -> tuple[GridShape, str]:
     """The fastest grid predicted to fit, and a few lines explaining the choice.
 
     `activation_checkpointing` / `grad_accum` fix those settings (as the run's config does);
     None lets the planner pick. `reduce_dtype` and `overlap.overlap_forward` are the run's
-    parallel.reduce_dtype / overlap_forward (the bytes and overlaps it will have). Raises
-    PlanError when no grid fits in memory.
+    parallel.reduce_dtype / overlap_forward (the bytes and overlaps it will have). `train`:
+    the run's train config, whose train.optimizer's memory the grid must fit (None: AdamW's).
+    Raises PlanError when no grid fits in memory.
     """
     from fourfold.plan.machines import load_machine
 
@@ -260,17 +326,17 @@ def choose_grid(model_cfg: ModelConfig, world_size: int, machine: Machine | str,
     checkpointing = (False, True) if activation_checkpointing is None else \
         (activation_checkpointing,)
     result = plan(model_cfg, world_size, m, global_batch, seq_len, dtype, overlap,
-                  checkpointing, grad_accum, (reduce_dtype,))
+                  checkpointing, grad_accum, (reduce_dtype,), train=train)
     best = result.best
     if not best.fits:
         raise PlanError(f"no grid of {world_size} x {m.device.name} fits model "
-                        f"{model_label(model_cfg)!r}: the smallest needs "
+                        f"{model_label(model_cfg)!r} under {result.optimizer}: the smallest needs "
                         f"{best.memory.total / GIB:.1f} GiB per rank, "
                         f"{best.usable_bytes / GIB:.1f} GiB usable")
     p = best.prediction
     lines = [f"planner chose {best.shape} on {m.name} ({world_size} ranks): predicted "
              f"{p.step_s * 1e3:.1f} ms/step, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.0%}, "
-             f"{best.memory.total / GIB:.2f} GiB/rank",
+             f"{best.memory.total / GIB:.2f} GiB/rank under {result.optimizer}",
              f"  micro-batch {best.micro_batch} x grad_accum {best.grad_accum}, activation "
              f"checkpointing {'on' if best.activation_checkpointing else 'off'}, reduce_dtype "
              f"{best.reduce_dtype}, overlap_forward {'on' if best.overlap_forward else 'off'}",

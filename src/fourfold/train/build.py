@@ -206,7 +206,8 @@ def _planned_grid(cfg: Config, world_size: int, rank: int) -> GridShape:
         shape, why = choose_grid(cfg.model, world_size, p.machine, t.batch_size,
                                  t.seq_len, dtype=t.dtype, overlap=overlap,
                                  activation_checkpointing=t.activation_checkpointing,
-                                 grad_accum=t.grad_accum, reduce_dtype=p.reduce_dtype)
+                                 grad_accum=t.grad_accum, reduce_dtype=p.reduce_dtype,
+                                 train=t)  # the grid must fit train.optimizer's memory
         print(f"parallel.auto chose grid {shape}: {why}", file=sys.stderr, flush=True)
         choice[0] = (shape.data, shape.z, shape.y, shape.x)
     if world_size > 1:

@@ -1,0 +1,157 @@
+"""`fourfold plan --optimizer`: the search's memory is each training method's own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fourfold.cli import main
+from fourfold.config import CHOICES, Config, ParallelConfig, TrainConfig, model_config
+from fourfold.plan import PlanError, Precision, choose_grid, load_machine, plan, predict_memory
+from fourfold.plan.cli import plan_main
+from fourfold.plan.memory import predict_method_memory
+from fourfold.plan.search import METHOD_BATCH_AXES, NO_ACCUMULATION, OPTIMIZERS
+
+# 8b on two A100-40GB: AdamW's 16 bytes per parameter do not fit on any grid, LOMO's do
+LEAN_JOB = ["--model", "8b", "--gpus", "2", "--machine", "perlmutter", "--global-batch", "8",
+            "--seq", "1024", "--json", "--top", "0"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FOURFOLD_CACHE", str(tmp_path / "cache"))
+
+
+def _plan_json(capsys, *extra: str) -> dict:
+    assert plan_main(LEAN_JOB + list(extra)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_lomo_fits_where_adamw_does_not(capsys):
+    adamw = _plan_json(capsys)
+    assert adamw["optimizer"] == "adamw" and adamw["step_time_method_specific"]
+    assert not any(r["fits"] for r in adamw["configurations"])
+    lomo = _plan_json(capsys, "--optimizer", "lomo")
+    assert lomo["optimizer"] == "lomo"
+    assert lomo["configurations"][0]["fits"]
+    # the time column is still AdamW's, and the plan says so
+    assert not lomo["step_time_method_specific"] and "lomo" in lomo["step_time_note"]
+    assert all(r["grad_accum"] == 1 for r in lomo["configurations"])  # lomo cannot accumulate
+    by_grid = {json.dumps(r["grid"]): r for r in adamw["configurations"]}
+    for r in lomo["configurations"]:
+        a = by_grid[json.dumps(r["grid"])]
+        assert r["memory_breakdown_gib"]["grads"] < a["memory_breakdown_gib"]["grads"]
+        assert r["memory_breakdown_gib"]["optimizer"] == 0
+
+
+def test_table_names_the_planned_optimizer(capsys):
+    table_job = [a for a in LEAN_JOB if a not in ("--json",)]
+    assert plan_main(table_job + ["--optimizer", "mezo"]) == 0
+    out = capsys.readouterr().out
+    assert "memory planned for train.optimizer = mezo" in out
+    assert "not mezo's" in out  # the step time is not claimed for it
+    assert " fits" in out
+    assert plan_main(table_job) == 0
+    out = capsys.readouterr().out
+    assert "train.optimizer = adamw" in out and "no grid fits" in out
+    assert "forward+backward" not in out  # adamw's time is its own: no caveat
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_candidate_memory_is_the_method_model(optimizer):
+    model, machine = model_config("125m"), load_machine("perlmutter")
+    train = TrainConfig(optimizer=optimizer)
+    precision = Precision.of("bfloat16")
+    result = plan(model, 4, machine, 8, 512, precision, train=train)
+    assert result.optimizer == optimizer
+    for c in result.candidates:
+        base = predict_memory(model, c.shape, c.micro_batch * 512, c.activation_checkpointing,
+                              precision)
+        assert c.memory == predict_method_memory(base, model, c.shape, train, precision)
+        if optimizer in NO_ACCUMULATION:
+            assert c.grad_accum == 1
+    adamw = plan(model, 4, machine, 8, 512, precision)
+    assert adamw.optimizer == "adamw" and adamw.time_note is None
+    assert (result.time_note is None) == (optimizer == "adamw")
+
+
+def test_method_options_from_the_config_reach_the_memory(tmp_path, capsys):
+    def state_gib(sparsity: float | None) -> float:
+        path = tmp_path / "block.toml"
+        extra = f"block_sparsity = {sparsity}\n" if sparsity is not None else ""
+        path.write_text('[model]\npreset = "125m"\n[train]\nbatch_size = 8\nseq_len = 256\n'
+                        f'optimizer = "blockllm"\n{extra}')
+        assert plan_main(["--model", str(path), "--gpus", "1", "--machine", "perlmutter",
+                          "--json", "--top", "0"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["optimizer"] == "blockllm"
+        return out["configurations"][0]["memory_breakdown_gib"]["optimizer"]
+
+    assert state_gib(0.5) == pytest.approx(5 * state_gib(None), rel=1e-3)  # 0.5 vs 0.9 frozen
+
+
+def test_config_file_optimizer_is_planned(tmp_path, capsys):
+    path = tmp_path / "zo.toml"
+    path.write_text('[model]\npreset = "15m"\n[train]\nbatch_size = 8\nseq_len = 128\n'
+                    'optimizer = "mezo"\n')
+    args = ["--model", str(path), "--gpus", "2", "--machine", "alps", "--json", "--top", "0"]
+    assert plan_main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["optimizer"] == "mezo" and "not mezo's" in out["step_time_note"]
+    assert all(r["memory_breakdown_gib"]["grads"] == 0 and
+               r["memory_breakdown_gib"]["activations"] == 0 for r in out["configurations"])
+    assert plan_main(args + ["--optimizer", "adamw"]) == 0  # the flag wins over the file
+    out = json.loads(capsys.readouterr().out)
+    assert out["optimizer"] == "adamw"
+    assert all(r["memory_breakdown_gib"]["grads"] > 0 for r in out["configurations"])
+
+
+def test_bad_optimizer_is_one_line_exit_2(capsys):
+    with pytest.raises(PlanError) as info:
+        plan_main(["--model", "debug", "--gpus", "2", "--optimizer", "sgd"])
+    message = str(info.value)
+    assert "'sgd'" in message and "lomo" in message and "galore" in message
+    assert "\n" not in message
+    assert main(["plan", "--model", "debug", "--gpus", "2", "--optimizer", "sgd"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: ") and "sgd" in err[0]
+    with pytest.raises(PlanError, match="--grad-accum 2: lomo"):
+        plan_main(["--model", "debug", "--gpus", "2", "--optimizer", "lomo",
+                   "--grad-accum", "2"])
+
+
+def test_es_splits_its_batch_over_z_only(capsys):
+    from fourfold.train.methods import method_batch_axes
+
+    for name in OPTIMIZERS:  # the planner's copy of each method's batch axes
+        assert METHOD_BATCH_AXES.get(name, ("data", "z")) == method_batch_axes(name)
+    assert OPTIMIZERS == CHOICES[("train", "optimizer")]
+    # a batch of 2 on 4 ranks: data=4 cannot split it for adamw, es gives each replica all of it
+    model, machine = model_config("debug"), load_machine("perlmutter")
+    es = plan(model, 4, machine, 2, 64, "float32", train=TrainConfig(optimizer="es"))
+    adamw_grids = {str(c.shape) for c in plan(model, 4, machine, 2, 64, "float32").candidates}
+    es_grids = {str(c.shape) for c in es.candidates}
+    assert "data=4 z=1 y=1 x=1" in es_grids and "data=4 z=1 y=1 x=1" not in adamw_grids
+    four = next(c for c in es.candidates if c.shape.data == 4)
+    assert four.micro_batch * four.grad_accum == 2  # the whole batch on every replica
+    # throughput counts the job's 2 x 64 tokens, not each replica's copy of them
+    assert four.prediction.tokens_per_s == pytest.approx(2 * 64 / four.prediction.step_s)
+
+
+def test_choose_grid_and_parallel_auto_fit_the_method():
+    from fourfold.train.build import _planned_grid
+
+    model, machine = model_config("8b"), load_machine("dgx-h100")  # one H100 80GB
+    with pytest.raises(PlanError, match="under adamw"):
+        choose_grid(model, 1, machine, 2, 1024, dtype="bfloat16")
+    shape, why = choose_grid(model, 1, machine, 2, 1024, dtype="bfloat16",
+                             train=TrainConfig(optimizer="lomo"))
+    assert shape.size == 1 and "under lomo" in why
+    cfg = Config(model=model, train=TrainConfig(optimizer="lomo", batch_size=2, seq_len=1024,
+                                                dtype="bfloat16"),
+                 parallel=ParallelConfig(auto=True, machine="dgx-h100"))
+    assert _planned_grid(cfg, 1, 0).size == 1
+    cfg.train.optimizer = "adamw"
+    with pytest.raises(PlanError, match="under adamw"):
+        _planned_grid(cfg, 1, 0)
