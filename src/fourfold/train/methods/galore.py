@@ -26,11 +26,13 @@ from typing import Any
 import torch
 
 from fourfold.config import TrainConfig
+from fourfold.parallel import Layout
 from fourfold.parallel.parallelize import _gather_full
 from fourfold.plan.memory import galore_rank
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
-                                         StepResult, TrainingMethod, param_views, reduce_loss)
+                                         StepResult, TrainingMethod, padded_dims, param_views,
+                                         reduce_loss)
 
 EPS = 1e-8
 
@@ -53,6 +55,19 @@ class GaLore(PerParameterState, TrainingMethod):
             if self.grid.size(axis) > 1:
                 t = self.comm.all_reduce(t, axis).wait()
         return t
+
+    def field_layout(self, view: ParamView, field: str) -> Layout | None:
+        if view.param.dim() != 2:
+            return view.layout if field in ("m", "v") else None
+        # P (left, m < n) holds the shard's rows, R = P^T G its columns (replicated over the
+        # row axes it was summed over); Q and R = G Q the other way round
+        m, n = view.full_shape
+        rows, cols = padded_dims(view)
+        if field == "proj":
+            return Layout((rows if m < n else cols, ()))
+        if field in ("m", "v"):
+            return Layout(((), cols)) if m < n else Layout((rows, ()))
+        return None
 
     @torch.no_grad()
     def _projection(self, view: ParamView, grad: torch.Tensor, left: bool, r: int,

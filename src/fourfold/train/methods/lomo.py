@@ -21,9 +21,11 @@ import torch
 from torch import nn
 
 from fourfold.config import TrainConfig
+from fourfold.parallel import Layout
 from fourfold.train.methods.adamw import backward_pass
-from fourfold.train.methods.base import (Guard, PerParameterState, StepData, StepResult,
-                                         TrainingMethod, check_meta, param_views, reduce_loss)
+from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
+                                         StepResult, TrainingMethod, check_meta, padded_dims,
+                                         param_views, reduce_loss)
 from fourfold.train.methods.noise import CHUNK_ELEMENTS
 
 
@@ -154,6 +156,13 @@ class AdaLomo(PerParameterState, FusedBackward):
         for axis in axes:
             t = self.comm.all_reduce(t, axis).wait()
         return t
+
+    def field_layout(self, view: ParamView, field: str) -> Layout | None:
+        # a matrix's row means follow its split rows, column means its split columns
+        if view.param.dim() == 2:
+            rows, cols = padded_dims(view)
+            return {"row": Layout((rows,)), "col": Layout((cols,))}.get(field)
+        return view.layout if field == "v" else None
 
     def update(self, view: Any, grad: torch.Tensor) -> None:
         p, b2 = view.param, self.beta2
