@@ -108,11 +108,12 @@ def test_per_parameter_state_reshards_bit_for_bit(runs: dict, method: str) -> No
     ref, grid = runs["refs"][method], runs["grid"][method]
     assert ref["state_keys"] > 0 and ref["unplaced"] == [], ref
     assert close(grid["z2"]["losses"], ref["losses"]), f"{method} z2: {grid['z2']['losses']}"
-    # the z = 2 state, gathered by its layouts, is the one-process state (to rounding; signs of
-    # GaLore's singular vectors are arbitrary): the layouts place each shard where it belongs
+    # the z = 2 state, gathered by its layouts, is the one-process state (to rounding): the
+    # layouts place each shard where it belongs. GaLore's singular vectors take arbitrary signs
+    # and, for near-equal singular values, move with the gradient's rounding (read 7e-4)
     assert grid["z2"]["state_vs_one_process"], method
     worst = max(grid["z2"]["state_vs_one_process"].items(), key=lambda kv: kv[1])
-    assert worst[1] < 1e-3, f"{method} z2: {worst}"
+    assert worst[1] < (1e-2 if method == "galore" else 1e-4), f"{method} z2: {worst}"
     check_resumed(method, "1 -> x=2", grid["x2"], ref, ref["meta"])
     check_resumed(method, "z=2 -> y=2", grid["y2"], ref, grid["z2"]["meta"])
     check_resumed(method, "z=2 -> 1", grid["one"], ref, grid["z2"]["meta"])
