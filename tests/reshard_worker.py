@@ -5,8 +5,8 @@ For every method of METHODS, with the one-process run the test wrote under $FOUR
 (a checkpoint after step SAVE_AT, the method's full state then, the uninterrupted losses):
   x2  resume the one-process checkpoint on x = 2: the loaded state is this rank's block of the
       saved full state, bit for bit; train on to STEPS (losses, weights)
-  z2  train afresh on z = 2 with a checkpoint after SAVE_AT, writing the full state then
-      (gathered) for the test's one-process resume; train on to STEPS
+  z2  train afresh on z = 2 with a checkpoint after SAVE_AT (written in the background),
+      writing the full state then (gathered) for the test's one-process resume; train on
   y2  resume the z = 2 checkpoint on y = 2 (grid to grid): state bit for bit, train on
 and once, for a method state without a layout (GaLore's, its state_layout patched to None):
   perrank  written on z = 2; resumed on z = 2 it loads (bit for bit); on y = 2 it is refused
@@ -111,16 +111,18 @@ def resume(method: str, src: Path, dst: Path, grid: str, full: dict[str, torch.T
 
 
 def fresh_with_checkpoint(method: str, run_dir: Path, grid: str) -> tuple[dict, dict]:
-    """Train on `grid` with a checkpoint after SAVE_AT; the full state then, and the facts."""
+    """Train on `grid` with a checkpoint after SAVE_AT, written in the background while the
+    training goes on (its snapshot must be the state at SAVE_AT); the full state then, and the
+    facts."""
     from fourfold.train import Trainer
 
-    trainer = Trainer(config(method, grid), run_dir, progress=False)
+    trainer = Trainer(config(method, grid, "checkpoint.async=true"), run_dir, progress=False)
     losses = train_on(trainer, SAVE_AT)
     trainer.save_checkpoint()
-    trainer.checkpoints.close()
     full = full_state(trainer.method, trainer.pmodel)
     meta = trainer.method.state_dict()[1]
     losses += train_on(trainer, STEPS)
+    trainer.checkpoints.close()
     return full, {"losses": losses, "meta": meta}
 
 

@@ -60,9 +60,14 @@ class AdamW(TrainingMethod):
         check_meta(meta, self.name)
         by_name = {n: p for group in self.optimizer.param_groups
                    for n, p in zip(group["names"], group["params"])}
+        # the moments live with their parameter; the step count too where the kernel wants it
+        # there (fused, capturable), else on the CPU, as torch's AdamW makes it
+        on_device = any(self.optimizer.defaults.get(k) for k in ("fused", "capturable"))
         for key, value in tensors.items():
             name, field = key.rsplit("/", 1)
-            self.optimizer.state[by_name[name]][field] = value.clone()
+            p = by_name[name]
+            where = p.device if field != "step" or on_device else torch.device("cpu")
+            self.optimizer.state[p][field] = value.to(where, copy=True)
 
     def state_layout(self, key: str) -> Layout | None:
         # the moments are shaped like the parameter's shard (the step count is a scalar)

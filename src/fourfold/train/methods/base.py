@@ -184,7 +184,10 @@ class PerParameterState:
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         check_meta(meta, self.name)
         self.steps_done = int(meta["steps_done"])
-        self.state = unflatten_state(tensors)
+        # a checkpoint's tensors arrive on the CPU; the state lives with its parameter
+        devices = {v.name: v.param.device for v in self.views}
+        self.state = {name: {field: t.to(devices.get(name, t.device)) for field, t in s.items()}
+                      for name, s in unflatten_state(tensors).items()}
 
 
 def reduce_loss(pmodel: Any, local: torch.Tensor) -> float:
