@@ -398,6 +398,9 @@ class CheckpointManager:
 
     trainable_only (an adapter run): only the parameters that train are saved and loaded; the
     frozen base is rebuilt by the run builder (a BaseReference part checks it is the same).
+
+    sharded_states (name -> ShardedStateful: a training method's state): its tensors are saved
+    as DTensors by their layouts, like the model's, so they load on any grid; its JSON once.
     """
 
     def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, grid: Grid,
@@ -415,7 +418,7 @@ class CheckpointManager:
         self.states: dict[str, Stateful] = dict(states or {})
         if _EXTRA in self.states:
             raise ValueError(f"{_EXTRA!r} is reserved for save()'s extra; name the part otherwise")
-        # each rank's own parts: its RNG states, and the caller's (a method's local shards)
+        # each rank's own parts: its RNG states, and the caller's
         self.rank_states: dict[str, Stateful] = {"rng": RandomState(), **(rank_states or {})}
         self.sharded_states: dict[str, ShardedStateful] = dict(sharded_states or {})
         clash = sorted(set(self.sharded_states) & (set(self.states) | {_EXTRA}))
@@ -703,8 +706,9 @@ class CheckpointManager:
     def load(self, path: str | Path, pmodel: Any, optimizer: torch.optim.Optimizer | None,
              restore_rng: bool = True) -> Any:
         """Load a checkpoint (written on any grid) into this rank's shards of the model and
-        optimizer (None: weights only) and into every part in `states`, restore this rank's
-        RNG states, and return the saved `extra`.
+        optimizer (None: weights only) and into every part in `states` and `sharded_states`
+        (this rank's blocks of each saved tensor), restore this rank's RNG states, and return
+        the saved `extra`.
 
         Only tensors are read: a checkpoint that holds pickled objects (one from an older
         fourfold, or one made to run code when opened) is refused with a CheckpointError."""
@@ -790,7 +794,7 @@ class CheckpointManager:
         keys. A tensor saved per rank is refused on a grid other than the one that wrote it."""
         json_key = f"{_STATE}{name}/{_JSON_KEY}"
         if json_key not in saved:
-            raise CheckpointError(f"checkpoint {path} has no saved state {json_key[:-5]!r}; "
+            raise CheckpointError(f"checkpoint {path} has no saved state {_STATE + name!r}; "
                                   "was it written by this version of fourfold?")
         state[json_key] = torch.empty(tuple(saved[json_key].size), dtype=torch.uint8)
         shared, own = f"{_SHARDS}{name}/global/", f"{_SHARDS}{name}/rank{self.rank}/"
@@ -953,5 +957,5 @@ __all__ = ["BaseReference", "CHECKPOINT_DIR", "CheckpointError", "CheckpointMana
            "build_mesh", "checkpoint_root", "init_optimizer_state",
            "list_checkpoints", "load_weights_from_checkpoint", "mesh_tensor",
            "placements_for",
-           "RandomState", "ShardedStateful", "Stateful", "decode_state", "encode_state", "read_metadata",
-           "step_of", "verify_checkpoint"]
+           "RandomState", "ShardedStateful", "Stateful", "decode_state", "encode_state",
+           "read_metadata", "step_of", "verify_checkpoint"]

@@ -13,7 +13,8 @@ a refresh each matrix's gradient is all-gathered over the axes that split it (on
 time: a transient full m x n copy per rank) and every rank computes the same SVD, keeping only
 the rows of P (or Q) that its shard needs. Between refreshes a step costs one all-reduce of R's
 local part over the axes that split the projected side (r floats per column or row), and the
-state per rank is its part of P (or Q) and of R's two moments. A refreshed singular vector takes
+state per rank is its part of P (or Q) and of R's two moments (parts of global tensors, which
+checkpoints save as such: a run resumes on any grid). A refreshed singular vector takes
 the sign that agrees with the one it replaces (an SVD's signs are arbitrary, and a near-equal
 gradient on another grid could flip them; the first ones meet zero moments, where sign is moot).
 """

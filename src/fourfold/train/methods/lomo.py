@@ -132,7 +132,8 @@ class AdaLomo(PerParameterState, FusedBackward):
     lr * max(1e-3, RMS(w)). A vector keeps an unfactored v. On a grid every statistic is over
     the full matrix: row sums are reduced over the axes that split the columns, column sums
     over those that split the rows, RMS sums over all splitting axes (a few floats per row or
-    column, a scalar per tensor). State: m + n floats per matrix, each shard its own part.
+    column, a scalar per tensor). State: m + n floats per matrix, each shard its own part of the
+    global row and column means (checkpoints reshard them to any grid).
     """
 
     name = "adalomo"
