@@ -18,7 +18,9 @@ It is wrapped, without communication, as a DTensor on a DeviceMesh whose dims ar
 (data, y, x, z): every Layout in the engine lists the axes that split one tensor dim outer first
 in that same order, so DTensor's nested sharding (mesh dims left to right) reproduces
 `Layout.offsets` exactly. DCP then reads any block of any saved tensor, so a checkpoint written
-on one grid loads on another, or on one process (plain full tensors).
+on one grid loads on another, or on one process (plain full tensors). A training method's state
+(a ShardedStateful part) is saved the same way, each tensor by the Layout the method gives it;
+a tensor the method gives no Layout is saved per rank and loads only on the grid that wrote it.
 
 Asynchronous saving: the state is copied to CPU memory on the calling thread (the snapshot),
 then a background thread runs a blocking `dcp.save` of that snapshot on a dedicated gloo
@@ -65,8 +67,11 @@ MANIFEST_FILE = "manifest.json"
 MESH_AXES: tuple[Axis, ...] = ("data", "y", "x", "z")  # DeviceMesh dims; see the docstring
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # DCP keys: model/NAME and optim/NAME/KEY (sharded tensors); state/PART/... (a part whose
-# state is the same on every rank, saved once); rank<R>/PART/... (one per rank: RNG states).
+# state is the same on every rank, saved once); rank<R>/PART/... (one per rank: RNG states);
+# shards/PART/global/KEY (a sharded part's tensors, as DTensors) and shards/PART/rank<R>/KEY
+# (its tensors without a layout).
 _MODEL, _OPTIM, _STATE, _EXTRA = "model/", "optim/", "state/", "extra"
+_SHARDS = "shards/"
 
 
 class CheckpointError(FourfoldError, RuntimeError):
@@ -220,6 +225,22 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class ShardedStateful(Protocol):
+    """A part whose tensors are this rank's shards of global tensors (a training method's
+    per-parameter state). state_dict() returns the shards by key and JSON values that are the
+    same on every rank; layout_of(key) places a key's shard in its global tensor (None: only
+    this grid can read it back; 0-dim tensors are the same on every rank); load_state_dict()
+    takes this rank's shards of what was saved, on any grid."""
+
+    def describe(self) -> str: ...
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
+
+    def layout_of(self, key: str) -> Layout | None: ...
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None: ...
 
 
 class RandomState:
@@ -377,12 +398,16 @@ class CheckpointManager:
 
     trainable_only (an adapter run): only the parameters that train are saved and loaded; the
     frozen base is rebuilt by the run builder (a BaseReference part checks it is the same).
+
+    sharded_states (name -> ShardedStateful: a training method's state): its tensors are saved
+    as DTensors by their layouts, like the model's, so they load on any grid; its JSON once.
     """
 
     def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, grid: Grid,
                  states: Mapping[str, Stateful] | None = None,
                  rank_states: Mapping[str, Stateful] | None = None,
-                 trainable_only: bool = False) -> None:
+                 trainable_only: bool = False,
+                 sharded_states: Mapping[str, ShardedStateful] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.trainable_only = trainable_only
         self.root = checkpoint_root(run_dir)
@@ -393,8 +418,12 @@ class CheckpointManager:
         self.states: dict[str, Stateful] = dict(states or {})
         if _EXTRA in self.states:
             raise ValueError(f"{_EXTRA!r} is reserved for save()'s extra; name the part otherwise")
-        # each rank's own parts: its RNG states, and the caller's (a method's local shards)
+        # each rank's own parts: its RNG states, and the caller's
         self.rank_states: dict[str, Stateful] = {"rng": RandomState(), **(rank_states or {})}
+        self.sharded_states: dict[str, ShardedStateful] = dict(sharded_states or {})
+        clash = sorted(set(self.sharded_states) & (set(self.states) | {_EXTRA}))
+        if clash:  # both keep their JSON under state/NAME/
+            raise ValueError(f"{clash[0]!r} names a part in states and in sharded_states")
         self.distributed = grid.world_size > 1 and dist.is_initialized()
         # A group of its own: the writer thread's collectives never meet training traffic.
         self.group = dist.new_group(backend="gloo") if self.distributed else None
@@ -469,7 +498,29 @@ class CheckpointManager:
                 state.update(encode_state(part.state_dict(), f"{_STATE}{name}/"))
         for name, part in self.rank_states.items():
             state.update(encode_state(part.state_dict(), f"rank{self.rank}/{name}/"))
+        for name, part in self.sharded_states.items():
+            tensors, meta = part.state_dict()
+            if self.rank == 0:
+                state.update(encode_state(meta, f"{_STATE}{name}/"))
+            state.update(self._shards(name, part, tensors, to_cpu))
+        wait_for_host_copies(self.grid.device)
         return state
+
+    def _shards(self, name: str, part: ShardedStateful, tensors: dict[str, torch.Tensor],
+                prepare: Any) -> dict[str, Any]:
+        """A sharded part's tensors by DCP key: DTensors of their global tensors, 0-dim ones
+        plain (the same on every rank), those without a layout under this rank's own key."""
+        out: dict[str, Any] = {}
+        for key, t in tensors.items():
+            layout = part.layout_of(key)
+            if t.dim() == 0:
+                out[f"{_SHARDS}{name}/global/{key}"] = prepare(t.detach())
+            elif layout is None:
+                out[f"{_SHARDS}{name}/rank{self.rank}/{key}"] = prepare(t.detach())
+            else:
+                out[f"{_SHARDS}{name}/global/{key}"] = _wrap(
+                    prepare(t.detach()), layout, _full_shape(t, layout, self.grid), self.mesh, key)
+        return out
 
     def _tensor_state(self, pmodel: Any, optimizer: torch.optim.Optimizer | None,
                       prepare: Any) -> tuple[dict[str, Any], set[str]]:
@@ -655,8 +706,9 @@ class CheckpointManager:
     def load(self, path: str | Path, pmodel: Any, optimizer: torch.optim.Optimizer | None,
              restore_rng: bool = True) -> Any:
         """Load a checkpoint (written on any grid) into this rank's shards of the model and
-        optimizer (None: weights only) and into every part in `states`, restore this rank's
-        RNG states, and return the saved `extra`.
+        optimizer (None: weights only) and into every part in `states` and `sharded_states`
+        (this rank's blocks of each saved tensor), restore this rank's RNG states, and return
+        the saved `extra`.
 
         Only tensors are read: a checkpoint that holds pickled objects (one from an older
         fourfold, or one made to run code when opened) is refused with a CheckpointError."""
@@ -701,6 +753,8 @@ class CheckpointManager:
         for key in wanted:
             meta = saved[key]
             state[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        shards = {name: self._empty_shards(path, name, part, saved, state)
+                  for name, part in self.sharded_states.items()}
         try:
             with torch.no_grad(), _quiet_single_process():
                 dcp.load(state, storage_reader=_tensor_reader(path),
@@ -723,7 +777,55 @@ class CheckpointManager:
             except Exception as e:  # a part's own check of what it is given
                 raise CheckpointError(f"checkpoint {path}: cannot restore {name!r}: "
                                       f"{type(e).__name__}: {_one_line(e)}") from None
+        for name, sharded in self.sharded_states.items():
+            try:
+                sharded.load_state_dict(shards[name], decode_state(state, f"{_STATE}{name}/"))
+            except CheckpointError:
+                raise
+            except Exception as e:  # the part's own check of what it is given
+                raise CheckpointError(f"checkpoint {path}: cannot restore {name!r}: "
+                                      f"{type(e).__name__}: {_one_line(e)}") from None
         return decode_state(state, f"{_STATE}{_EXTRA}/")
+
+    def _empty_shards(self, path: Path, name: str, part: ShardedStateful, saved: Any,
+                      state: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """This rank's shards of a sharded part's saved tensors, allocated for DCP to fill (put
+        into `state` under their keys, wrapped as DTensors); the same tensors by the part's
+        keys. A tensor saved per rank is refused on a grid other than the one that wrote it."""
+        json_key = f"{_STATE}{name}/{_JSON_KEY}"
+        if json_key not in saved:
+            raise CheckpointError(f"checkpoint {path} has no saved state {_STATE + name!r}; "
+                                  "was it written by this version of fourfold?")
+        state[json_key] = torch.empty(tuple(saved[json_key].size), dtype=torch.uint8)
+        shared, own = f"{_SHARDS}{name}/global/", f"{_SHARDS}{name}/rank{self.rank}/"
+        per_rank = sorted(k for k in saved if k.startswith(f"{_SHARDS}{name}/rank"))
+        saved_grid = _saved_grid(path)
+        if per_rank and saved_grid != str(self.grid.shape):
+            key = per_rank[0].split("/", 3)[3]
+            raise CheckpointError(
+                f"checkpoint {path}: the state of {part.describe()} ({key}) was kept per rank on "
+                f"the grid {saved_grid} and does not reshard to {self.grid.shape}; resume on "
+                f"{saved_grid}")
+        out: dict[str, torch.Tensor] = {}
+        for k, meta in saved.items():
+            if not k.startswith((shared, own)):
+                continue
+            key = k[len(shared if k.startswith(shared) else own):]
+            size = tuple(meta.size)
+            layout = part.layout_of(key) if k.startswith(shared) and size else None
+            if k.startswith(shared) and size and layout is None:
+                raise CheckpointError(f"checkpoint {path} does not fit this run: "
+                                      f"{part.describe()} keeps no state {key!r}")
+            try:
+                local_shape = size if layout is None else \
+                    layout.local_shape(size, self.grid.shape, key)
+            except FourfoldError as e:  # a global tensor this grid cannot split evenly
+                raise CheckpointError(f"checkpoint {path}: {part.describe()}: "
+                                      f"{_one_line(e)}") from None
+            out[key] = torch.empty(local_shape, dtype=meta.properties.dtype)
+            state[k] = out[key] if layout is None else _wrap(out[key], layout, size, self.mesh,
+                                                              key)
+        return out
 
 
 def load_weights_from_checkpoint(path: str | Path, model: torch.nn.Module) -> None:
@@ -784,6 +886,14 @@ class BaseReference:
 
 # --------------------------------------------------------------------------------------------
 # small helpers
+
+
+def _saved_grid(path: Path) -> str:
+    """The grid a checkpoint was written on, as its manifest says ("" when unreadable)."""
+    try:
+        return str(json.loads((path / MANIFEST_FILE).read_text()).get("grid", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 @contextlib.contextmanager
@@ -847,5 +957,5 @@ __all__ = ["BaseReference", "CHECKPOINT_DIR", "CheckpointError", "CheckpointMana
            "build_mesh", "checkpoint_root", "init_optimizer_state",
            "list_checkpoints", "load_weights_from_checkpoint", "mesh_tensor",
            "placements_for",
-           "RandomState", "Stateful", "decode_state", "encode_state", "read_metadata",
-           "step_of", "verify_checkpoint"]
+           "RandomState", "ShardedStateful", "Stateful", "decode_state", "encode_state",
+           "read_metadata", "step_of", "verify_checkpoint"]

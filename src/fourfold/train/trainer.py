@@ -23,7 +23,7 @@ from fourfold.data import Tokenizer
 from fourfold.errors import EXIT_FAILED, FourfoldError
 from fourfold.models.adapter import write_adapter_run
 from fourfold.models.llama import Llama, flops_per_token
-from fourfold.parallel import Grid, ParallelModel
+from fourfold.parallel import Grid, Layout, ParallelModel
 from fourfold.parallel.grid import check_shared_directory
 from fourfold.plan.perf import hardware_flops_per_token
 from fourfold.train.build import Run, build_run, predicted_memory
@@ -201,7 +201,7 @@ class Trainer:
             self.run_dir, self.cfg.checkpoint, self.grid,
             states={"trainer": self, "loader": self.loader, "guard": self.guard,
                     "schedule": self.schedule, **self._adapter_base()},
-            rank_states={"method": _MethodState(self.method)} if self.method else None,
+            sharded_states={"method": _MethodState(self.method)} if self.method else None,
             trainable_only=self.cfg.adapter.kind != "none")
         self.resumed_from: Path | None = None
         self._rollbacks: tuple[Path | None, int] = (None, 0)  # (checkpoint, rollbacks to it)
@@ -752,14 +752,20 @@ __all__ = ["Run", "StepStats", "TrainResult", "Trainer", "TrainingError", "build
 
 
 class _MethodState:
-    """A training method's state as a checkpoint part of its rank (tensors plus JSON)."""
+    """A training method's state as a sharded checkpoint part: each tensor a shard of the
+    global tensor the method's state_layout names (any grid reads it back), JSON for the rest."""
 
     def __init__(self, method: TrainingMethod) -> None:
         self.method = method
 
-    def state_dict(self) -> dict[str, Any]:
-        tensors, meta = self.method.state_dict()
-        return {"tensors": tensors, "meta": meta}
+    def describe(self) -> str:
+        return f"train.optimizer = {self.method.name!r}"
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.method.load_state_dict(state["tensors"], state["meta"])
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return self.method.state_dict()
+
+    def layout_of(self, key: str) -> Layout | None:
+        return self.method.state_layout(key)
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        self.method.load_state_dict(tensors, meta)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from fourfold.config import TrainConfig
+from fourfold.parallel import Layout
 from fourfold.train.methods.base import (Guard, StepData, StepResult, TrainingMethod, check_meta,
                                          reduce_loss)
 from fourfold.train.optim import build_optimizer, set_lr
@@ -33,6 +34,7 @@ class AdamW(TrainingMethod):
         self.optimizer = build_optimizer(pmodel.named_parameters(), cfg, tied_output)
         self.grad_clip = cfg.grad_clip
         self._names = {id(p): n for n, p in pmodel.named_parameters()}
+        self._layouts = pmodel.layouts()
 
     def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
              ) -> StepResult:
@@ -58,9 +60,18 @@ class AdamW(TrainingMethod):
         check_meta(meta, self.name)
         by_name = {n: p for group in self.optimizer.param_groups
                    for n, p in zip(group["names"], group["params"])}
+        # the moments live with their parameter; the step count too where the kernel wants it
+        # there (fused, capturable), else on the CPU, as torch's AdamW makes it
+        on_device = any(self.optimizer.defaults.get(k) for k in ("fused", "capturable"))
         for key, value in tensors.items():
             name, field = key.rsplit("/", 1)
-            self.optimizer.state[by_name[name]][field] = value.clone()
+            p = by_name[name]
+            where = p.device if field != "step" or on_device else torch.device("cpu")
+            self.optimizer.state[p][field] = value.to(where, copy=True)
+
+    def state_layout(self, key: str) -> Layout | None:
+        # the moments are shaped like the parameter's shard (the step count is a scalar)
+        return self._layouts.get(key.rsplit("/", 1)[0])
 
     def state_bytes(self) -> int:
         return sum(v.numel() * v.element_size() for s in self.optimizer.state.values()

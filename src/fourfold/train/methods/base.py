@@ -119,7 +119,13 @@ class TrainingMethod(ABC):
 
     @abstractmethod
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """Restore what state_dict() returned (on the same grid)."""
+        """Restore what state_dict() returned, or this rank's shards of it on another grid
+        (for the tensors state_layout places)."""
+
+    def state_layout(self, key: str) -> Layout | None:
+        """Where state tensor `key` of state_dict() lies in a global tensor (a checkpoint then
+        reshards it to any grid); None: only the grid that saved it can read it back."""
+        return None
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
@@ -148,13 +154,29 @@ def unflatten_state(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, tor
     return state
 
 
+def padded_dims(view: ParamView) -> tuple[tuple[Axis, ...], ...]:
+    """The axes that split each dim of a shard (one entry per dim, () for unsplit ones)."""
+    dims = view.layout.dims
+    return dims + ((),) * (view.param.dim() - len(dims))
+
+
 class PerParameterState:
     """The checkpoint state of a method that keeps {parameter name: {field: tensor}} and a
-    step count (AdaLomo, GaLore): put it before TrainingMethod among the bases."""
+    step count (AdaLomo, GaLore): put it before TrainingMethod among the bases. The method's
+    field_layout() says where each field's shard lies in its global tensor."""
 
     name: str
+    views: list[ParamView]
     state: dict[str, dict[str, torch.Tensor]]
     steps_done: int
+
+    def field_layout(self, view: ParamView, field: str) -> Layout | None:
+        return None
+
+    def state_layout(self, key: str) -> Layout | None:
+        name, field = key.rsplit("/", 1)
+        view = next((v for v in self.views if v.name == name), None)
+        return None if view is None else self.field_layout(view, field)
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return flatten_state(self.state), {"kind": self.name, "steps_done": self.steps_done}
@@ -162,7 +184,10 @@ class PerParameterState:
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         check_meta(meta, self.name)
         self.steps_done = int(meta["steps_done"])
-        self.state = unflatten_state(tensors)
+        # a checkpoint's tensors arrive on the CPU; the state lives with its parameter
+        devices = {v.name: v.param.device for v in self.views}
+        self.state = {name: {field: t.to(devices.get(name, t.device)) for field, t in s.items()}
+                      for name, s in unflatten_state(tensors).items()}
 
 
 def reduce_loss(pmodel: Any, local: torch.Tensor) -> float:

@@ -13,7 +13,8 @@ a refresh each matrix's gradient is all-gathered over the axes that split it (on
 time: a transient full m x n copy per rank) and every rank computes the same SVD, keeping only
 the rows of P (or Q) that its shard needs. Between refreshes a step costs one all-reduce of R's
 local part over the axes that split the projected side (r floats per column or row), and the
-state per rank is its part of P (or Q) and of R's two moments. A refreshed singular vector takes
+state per rank is its part of P (or Q) and of R's two moments (parts of global tensors, which
+checkpoints save as such: a run resumes on any grid). A refreshed singular vector takes
 the sign that agrees with the one it replaces (an SVD's signs are arbitrary, and a near-equal
 gradient on another grid could flip them; the first ones meet zero moments, where sign is moot).
 """
@@ -26,11 +27,13 @@ from typing import Any
 import torch
 
 from fourfold.config import TrainConfig
+from fourfold.parallel import Layout
 from fourfold.parallel.parallelize import _gather_full
 from fourfold.plan.memory import galore_rank
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
-                                         StepResult, TrainingMethod, param_views, reduce_loss)
+                                         StepResult, TrainingMethod, padded_dims, param_views,
+                                         reduce_loss)
 
 EPS = 1e-8
 
@@ -53,6 +56,19 @@ class GaLore(PerParameterState, TrainingMethod):
             if self.grid.size(axis) > 1:
                 t = self.comm.all_reduce(t, axis).wait()
         return t
+
+    def field_layout(self, view: ParamView, field: str) -> Layout | None:
+        if view.param.dim() != 2:
+            return view.layout if field in ("m", "v") else None
+        # P (left, m < n) holds the shard's rows, R = P^T G its columns (replicated over the
+        # row axes it was summed over); Q and R = G Q the other way round
+        m, n = view.full_shape
+        rows, cols = padded_dims(view)
+        if field == "proj":
+            return Layout((rows if m < n else cols, ()))
+        if field in ("m", "v"):
+            return Layout(((), cols)) if m < n else Layout((rows, ()))
+        return None
 
     @torch.no_grad()
     def _projection(self, view: ParamView, grad: torch.Tensor, left: bool, r: int,

@@ -21,9 +21,11 @@ import torch
 from torch import nn
 
 from fourfold.config import TrainConfig
+from fourfold.parallel import Layout
 from fourfold.train.methods.adamw import backward_pass
-from fourfold.train.methods.base import (Guard, PerParameterState, StepData, StepResult,
-                                         TrainingMethod, check_meta, param_views, reduce_loss)
+from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
+                                         StepResult, TrainingMethod, check_meta, padded_dims,
+                                         param_views, reduce_loss)
 from fourfold.train.methods.noise import CHUNK_ELEMENTS
 
 
@@ -130,7 +132,8 @@ class AdaLomo(PerParameterState, FusedBackward):
     lr * max(1e-3, RMS(w)). A vector keeps an unfactored v. On a grid every statistic is over
     the full matrix: row sums are reduced over the axes that split the columns, column sums
     over those that split the rows, RMS sums over all splitting axes (a few floats per row or
-    column, a scalar per tensor). State: m + n floats per matrix, each shard its own part.
+    column, a scalar per tensor). State: m + n floats per matrix, each shard its own part of the
+    global row and column means (checkpoints reshard them to any grid).
     """
 
     name = "adalomo"
@@ -154,6 +157,13 @@ class AdaLomo(PerParameterState, FusedBackward):
         for axis in axes:
             t = self.comm.all_reduce(t, axis).wait()
         return t
+
+    def field_layout(self, view: ParamView, field: str) -> Layout | None:
+        # a matrix's row means follow its split rows, column means its split columns
+        if view.param.dim() == 2:
+            rows, cols = padded_dims(view)
+            return {"row": Layout((rows,)), "col": Layout((cols,))}.get(field)
+        return view.layout if field == "v" else None
 
     def update(self, view: Any, grad: torch.Tensor) -> None:
         p, b2 = view.param, self.beta2
