@@ -127,6 +127,30 @@ class TrainingMethod(ABC):
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def on_final_gradients(pmodel: Any, views: list[ParamView],
+                       hook: Callable[[nn.Parameter], None]) -> None:
+    """Call `hook(param)` the moment each view's gradient is final for the step: on a grid
+    after its z reduce-scatter and data all-reduce (Engine.set_grad_ready_hook), on one process
+    when autograd has accumulated it (each micro-step's backward). The hook may free it."""
+    if pmodel.engine is not None:
+        pmodel.engine.set_grad_ready_hook(hook)
+    else:
+        for v in views:
+            v.param.register_post_accumulate_grad_hook(hook)
+
+
+def live_grad_bytes(views: list[ParamView]) -> int:
+    return sum(v.param.grad.numel() * v.param.grad.element_size()
+               for v in views if v.param.grad is not None)
+
+
+def shard_norm_sq(view: ParamView, grad: torch.Tensor, shape: Any) -> torch.Tensor:
+    """This shard's part of its full tensor's squared gradient norm (float64): elements held by
+    several ranks are counted once (as ParallelModel.clip_grad_norm_), so a sum over the tensor
+    axes is the full tensor's."""
+    return grad.double().pow(2).sum() / view.layout.replicas(shape)
+
+
 def check_meta(meta: dict[str, Any], kind: str) -> None:
     if meta.get("kind") != kind:
         raise ValueError(f"optimizer state is for {meta.get('kind')!r}, not {kind!r}")
