@@ -175,6 +175,18 @@ def full_backward_blockllm():
     return FullBackwardBlockLLM
 
 
+def hold_nothing_blockllm():
+    """BlockLLM whose selection's backward frees every matrix's gradient: each chosen matrix
+    takes the second backward (the path a selection takes when it lets a block back in)."""
+    from fourfold.train.methods.blockllm import BlockLLM
+
+    class HoldNothingBlockLLM(BlockLLM):
+        def _kept_while_selecting(self) -> set[str]:
+            return set()
+
+    return HoldNothingBlockLLM
+
+
 def run_method(pmodel, cfg: TrainConfig, data, method_class=None
                ) -> tuple[list[float], object]:
     from fourfold.train.methods import StepData, batch_shard, build_method
@@ -231,10 +243,15 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
         freeze(full_ref_model, frozen)
         full_ref_losses, full_ref = run_method(parallelize(full_ref_model, Grid.single()),
                                                tcfg, data, full_backward_blockllm())
+        second_model = build_model(cfg, seed=7)
+        freeze(second_model, frozen)
+        second_losses, second = run_method(parallelize(second_model, grid, pcfg(shape)), tcfg,
+                                           data, hold_nothing_blockllm())
+        extra = dict(second_losses=second_losses, second_selections=second.selections)
         # against every candidate's gradient (at the end only the selected are trainable)
         total = sum(p.numel() * p.element_size() for n, p in pmodel.named_parameters()
                     if not n.endswith(frozen))
-        extra = dict(selections=method.selections, ref_selections=ref_method.selections,
+        extra.update(selections=method.selections, ref_selections=ref_method.selections,
                      full_selections=full.selections, full_ref_selections=full_ref.selections,
                      full_losses=full_losses, full_ref_losses=full_ref_losses,
                      selection_grad_fraction=method.peak_grad_bytes / total,

@@ -12,12 +12,13 @@ train.block_patience steps.
 The selection's backward holds no full set of gradients: each gradient's norm is taken the
 moment it is final (LOMO's hand-off, base.on_final_gradients; on a grid one float64 all-reduce
 over the tensor axes per tensor) and the gradient is kept only while it is in the selection of
-the blocks seen so far, else freed. The final selection is made from all norms, as before; a
-chosen block whose gradient was freed on the way (a later, steeper block pushed it out and
-then a still later one pushed that out) gets it from a second backward of those blocks alone.
+the blocks seen so far (vectors: kept), else freed. The final selection is made from all norms,
+as before; a chosen matrix whose gradient was freed on the way (a later, steeper block pushed
+it out and then a still later one pushed that out) gets it from a second backward of those
+blocks alone.
 
 Memory: gradients and moments of the selected blocks; a selection step adds one more tensor's
-gradient at a time (the one being handed off).
+gradient at a time (the one being handed off) and the vectors' gradients.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class BlockLLM(AdamW):
         super().__init__(pmodel, dataclasses.replace(cfg, optimizer="adamw"), tied_output)
         self.views = param_views(pmodel, tied_output)  # the candidates: trainable at the start
         self._view = {id(v.param): v for v in self.views}
+        self._by_name = {v.name: v for v in self.views}
         self.grid, self.comm = pmodel.grid, pmodel.comm
         self.sparsity, self.patience = cfg.block_sparsity, cfg.block_patience
         self.sizes = {v.name: math.prod(v.full_shape) for v in self.views}
@@ -93,16 +95,20 @@ class BlockLLM(AdamW):
         if self.grid.world_size > 1:  # data replicas hold the same (all-reduced) gradients
             norm_sq = self.comm.all_reduce(norm_sq, "tensor").wait()
         self.norms[view.name] = float(norm_sq.sqrt())
-        # every rank has the same norms, so keeps and frees alike
-        keep = set(choose_blocks(self.norms, self.sizes, self.budget))
-        for v in self.views:
-            if v.name in self._held and v.name not in keep:
-                v.param.grad = None
-        self._held &= keep
-        if view.name in keep:
-            self._held.add(view.name)
-        else:
-            p.grad = None
+        # every rank has the same norms, so keeps and frees alike. Vectors (norms, biases) are
+        # kept whatever: they cost next to nothing, and they are what a later, steeper matrix
+        # most often lets back into the selection
+        keep = self._kept_while_selecting()
+        self._held.add(view.name)
+        for name in [n for n in self._held if n not in keep]:
+            held = self._by_name[name].param
+            if held.dim() > 1:
+                held.grad = None
+                self._held.discard(name)
+
+    def _kept_while_selecting(self) -> set[str]:
+        """The blocks whose gradients a selection's backward keeps, of those handed off so far."""
+        return set(choose_blocks(self.norms, self.sizes, self.budget))
 
     def _marked(self, data: StepData) -> StepData:
         """`data` with the hand-off armed on its last micro-step only: on one process the hook
