@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fourfold.parallel import Axis, Layout
-from fourfold.train.methods.noise import ShardNoise
+from fourfold.train.methods.noise import CHUNK_ELEMENTS, ShardNoise
 from fourfold.train.optim import uses_weight_decay
 
 UpdateTime = Literal["after_backward", "in_backward", "forward_only"]
@@ -147,8 +147,13 @@ def live_grad_bytes(views: list[ParamView]) -> int:
 def shard_norm_sq(view: ParamView, grad: torch.Tensor, shape: Any) -> torch.Tensor:
     """This shard's part of its full tensor's squared gradient norm (float64): elements held by
     several ranks are counted once (as ParallelModel.clip_grad_norm_), so a sum over the tensor
-    axes is the full tensor's."""
-    return grad.double().pow(2).sum() / view.layout.replicas(shape)
+    axes is the full tensor's. In blocks of CHUNK_ELEMENTS: a float64 copy of the whole
+    gradient would be twice its size (the embedding's: more than the selected gradients)."""
+    flat = grad.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=grad.device)
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        total += flat[start:start + CHUNK_ELEMENTS].double().pow_(2).sum()
+    return total / view.layout.replicas(shape)
 
 
 def check_meta(meta: dict[str, Any], kind: str) -> None:
