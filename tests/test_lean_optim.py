@@ -275,9 +275,12 @@ def check_blockllm_selection(r: dict, label: str) -> None:
     assert close(r["ref_losses"], r["full_ref_losses"], 1e-12), label
     assert all(s["recomputed"] for s in r["second_selections"]), label
     # the full-backward selection holds every gradient; the streamed one 40% of the elements,
-    # the vectors and the tensor being handed off (with data > 1, a bucket in flight)
+    # the vectors and the tensor being handed off; with data > 1 also what waits for the data
+    # all-reduce: a bucket being filled and one in flight, 0.05 MiB each, about a fifth
+    # of a rank's gradients on x = 2
     assert r["full_selection_grad_fraction"] == pytest.approx(1.0), label
-    assert 0 < r["selection_grad_fraction"] < 0.85, f"{label}: {r['selection_grad_fraction']}"
+    bound = 0.85 if r["shape"][0] == 1 else 0.98
+    assert 0 < r["selection_grad_fraction"] < bound, f"{label}: {r['selection_grad_fraction']}"
 
 
 def test_blockllm_selection_streams_gradient_norms() -> None:
