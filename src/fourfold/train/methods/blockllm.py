@@ -13,9 +13,9 @@ The selection's backward holds no full set of gradients: each gradient's norm is
 moment it is final (LOMO's hand-off, base.on_final_gradients; on a grid one float64 all-reduce
 over the tensor axes per tensor) and the gradient is kept only while it is in the selection of
 the blocks seen so far (vectors: kept), else freed. The final selection is made from all norms,
-as before; a chosen matrix whose gradient was freed on the way (a later, steeper block pushed
-it out and then a still later one pushed that out) gets it from a second backward of those
-blocks alone.
+as before; a chosen matrix whose gradient was freed on the way (it did not fit beside the
+blocks seen by then, and a later, steeper block displaced a larger one) gets it from a second
+backward of those blocks alone.
 
 Memory: gradients and moments of the selected blocks; a selection step adds one more tensor's
 gradient at a time (the one being handed off) and the vectors' gradients.
@@ -129,9 +129,13 @@ class BlockLLM(AdamW):
             loss = reduce_loss(pmodel, backward_pass(pmodel, self._marked(data)))
         finally:
             self._selecting = False
+        handed_off = set(self.norms)
+        for v in self.views:  # a block without a gradient ranks as a zero one (as before)
+            self.norms.setdefault(v.name, 0.0)
         self.selected = choose_blocks(self.norms, self.sizes, self.budget)
         chosen = set(self.selected)
-        self.recomputed = [v.name for v in self.views if v.name in chosen and v.param.grad is None]
+        self.recomputed = [v.name for v in self.views if v.name in chosen & handed_off
+                           and v.param.grad is None]
         if self.recomputed:  # their backward alone; the kept gradients are left alone
             missing = set(self.recomputed)
             for v in self.views:
