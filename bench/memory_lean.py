@@ -6,7 +6,8 @@ given as a ratio to AdamW's, and its tokens/s (steps after the first) beside Ada
 training step of MeZO is two forwards, of ES `--population` forwards: tokens/s counts the
 tokens of the batch once per step, so it compares steps, not forwards. BlockLLM runs at its
 default sparsity (0.9) and patience (10, so the timed steps train the selection of the first
-step, which held every gradient); GaLore at rank dim/4 with its SVD refresh in the first,
+step, whose backward keeps only the gradients of the selection so far, freeing the others as
+their norms are taken); GaLore at rank dim/4 with its SVD refresh in the first,
 untimed step (one refresh per 200 steps by default: `first_step_s` shows its cost).
 
     python bench/memory_lean.py [--preset small] [--steps 4] [--batch 2] [--seq 128]

@@ -11,6 +11,7 @@ Checks:
 from __future__ import annotations
 
 import json
+import math
 import os
 import traceback
 
@@ -136,12 +137,65 @@ def check_frozen(shape: GridShape, grid: Grid) -> dict:
                 expected_delta={"x": 0, "y": 0, **on["skipped"]})
 
 
-def run_method(pmodel, cfg: TrainConfig, data) -> tuple[list[float], object]:
+def full_backward_blockllm():
+    """BlockLLM with its selection as it was before the hand-off streamed the norms: one
+    backward that holds every gradient, the norms from them in one all-reduce, the same greedy
+    choice. The reference that the streaming selection is held to."""
+    from fourfold.train.methods.adamw import backward_pass
+    from fourfold.train.methods.base import reduce_loss
+    from fourfold.train.methods.blockllm import BlockLLM
+
+    class FullBackwardBlockLLM(BlockLLM):
+        def _select(self, pmodel, data) -> float:
+            self._set_trainable(None)
+            loss = reduce_loss(pmodel, backward_pass(pmodel, data))
+            self.note_gradients(pmodel)
+            local = torch.zeros(len(self.views), dtype=torch.float64, device=self.grid.device)
+            for i, v in enumerate(self.views):
+                if v.param.grad is not None:
+                    local[i] = (v.param.grad.double().pow(2).sum()
+                                / v.layout.replicas(self.grid.shape))
+            if self.grid.world_size > 1:
+                local = self.comm.all_reduce(local, "tensor").wait()
+            norms = local.sqrt().tolist()
+            sizes = [math.prod(v.full_shape) for v in self.views]
+            budget = (1.0 - self.sparsity) * sum(sizes)
+            order = sorted(range(len(self.views)), key=lambda i: (-norms[i], self.views[i].name))
+            chosen, used = [], 0
+            for i in order:
+                if used + sizes[i] <= budget:
+                    chosen.append(self.views[i].name)
+                    used += sizes[i]
+            self.selected = sorted(chosen) if chosen else [self.views[order[0]].name]
+            self.norms = {v.name: n for v, n in zip(self.views, norms)}
+            self.recomputed = []
+            self._set_trainable(set(self.selected))
+            return loss
+
+    return FullBackwardBlockLLM
+
+
+def hold_nothing_blockllm():
+    """BlockLLM whose selection's backward frees every matrix's gradient: each chosen matrix
+    takes the second backward (the path a selection takes when it lets a block back in)."""
+    from fourfold.train.methods.blockllm import BlockLLM
+
+    class HoldNothingBlockLLM(BlockLLM):
+        def _kept_while_selecting(self) -> set[str]:
+            return set()
+
+    return HoldNothingBlockLLM
+
+
+def run_method(pmodel, cfg: TrainConfig, data, method_class=None
+               ) -> tuple[list[float], object]:
     from fourfold.train.methods import StepData, batch_shard, build_method
-    method = build_method(pmodel, cfg)
+    method = build_method(pmodel, cfg) if method_class is None else method_class(pmodel, cfg)
     index, count = batch_shard(pmodel.grid, method.batch_axes)
     losses = []
+    method.selections = []  # blockllm: each selection's chosen blocks, norms and recomputed ones
     for micro in data:
+        selecting = getattr(method, "selected", []) is None
         local = shard_batch(micro, index, count)
 
         def step_losses():
@@ -150,6 +204,9 @@ def run_method(pmodel, cfg: TrainConfig, data) -> tuple[list[float], object]:
 
         result = method.step(pmodel, StepData(len(local), step_losses), cfg.lr)
         losses.append(result.loss)
+        if selecting:
+            method.selections.append({"selected": method.selected, "norms": method.norms,
+                                      "recomputed": method.recomputed})
     return losses, method
 
 
@@ -166,7 +223,7 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
     frozen = tuple(frozen) if isinstance(frozen, list) else FROZEN if frozen else ()
     ref_model = build_model(cfg, seed=7)
     freeze(ref_model, frozen)
-    ref_losses, _ = run_method(parallelize(ref_model, Grid.single()), tcfg, data)
+    ref_losses, ref_method = run_method(parallelize(ref_model, Grid.single()), tcfg, data)
     ref_state = ref_model.state_dict()
     model = build_model(cfg, seed=7)
     freeze(model, frozen)
@@ -176,7 +233,30 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
     ledger = pmodel.ledger.snapshot()
     state = pmodel.full_state_dict()
     tensors, meta = method.state_dict()
-    return dict(ok=True, losses=losses, ref_losses=ref_losses, ledger=ledger,
+    extra = {}
+    if check["name"] == "blockllm":  # the selection as it was, on this grid and on one process
+        full_model = build_model(cfg, seed=7)
+        freeze(full_model, frozen)
+        full_pmodel = parallelize(full_model, grid, pcfg(shape))
+        full_losses, full = run_method(full_pmodel, tcfg, data, full_backward_blockllm())
+        full_ref_model = build_model(cfg, seed=7)
+        freeze(full_ref_model, frozen)
+        full_ref_losses, full_ref = run_method(parallelize(full_ref_model, Grid.single()),
+                                               tcfg, data, full_backward_blockllm())
+        second_model = build_model(cfg, seed=7)
+        freeze(second_model, frozen)
+        second_losses, second = run_method(parallelize(second_model, grid, pcfg(shape)), tcfg,
+                                           data, hold_nothing_blockllm())
+        extra = dict(second_losses=second_losses, second_selections=second.selections)
+        # against every candidate's gradient (at the end only the selected are trainable)
+        total = sum(p.numel() * p.element_size() for n, p in pmodel.named_parameters()
+                    if not n.endswith(frozen))
+        extra.update(selections=method.selections, ref_selections=ref_method.selections,
+                     full_selections=full.selections, full_ref_selections=full_ref.selections,
+                     full_losses=full_losses, full_ref_losses=full_ref_losses,
+                     selection_grad_fraction=method.peak_grad_bytes / total,
+                     full_selection_grad_fraction=full.peak_grad_bytes / total)
+    return dict(ok=True, losses=losses, ref_losses=ref_losses, ledger=ledger, **extra,
                 max_rel_loss=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
                 max_weight_diff=max(float((state[k] - ref_state[k]).abs().max())
                                     for k in ref_state),

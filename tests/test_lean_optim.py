@@ -243,9 +243,89 @@ def check_subset_method(r: dict) -> None:
         if r["shape"][0] > 1:
             every = r["check"]["steps"] * r["param_bytes"]
             assert 0 < r["ledger"]["data"] < 0.8 * every, f"{label}: {r['ledger']} vs {every}"
+        check_blockllm_selection(r, label)
     else:  # rank-16 moments of 64-wide matrices, plus the projections
         assert r["max_weight_diff"] < 0.2 * SUBSET_LR, f"{label}: {r['max_weight_diff']}"
         assert 0 < r["state_bytes"] < 0.6 * adamw_state, label
+
+
+def check_blockllm_selection(r: dict, label: str) -> None:
+    """The streamed selection (norms taken at each hand-off, gradients freed) against the
+    selection by one backward that holds every gradient (lean_worker.full_backward_blockllm),
+    on this grid and on one process: the same norms, the same blocks, the same losses; also
+    when every chosen matrix takes the second backward. And fewer gradients alive at once."""
+    def chosen(key: str) -> list:
+        return [s["selected"] for s in r[key]]
+
+    def close(a: list, b: list, rel: float) -> bool:
+        return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
+
+    assert len(r["selections"]) == r["meta"]["reselections"] + 1, label
+    assert chosen("selections") == chosen("full_selections") == chosen("second_selections"), label
+    assert chosen("ref_selections") == chosen("full_ref_selections"), label
+    for new, full in [("selections", "full_selections"), ("ref_selections", "full_ref_selections"),
+                      ("second_selections", "full_selections")]:
+        for a, b in zip(r[new], r[full]):
+            assert a["norms"].keys() == b["norms"].keys(), label
+            names = sorted(b["norms"])
+            assert close([a["norms"][n] for n in names], [b["norms"][n] for n in names],
+                         1e-12), f"{label} {new}"
+    assert close(r["losses"], r["full_losses"], 1e-12), label
+    assert close(r["second_losses"], r["full_losses"], 1e-12), label
+    assert close(r["ref_losses"], r["full_ref_losses"], 1e-12), label
+    assert all(s["recomputed"] for s in r["second_selections"]), label
+    # the full-backward selection holds every gradient; the streamed one 40% of the elements,
+    # the vectors and the tensor being handed off; with data > 1 also what waits for the data
+    # all-reduce: a bucket being filled and one in flight, 0.05 MiB each, about a fifth
+    # of a rank's gradients on x = 2
+    assert r["full_selection_grad_fraction"] == pytest.approx(1.0), label
+    bound = 0.85 if r["shape"][0] == 1 else 0.98
+    assert 0 < r["selection_grad_fraction"] < bound, f"{label}: {r['selection_grad_fraction']}"
+
+
+def test_blockllm_selection_streams_gradient_norms() -> None:
+    """One process, at the default sparsity and with two micro-steps per step (the hand-off
+    waits for their sum): the streamed selection, and the one where every chosen matrix takes
+    the second backward, pick the blocks the full backward picks, from the same norms, and
+    train alike; with one micro-step they hold a fraction of the gradients at once (with two,
+    every gradient lives until the second one's backward has added to it)."""
+    from lean_worker import (batches, freeze, full_backward_blockllm, hold_nothing_blockllm,
+                             run_method)
+
+    from fourfold.config import TrainConfig, model_config
+    from fourfold.models import build_model
+    from fourfold.parallel import Grid, parallelize
+
+    cfg = model_config("debug", bias=True, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    for sparsity, accum in ((0.9, 1), (0.6, 2)):
+        tcfg = TrainConfig(optimizer="blockllm", lr=SUBSET_LR, block_sparsity=sparsity,
+                           block_patience=1, grad_accum=accum)
+        data = batches(cfg.vocab_size, 2, accum) * 4
+        runs = {}
+        for kind, cls in (("streamed", None), ("full", full_backward_blockllm()),
+                          ("second", hold_nothing_blockllm())):
+            model = build_model(cfg, seed=7)
+            freeze(model, ("k_proj.bias",))
+            runs[kind] = run_method(parallelize(model, Grid.single()), tcfg, data, cls)
+        label = f"sparsity {sparsity}, accum {accum}"
+        full_losses, full = runs["full"]
+        total = 4 * sum(full.sizes.values())  # every candidate's gradient, float32
+        assert len(full.selections) >= 3, label
+        for kind in ("streamed", "second"):
+            losses, method = runs[kind]
+            assert losses == full_losses, f"{label} {kind}"
+            assert [s["selected"] for s in method.selections] == \
+                [s["selected"] for s in full.selections], f"{label} {kind}"
+            assert [s["norms"] for s in method.selections] == \
+                [s["norms"] for s in full.selections], f"{label} {kind}"
+        assert all(s["recomputed"] for s in runs["second"][1].selections), label
+        assert full.peak_grad_bytes == total, label
+        if accum == 1:  # 10% of the elements, the vectors and the embedding (handed off last)
+            assert 0 < runs["streamed"][1].peak_grad_bytes < 0.45 * total, \
+                f"{label}: {runs['streamed'][1].peak_grad_bytes / total}"
+        else:
+            assert runs["streamed"][1].peak_grad_bytes == total, label
+        assert all(v.param.grad is None for _, method in runs.values() for v in method.views)
 
 
 def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
@@ -343,15 +423,19 @@ def test_planner_state_bytes_follow_the_method() -> None:
             assert method.state_bytes() == predicted[name]["optimizer"], name
         else:
             assert 0 < method.state_bytes() <= predicted[name]["optimizer"], name
-        if name in ("adamw", "galore", "blockllm"):  # every gradient at once (blockllm: at a
-            assert method.peak_grad_bytes == predicted[name]["grads"], name  # selection step)
-        elif name in ("lomo", "adalomo"):
+        if name in ("adamw", "galore"):  # every gradient at once
+            assert method.peak_grad_bytes == predicted[name]["grads"], name
+        elif name in ("lomo", "adalomo", "blockllm"):  # blockllm: the selection's backward
             assert 0 < method.peak_grad_bytes <= predicted[name]["grads"], name
     assert predicted["adamw"] == {"grads": 4 * numel, "optimizer": 8 * numel}
     assert predicted["mezo"] == predicted["es"] == {"grads": 0, "optimizer": 0}
     assert predicted["lomo"]["optimizer"] == 0 < predicted["lomo"]["grads"] < numel
     assert 0 < predicted["adalomo"]["optimizer"] < 0.1 * predicted["adamw"]["optimizer"]
     assert predicted["blockllm"]["optimizer"] == pytest.approx(0.1 * 8 * numel, rel=1e-3)
+    # a selection holds 10% of the gradients, the vectors and the tensor being handed off
+    assert predicted["blockllm"]["grads"] < 0.5 * predicted["adamw"]["grads"]
+    accum = method_state_bytes(mcfg, one, TrainConfig(optimizer="blockllm", grad_accum=2))
+    assert accum["grads"] == predicted["adamw"]["grads"]  # the micro-steps' sum is held
     assert 0.2 < predicted["galore"]["optimizer"] / predicted["adamw"]["optimizer"] < 0.6
     # a sparser selection, a lower GaLore rank: less state; on 4 ranks: a quarter or less
     sparse = method_state_bytes(mcfg, one, TrainConfig(optimizer="blockllm", block_sparsity=0.95))

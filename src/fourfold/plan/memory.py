@@ -252,8 +252,9 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
     adamw: every gradient, two moments. lomo / adalomo: one tensor's gradient at a time (the
     largest block; with data > 1 up to two buckets are in flight, not counted); adalomo keeps a
     row and a column statistic per matrix, a second moment per vector. mezo / es: neither.
-    blockllm: moments of the selected (1 - block_sparsity) share; a selection step holds every
-    gradient for one backward, so the peak of gradients is all of them. galore: every
+    blockllm: moments and gradients of the selected (1 - block_sparsity) share; a selection
+    step's backward adds the tensor being handed off (the largest block) and the vectors (with
+    grad_accum > 1 every gradient lives until the last micro-step). galore: every
     gradient; per matrix its projection (local rows of the projected side x r) and two r-rank
     moments; vectors plain AdamW."""
     p = precision or Precision.of("float32")
@@ -274,7 +275,9 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
         return {"grads": 0, "optimizer": 0}
     if name == "blockllm":
         selected = int(numel * (1.0 - train.block_sparsity))
-        return {"grads": numel * p.grad_bytes, "optimizer": selected * p.optimizer_bytes}
+        handed_off = largest_tensor_numel(model, shape)[1] + vectors
+        grads = numel if train.grad_accum > 1 else min(numel, selected + handed_off)
+        return {"grads": grads * p.grad_bytes, "optimizer": selected * p.optimizer_bytes}
     if name == "galore":
         state = 2 * vectors
         for m, n, rl, cl in matrices:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fourfold.parallel import Axis, Layout
-from fourfold.train.methods.noise import ShardNoise
+from fourfold.train.methods.noise import CHUNK_ELEMENTS, ShardNoise
 from fourfold.train.optim import uses_weight_decay
 
 UpdateTime = Literal["after_backward", "in_backward", "forward_only"]
@@ -131,6 +131,35 @@ class TrainingMethod(ABC):
         """Bytes of optimizer state this rank holds."""
         tensors, _ = self.state_dict()
         return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def on_final_gradients(pmodel: Any, views: list[ParamView],
+                       hook: Callable[[nn.Parameter], None]) -> None:
+    """Call `hook(param)` the moment each view's gradient is final for the step: on a grid
+    after its z reduce-scatter and data all-reduce (Engine.set_grad_ready_hook), on one process
+    when autograd has accumulated it (each micro-step's backward). The hook may free it."""
+    if pmodel.engine is not None:
+        pmodel.engine.set_grad_ready_hook(hook)
+    else:
+        for v in views:
+            v.param.register_post_accumulate_grad_hook(hook)
+
+
+def live_grad_bytes(views: list[ParamView]) -> int:
+    return sum(v.param.grad.numel() * v.param.grad.element_size()
+               for v in views if v.param.grad is not None)
+
+
+def shard_norm_sq(view: ParamView, grad: torch.Tensor, shape: Any) -> torch.Tensor:
+    """This shard's part of its full tensor's squared gradient norm (float64): elements held by
+    several ranks are counted once (as ParallelModel.clip_grad_norm_), so a sum over the tensor
+    axes is the full tensor's. In blocks of CHUNK_ELEMENTS: a float64 copy of the whole
+    gradient would be twice its size (the embedding's: more than the selected gradients)."""
+    flat = grad.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=grad.device)
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        total += flat[start:start + CHUNK_ELEMENTS].double().pow_(2).sum()
+    return total / view.layout.replicas(shape)
 
 
 def check_meta(meta: dict[str, Any], kind: str) -> None:

@@ -24,8 +24,9 @@ from fourfold.config import TrainConfig
 from fourfold.parallel import Layout
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
-                                         StepResult, TrainingMethod, check_meta, padded_dims,
-                                         param_views, reduce_loss)
+                                         StepResult, TrainingMethod, check_meta,
+                                         live_grad_bytes, on_final_gradients, padded_dims,
+                                         param_views, reduce_loss, shard_norm_sq)
 from fourfold.train.methods.noise import CHUNK_ELEMENTS
 
 
@@ -44,24 +45,17 @@ class FusedBackward(TrainingMethod):
         self._lr, self._scale = 0.0, 1.0
         self._norm_sq = torch.zeros((), dtype=torch.float64)
         self.peak_grad_bytes = 0  # the most gradient bytes alive at one hand-off (tests read it)
-        if pmodel.engine is not None:
-            pmodel.engine.set_grad_ready_hook(self._on_grad_ready)
-        else:
-            for v in self.views:
-                v.param.register_post_accumulate_grad_hook(self._on_grad_ready)
+        on_final_gradients(pmodel, self.views, self._on_grad_ready)
 
     @torch.no_grad()
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._phase or p.grad is None or id(p) not in self._view:
             return
-        live = sum(v.param.grad.numel() * v.param.grad.element_size()
-                   for v in self.views if v.param.grad is not None)
-        self.peak_grad_bytes = max(self.peak_grad_bytes, live)
+        self.peak_grad_bytes = max(self.peak_grad_bytes, live_grad_bytes(self.views))
         view = self._view[id(p)]
         grad = p.grad
         if self._phase == "norm":
-            # elements held by several ranks are counted once (as ParallelModel.clip_grad_norm_)
-            self._norm_sq += grad.double().pow(2).sum() / view.layout.replicas(self.grid.shape)
+            self._norm_sq += shard_norm_sq(view, grad, self.grid.shape)
         else:
             if self.clip_mode == "value" and self.grad_clip > 0:
                 grad.clamp_(-self.grad_clip, self.grad_clip)
