@@ -13,8 +13,10 @@ from typing import Callable
 import torch.distributed as dist
 
 from fourfold.parallel import Grid, GridShape, init_distributed, leave_job
+from dist_count import DistCount
 
 RunCase = Callable[[GridShape, Grid, dict], dict]
+CountedCase = Callable[[GridShape, Grid, dict, DistCount], dict]
 
 
 def run_grid_cases(cases_env: str, label: str, run_case: RunCase) -> None:
@@ -42,3 +44,11 @@ def run_grid_cases(cases_env: str, label: str, run_case: RunCase) -> None:
                 f.write(json.dumps(r) + "\n")
     dist.barrier()
     leave_job(0)  # destroy the process group, flush, os._exit
+
+
+def run_counted_variants(run_variant: CountedCase) -> None:
+    """run_grid_cases over FOURFOLD_TEST_VARIANTS, each variant also handed the counter of
+    what torch.distributed is given (installed before the process group exists)."""
+    counter = DistCount().install()
+    run_grid_cases("FOURFOLD_TEST_VARIANTS", "variant",
+                   lambda shape, grid, variant: run_variant(shape, grid, variant, counter))

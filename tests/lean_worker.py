@@ -10,17 +10,14 @@ Checks:
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import traceback
 
 import torch
-import torch.distributed as dist
 
 from fourfold.config import ParallelConfig, TrainConfig, model_config
 from fourfold.models import build_model
-from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
+from fourfold.parallel import Grid, GridShape, parallelize
+from grid_cases import run_grid_cases
 
 BATCH, SEQ = 8, 16
 
@@ -277,33 +274,14 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
                                          for m in pmodel.engine.sharded) if shape.z > 1 else 0)
 
 
-def main() -> int:
-    rank, world, device = init_distributed("gloo", timeout_s=120)
-    shapes = json.loads(os.environ["FOURFOLD_TEST_SHAPES"])
-    checks = json.loads(os.environ["FOURFOLD_TEST_CHECKS"])
-    results = []
-    for shape_list in shapes:
-        shape = GridShape(*shape_list)
-        if shape.size != world:
-            continue
-        grid = Grid.build(shape, device)
-        for check in checks:
-            case = {"shape": shape_list, "check": check}
-            try:
-                if check["name"] == "frozen":
-                    case.update(check_frozen(shape, grid))
-                else:
-                    case.update(check_method(shape, grid, check))
-            except Exception:  # reported to the test, which fails with the traceback
-                case.update(ok=False, error=traceback.format_exc())
-            results.append(case)
-    if rank == 0:
-        with open(os.environ["FOURFOLD_TEST_OUT"], "w") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
-    dist.barrier()
-    leave_job(0)
-    return 0
+def run_check(shape: GridShape, grid: Grid, check: dict) -> dict:
+    if check["name"] == "frozen":
+        return check_frozen(shape, grid)
+    return check_method(shape, grid, check)
+
+
+def main() -> None:
+    run_grid_cases("FOURFOLD_TEST_CHECKS", "check", run_check)
 
 
 if __name__ == "__main__":

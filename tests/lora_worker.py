@@ -13,7 +13,7 @@ from fourfold.config import AdapterConfig, ParallelConfig, model_config
 from fourfold.models.adapter import apply_adapter
 from fourfold.parallel import Grid, GridShape, parallelize
 from dist_count import DistCount  # what torch.distributed is handed, counted apart
-from grid_cases import run_grid_cases
+from grid_cases import run_counted_variants
 from parallel_worker import build  # the same tiny models as the engine's exactness test
 
 STEPS = 20
@@ -139,9 +139,7 @@ def run_variant(shape: GridShape, grid: Grid, variant: dict, counter: DistCount)
 
 
 def main() -> None:
-    counter = DistCount().install()
-    run_grid_cases("FOURFOLD_TEST_VARIANTS", "variant",
-                   lambda shape, grid, variant: run_variant(shape, grid, variant, counter))
+    run_counted_variants(run_variant)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from fourfold.parallel import Grid, GridShape, parallelize
 from fourfold.train.goldfish import goldfish_mask
 
 from dist_count import DistCount  # noqa: E402  (tests/ is this script's directory)
-from grid_cases import run_grid_cases  # noqa: E402
+from grid_cases import run_counted_variants  # noqa: E402
 
 STEPS = 3
 BATCH = 8  # sequences per step, whole job (test_parallel.py uses the same numbers)
@@ -146,9 +146,7 @@ def run_variant(shape: GridShape, grid: Grid, variant: dict, counter: DistCount)
 
 
 def main() -> None:
-    counter = DistCount().install()
-    run_grid_cases("FOURFOLD_TEST_VARIANTS", "variant",
-                   lambda shape, grid, variant: run_variant(shape, grid, variant, counter))
+    run_counted_variants(run_variant)
 
 
 if __name__ == "__main__":

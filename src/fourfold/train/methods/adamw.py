@@ -41,13 +41,20 @@ class AdamW(TrainingMethod):
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         loss = reduce_loss(pmodel, backward_pass(pmodel, data))
+        norm, reason = self.clip_and_update(pmodel, loss, guard)
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss, norm, reason is not None, reason or "")
+
+    def clip_and_update(self, pmodel: Any, loss: float, guard: Guard | None
+                        ) -> tuple[float, str | None]:
+        """After backward: note the gradients' bytes, clip them, let the guard see the loss
+        and norm, and step unless it gives a reason not to; (norm, reason)."""
         self.note_gradients(pmodel)
         norm = float(pmodel.clip_grad_norm_(self.grad_clip if self.grad_clip > 0 else math.inf))
         reason = guard(loss, norm) if guard is not None else None
         if reason is None:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss, norm, reason is not None, reason or "")
+        return norm, reason
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors = {}

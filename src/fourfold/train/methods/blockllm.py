@@ -154,11 +154,8 @@ class BlockLLM(AdamW):
             loss = self._select(pmodel, data)
         else:
             loss = reduce_loss(pmodel, backward_pass(pmodel, data))
-        self.note_gradients(pmodel)
-        norm = float(pmodel.clip_grad_norm_(self.grad_clip if self.grad_clip > 0 else math.inf))
-        reason = guard(loss, norm) if guard is not None else None
+        norm, reason = self.clip_and_update(pmodel, loss, guard)
         if reason is None:
-            self.optimizer.step()
             if loss < self.best:
                 self.best, self.since_best = loss, 0
             else:
