@@ -292,7 +292,7 @@ def main() -> None:
         tried = ", ".join(f"{lr:g}: {fmt(t['L'], 3)}" for lr, t in r["tried"].items())
         best = f"{r['best']:g}" if r["best"] is not None else "-"
         return (f"| {r['method']} | {r['steps']} | {tried} | {best} | {fmt(l0)} | "
-                f"{fmt(r['L'])} | {fmt(ratio, 3)} | {target} | {met} |")
+                f"{fmt(r['L'])} | {'-' if math.isnan(ratio) else f'{ratio:.3f}'} | {target} | {met} |")
 
     plan = [(m, args.steps) for m in args.methods]
     if "mezo" in args.methods and args.mezo_steps:
