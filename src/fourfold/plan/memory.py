@@ -141,16 +141,17 @@ def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
     gx, gy = shape.x, shape.y
     d, f = model.dim, model.ffn_dim
     heads_dim = model.n_heads * model.head_dim
-    # per norm: its input, the normalized tensor (saved by the weight multiply), its output
-    residual_like = 6 * d // gx
+    # per norm: its input (with a per-token rstd: parallel/norm.py recomputes the normalized
+    # tensor in backward) and its output, which the next GEMM keeps
+    residual_like = 4 * d // gx
     # k and v are saved after the GQA repeat, so they are as wide as q
     attention = 4 * heads_dim // gy
-    mlp = 4 * f // gy  # gate out (silu's input), silu out, up out, their product (down's input)
+    mlp = 3 * f // gy  # gate out, up out (models/llama.py swiglu recomputes silu), down's input
     stats = 4 * (2 + model.n_heads // gy)  # an fp32 rstd per norm, an fp32 lse per local head
     act, residual = precision.act_bytes, precision.residual_bytes
-    # final norm (input, normalized, output) and its rstd; token ids (int64) and the
+    # final norm (input, output) and its rstd; token ids (int64) and the
     # embedding's ownership mask (bool)
-    outside = 3 * d // gx * residual + 4 + 9
+    outside = 2 * d // gx * residual + 4 + 9
     return {"block": residual_like * residual + (attention + mlp) * act + stats,
             "checkpoint": d // gx * residual, "outside": outside}
 
