@@ -23,13 +23,14 @@ rank above the import, range over the ranks, planner's prediction, x the weights
       1    1 1 1 1         sync        off        6,764          6,934      +2.5%       4.74
       2    1 2 1 1         sync        off        3,936-3,957    3,713      -5.7..-6.2% 2.76-2.77
       4    1 2 2 1         sync        off        2,061-2,092    1,950      -5.4..-6.8% 1.45-1.47
-      8    1 2 2 2         sync        off        1,117-1,155    1,101      -1.4..-4.7% 0.78-0.81
-      8    1 2 2 2         sync        on           917-943      871/894*   -5.0..-7.6% 0.64-0.66
+      8    1 2 2 2         sync        off        1,041-1,079    1,043      +0.2..-3.3% 0.73-0.76
+      8    1 2 2 2         sync        on           919-940      868/894*   -4.7..-7.6% 0.64-0.66
       1    1 1 1 1         async       off       10,852         11,212      +3.3%       7.61
       2    1 2 1 1         async       off        5,652-5,750    5,852      +1.8..+3.5% 3.96-4.03
       4    1 2 2 1         async       off        2,879-2,968    3,020      +1.8..+4.9% 2.02-2.08
       8    1 2 2 2         async       off        1,594-1,655    1,636      +2.6..-1.2% 1.12-1.16
-    (* rank 0 writes the export.) With --no-rank-tunables (no tcache switch, as under torchrun)
+    (* rank 0 writes the export.) The two 8-rank sync rows are with RMSNorm and SwiGLU keeping
+    only their inputs for backward; before, they read 1,117-1,155 (0.78-0.81x) and 917-943. With --no-rank-tunables (no tcache switch, as under torchrun)
     the 8-rank sync row reads 1,594-1,961 (1.12-1.37x). Before the coalescing malloc tuning (train/host_memory.py)
     the 8-rank rows read 1,770-2,173 (sync) and 2,023-2,367 (async): 1.2-1.7x the weights.
 An async checkpoint's snapshot (weights and AdamW moments, 0.375x the weights on 8 ranks) is
