@@ -31,7 +31,7 @@ METHODS = ("adamw", "lomo", "adalomo", "mezo", "es", "blockllm", "galore")
 
 
 def child(preset: str, method: str, steps: int, batch: int, seq: int, population: int,
-          grid: tuple[int, int] = (1, 1), phases: bool = False) -> dict:
+          grid: tuple[int, int] = (1, 1), phases: bool = False, tuned: bool = False) -> dict:
     """Train `method` for `steps` steps on this process (on a grid: this rank of an x by y
     grid, under torchrun) and report its peak RSS (ru_maxrss, KiB) and the rest of a row."""
     import torch
@@ -44,6 +44,10 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
     from fourfold.train.methods import StepData, build_method
 
+    if tuned:  # as build_run tunes a CPU run (the environment part comes from measure*)
+        from fourfold.train.host_memory import keep_freed_host_memory
+
+        keep_freed_host_memory()
     # a rank's own baseline: what it holds after the imports, before it joins the job
     base_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     torch.set_num_threads(1)
@@ -167,21 +171,29 @@ def predicted_bytes(model_cfg, train_cfg, tokens: int, shape) -> int:
 def measure(args: argparse.Namespace, method: str) -> dict:
     code = ("import json, sys; sys.path.insert(0, 'bench'); import memory_lean as m; "
             f"print(json.dumps(m.child({args.preset!r}, {method!r}, {args.steps}, {args.batch}, "
-            f"{args.seq}, {args.population}, phases={args.phases})))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            f"{args.seq}, {args.population}, phases={args.phases}, tuned={args.tuned_malloc})))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=malloc_env(args))
     if proc.returncode:
         sys.exit(f"error: {method} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def malloc_env(args: argparse.Namespace) -> dict[str, str]:
+    """--tuned-malloc: the environment `fourfold train --nproc` gives CPU ranks (no tcache)."""
+    from fourfold.host import rank_malloc_environment
+
+    return dict(os.environ, **(rank_malloc_environment() if args.tuned_malloc else {}))
+
+
 def measure_grid(args: argparse.Namespace, method: str, grid: tuple[int, int]) -> list[dict]:
     """One torchrun launch of x * y gloo ranks on this host; each rank's row, rank order."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(malloc_env(args), OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
     spec = json.dumps([args.preset, method, args.steps, args.batch, args.seq, args.population,
-                       list(grid), args.phases])
+                       list(grid), args.phases, args.tuned_malloc])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(grid[0] * grid[1]), __file__, "--rank-worker", spec]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -196,8 +208,9 @@ def rank_worker(spec: str) -> None:
 
     from fourfold.parallel import leave_job
 
-    preset, method, steps, batch, seq, population, grid, phases = json.loads(spec)
-    row = child(preset, method, steps, batch, seq, population, tuple(grid), phases)
+    preset, method, steps, batch, seq, population, grid, phases, *tuned = json.loads(spec)
+    row = child(preset, method, steps, batch, seq, population, tuple(grid), phases,
+                bool(tuned and tuned[0]))
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if dist.get_rank() == 0:
@@ -238,6 +251,8 @@ def main() -> None:
                     help="also run every method on x * y gloo ranks (data = z = 1), per rank")
     ap.add_argument("--phases", action="store_true",
                     help="peak heap in use and RSS per phase of each run (one process)")
+    ap.add_argument("--tuned-malloc", action="store_true",
+                    help="glibc tuned as `fourfold train` tunes CPU ranks (train/host_memory.py)")
     if len(sys.argv) == 3 and sys.argv[1] == "--rank-worker":
         rank_worker(sys.argv[2])
         return
@@ -249,7 +264,8 @@ def main() -> None:
     rows = {m: measure(args, m) for m in dict.fromkeys(["adamw", *args.methods])}
     ref = rows["adamw"]
     print(f"preset {args.preset}, float32, batch {args.batch} x {args.seq}, activation "
-          f"checkpointing, one process; baseline (import fourfold) {base / 1024:.0f} MiB")
+          f"checkpointing, one process; baseline (import fourfold) {base / 1024:.0f} MiB; "
+          f"malloc {'tuned' if args.tuned_malloc else 'glibc defaults'}")
     print("| method | peak RSS - base | ratio | planner | error | state | peak grads | tokens/s "
           "| vs adamw | first step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
