@@ -446,9 +446,10 @@ def test_planner_state_bytes_follow_the_method() -> None:
     assert split["optimizer"] < predicted["adalomo"]["optimizer"]
 
 
-def test_planner_counts_galores_update_temporaries() -> None:
+def test_planner_counts_the_methods_transients() -> None:
     """GaLore's refresh: the SVD's copy of the gradient, U and Vh (and on a grid the gathered
-    full gradient) of the largest matrix, after backward; they count in the total."""
+    full gradient) of the largest matrix, after backward; they count in the total. MeZO's and
+    ES's no-grad loss."""
     import dataclasses
 
     from fourfold.config import TrainConfig, model_config
@@ -471,6 +472,11 @@ def test_planner_counts_galores_update_temporaries() -> None:
             without.step, without.startup, without.export))
         adamw = predict_method_memory(base, mcfg, shape, TrainConfig(optimizer="adamw"), p)
         assert adamw.update == 0 and adamw.total == base.total
+        # forwards only: no saved activations; the loss's peak is three logits-sized tensors
+        for name in ("mezo", "es"):
+            zo = predict_method_memory(base, mcfg, shape, TrainConfig(optimizer=name), p)
+            assert zo.activations == zo.grads == zo.optimizer == zo.update == 0, name
+            assert zo.logits == 3 * 256 * (m // shape.y) * 4 == base.logits * 3 // 2, name
 
 
 def test_preflight_check_uses_the_methods_memory() -> None:

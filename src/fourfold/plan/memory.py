@@ -325,5 +325,11 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
         layer_block = sum(lin.out_features * lin.in_features for lin in block_linears(model))
         layer_block //= shape.x * shape.y
         gathered = 2 * layer_block * p.weight_bytes if shape.z > 1 else 0
-        out = dataclasses.replace(out, activations=0, comm_buffers=0, gathered_weights=gathered)
+        # a no-grad forward's peak is its loss: the logits and two float32 tensors of their
+        # size (cross-entropy's log-softmax and its working buffer); measured with
+        # bench/memory_lean.py --phases, 125m, 256 tokens: 96 MiB in use above the weights
+        # (3 x 31), where the backward's `logits` term (logits, their fp32 workspace) has 2
+        logits = breakdown.logits * (p.act_bytes + 2 * 4) // (p.act_bytes + 4)
+        out = dataclasses.replace(out, activations=0, comm_buffers=0, gathered_weights=gathered,
+                                  logits=logits)
     return out
