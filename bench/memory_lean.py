@@ -251,6 +251,8 @@ def main() -> None:
                     help="also run every method on x * y gloo ranks (data = z = 1), per rank")
     ap.add_argument("--phases", action="store_true",
                     help="peak heap in use and RSS per phase of each run (one process)")
+    ap.add_argument("--grid-only", action="store_true",
+                    help="only the grid's table (no one-process column)")
     ap.add_argument("--tuned-malloc", action="store_true",
                     help="glibc tuned as `fourfold train` tunes CPU ranks (train/host_memory.py)")
     if len(sys.argv) == 3 and sys.argv[1] == "--rank-worker":
@@ -260,6 +262,16 @@ def main() -> None:
     if args.steps < 2:
         sys.exit("error: --steps must be at least 2 (the first step is not timed)")
     grid = parse_grid(args.grid) if args.grid else None
+    if args.grid_only and grid is None:
+        sys.exit("error: --grid-only needs --grid XxY")
+    one_ratio: dict[str, float] = {}
+    if not args.grid_only:
+        one_ratio = one_process_table(args)
+    if grid is not None:
+        grid_table(args, grid, one_ratio)
+
+
+def one_process_table(args: argparse.Namespace) -> dict[str, float]:
     base = measure(args, "none")["rss_kib"]
     rows = {m: measure(args, m) for m in dict.fromkeys(["adamw", *args.methods])}
     ref = rows["adamw"]
@@ -281,22 +293,33 @@ def main() -> None:
               f"{r['first_step_s']:.1f} s |", flush=True)
     if args.phases:
         print_phases(rows)
-    if grid is None:
-        return
-    grows = {m: measure_grid(args, m, grid) for m in dict.fromkeys(["adamw", *args.methods])}
-    print(f"\ngrid x = {grid[0]}, y = {grid[1]} ({grid[0] * grid[1]} gloo ranks, data = z = 1), "
-          "per rank: peak RSS above the rank's own import, ratio to AdamW's on this grid")
+    return one_ratio
+
+
+def grid_table(args: argparse.Namespace, grid: tuple[int, int], one_ratio: dict[str, float]
+               ) -> None:
+    """The grid's rows, printed as each method's launch ends (AdamW's first)."""
+    print(f"\npreset {args.preset}, grid x = {grid[0]}, y = {grid[1]} ({grid[0] * grid[1]} gloo "
+          "ranks, data = z = 1), per rank: peak RSS above the rank's own import, ratio to "
+          f"AdamW's on this grid; malloc {'tuned' if args.tuned_malloc else 'glibc defaults'}")
     print("| method | peak RSS - base (ranks) | ratio (ranks) | one process | worst diff "
           "| planner | error (worst) | tokens/s |")
-    print("|---|---|---|---|---|---|---|---|")
-    ref_above = [(r["rss_kib"] - r["base_kib"]) * 1024 for r in grows["adamw"]]
-    for m, ranks in grows.items():
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    ref_above: list[int] = []
+    for m in dict.fromkeys(["adamw", *args.methods]):
+        ranks = measure_grid(args, m, grid)
         above = [(r["rss_kib"] - r["base_kib"]) * 1024 for r in ranks]
+        ref_above = ref_above or above
         ratios = [a / b for a, b in zip(above, ref_above)]
-        diff = max(ratios, key=lambda v: abs(v - one_ratio[m])) - one_ratio[m]
+        one = one_ratio.get(m)
+        if one is None:
+            one_text, diff_text = "-", "-"
+        else:
+            diff = max(ratios, key=lambda v: abs(v - one)) - one
+            one_text, diff_text = f"{one:.2f}", f"{diff:+.2f}"
         errors = [r["predicted"] / a - 1 for r, a in zip(ranks, above)]
         print(f"| {m} | {min(above) / 2**20:.0f}-{max(above) / 2**20:.0f} MiB | "
-              f"{min(ratios):.2f}-{max(ratios):.2f} | {one_ratio[m]:.2f} | {diff:+.2f} | "
+              f"{min(ratios):.2f}-{max(ratios):.2f} | {one_text} | {diff_text} | "
               f"{ranks[0]['predicted'] / 2**20:.0f} MiB | {max(errors, key=abs):+.1%} | "
               f"{min(r['tokens_per_s'] for r in ranks):.0f} |", flush=True)
 
