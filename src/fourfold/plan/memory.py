@@ -315,7 +315,13 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
                           ) -> MemoryBreakdown:
     """`breakdown` (predict_memory's, which counts AdamW) with train.optimizer's gradients and
     state; mezo and es run forwards only: no saved activations, no dW or gradient buckets.
-    galore: its update's temporaries (`update`, galore_update_bytes), after backward."""
+    galore: its update's temporaries (`update`, galore_update_bytes), after backward.
+
+    Checked with bench/memory_lean.py (125m, 2 x 128 tokens; --phases gives the heap in use at
+    each method's peak): the live tensors at each peak are these terms. Resident memory under
+    glibc's default tuning reads up to ~200 MiB above them on one process (freed blocks it
+    keeps: AdaLomo's row blocks, ES's noise chunks) and more on gloo ranks (an arena per
+    thread); with the tuning `fourfold train` gives CPU ranks (--tuned-malloc) it does not."""
     p = precision or Precision.of("float32")
     states = method_state_bytes(model, shape, train, p)
     out = dataclasses.replace(breakdown, grads=states["grads"], optimizer=states["optimizer"])
