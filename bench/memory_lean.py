@@ -11,6 +11,16 @@ their norms are taken); GaLore at rank dim/4 with its SVD refresh in the first,
 untimed step (one refresh per 200 steps by default: `first_step_s` shows its cost).
 
     python bench/memory_lean.py [--preset small] [--steps 4] [--batch 2] [--seq 128]
+        [--grid 2x2 [--grid-only]] [--tuned-malloc] [--phases]
+
+--grid XxY: the same methods on x * y gloo ranks (torchrun, data = z = 1), per rank, beside
+the one-process ratios. --tuned-malloc: glibc tuned as `fourfold train` tunes CPU runs (and
+ranks); without it freed blocks that glibc keeps read as resident memory (up to ~200 MiB on
+125m, more on gloo ranks, which get an arena per thread), which the planner does not model.
+Measured 125m, --steps 3 --tuned-malloc, planner error: one process within -9%..+4% (adamw,
+lomo, adalomo, mezo, es, galore); 2x2 per rank: -16%..+12%; grid ratios 0.03-0.12 above the
+one-process ones (per-rank parts that do not split four ways: the runtime, the y-split logits)
+and GaLore's 1.44-1.52 (each refresh gathers the full matrix and runs its SVD on every rank).
 
 The issue's table uses --preset 125m (about 2 GiB with AdamW); keep to small presets on a
 shared machine.
