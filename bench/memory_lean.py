@@ -11,6 +11,16 @@ their norms are taken); GaLore at rank dim/4 with its SVD refresh in the first,
 untimed step (one refresh per 200 steps by default: `first_step_s` shows its cost).
 
     python bench/memory_lean.py [--preset small] [--steps 4] [--batch 2] [--seq 128]
+        [--grid 2x2 [--grid-only]] [--tuned-malloc] [--phases]
+
+--grid XxY: the same methods on x * y gloo ranks (torchrun, data = z = 1), per rank, beside
+the one-process ratios. --tuned-malloc: glibc tuned as `fourfold train` tunes CPU runs (and
+ranks); without it freed blocks that glibc keeps read as resident memory (up to ~200 MiB on
+125m, more on gloo ranks, which get an arena per thread), which the planner does not model.
+Measured 125m, --steps 3 --tuned-malloc, planner error: one process within -9%..+4% (adamw,
+lomo, adalomo, mezo, es, galore); 2x2 per rank: -16%..+12%; grid ratios 0.03-0.12 above the
+one-process ones (per-rank parts that do not split four ways: the runtime, the y-split logits)
+and GaLore's 1.44-1.52 (each refresh gathers the full matrix and runs its SVD on every rank).
 
 The issue's table uses --preset 125m (about 2 GiB with AdamW); keep to small presets on a
 shared machine.
@@ -20,70 +30,223 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 METHODS = ("adamw", "lomo", "adalomo", "mezo", "es", "blockllm", "galore")
 
 
-def child(preset: str, method: str, steps: int, batch: int, seq: int, population: int) -> dict:
+def child(preset: str, method: str, steps: int, batch: int, seq: int, population: int,
+          grid: tuple[int, int] = (1, 1), phases: bool = False, tuned: bool = False) -> dict:
+    """Train `method` for `steps` steps on this process (on a grid: this rank of an x by y
+    grid, under torchrun) and report its peak RSS (ru_maxrss, KiB) and the rest of a row."""
     import torch
 
     import fourfold  # noqa: F401  (the baseline process imports this much)
     if method == "none":
         return {"rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
-    from fourfold.config import TrainConfig, model_config
+    from fourfold.config import ParallelConfig, TrainConfig, model_config
     from fourfold.models import build_model
-    from fourfold.parallel import Grid, parallelize
+    from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
     from fourfold.train.methods import StepData, build_method
 
+    if tuned:  # as build_run tunes a CPU run (the environment part comes from measure*)
+        from fourfold.train.host_memory import keep_freed_host_memory
+
+        keep_freed_host_memory()
+    # a rank's own baseline: what it holds after the imports, before it joins the job
+    base_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     torch.set_num_threads(1)
-    # on the meta device, as build_run does: parallelize makes the (one) shard of each tensor
+    x, y = grid
+    shape = GridShape(data=1, z=1, y=y, x=x)
+    if shape.size > 1:
+        _, _, device = init_distributed("gloo", timeout_s=600)
+        the_grid = Grid.build(shape, device)
+    else:
+        the_grid = Grid.single()
+    sampler = PeakSampler() if phases else None
+    # on the meta device, as build_run does: parallelize makes this rank's shard of each tensor
     model = build_model(model_config(preset), seed=0, device="meta")
     model.activation_checkpointing = True
-    pmodel = parallelize(model, Grid.single())
+    pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y))
     extra = {"es_population": population} if method == "es" else {}
     cfg = TrainConfig(optimizer=method, lr=1e-4, seq_len=seq, **extra)
     trainer = build_method(pmodel, cfg)
+    if sampler is not None:
+        sampler.label("built")
+        sampler.instrument(pmodel, trainer)
     vocab = model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     times = []
-    for _ in range(steps):
+    for i in range(steps):
+        # x and y split the weights, not the batch: every rank of the grid sees all of it
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
 
         def losses():
             yield pmodel(tokens[:, :-1], tokens[:, 1:]).mean()
 
+        if sampler is not None:
+            sampler.label(f"step {i}")
         start = time.perf_counter()
         result = trainer.step(pmodel, StepData(1, losses), cfg.lr)
         times.append(time.perf_counter() - start)
-    return {"rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-            "tokens_per_s": batch * seq * (len(times) - 1) / sum(times[1:]),
-            "first_step_s": times[0], "peak_grad_bytes": trainer.peak_grad_bytes,
-            "predicted": predicted_bytes(model.cfg, cfg, batch * seq),
-            "loss": result.loss, "state_bytes": trainer.state_bytes()}
+    out = {"rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "base_kib": base_kib,
+           "tokens_per_s": batch * seq * (len(times) - 1) / sum(times[1:]),
+           "first_step_s": times[0], "peak_grad_bytes": trainer.peak_grad_bytes,
+           "predicted": predicted_bytes(model.cfg, cfg, batch * seq, shape),
+           "loss": result.loss, "state_bytes": trainer.state_bytes()}
+    if sampler is not None:
+        out["phases"] = sampler.stop()
+    return out
 
 
-def predicted_bytes(model_cfg, train_cfg, tokens: int) -> int:
-    """The planner's peak for this run (plan/memory.py with the method's state)."""
-    from fourfold.parallel import GridShape
+class PeakSampler:
+    """--phases: a thread that reads glibc's heap in use (mallinfo2: what malloc has handed
+    out, brk and mmap) and VmRSS every millisecond, and the label of the phase the main
+    thread is in (set at the step's parts: forward, backward, each method's update), so the
+    report says what was alive at each peak. torch's kernels release the GIL, so it samples
+    during them too."""
+
+    def __init__(self) -> None:
+        import threading
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        import rank_memory_worker as w
+
+        self._heap, self._rss = w._heap, lambda: w._status("VmRSS")
+        self._base = (self._heap()[0], self._rss())
+        self._label = "build"
+        self.peaks: dict[str, list[int]] = {}  # label: [heap used, rss] maxima above start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def label(self, name: str) -> None:
+        self._sample()
+        self._label = name
+
+    def _sample(self) -> None:
+        heap, rss = self._heap()[0] - self._base[0], self._rss() - self._base[1]
+        peak = self.peaks.setdefault(self._label, [0, 0])
+        peak[0], peak[1] = max(peak[0], heap), max(peak[1], rss)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self._sample()
+
+    def wrap(self, owner: object, attr: str, name: str) -> None:
+        inner = getattr(owner, attr)
+
+        def wrapped(*args, **kwargs):
+            outer = self._label
+            self.label(outer.split(" / ")[0] + " / " + name)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.label(outer)
+
+        setattr(owner, attr, wrapped)
+
+    def instrument(self, pmodel, trainer) -> None:
+        from fourfold.train.methods import zeroth
+
+        self.wrap(pmodel.module, "forward", "forward")
+        for attr in ("update", "_update", "_projection", "finish_backward"):
+            if hasattr(trainer, attr):
+                self.wrap(trainer, attr, attr)
+        if hasattr(pmodel, "finish_backward"):
+            self.wrap(pmodel, "finish_backward", "finish_backward")
+        self.wrap(zeroth, "add_noise", "add_noise")
+
+    def stop(self) -> dict[str, list[int]]:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        return self.peaks
+
+
+def predicted_bytes(model_cfg, train_cfg, tokens: int, shape) -> int:
+    """The planner's peak for this run, per rank (plan/memory.py with the method's state)."""
     from fourfold.plan.memory import Precision, predict_memory, predict_method_memory
 
-    one, precision = GridShape(1, 1, 1, 1), Precision.of("float32")
-    mem = predict_memory(model_cfg, one, tokens, True, precision, on_host=True)
-    return predict_method_memory(mem, model_cfg, one, train_cfg, precision).total
+    precision = Precision.of("float32")
+    mem = predict_memory(model_cfg, shape, tokens, True, precision, on_host=True)
+    return predict_method_memory(mem, model_cfg, shape, train_cfg, precision).total
 
 
 def measure(args: argparse.Namespace, method: str) -> dict:
     code = ("import json, sys; sys.path.insert(0, 'bench'); import memory_lean as m; "
             f"print(json.dumps(m.child({args.preset!r}, {method!r}, {args.steps}, {args.batch}, "
-            f"{args.seq}, {args.population})))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            f"{args.seq}, {args.population}, phases={args.phases}, tuned={args.tuned_malloc})))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=malloc_env(args))
     if proc.returncode:
         sys.exit(f"error: {method} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def malloc_env(args: argparse.Namespace) -> dict[str, str]:
+    """--tuned-malloc: the environment `fourfold train --nproc` gives CPU ranks (no tcache)."""
+    from fourfold.host import rank_malloc_environment
+
+    return dict(os.environ, **(rank_malloc_environment() if args.tuned_malloc else {}))
+
+
+def measure_grid(args: argparse.Namespace, method: str, grid: tuple[int, int]) -> list[dict]:
+    """One torchrun launch of x * y gloo ranks on this host; each rank's row, rank order."""
+    env = dict(malloc_env(args), OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    spec = json.dumps([args.preset, method, args.steps, args.batch, args.seq, args.population,
+                       list(grid), args.phases, args.tuned_malloc])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(grid[0] * grid[1]), __file__, "--rank-worker", spec]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
+    if proc.returncode or not lines:
+        sys.exit(f"error: {method} on {grid[0]}x{grid[1]} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def rank_worker(spec: str) -> None:
+    import torch.distributed as dist
+
+    from fourfold.parallel import leave_job
+
+    preset, method, steps, batch, seq, population, grid, phases, *tuned = json.loads(spec)
+    row = child(preset, method, steps, batch, seq, population, tuple(grid), phases,
+                bool(tuned and tuned[0]))
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    if dist.get_rank() == 0:
+        print(json.dumps(rows), flush=True)
+    dist.barrier()
+    leave_job(0)
+
+
+def parse_grid(text: str) -> tuple[int, int]:
+    try:
+        x, y = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        sys.exit(f"error: --grid {text!r}: give it as XxY, for example 2x2")
+    if x < 1 or y < 1:
+        sys.exit(f"error: --grid {text!r}: x and y must be at least 1")
+    return x, y
+
+
+def print_phases(rows: dict) -> None:
+    """Per method, the phases by peak heap in use (MiB above the start of the build)."""
+    for m, r in rows.items():
+        if "phases" not in r:
+            continue
+        top = sorted(r["phases"].items(), key=lambda kv: -kv[1][0])[:4]
+        print(f"  {m}: " + "; ".join(f"{k}: heap {h / 2**20:.0f} rss {s / 2**20:.0f}"
+                                     for k, (h, s) in top))
 
 
 def main() -> None:
@@ -94,24 +257,81 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--population", type=int, default=4, help="ES members per step")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--grid", default=None, metavar="XxY",
+                    help="also run every method on x * y gloo ranks (data = z = 1), per rank")
+    ap.add_argument("--phases", action="store_true",
+                    help="peak heap in use and RSS per phase of each run (one process)")
+    ap.add_argument("--grid-only", action="store_true",
+                    help="only the grid's table (no one-process column)")
+    ap.add_argument("--tuned-malloc", action="store_true",
+                    help="glibc tuned as `fourfold train` tunes CPU ranks (train/host_memory.py)")
+    if len(sys.argv) == 3 and sys.argv[1] == "--rank-worker":
+        rank_worker(sys.argv[2])
+        return
     args = ap.parse_args()
     if args.steps < 2:
         sys.exit("error: --steps must be at least 2 (the first step is not timed)")
+    grid = parse_grid(args.grid) if args.grid else None
+    if args.grid_only and grid is None:
+        sys.exit("error: --grid-only needs --grid XxY")
+    one_ratio: dict[str, float] = {}
+    if not args.grid_only:
+        one_ratio = one_process_table(args)
+    if grid is not None:
+        grid_table(args, grid, one_ratio)
+
+
+def one_process_table(args: argparse.Namespace) -> dict[str, float]:
     base = measure(args, "none")["rss_kib"]
     rows = {m: measure(args, m) for m in dict.fromkeys(["adamw", *args.methods])}
     ref = rows["adamw"]
     print(f"preset {args.preset}, float32, batch {args.batch} x {args.seq}, activation "
-          f"checkpointing, one process; baseline (import fourfold) {base / 1024:.0f} MiB")
-    print("| method | peak RSS - base | ratio | planner | state | peak grads | tokens/s "
+          f"checkpointing, one process; baseline (import fourfold) {base / 1024:.0f} MiB; "
+          f"malloc {'tuned' if args.tuned_malloc else 'glibc defaults'}")
+    print("| method | peak RSS - base | ratio | planner | error | state | peak grads | tokens/s "
           "| vs adamw | first step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    one_ratio = {}
     for m, r in rows.items():
         above = r["rss_kib"] - base
-        print(f"| {m} | {above / 1024:.0f} MiB | {above / (ref['rss_kib'] - base):.2f} | "
+        one_ratio[m] = above / (ref["rss_kib"] - base)
+        print(f"| {m} | {above / 1024:.0f} MiB | {one_ratio[m]:.2f} | "
               f"{r['predicted'] / 2**20:.0f} MiB | "
+              f"{r['predicted'] / (above * 1024) - 1:+.1%} | "
               f"{r['state_bytes'] / 2**20:.1f} MiB | {r['peak_grad_bytes'] / 2**20:.1f} MiB | "
               f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / ref['tokens_per_s']:.2f} | "
-              f"{r['first_step_s']:.1f} s |")
+              f"{r['first_step_s']:.1f} s |", flush=True)
+    if args.phases:
+        print_phases(rows)
+    return one_ratio
+
+
+def grid_table(args: argparse.Namespace, grid: tuple[int, int], one_ratio: dict[str, float]
+               ) -> None:
+    """The grid's rows, printed as each method's launch ends (AdamW's first)."""
+    print(f"\npreset {args.preset}, grid x = {grid[0]}, y = {grid[1]} ({grid[0] * grid[1]} gloo "
+          "ranks, data = z = 1), per rank: peak RSS above the rank's own import, ratio to "
+          f"AdamW's on this grid; malloc {'tuned' if args.tuned_malloc else 'glibc defaults'}")
+    print("| method | peak RSS - base (ranks) | ratio (ranks) | one process | worst diff "
+          "| planner | error (worst) | tokens/s |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    ref_above: list[int] = []
+    for m in dict.fromkeys(["adamw", *args.methods]):
+        ranks = measure_grid(args, m, grid)
+        above = [(r["rss_kib"] - r["base_kib"]) * 1024 for r in ranks]
+        ref_above = ref_above or above
+        ratios = [a / b for a, b in zip(above, ref_above)]
+        one = one_ratio.get(m)
+        if one is None:
+            one_text, diff_text = "-", "-"
+        else:
+            diff = max(ratios, key=lambda v: abs(v - one)) - one
+            one_text, diff_text = f"{one:.2f}", f"{diff:+.2f}"
+        errors = [r["predicted"] / a - 1 for r, a in zip(ranks, above)]
+        print(f"| {m} | {min(above) / 2**20:.0f}-{max(above) / 2**20:.0f} MiB | "
+              f"{min(ratios):.2f}-{max(ratios):.2f} | {one_text} | {diff_text} | "
+              f"{ranks[0]['predicted'] / 2**20:.0f} MiB | {max(errors, key=abs):+.1%} | "
+              f"{min(r['tokens_per_s'] for r in ranks):.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -446,6 +446,39 @@ def test_planner_state_bytes_follow_the_method() -> None:
     assert split["optimizer"] < predicted["adalomo"]["optimizer"]
 
 
+def test_planner_counts_the_methods_transients() -> None:
+    """GaLore's refresh: the SVD's copy of the gradient, U and Vh (and on a grid the gathered
+    full gradient) of the largest matrix, after backward; they count in the total. MeZO's and
+    ES's no-grad loss."""
+    import dataclasses
+
+    from fourfold.config import TrainConfig, model_config
+    from fourfold.parallel import GridShape
+    from fourfold.plan.memory import (Precision, galore_update_bytes, predict_memory,
+                                      predict_method_memory)
+
+    mcfg = model_config("debug", bias=True, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    m, n = mcfg.vocab_size, mcfg.dim
+    k, cfg, p = min(m, n), TrainConfig(optimizer="galore"), Precision.of("float32")
+    one, grid = GridShape(1, 1, 1, 1), GridShape(1, 1, 2, 2)
+    assert galore_update_bytes(mcfg, one, cfg) == 4 * (m * n + m * k + k * n + 4 * k * k)
+    assert galore_update_bytes(mcfg, grid, cfg) == 4 * (2 * m * n + m * k + k * n + 4 * k * k)
+    for shape in (one, grid):
+        base = predict_memory(mcfg, shape, 256, True, p, on_host=True)
+        galore = predict_method_memory(base, mcfg, shape, cfg, p)
+        assert galore.update == galore_update_bytes(mcfg, shape, cfg) > 0
+        without = dataclasses.replace(galore, update=0)
+        assert galore.total == without.total + max(0, galore.update - max(
+            without.step, without.startup, without.export))
+        adamw = predict_method_memory(base, mcfg, shape, TrainConfig(optimizer="adamw"), p)
+        assert adamw.update == 0 and adamw.total == base.total
+        # forwards only: no saved activations; the loss's peak is three logits-sized tensors
+        for name in ("mezo", "es"):
+            zo = predict_method_memory(base, mcfg, shape, TrainConfig(optimizer=name), p)
+            assert zo.activations == zo.grads == zo.optimizer == zo.update == 0, name
+            assert zo.logits == 3 * 256 * (m // shape.y) * 4 == base.logits * 3 // 2, name
+
+
 def test_preflight_check_uses_the_methods_memory() -> None:
     """build_run's check: a capacity that AdamW's run exceeds but MeZO's fits."""
     from fourfold.config import load_config

@@ -105,6 +105,7 @@ class MemoryBreakdown:
     export: int = 0  # streaming the model out: the writer's full tensor (host), a block
     checkpoint: int = 0  # an asynchronous checkpoint's snapshot, when it shares this memory
     runtime: int = 0  # on a host: pages a run touches beyond the import, other than tensors
+    update: int = 0  # a method's update temporaries after backward (its activations are freed)
 
     @property
     def step(self) -> int:
@@ -117,7 +118,7 @@ class MemoryBreakdown:
         """Peak bytes: the model state plus the largest of the step, the build and the export
         (which run one after the other)."""
         return (self.params + self.grads + self.optimizer + self.runtime
-                + max(self.step, self.startup, self.export))
+                + max(self.step, self.update, self.startup, self.export))
 
 
 def predict_param_memory(model_cfg: ModelConfig, shape: GridShape,
@@ -289,17 +290,53 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
     raise PlanError(f"train.optimizer = {name!r}: no memory model for it")
 
 
+def galore_update_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig") -> int:
+    """GaLore's largest transient after backward (every gradient and the moments still held),
+    float32, the largest over the matrices of:
+    - a projection refresh (the first step and every galore_gap-th): the gradient all-gathered
+      to its full m x n on a grid (on one process the shard is used as it is), the SVD's own
+      copy of it (LAPACK overwrites its input), U (m x k, k = min(m, n)) and Vh (k x n), and
+      gesdd's workspace (about 4 k^2); measured on CPU for 32000 x 768: 2.2x the input at the
+      peak of torch.linalg.svd beside the input, this model 2.1x;
+    - an update: R (the projected gradient), Adam's normalised step of it (both r-rank, local),
+      and the step projected back to the shard's full rl x cl, made before it is added.
+    The embedding / output matrix (vocab x dim) is the largest of both on every preset."""
+    split = shape.x * shape.y * shape.z > 1
+    worst = 0
+    for m, n, rl, cl in _local_matrices(model, shape):
+        k, r = min(m, n), galore_rank((m, n), train.galore_rank)
+        refresh = (m * n if split else 0) + m * n + m * k + k * n + 4 * k * k
+        low = r * cl if m < n else rl * r
+        worst = max(worst, refresh, rl * cl + 2 * low)
+    return worst * 4
+
+
 def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape: GridShape,
                           train: "TrainConfig", precision: Precision | None = None
                           ) -> MemoryBreakdown:
     """`breakdown` (predict_memory's, which counts AdamW) with train.optimizer's gradients and
-    state; mezo and es run forwards only: no saved activations, no dW or gradient buckets."""
+    state; mezo and es run forwards only: no saved activations, no dW or gradient buckets.
+    galore: its update's temporaries (`update`, galore_update_bytes), after backward.
+
+    Checked with bench/memory_lean.py (125m, 2 x 128 tokens; --phases gives the heap in use at
+    each method's peak): the live tensors at each peak are these terms. Resident memory under
+    glibc's default tuning reads up to ~200 MiB above them on one process (freed blocks it
+    keeps: AdaLomo's row blocks, ES's noise chunks) and more on gloo ranks (an arena per
+    thread); with the tuning `fourfold train` gives CPU ranks (--tuned-malloc) it does not."""
     p = precision or Precision.of("float32")
     states = method_state_bytes(model, shape, train, p)
     out = dataclasses.replace(breakdown, grads=states["grads"], optimizer=states["optimizer"])
+    if train.optimizer == "galore":
+        out = dataclasses.replace(out, update=galore_update_bytes(model, shape, train))
     if train.optimizer in ("mezo", "es"):
         layer_block = sum(lin.out_features * lin.in_features for lin in block_linears(model))
         layer_block //= shape.x * shape.y
         gathered = 2 * layer_block * p.weight_bytes if shape.z > 1 else 0
-        out = dataclasses.replace(out, activations=0, comm_buffers=0, gathered_weights=gathered)
+        # a no-grad forward's peak is its loss: the logits and two float32 tensors of their
+        # size (cross-entropy's log-softmax and its working buffer); measured with
+        # bench/memory_lean.py --phases, 125m, 256 tokens: 96 MiB in use above the weights
+        # (3 x 31), where the backward's `logits` term (logits, their fp32 workspace) has 2
+        logits = breakdown.logits * (p.act_bytes + 2 * 4) // (p.act_bytes + 4)
+        out = dataclasses.replace(out, activations=0, comm_buffers=0, gathered_weights=gathered,
+                                  logits=logits)
     return out
