@@ -491,7 +491,6 @@ class CheckpointManager:
             return to_host(t, copy)  # from a GPU: pinned, not blocking
 
         state, _ = self._tensor_state(pmodel, optimizer, to_cpu)
-        wait_for_host_copies(self.grid.device)
         if self.rank == 0:  # the same on every rank (per-rank timings aside): one copy
             state.update(encode_state(extra, f"{_STATE}{_EXTRA}/"))
             for name, part in self.states.items():
@@ -503,7 +502,7 @@ class CheckpointManager:
             if self.rank == 0:
                 state.update(encode_state(meta, f"{_STATE}{name}/"))
             state.update(self._shards(name, part, tensors, to_cpu))
-        wait_for_host_copies(self.grid.device)
+        wait_for_host_copies(self.grid.device)  # the model's, the optimizer's, the parts'
         return state
 
     def _shards(self, name: str, part: ShardedStateful, tensors: dict[str, torch.Tensor],
