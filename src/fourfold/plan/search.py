@@ -108,9 +108,14 @@ STEP_TIME_NOTES: dict[str, str] = {
 }
 
 
+def batch_axes(optimizer: str = "adamw") -> tuple[str, ...]:
+    """The grid axes a step's batch is split over under `optimizer`."""
+    return METHOD_BATCH_AXES.get(optimizer, ("data", "z"))
+
+
 def batch_split(shape: GridShape, optimizer: str = "adamw") -> int:
     """How many shards a step's batch is split into on `shape` under `optimizer`."""
-    return math.prod(getattr(shape, a) for a in METHOD_BATCH_AXES.get(optimizer, ("data", "z")))
+    return math.prod(getattr(shape, a) for a in batch_axes(optimizer))
 
 
 _SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
@@ -152,7 +157,7 @@ def grid_problem(model: ModelConfig, shape: GridShape, global_batch: int,
     over x then z and in over y; attention needs whole heads per y rank; the batch is split over
     data and z (over z alone under es, whose replicas each see the whole batch)."""
     gx, gy, gz = shape.x, shape.y, shape.z
-    batch_axes = "*".join(METHOD_BATCH_AXES.get(optimizer, ("data", "z")))
+    split_axes = "*".join(batch_axes(optimizer))
     kv = model.n_kv_heads * model.head_dim
     checks = [
         (model.dim, gx * gz, "model.dim", "x*z"), (model.dim, gy, "model.dim", "y"),
@@ -160,7 +165,7 @@ def grid_problem(model: ModelConfig, shape: GridShape, global_batch: int,
         (model.n_heads, gy, "model.n_heads", "y"), (model.n_kv_heads, gy, "model.n_kv_heads", "y"),
         (kv, gy * gz, "kv dim", "y*z"), (model.dim, gy * gz, "model.dim", "y*z"),
         (model.vocab_size, gy * gz, "model.vocab_size", "y*z"),
-        (global_batch, batch_split(shape, optimizer), "batch", batch_axes),
+        (global_batch, batch_split(shape, optimizer), "batch", split_axes),
     ]
     for value, parts, what, axes in checks:
         if value % parts:
@@ -298,7 +303,7 @@ def _no_grid_message(model: ModelConfig, world_size: int, global_batch: int,
     batch_ok = [(s, why) for s, why in rejected
                 if global_batch % batch_split(s, optimizer) == 0]
     if not batch_ok:
-        axes = "*".join(METHOD_BATCH_AXES.get(optimizer, ("data", "z")))
+        axes = "*".join(batch_axes(optimizer))
         return (f"--global-batch {global_batch}: no grid of {world_size} GPUs can split it "
                 f"({axes} must divide the batch); try a multiple of {world_size}")
     shape, why = batch_ok[0]
