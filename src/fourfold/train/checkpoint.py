@@ -405,7 +405,6 @@ class CheckpointManager:
 
     def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, grid: Grid,
                  states: Mapping[str, Stateful] | None = None,
-                 rank_states: Mapping[str, Stateful] | None = None,
                  trainable_only: bool = False,
                  sharded_states: Mapping[str, ShardedStateful] | None = None) -> None:
         self.run_dir = Path(run_dir)
@@ -418,8 +417,8 @@ class CheckpointManager:
         self.states: dict[str, Stateful] = dict(states or {})
         if _EXTRA in self.states:
             raise ValueError(f"{_EXTRA!r} is reserved for save()'s extra; name the part otherwise")
-        # each rank's own parts: its RNG states, and the caller's
-        self.rank_states: dict[str, Stateful] = {"rng": RandomState(), **(rank_states or {})}
+        # each rank's own part: its RNG states (a method's state is a sharded part)
+        self.rank_states: dict[str, Stateful] = {"rng": RandomState()}
         self.sharded_states: dict[str, ShardedStateful] = dict(sharded_states or {})
         clash = sorted(set(self.sharded_states) & (set(self.states) | {_EXTRA}))
         if clash:  # both keep their JSON under state/NAME/
