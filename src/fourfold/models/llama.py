@@ -112,6 +112,12 @@ class Attention(nn.Module):
         return self.o_proj(y)
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's value; the one expression its forward and any recomputation of it use, so a
+    recomputed value is the forward's bit for bit."""
+    return F.silu(gate) * up
+
+
 class _SwiGLU(torch.autograd.Function):
     """silu(gate) * up, keeping gate and up for backward and recomputing silu(gate) there:
     autograd would keep silu's output as well (a fourth ffn-wide tensor per block beside gate,
@@ -121,7 +127,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+        return silu_mul(gate, up)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
@@ -136,6 +142,56 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(gate, up)
 
 
+class _RecomputedInputLinear(torch.autograd.Function):
+    """F.linear(silu(gate) * up, weight, bias) that keeps gate and up (SwiGLU keeps them
+    anyway) instead of its input, and recomputes the input for the weight gradient. The GEMMs
+    run in the compute dtype (autocast's, when on), the gradients return in their tensors'."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
+                bias: torch.Tensor | None, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        dtype = (torch.get_autocast_dtype(h.device.type)
+                 if torch.is_autocast_enabled(h.device.type) else h.dtype)
+        with torch.autocast(h.device.type, enabled=False):
+            y = F.linear(h.to(dtype), weight.to(dtype),
+                         None if bias is None else bias.to(dtype))
+        ctx.dtype, ctx.h_dtype, ctx.has_bias = dtype, h.dtype, bias is not None
+        ctx.save_for_backward(weight, gate, up)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        weight, gate, up = ctx.saved_tensors
+        dtype = ctx.dtype
+        dy = dy.to(dtype)
+        d_h = d_w = d_b = None
+        with torch.autocast(dy.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                d_h = (dy @ weight.to(dtype)).to(ctx.h_dtype)
+            flat = dy.reshape(-1, dy.shape[-1])
+            if ctx.needs_input_grad[1]:
+                h = silu_mul(gate, up).to(dtype)
+                d_w = (flat.T @ h.reshape(-1, h.shape[-1])).to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                d_b = flat.sum(0).to(weight.dtype)
+        return d_h, d_w, d_b, None, None
+
+
+def down_projection(down: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate) * up), keeping one ffn-wide tensor less for backward where `down` can
+    recompute its input: a plain nn.Linear with no hooks (here), or fourfold's parallel linear
+    (its `recompute`). Anything else (a hooked or wrapped layer) gets the plain call."""
+    h = swiglu(gate, up)
+    weight = getattr(down, "weight", None)
+    if not torch.is_grad_enabled() or weight is None or not weight.requires_grad:
+        return down(h)
+    if getattr(down, "recomputes_input", False):
+        return down(h, recompute=(silu_mul, (gate, up)))
+    if type(down) is nn.Linear and not (down._forward_hooks or down._forward_pre_hooks):
+        return _RecomputedInputLinear.apply(h, down.weight, down.bias, gate, up)
+    return down(h)
+
+
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -144,7 +200,7 @@ class FeedForward(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return down_projection(self.down_proj, self.gate_proj(x), self.up_proj(x))
 
 
 class Block(nn.Module):

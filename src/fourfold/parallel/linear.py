@@ -10,9 +10,16 @@ backward it sums the partial input gradients over the linears' output axis, and 
 deferred weight-gradient GEMMs while that all-reduce is in flight. The gradients travel in the
 compute dtype of the forward (bfloat16 under autocast: the GEMMs that made them ran in it),
 even where the activation itself is float32 (the residual stream).
+
+A layer whose input is a cheap function of tensors autograd keeps anyway (down's input,
+silu(gate) * up, of gate and up, which SwiGLU keeps) can be handed that recipe
+(`Linear3D.forward(x, recompute=(fn, inputs))`): it keeps the inputs instead of x and
+recomputes x for its weight gradient, so x's storage is freed after the forward.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -76,10 +83,14 @@ def _forward_gemm(engine: Engine, x: torch.Tensor, w: torch.Tensor, axis: str) -
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
+# x = fn(*inputs): see the module docstring
+Recompute = tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...]]
+
+
 class _Linear3DFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight_shard: torch.Tensor,  # type: ignore[override]
-                module: "Linear3D") -> torch.Tensor:
+                module: "Linear3D", recompute: Recompute | None = None) -> torch.Tensor:
         engine = module.engine
         dtype = _compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
@@ -92,14 +103,22 @@ class _Linear3DFunction(torch.autograd.Function):
                 w.numel() * w.element_size(), y.numel() * y.element_size(), y.numel()):
             ctx.kept_block = w  # its backward comes next: no second gather
         # a frozen weight needs no dW, so its input is not kept for backward
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None)
+        ctx.recompute_fn = None
+        if not ctx.needs_input_grad[1]:
+            ctx.save_for_backward(None)
+        elif recompute is not None:
+            ctx.recompute_fn = recompute[0]
+            ctx.save_for_backward(*recompute[1])
+        else:
+            ctx.save_for_backward(x)
         return y
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
         module: Linear3D = ctx.module
         engine = module.engine
-        (x,) = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x = ctx.recompute_fn(*saved) if ctx.recompute_fn is not None else saved[0]
         dtype = ctx.dtype
         grad_in = None
         with torch.autocast(grad_out.device.type, enabled=False):
@@ -118,11 +137,13 @@ class _Linear3DFunction(torch.autograd.Function):
 
             if x is not None:  # None: the weight is frozen (no GEMM, no reduce-scatter)
                 engine.defer(weight_grad)
-        return grad_in, None, None
+        return grad_in, None, None, None
 
 
 class Linear3D(nn.Module):
     """A linear layer of the 3D parallel matrix multiply (normal or transposed)."""
+
+    recomputes_input = True  # forward takes `recompute` (see the module docstring)
 
     def __init__(self, linear: nn.Linear, grid: Grid, engine: Engine, transposed: bool,
                  own_fan_out: bool, weight: nn.Parameter | None = None) -> None:
@@ -162,12 +183,12 @@ class Linear3D(nn.Module):
         return gathered.view(self.block_shape)
 
     @torch.compiler.disable  # collectives and deferred GEMMs: compiled code runs around it
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:
         if self.fused is not None:
             return self.fused.output(self, x)
         if self.own_fan_out:
             x = fan_out(x, self.engine, self.out_axis)
-        y = _Linear3DFunction.apply(x, self.weight, self)
+        y = _Linear3DFunction.apply(x, self.weight, self, recompute)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
@@ -323,6 +344,8 @@ class ReplicatedLinear3D(Linear3D):
     are whole (replicated over x and y); the layer slices its input over x, runs the normal 3D
     layer, and all-gathers its output over y. Correct for any module; the model-specific plans
     avoid the extra gather and slice."""
+
+    recomputes_input = False  # its GEMM's input is a slice of x, not x
 
     def __init__(self, linear: nn.Linear, grid: Grid, engine: Engine) -> None:
         super().__init__(linear, grid, engine, transposed=False, own_fan_out=True)

@@ -147,7 +147,9 @@ def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
     residual_like = 4 * d // gx
     # k and v are saved after the GQA repeat, so they are as wide as q
     attention = 4 * heads_dim // gy
-    mlp = 3 * f // gy  # gate out, up out (models/llama.py swiglu recomputes silu), down's input
+    # gate out and up out: models/llama.py's swiglu recomputes silu, and down recomputes its
+    # input silu(gate) * up from them (Linear3D's `recompute`)
+    mlp = 2 * f // gy
     stats = 4 * (2 + model.n_heads // gy)  # an fp32 rstd per norm, an fp32 lse per local head
     act, residual = precision.act_bytes, precision.residual_bytes
     # final norm (input, output) and its rstd; token ids (int64) and the
