@@ -20,24 +20,23 @@ Measured on the shared 2-core, 24 GiB machine (350m preset, 1,426 MiB of float32
 rank above the import, range over the ranks, planner's prediction, x the weights:
 
     ranks  grid (d z y x)  checkpoint  act. ckpt  measured       predicted  error       x weights
-      1    1 1 1 1         sync        off        6,764          6,934      +2.5%       4.74
-      2    1 2 1 1         sync        off        3,936-3,957    3,713      -5.7..-6.2% 2.76-2.77
-      4    1 2 2 1         sync        off        2,061-2,092    1,950      -5.4..-6.8% 1.45-1.47
-      8    1 2 2 2         sync        off        1,041-1,079    1,043      +0.2..-3.3% 0.73-0.76
-      8    1 2 2 2         sync        on           919-940      868/894*   -4.7..-7.6% 0.64-0.66
-      1    1 1 1 1         async       off       10,852         11,212      +3.3%       7.61
-      2    1 2 1 1         async       off        5,652-5,750    5,852      +1.8..+3.5% 3.96-4.03
-      4    1 2 2 1         async       off        2,879-2,968    3,020      +1.8..+4.9% 2.02-2.08
-      8    1 2 2 2         async       off        1,594-1,655    1,636      +2.6..-1.2% 1.12-1.16
-    (* rank 0 writes the export.) The two 8-rank sync rows are with RMSNorm and SwiGLU keeping
-    only their inputs for backward; before, they read 1,117-1,155 (0.78-0.81x) and 917-943. With --no-rank-tunables (no tcache switch, as under torchrun)
-    the 8-rank sync row reads 1,594-1,961 (1.12-1.37x). Before the coalescing malloc tuning (train/host_memory.py)
-    the 8-rank rows read 1,770-2,173 (sync) and 2,023-2,367 (async): 1.2-1.7x the weights.
+      1    1 1 1 1         sync        off        6,635          6,572      -1.0%       4.65
+      2    1 2 1 1         sync        off        3,729-3,757    3,532      -5.3..-6.0% 2.61-2.63
+      4    1 2 2 1         sync        off        1,917-1,929    1,835      -4.2..-4.8% 1.34-1.35
+      8    1 2 2 2         sync        off        1,019-1,042    1,010      -0.8..-3.1% 0.71-0.73
+      8    1 2 2 2         sync        on           911-936      867/894*   -4.5..-7.0% 0.64-0.66
+      8    1 2 2 2         async       off        1,533-1,561    1,545      +0.8..-1.0% 1.07-1.09
+    (* rank 0 writes the export.) History of the 8-rank sync row: 1,770-2,173 before the
+    coalescing malloc tuning (train/host_memory.py); 1,117-1,155 (0.78-0.81x) before RMSNorm and
+    SwiGLU kept only their inputs for backward; 1,041-1,079 (0.73-0.76x) before SwiGLU's down
+    projection recomputed its input (models/llama.py down_projection). With --no-rank-tunables
+    (no tcache switch, as under torchrun) it read 1,594-1,961 (1.12-1.37x) before those two.
 An async checkpoint's snapshot (weights and AdamW moments, 0.375x the weights on 8 ranks) is
 alive through the next step, so a CPU rank with one cannot go below 0.875x: that is why
 checkpoint.async = "auto" (the default) writes a CPU rank's checkpoints synchronously. The
-0.75x goal needs, at 8 x 64 tokens, activation checkpointing too (without it the activations
-alone are 0.18x).
+activations at 8 x 64 tokens are 0.11x of the weights without activation checkpointing
+(0.5x is the model state, 0.09x the other terms: runtime, gather buffers, logits), 0.01x
+with it.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ checkpoint, the streamed export):
   (15m: 37-59 MiB above the other terms on 1-8 ranks).
 On CPU the allocator keeps freed blocks for reuse (train/host_memory.py) and, so tuned, its
 resident memory stays within a few percent of the heap in use. Measured with it, 350m preset,
-8 ranks (x2 y2 z2): 1,041-1,079 MiB per rank with a sync checkpoint (predicted 1,043),
-1,594-1,655 with an async one (predicted 1,636); 15m: within 7% on 1-8 ranks here; but what
+8 ranks (x2 y2 z2): 1,019-1,042 MiB per rank with a sync checkpoint (predicted 1,010),
+1,533-1,561 with an async one (predicted 1,545); 15m: within 7% on 1-8 ranks here; but what
 the heap cannot reuse depends on when gloo's threads allocate: 15m at z = 2, whose heap in use
 peaks at the same 160 MiB in every run, read 188-207 MiB on one machine and 225 (18% over the
 predicted 191) on another.
