@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -100,3 +102,50 @@ def test_flops_per_token_is_6n_plus_attention() -> None:
     n = model.num_params() - model.embed.weight.numel() - sum(
         p.numel() for name, p in model.named_parameters() if "norm" in name)
     assert flops_per_token(cfg, 64) == 6 * n + 12 * cfg.n_layers * cfg.dim * 64
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_down_projection_recomputes_its_input_and_matches_autograd(autocast: bool) -> None:
+    """FeedForward keeps gate and up for backward, not silu(gate) * up (down's input), and its
+    gradients are those of the plain down_proj(swiglu(gate, up)), bit for bit (float32 and
+    bfloat16 autocast); a hooked down_proj (as LoRA hooks it) takes the plain call."""
+    import copy
+
+    from fourfold.models.llama import FeedForward, swiglu
+
+    cfg = model_config("debug", bias=True)
+    torch.manual_seed(0)
+    ff = FeedForward(cfg)
+    ref = copy.deepcopy(ff)
+    x = torch.randn(2, 8, cfg.dim, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    shapes: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = ff(x)
+        y_ref = ref.down_proj(swiglu(ref.gate_proj(x_ref), ref.up_proj(x_ref)))
+    wide = 2 * 8 * cfg.ffn_dim  # elements of an ffn-wide activation
+
+    def ffn_wide() -> list[tuple[int, ...]]:
+        return [s for s in shapes if math.prod(s) == wide]
+
+    # gate and up, each kept by SwiGLU and by the down projection (the same storage)
+    assert ffn_wide() == [(2, 8, cfg.ffn_dim)] * 4, shapes
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    y_ref.backward(grad)
+    assert torch.equal(y, y_ref) and torch.equal(x.grad, x_ref.grad)
+    for (name, p), q in zip(ff.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+    hooked = copy.deepcopy(ref)
+    hooked.down_proj.register_forward_hook(lambda m, i, o: o)
+    shapes.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hooked(x_ref)
+    assert len(ffn_wide()) == 3, shapes  # gate, up and down's input
