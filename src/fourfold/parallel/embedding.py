@@ -82,6 +82,26 @@ class ParallelEmbedding(nn.Module):
         return _EmbeddingFunction.apply(tokens, self.weight, self)
 
 
+# elements of logits per block when a loss needs no backward: a bounded temporary (4 MiB of
+# float32) instead of logits-sized ones (the planner's memory model counts one block)
+NO_GRAD_LOSS_BLOCK_ELEMENTS = 1 << 20
+
+
+def _row_blocks(rows: int, width: int) -> int:
+    return max(1, NO_GRAD_LOSS_BLOCK_ELEMENTS // max(1, width))
+
+
+def _sum_exp_by_rows(lf: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """exp(lf - shift).sum(-1), one block of rows at a time: each row's sum is what the whole
+    tensor's would give (rows are independent), with one block's temporary."""
+    flat, flat_shift = lf.reshape(-1, lf.shape[-1]), shift.reshape(-1, 1)
+    step = _row_blocks(*flat.shape)
+    out = torch.empty(flat.shape[0], dtype=lf.dtype, device=lf.device)
+    for i in range(0, flat.shape[0], step):
+        out[i:i + step] = (flat[i:i + step] - flat_shift[i:i + step]).exp_().sum(-1)
+    return out.view(shift.shape)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, comm: Comm,  # type: ignore[override]
@@ -89,16 +109,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         lf = logits.float()
         # a shift for stability; any value works as long as all y-ranks use the same one
         shift = comm.all_reduce(lf.detach().amax(-1), "y", op="max").wait()
-        exp = torch.exp(lf - shift.unsqueeze(-1))
         local = targets - vocab_start
         owned = (local >= 0) & (local < lf.shape[-1])
         local = local.masked_fill(~owned, 0)
         target_logit = (lf.gather(-1, local.unsqueeze(-1)).squeeze(-1) - shift) * owned
-        stats = comm.all_reduce(torch.stack([exp.sum(-1), target_logit]), "y").wait()
+        keep = ctx.needs_input_grad[0]
+        if keep:  # the softmax is the backward's: one logits-sized tensor, exp'd in place
+            exp = (lf - shift.unsqueeze(-1)).exp_()
+            local_sum = exp.sum(-1)
+        else:  # no backward (evaluation, MeZO / ES): the sums row block by row block
+            local_sum = _sum_exp_by_rows(lf, shift)
+        stats = comm.all_reduce(torch.stack([local_sum, target_logit]), "y").wait()
         sum_exp, target_logit = stats[0], stats[1]
         loss = torch.log(sum_exp) - target_logit
-        exp.div_(sum_exp.unsqueeze(-1))  # softmax over the local slice
-        ctx.save_for_backward(exp, local, owned)
+        if keep:
+            exp.div_(sum_exp.unsqueeze(-1))  # softmax over the local slice
+            ctx.save_for_backward(exp, local, owned)
         ctx.logits_dtype = logits.dtype
         return loss
 
@@ -130,5 +156,12 @@ class CrossEntropy(nn.Module):
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         B, T, V = logits.shape
-        return F.cross_entropy(logits.float().reshape(B * T, V), targets.reshape(B * T),
-                               reduction="none").view(B, T)
+        flat, flat_targets = logits.float().reshape(B * T, V), targets.reshape(B * T)
+        if torch.is_grad_enabled() and logits.requires_grad:
+            return F.cross_entropy(flat, flat_targets, reduction="none").view(B, T)
+        # no backward (evaluation, MeZO / ES): one block of rows at a time, so the
+        # log-softmax temporary is a block's, not the logits' size (rows are independent)
+        step = _row_blocks(B * T, V)
+        return torch.cat([F.cross_entropy(flat[i:i + step], flat_targets[i:i + step],
+                                          reduction="none")
+                          for i in range(0, B * T, step)]).view(B, T)

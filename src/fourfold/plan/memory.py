@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fourfold.config import ModelConfig
+from fourfold.parallel.embedding import NO_GRAD_LOSS_BLOCK_ELEMENTS
 from fourfold.parallel.grid import GridShape
 from fourfold.plan.errors import PlanError
 from fourfold.plan.schedule import block_linears, local_param_numel
@@ -334,11 +335,14 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
         layer_block = sum(lin.out_features * lin.in_features for lin in block_linears(model))
         layer_block //= shape.x * shape.y
         gathered = 2 * layer_block * p.weight_bytes if shape.z > 1 else 0
-        # a no-grad forward's peak is its loss: the logits and two float32 tensors of their
-        # size (cross-entropy's log-softmax and its working buffer); measured with
-        # bench/memory_lean.py --phases, 125m, 256 tokens: 96 MiB in use above the weights
-        # (3 x 31), where the backward's `logits` term (logits, their fp32 workspace) has 2
-        logits = breakdown.logits * (p.act_bytes + 2 * 4) // (p.act_bytes + 4)
+        # a no-grad forward's peak is its loss: the logits (and their float32 copy when they
+        # are not float32) and one block of rows of the loss's temporaries (parallel/
+        # embedding.py works a loss without backward block by block). Before the blocks:
+        # bench/memory_lean.py --phases, 125m, 256 tokens read 96 MiB in use above the
+        # weights, 3 x the 31 MiB of logits
+        numel = breakdown.logits // (p.act_bytes + 4)
+        logits = (numel * (p.act_bytes + (4 if p.act_bytes < 4 else 0))
+                  + 4 * min(numel, NO_GRAD_LOSS_BLOCK_ELEMENTS))  # parallel/embedding.py
         out = dataclasses.replace(out, activations=0, comm_buffers=0, gathered_weights=gathered,
                                   logits=logits)
     return out
