@@ -160,6 +160,7 @@ def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
 HOST_RUNTIME_BYTES = 40 * 2**20  # measured: see the module docstring (runtime)
 INIT_TILE_BYTES = 1024 * 1024 * 4  # fourfold.models.init: one float32 tile drawn at a time
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb
+GALORE_CHUNK_BYTES = 4 * 2**20  # train/methods/galore.py: gathered columns per Gram chunk
 
 
 def largest_tensor_numel(model: ModelConfig, shape: GridShape) -> tuple[int, int]:
@@ -292,23 +293,23 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
 
 def galore_update_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig") -> int:
     """GaLore's largest transient after backward (every gradient and the moments still held),
-    float32, the largest over the matrices of:
-    - a projection refresh (the first step and every galore_gap-th): the gradient all-gathered
-      to its full m x n on a grid (on one process the shard is used as it is), the SVD's own
-      copy of it (LAPACK overwrites its input), U (m x k, k = min(m, n)) and Vh (k x n), and
-      gesdd's workspace (about 4 k^2); measured on CPU for 32000 x 768: 2.2x the input at the
-      peak of torch.linalg.svd beside the input, this model 2.1x;
+    the largest over the matrices of:
+    - a projection refresh (the first step and every galore_gap-th), s = min(m, n): the s x s
+      float64 Gram while a chunk of the shard is gathered to its full small side (float32,
+      GALORE_CHUNK_BYTES at most, and its float64 copy), then eigh's input, output and
+      workspace (syevd: about 2 s^2), 4 s^2 float64 in all, measured on CPU for s = 3072:
+      4.2 s^2 at eigh's peak;
     - an update: R (the projected gradient), Adam's normalised step of it (both r-rank, local),
       and the step projected back to the shard's full rl x cl, made before it is added.
-    The embedding / output matrix (vocab x dim) is the largest of both on every preset."""
-    split = shape.x * shape.y * shape.z > 1
+    The second is the largest on every preset (the embedding / output matrix's)."""
     worst = 0
     for m, n, rl, cl in _local_matrices(model, shape):
-        k, r = min(m, n), galore_rank((m, n), train.galore_rank)
-        refresh = (m * n if split else 0) + m * n + m * k + k * n + 4 * k * k
+        s, r = min(m, n), galore_rank((m, n), train.galore_rank)
+        width = min(max(1, GALORE_CHUNK_BYTES // (4 * s)), cl if m < n else rl)
+        refresh = max(8 * s * s + 12 * s * width, 32 * s * s)
         low = r * cl if m < n else rl * r
-        worst = max(worst, refresh, rl * cl + 2 * low)
-    return worst * 4
+        worst = max(worst, refresh, 4 * (rl * cl + 2 * low))
+    return worst
 
 
 def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape: GridShape,

@@ -8,14 +8,25 @@ R = G Q (m x r), step N(R) Q^T. P (or Q) is recomputed from the step's gradient 
 train.galore_gap steps; the moments carry over, as in the paper. The rank is train.galore_rank,
 or a quarter of the smaller side (0), and never above the smaller side.
 
-On a grid this is the projection of the global gradient, so it trains as one process does. At
-a refresh each matrix's gradient is all-gathered over the axes that split it (one matrix at a
-time: a transient full m x n copy per rank) and every rank computes the same SVD, keeping only
-the rows of P (or Q) that its shard needs. Between refreshes a step costs one all-reduce of R's
-local part over the axes that split the projected side (r floats per column or row), and the
-state per rank is its part of P (or Q) and of R's two moments (parts of global tensors, which
+P (Q) is computed from the Gram matrix of the smaller side, s = min(m, n): the top r
+eigenvectors of G G^T (G^T G), s x s, summed in float64 and solved with eigh (float64), the
+same subspace as the SVD's without a copy of G: a refresh's transient is the Gram, eigh's
+output and workspace (about 4 s^2 float64 in all), one chunk of G's columns (rows) gathered
+to their full small side (GALORE_CHUNK_BYTES, float32) and its float64 copy, and the basis.
+Eigenvalues that tie at the r-th leave the basis of their eigenspace to eigh (as to an SVD);
+zero rows or columns (vocab padding) add nothing to the Gram.
+
+On a grid this is the projection of the global gradient, so it trains as one process does
+(up to the order of the Gram's float64 sums, which the float32 basis rarely sees). At a
+refresh each matrix's shard is all-gathered a chunk at a time over the axes that split the
+small side (a rank receives (p_small - 1) times its shard, and none of the long side), each
+chunk's product is added to the s x s Gram, which is all-reduced over the axes that split the
+long side (8 s^2 bytes); every rank then solves the same eigh and keeps only the rows of P
+(or Q) that its shard needs. On one process the same chunks, without collectives.
+Between refreshes a step costs one all-reduce of R's local part over the axes that split the
+projected side (r floats per column or row), and the state per rank is its part of P (or Q) and of R's two moments (parts of global tensors, which
 checkpoints save as such: a run resumes on any grid). A refreshed singular vector takes
-the sign that agrees with the one it replaces (an SVD's signs are arbitrary, and a near-equal
+the sign that agrees with the one it replaces (eigh's signs are arbitrary, and a near-equal
 gradient on another grid could flip them; the first ones meet zero moments, where sign is moot).
 """
 
@@ -28,14 +39,57 @@ import torch
 
 from fourfold.config import TrainConfig
 from fourfold.parallel import Layout
-from fourfold.parallel.parallelize import _gather_full
-from fourfold.plan.memory import galore_rank
+from fourfold.parallel.comm import Comm
+from fourfold.parallel.grid import Axis
+from fourfold.plan.memory import GALORE_CHUNK_BYTES, galore_rank
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
                                          StepResult, TrainingMethod, padded_dims, param_views,
                                          reduce_loss)
 
 EPS = 1e-8
+
+
+@torch.no_grad()
+def small_side_gram(pieces: torch.Tensor, small_axes: tuple[Axis, ...],
+                    long_axes: tuple[Axis, ...], comm: Comm,
+                    chunk_bytes: int = GALORE_CHUNK_BYTES) -> torch.Tensor:
+    """A A^T (s x s, float64, the same on every rank) of the global matrix A whose shard
+    `pieces` is (its dim 0, the small side s, split over `small_axes`; dim 1, the long side,
+    over `long_axes`). A few columns of the shard at a time are all-gathered over the small
+    side's axes (float32, at most `chunk_bytes` gathered) and their product added; the lower
+    triangle of the sums is then all-reduced over the long side's axes. With no axes (one
+    process) the same chunks, without collectives."""
+    parts = 1
+    for axis in small_axes:
+        parts *= comm.grid.size(axis)
+    s = pieces.shape[0] * parts
+    width = max(1, chunk_bytes // (4 * s))
+    gram = torch.zeros(s, s, dtype=torch.float64, device=pieces.device)
+    for start in range(0, pieces.shape[1], width):
+        chunk = pieces[:, start:start + width].float().contiguous()
+        for axis in reversed(small_axes):  # innermost first: rows in the offsets' order
+            chunk = comm.all_gather(chunk, axis).wait()
+        chunk = chunk.double()
+        gram.addmm_(chunk, chunk.T)
+        del chunk
+    if any(comm.grid.size(axis) > 1 for axis in long_axes):
+        # eigh reads the lower triangle only: half the bytes of the whole Gram
+        rows, cols = torch.tril_indices(s, s, device=gram.device)
+        lower = gram[rows, cols]
+        for axis in long_axes:
+            lower = comm.all_reduce(lower, axis).wait()
+        gram[rows, cols] = lower
+        del rows, cols, lower
+        gram.tril_().add_(gram.tril(-1).T)  # symmetric again, as on one process
+    return gram
+
+
+def top_eigenvectors(gram: torch.Tensor, r: int) -> torch.Tensor:
+    """The eigenvectors of the r largest eigenvalues of a symmetric matrix, largest first,
+    float32 (s x r)."""
+    _, vectors = torch.linalg.eigh(gram)  # ascending; reads the lower triangle
+    return vectors[:, -r:].flip(1).float()
 
 
 class GaLore(PerParameterState, TrainingMethod):
@@ -73,19 +127,21 @@ class GaLore(PerParameterState, TrainingMethod):
     @torch.no_grad()
     def _projection(self, view: ParamView, grad: torch.Tensor, left: bool, r: int,
                     previous: torch.Tensor | None) -> torch.Tensor:
-        """This shard's rows of P (left) or Q (right) from the full gradient's SVD."""
-        full = _gather_full(grad.float().contiguous(), view.layout, self.comm)
-        u, _, vh = torch.linalg.svd(full, full_matrices=False)
-        basis = u[:, :r] if left else vh[:r].T  # (m, r) or (n, r)
+        """This shard's rows of P (left) or Q (right): the top eigenvectors of the global
+        gradient's small-side Gram matrix."""
         dim = 0 if left else 1
+        split = padded_dims(view)
+        # the small side first: G's shard for P (G G^T), its transpose for Q (G^T G)
+        gram = small_side_gram(grad if left else grad.T, split[dim], split[1 - dim], self.comm)
+        basis = top_eigenvectors(gram, r)  # (m, r) or (n, r)
+        del gram
         start, size = view.offsets[dim], view.param.shape[dim]
         basis = basis[start:start + size].contiguous()
         if previous is not None:
             # the moments were kept in the old basis: each new direction takes the sign that
             # agrees with the old one (dot products over the full vectors: summed over the
             # axes that split this side). Before the first step's moments the sign is moot.
-            split = view.layout.dims[dim] if dim < len(view.layout.dims) else ()
-            dots = self._sum((basis * previous).sum(0), split)
+            dots = self._sum((basis * previous).sum(0), split[dim])
             basis = basis * torch.where(dots < 0, -1.0, 1.0)
         return basis
 
