@@ -18,9 +18,12 @@ the one-process ratios. --tuned-malloc: glibc tuned as `fourfold train` tunes CP
 ranks); without it freed blocks that glibc keeps read as resident memory (up to ~200 MiB on
 125m, more on gloo ranks, which get an arena per thread), which the planner does not model.
 Measured 125m, --steps 3 --tuned-malloc, planner error: one process within -9%..+4% (adamw,
-lomo, adalomo, mezo, es, galore); 2x2 per rank: -16%..+12%; grid ratios 0.03-0.12 above the
-one-process ones (per-rank parts that do not split four ways: the runtime, the y-split logits)
-and GaLore's 1.44-1.52 (each refresh gathers the full matrix and runs its SVD on every rank).
+lomo, adalomo, mezo, es; galore -7%); 2x2 per rank: -16%..+12%; grid ratios 0.03-0.12 above
+the one-process ones (per-rank parts that do not split four ways: the runtime, the y-split
+logits). GaLore (refresh from the small side's Gram, no full copy of a matrix): one process
+1672 MiB, 0.73 of AdamW (was 0.77 with the SVD of the gradient); 2x2 553-561 MiB per rank,
+0.92-0.96 (was 1.33-1.61), planner -11%: its r-rank moments split over the axes that split
+the long side only, so on 2x2 a rank holds half of them, not a quarter.
 
 The issue's table uses --preset 125m (about 2 GiB with AdamW); keep to small presets on a
 shared machine.

@@ -301,8 +301,10 @@ def galore_refreshes(method, ref_method, pmodel) -> list[dict]:
         u, _, vh = torch.linalg.svd(full.double(), full_matrices=False)
         svd = u[:, :r] if left else vh[:r].T
         parts = [math.prod(pmodel.grid.size(a) for a in axes) for axes in split]
+        long_axes = sum(pmodel.grid.size(a) > 1 for a in split[1 - dim])
         out.append(dict(name=view.name, small=min(m, n), shard_bytes=4 * rows * cols,
-                        small_parts=parts[dim], long_parts=parts[1 - dim], moved=moved,
+                        small_parts=parts[dim], long_parts=parts[1 - dim], long_axes=long_axes,
+                        moved=moved,
                         vs_one=float((gathered - one).abs().max()),
                         vs_svd=float((gathered @ gathered.T - svd @ svd.T).abs().max())))
     return out

@@ -253,13 +253,14 @@ def check_subset_method(r: dict) -> None:
 def check_galore_refreshes(r: dict, label: str) -> None:
     """GaLore's Gram refresh on a grid (lean_worker.galore_refreshes): the basis one process
     computes, the SVD's subspace; a rank moves its shard's columns (rows) gathered over the
-    small side's axes (at most twice with two of them) and the Gram's lower triangle."""
+    small side's axes (at most twice with two of them) and the Gram's lower triangle (float64)
+    over each of the long side's."""
     assert len(r["refreshes"]) >= 8, label
     for f in r["refreshes"]:
         where = f"{label} {f['name']}"
         assert f["vs_one"] < 1e-5 and f["vs_svd"] < 1e-5, f"{where}: {f}"
         s = f["small"]
-        gram = 4 * s * (s + 1) if f["long_parts"] > 1 else 0
+        gram = 4 * s * (s + 1) * f["long_axes"]  # over each axis in turn
         gather = 2 * f["small_parts"] * f["shard_bytes"] if f["small_parts"] > 1 else 0
         assert f["moved"] <= gather + gram, f"{where}: {f}"
         assert (f["moved"] > 0) == (f["small_parts"] * f["long_parts"] > 1), f"{where}: {f}"
