@@ -522,7 +522,7 @@ def test_planner_counts_the_methods_transients() -> None:
     for shape, rows in ((one, m), (grid, m // 2)):  # the embedding's rows: vocab over y
         width = min(GALORE_CHUNK_BYTES // (4 * k), rows)
         refresh = max(8 * k * k + 12 * k * width, 32 * k * k)
-        update = 4 * (rows * n // shape.x + 2 * rows * r)
+        update = 4 * (rows * n // shape.x + rows * r + rows * r // shape.x)
         assert galore_update_bytes(mcfg, shape, cfg) == max(refresh, update), shape
     for shape in (one, grid):
         base = predict_memory(mcfg, shape, 256, True, p, on_host=True)

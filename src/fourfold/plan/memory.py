@@ -259,7 +259,8 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
     step's backward adds the tensor being handed off (the largest block) and the vectors (with
     grad_accum > 1 every gradient lives until the last micro-step). galore: every
     gradient; per matrix its projection (local rows of the projected side x r) and two r-rank
-    moments; vectors plain AdamW."""
+    moments (r split over the projected side's axes where they divide it); vectors plain
+    AdamW."""
     p = precision or Precision.of("float32")
     numel = sum(local_param_numel(model, shape).values())
     matrices = _local_matrices(model, shape)
@@ -285,8 +286,11 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
         state = 2 * vectors
         for m, n, rl, cl in matrices:
             r = galore_rank((m, n), train.galore_rank)
-            # m < n: P (local rows x r), moments r x local cols; else Q and m_local x r moments
-            state += rl * r + 2 * r * cl if m < n else cl * r + 2 * rl * r
+            # m < n: P (local rows x r), moments r x local cols; else Q and m_local x r moments;
+            # the moments' r split as the projected side is, where that divides r
+            parts = m // rl if m < n else n // cl
+            rr = r // parts if r % parts == 0 else r
+            state += rl * r + 2 * rr * cl if m < n else cl * r + 2 * rl * rr
         return {"grads": numel * p.grad_bytes, "optimizer": state * state_bytes}
     raise PlanError(f"train.optimizer = {name!r}: no memory model for it")
 
@@ -299,16 +303,18 @@ def galore_update_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfi
       GALORE_CHUNK_BYTES at most, and its float64 copy), then eigh's input, output and
       workspace (syevd: about 2 s^2), 4 s^2 float64 in all, measured on CPU for s = 3072:
       4.2 s^2 at eigh's peak;
-    - an update: R (the projected gradient), Adam's normalised step of it (both r-rank, local),
-      and the step projected back to the shard's full rl x cl, made before it is added.
+    - an update: R (the projected gradient) and Adam's normalised step of it, gathered (both
+      r-rank, local), this rank's share of R (1 / p of it), and the step projected back to
+      the shard's full rl x cl, made before it is added.
     The second is the largest on every preset (the embedding / output matrix's)."""
     worst = 0
     for m, n, rl, cl in _local_matrices(model, shape):
         s, r = min(m, n), galore_rank((m, n), train.galore_rank)
         width = min(max(1, GALORE_CHUNK_BYTES // (4 * s)), cl if m < n else rl)
         refresh = max(8 * s * s + 12 * s * width, 32 * s * s)
-        low = r * cl if m < n else rl * r
-        worst = max(worst, refresh, 4 * (rl * cl + 2 * low))
+        low, parts = (r * cl, m // rl) if m < n else (rl * r, n // cl)
+        # R before its reduce-scatter, this rank's share of it, the step back in the shard
+        worst = max(worst, refresh, 4 * (rl * cl + low + low // parts))
     return worst
 
 

@@ -23,11 +23,15 @@ small side (a rank receives (p_small - 1) times its shard, and none of the long 
 chunk's product is added to the s x s Gram, which is all-reduced over the axes that split the
 long side (8 s^2 bytes); every rank then solves the same eigh and keeps only the rows of P
 (or Q) that its shard needs. On one process the same chunks, without collectives.
-Between refreshes a step costs one all-reduce of R's local part over the axes that split the
-projected side (r floats per column or row), and the state per rank is its part of P (or Q) and of R's two moments (parts of global tensors, which
-checkpoints save as such: a run resumes on any grid). A refreshed singular vector takes
-the sign that agrees with the one it replaces (eigh's signs are arbitrary, and a near-equal
-gradient on another grid could flip them; the first ones meet zero moments, where sign is moot).
+Between refreshes a step reduce-scatters R's local part over the axes that split the
+projected side (r rows of the shard's columns or rows: each rank keeps r / p of them, as an
+all-reduce's first half would) and all-gathers Adam's step of them back (its second half);
+where those axes do not divide r, R is all-reduced and its moments replicated over them. The
+state per rank is its part of P (or Q) and of R's two moments, a quarter of them on 2 x 2
+(parts of global tensors, which checkpoints save as such: a run resumes on any grid). A
+refreshed singular vector takes the sign that agrees with the one it replaces (eigh's signs
+are arbitrary, and a near-equal gradient on another grid could flip them; the first ones meet
+zero moments, where sign is moot).
 """
 
 from __future__ import annotations
@@ -121,8 +125,26 @@ class GaLore(PerParameterState, TrainingMethod):
         if field == "proj":
             return Layout((rows if m < n else cols, ()))
         if field in ("m", "v"):
-            return Layout(((), cols)) if m < n else Layout((rows, ()))
+            split = self._rank_axes(view, galore_rank(view.full_shape, self.rank))
+            return Layout((split, cols)) if m < n else Layout((rows, split))
         return None
+
+    def _rank_axes(self, view: ParamView, r: int) -> tuple[Axis, ...]:
+        """The axes that split R's rank dim (and its moments'): those R is summed over (the
+        ones that split the projected side) where they divide r, else none (R replicated)."""
+        m, n = view.full_shape
+        axes = padded_dims(view)[0 if m < n else 1]
+        return axes if r % math.prod(self.grid.size(a) for a in axes) == 0 else ()
+
+    def _scatter(self, t: torch.Tensor, axes: tuple[Axis, ...]) -> torch.Tensor:
+        for axis in axes:  # outer first: this rank's block of dim 0, in the offsets' order
+            t = self.comm.reduce_scatter(t, axis).wait()
+        return t
+
+    def _gather(self, t: torch.Tensor, axes: tuple[Axis, ...]) -> torch.Tensor:
+        for axis in reversed(axes):  # innermost first
+            t = self.comm.all_gather(t.contiguous(), axis).wait()
+        return t
 
     @torch.no_grad()
     def _projection(self, view: ParamView, grad: torch.Tensor, left: bool, r: int,
@@ -157,20 +179,27 @@ class GaLore(PerParameterState, TrainingMethod):
             if refresh or "proj" not in state:
                 state["proj"] = self._projection(view, g, left, r, state.get("proj"))
             proj = state["proj"]
-            if left:  # R = P^T G, summed over the axes that split G's rows
-                low = self._sum(proj.T @ g, row_axes)  # (r, n_local)
-            else:  # R = G Q, summed over the axes that split G's columns
-                low = self._sum(g @ proj, col_axes)  # (m_local, r)
+            # R, rank dim first: P^T G (r, n_local) summed over the axes that split G's rows,
+            # or (G Q)^T = Q^T G^T (r, m_local) over those that split its columns; reduce-scattered
+            # over them (this rank keeps its r / p rows), all-reduced where they do not divide r
+            split = self._rank_axes(view, r)
+            summed = row_axes if left else col_axes
+            low = proj.T @ (g if left else g.T)
+            low = self._sum(self._scatter(low, split), tuple(a for a in summed if a not in split))
+            if not left:
+                low = low.T  # (m_local, r / p): the moments' layout
         else:
             low = g
         if "m" not in state:
-            state["m"], state["v"] = torch.zeros_like(low), torch.zeros_like(low)
+            state["m"] = torch.zeros(low.shape, dtype=low.dtype, device=low.device)
+            state["v"] = torch.zeros_like(state["m"])
         state["m"].mul_(self.beta1).add_(low, alpha=1.0 - self.beta1)
         state["v"].mul_(self.beta2).addcmul_(low, low, value=1.0 - self.beta2)
         step = (state["m"] / (1.0 - self.beta1 ** t)).div_(
             (state["v"] / (1.0 - self.beta2 ** t)).sqrt_().add_(EPS))
-        if p.dim() == 2:
-            step = state["proj"] @ step if left else step @ state["proj"].T
+        if p.dim() == 2:  # Adam's step of every rank's rows of R, back in the shard's basis
+            step = self._gather(step if left else step.T, split)
+            step = state["proj"] @ step if left else step.T @ state["proj"].T
         if view.decay and self.weight_decay:
             p.mul_(1.0 - lr * self.weight_decay)
         p.add_(step.to(p.dtype), alpha=-lr)
