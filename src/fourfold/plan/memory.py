@@ -306,7 +306,9 @@ def galore_update_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfi
     - an update: R (the projected gradient) and Adam's normalised step of it, gathered (both
       r-rank, local), this rank's share of R (1 / p of it), and the step projected back to
       the shard's full rl x cl, made before it is added.
-    The second is the largest on every preset (the embedding / output matrix's)."""
+    The update's (the embedding / output matrix's) is the larger where shards are large
+    against s^2 (125m and up on a few ranks); the refresh's does not shrink with the grid
+    (4 s^2 float64 on every rank: 128 MiB at s = 2048)."""
     worst = 0
     for m, n, rl, cl in _local_matrices(model, shape):
         s, r = min(m, n), galore_rank((m, n), train.galore_rank)
