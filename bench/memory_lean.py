@@ -18,9 +18,13 @@ the one-process ratios. --tuned-malloc: glibc tuned as `fourfold train` tunes CP
 ranks); without it freed blocks that glibc keeps read as resident memory (up to ~200 MiB on
 125m, more on gloo ranks, which get an arena per thread), which the planner does not model.
 Measured 125m, --steps 3 --tuned-malloc, planner error: one process within -9%..+4% (adamw,
-lomo, adalomo, mezo, es, galore); 2x2 per rank: -16%..+12%; grid ratios 0.03-0.12 above the
-one-process ones (per-rank parts that do not split four ways: the runtime, the y-split logits)
-and GaLore's 1.44-1.52 (each refresh gathers the full matrix and runs its SVD on every rank).
+lomo, adalomo, mezo, es; galore -7%); 2x2 per rank: -16%..+12%; grid ratios 0.03-0.12 above
+the one-process ones (per-rank parts that do not split four ways: the runtime, the y-split
+logits). GaLore (its refresh from the small side's Gram, no full copy of a matrix; its
+r-rank moments split over all its axes): one process 1674 MiB, 0.73 of AdamW (0.77 with the
+SVD); 2x2 482-535 MiB per rank, 0.84-0.92 (1.33-1.61 with the gathered SVD), planner -13% to
+-18%: the ranks' heap in use (--phases' sampler) is 421-427 MiB at the peak (planner 435),
+RSS 60-110 MiB above it (freed blocks the heap cannot reuse, not modelled).
 
 The issue's table uses --preset 125m (about 2 GiB with AdamW); keep to small presets on a
 shared machine.

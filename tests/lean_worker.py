@@ -253,6 +253,8 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
                      full_losses=full_losses, full_ref_losses=full_ref_losses,
                      selection_grad_fraction=method.peak_grad_bytes / total,
                      full_selection_grad_fraction=full.peak_grad_bytes / total)
+    if check["name"] == "galore":  # after the run's ledger: these reset it
+        extra = dict(refreshes=galore_refreshes(method, ref_method, pmodel))
     return dict(ok=True, losses=losses, ref_losses=ref_losses, ledger=ledger, **extra,
                 max_rel_loss=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
                 max_weight_diff=max(float((state[k] - ref_state[k]).abs().max())
@@ -272,6 +274,40 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
                 # what one forward all-gathers over z: every z-sharded module's block
                 forward_gather_bytes=sum(m.block_shape[0] * m.block_shape[1] * 4
                                          for m in pmodel.engine.sharded) if shape.z > 1 else 0)
+
+
+def galore_refreshes(method, ref_method, pmodel) -> list[dict]:
+    """GaLore's refresh of each matrix from a random global gradient (the same on every rank),
+    each rank given its shard: the basis gathered from the ranks against one process's and
+    against a float64 SVD's subspace, and the bytes this rank's refresh moved."""
+    from fourfold.parallel import Layout
+    from fourfold.parallel.parallelize import _gather_full
+    from fourfold.plan.memory import galore_rank
+    from fourfold.train.methods.base import padded_dims
+
+    refs = {v.name: v for v in ref_method.views}
+    out = []
+    for i, view in enumerate(v for v in method.views if v.param.dim() == 2):
+        (m, n), (rows, cols) = view.full_shape, view.param.shape
+        left, r, dim = m < n, galore_rank(view.full_shape, 0), 0 if m < n else 1
+        full = torch.randn(m, n, generator=torch.Generator().manual_seed(i))
+        r0, c0 = view.offsets
+        pmodel.ledger.reset()
+        basis = method._projection(view, full[r0:r0 + rows, c0:c0 + cols], left, r, None)
+        moved = sum(pmodel.ledger.snapshot().values())
+        split = padded_dims(view)
+        gathered = _gather_full(basis, Layout((split[dim],)), method.comm).double()
+        one = ref_method._projection(refs[view.name], full, left, r, None).double()
+        u, _, vh = torch.linalg.svd(full.double(), full_matrices=False)
+        svd = u[:, :r] if left else vh[:r].T
+        parts = [math.prod(pmodel.grid.size(a) for a in axes) for axes in split]
+        long_axes = sum(pmodel.grid.size(a) > 1 for a in split[1 - dim])
+        out.append(dict(name=view.name, small=min(m, n), shard_bytes=4 * rows * cols,
+                        small_parts=parts[dim], long_parts=parts[1 - dim], long_axes=long_axes,
+                        moved=moved,
+                        vs_one=float((gathered - one).abs().max()),
+                        vs_svd=float((gathered @ gathered.T - svd @ svd.T).abs().max())))
+    return out
 
 
 def run_check(shape: GridShape, grid: Grid, check: dict) -> dict:

@@ -247,6 +247,23 @@ def check_subset_method(r: dict) -> None:
     else:  # rank-16 moments of 64-wide matrices, plus the projections
         assert r["max_weight_diff"] < 0.2 * SUBSET_LR, f"{label}: {r['max_weight_diff']}"
         assert 0 < r["state_bytes"] < 0.6 * adamw_state, label
+        check_galore_refreshes(r, label)
+
+
+def check_galore_refreshes(r: dict, label: str) -> None:
+    """GaLore's Gram refresh on a grid (lean_worker.galore_refreshes): the basis one process
+    computes, the SVD's subspace; a rank moves its shard's columns (rows) gathered over the
+    small side's axes (at most twice with two of them) and the Gram's lower triangle (float64)
+    over each of the long side's."""
+    assert len(r["refreshes"]) >= 8, label
+    for f in r["refreshes"]:
+        where = f"{label} {f['name']}"
+        assert f["vs_one"] < 1e-5 and f["vs_svd"] < 1e-5, f"{where}: {f}"
+        s = f["small"]
+        gram = 4 * s * (s + 1) * f["long_axes"]  # over each axis in turn
+        gather = 2 * f["small_parts"] * f["shard_bytes"] if f["small_parts"] > 1 else 0
+        assert f["moved"] <= gather + gram, f"{where}: {f}"
+        assert (f["moved"] > 0) == (f["small_parts"] * f["long_parts"] > 1), f"{where}: {f}"
 
 
 def check_blockllm_selection(r: dict, label: str) -> None:
@@ -326,6 +343,46 @@ def test_blockllm_selection_streams_gradient_norms() -> None:
         else:
             assert runs["streamed"][1].peak_grad_bytes == total, label
         assert all(v.param.grad is None for _, method in runs.values() for v in method.views)
+
+
+def test_galore_basis_spans_the_svds_subspace() -> None:
+    """GaLore's projection from the small side's float64 Gram: the subspace of the top r
+    singular vectors (projectors against a float64 SVD's), on either side, in chunks of the
+    long side or in one; and through GaLore._projection, the shard's rows of it."""
+    from fourfold.config import TrainConfig, model_config
+    from fourfold.models import build_model
+    from fourfold.parallel import Grid, parallelize
+    from fourfold.parallel.comm import Comm
+    from fourfold.train.methods.galore import GaLore, small_side_gram, top_eigenvectors
+
+    comm = Comm(Grid.single())
+    g = torch.Generator().manual_seed(3)
+    for m, n, r in ((300, 40, 7), (40, 300, 10), (64, 64, 16), (50, 20, 20)):
+        grad = torch.randn(m, n, generator=g)
+        left = m < n
+        u, _, vh = torch.linalg.svd(grad.double(), full_matrices=False)
+        ref = u[:, :r] if left else vh[:r].T
+        for chunk_bytes in (1000, 1 << 30):  # 3-7 chunks, one
+            gram = small_side_gram(grad if left else grad.T, (), (), comm, chunk_bytes)
+            assert gram.dtype == torch.float64 and gram.shape == (min(m, n),) * 2
+            basis = top_eigenvectors(gram, r).double()
+            label = f"{m} x {n}, r {r}, chunk {chunk_bytes}"
+            assert basis.shape == (min(m, n), r), label
+            torch.testing.assert_close(basis.T @ basis, torch.eye(r, dtype=torch.float64),
+                                       atol=1e-6, rtol=0, msg=label)
+            diff = (basis @ basis.T - ref @ ref.T).abs().max()
+            assert diff < 1e-6, f"{label}: {diff}"
+    # the method's own path on the tiny model's matrices (one process: every row kept)
+    cfg = model_config("debug", bias=True, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    method = GaLore(parallelize(build_model(cfg, seed=0), Grid.single()),
+                    TrainConfig(optimizer="galore"))
+    for view in (v for v in method.views if v.param.dim() == 2):
+        (m, n), r = view.full_shape, 8
+        grad = torch.randn(m, n, generator=g)
+        basis = method._projection(view, grad, m < n, r, None).double()
+        u, _, vh = torch.linalg.svd(grad.double(), full_matrices=False)
+        ref = u[:, :r] if m < n else vh[:r].T
+        assert (basis @ basis.T - ref @ ref.T).abs().max() < 1e-6, view.name
 
 
 def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
@@ -447,22 +504,26 @@ def test_planner_state_bytes_follow_the_method() -> None:
 
 
 def test_planner_counts_the_methods_transients() -> None:
-    """GaLore's refresh: the SVD's copy of the gradient, U and Vh (and on a grid the gathered
-    full gradient) of the largest matrix, after backward; they count in the total. MeZO's and
-    ES's no-grad loss."""
+    """GaLore's transient after backward, the largest matrix's: its refresh (the small side's
+    float64 Gram, a gathered chunk, eigh) or its update (the step projected back to the
+    shard); it counts in the total. MeZO's and ES's no-grad loss."""
     import dataclasses
 
     from fourfold.config import TrainConfig, model_config
     from fourfold.parallel import GridShape
-    from fourfold.plan.memory import (Precision, galore_update_bytes, predict_memory,
-                                      predict_method_memory)
+    from fourfold.plan.memory import (GALORE_CHUNK_BYTES, Precision, galore_update_bytes,
+                                      predict_memory, predict_method_memory)
 
     mcfg = model_config("debug", bias=True, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
     m, n = mcfg.vocab_size, mcfg.dim
     k, cfg, p = min(m, n), TrainConfig(optimizer="galore"), Precision.of("float32")
+    r = k // 4
     one, grid = GridShape(1, 1, 1, 1), GridShape(1, 1, 2, 2)
-    assert galore_update_bytes(mcfg, one, cfg) == 4 * (m * n + m * k + k * n + 4 * k * k)
-    assert galore_update_bytes(mcfg, grid, cfg) == 4 * (2 * m * n + m * k + k * n + 4 * k * k)
+    for shape, rows in ((one, m), (grid, m // 2)):  # the embedding's rows: vocab over y
+        width = min(GALORE_CHUNK_BYTES // (4 * k), rows)
+        refresh = max(8 * k * k + 12 * k * width, 32 * k * k)
+        update = 4 * (rows * n // shape.x + rows * r + rows * r // shape.x)
+        assert galore_update_bytes(mcfg, shape, cfg) == max(refresh, update), shape
     for shape in (one, grid):
         base = predict_memory(mcfg, shape, 256, True, p, on_host=True)
         galore = predict_method_memory(base, mcfg, shape, cfg, p)

@@ -163,6 +163,7 @@ def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
 HOST_RUNTIME_BYTES = 40 * 2**20  # measured: see the module docstring (runtime)
 INIT_TILE_BYTES = 1024 * 1024 * 4  # fourfold.models.init: one float32 tile drawn at a time
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb
+GALORE_CHUNK_BYTES = 4 * 2**20  # train/methods/galore.py: gathered columns per Gram chunk
 
 
 def largest_tensor_numel(model: ModelConfig, shape: GridShape) -> tuple[int, int]:
@@ -261,7 +262,8 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
     step's backward adds the tensor being handed off (the largest block) and the vectors (with
     grad_accum > 1 every gradient lives until the last micro-step). galore: every
     gradient; per matrix its projection (local rows of the projected side x r) and two r-rank
-    moments; vectors plain AdamW."""
+    moments (r split over the projected side's axes where they divide it); vectors plain
+    AdamW."""
     p = precision or Precision.of("float32")
     numel = sum(local_param_numel(model, shape).values())
     matrices = _local_matrices(model, shape)
@@ -287,31 +289,38 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
         state = 2 * vectors
         for m, n, rl, cl in matrices:
             r = galore_rank((m, n), train.galore_rank)
-            # m < n: P (local rows x r), moments r x local cols; else Q and m_local x r moments
-            state += rl * r + 2 * r * cl if m < n else cl * r + 2 * rl * r
+            # m < n: P (local rows x r), moments r x local cols; else Q and m_local x r moments;
+            # the moments' r split as the projected side is, where that divides r
+            parts = m // rl if m < n else n // cl
+            rr = r // parts if r % parts == 0 else r
+            state += rl * r + 2 * rr * cl if m < n else cl * r + 2 * rl * rr
         return {"grads": numel * p.grad_bytes, "optimizer": state * state_bytes}
     raise PlanError(f"train.optimizer = {name!r}: no memory model for it")
 
 
 def galore_update_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig") -> int:
     """GaLore's largest transient after backward (every gradient and the moments still held),
-    float32, the largest over the matrices of:
-    - a projection refresh (the first step and every galore_gap-th): the gradient all-gathered
-      to its full m x n on a grid (on one process the shard is used as it is), the SVD's own
-      copy of it (LAPACK overwrites its input), U (m x k, k = min(m, n)) and Vh (k x n), and
-      gesdd's workspace (about 4 k^2); measured on CPU for 32000 x 768: 2.2x the input at the
-      peak of torch.linalg.svd beside the input, this model 2.1x;
-    - an update: R (the projected gradient), Adam's normalised step of it (both r-rank, local),
-      and the step projected back to the shard's full rl x cl, made before it is added.
-    The embedding / output matrix (vocab x dim) is the largest of both on every preset."""
-    split = shape.x * shape.y * shape.z > 1
+    the largest over the matrices of:
+    - a projection refresh (the first step and every galore_gap-th), s = min(m, n): the s x s
+      float64 Gram while a chunk of the shard is gathered to its full small side (float32,
+      GALORE_CHUNK_BYTES at most, and its float64 copy), then eigh's input, output and
+      workspace (syevd: about 2 s^2), 4 s^2 float64 in all, measured on CPU for s = 3072:
+      4.2 s^2 at eigh's peak;
+    - an update: R (the projected gradient) and Adam's normalised step of it, gathered (both
+      r-rank, local), this rank's share of R (1 / p of it), and the step projected back to
+      the shard's full rl x cl, made before it is added.
+    The update's (the embedding / output matrix's) is the larger where shards are large
+    against s^2 (125m and up on a few ranks); the refresh's does not shrink with the grid
+    (4 s^2 float64 on every rank: 128 MiB at s = 2048)."""
     worst = 0
     for m, n, rl, cl in _local_matrices(model, shape):
-        k, r = min(m, n), galore_rank((m, n), train.galore_rank)
-        refresh = (m * n if split else 0) + m * n + m * k + k * n + 4 * k * k
-        low = r * cl if m < n else rl * r
-        worst = max(worst, refresh, rl * cl + 2 * low)
-    return worst * 4
+        s, r = min(m, n), galore_rank((m, n), train.galore_rank)
+        width = min(max(1, GALORE_CHUNK_BYTES // (4 * s)), cl if m < n else rl)
+        refresh = max(8 * s * s + 12 * s * width, 32 * s * s)
+        low, parts = (r * cl, m // rl) if m < n else (rl * r, n // cl)
+        # R before its reduce-scatter, this rank's share of it, the step back in the shard
+        worst = max(worst, refresh, 4 * (rl * cl + low + low // parts))
+    return worst
 
 
 def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape: GridShape,
