@@ -511,6 +511,7 @@ def test_planner_counts_the_methods_transients() -> None:
 
     from fourfold.config import TrainConfig, model_config
     from fourfold.parallel import GridShape
+    from fourfold.parallel.embedding import NO_GRAD_LOSS_BLOCK_ELEMENTS
     from fourfold.plan.memory import (GALORE_CHUNK_BYTES, Precision, galore_update_bytes,
                                       predict_memory, predict_method_memory)
 
@@ -533,11 +534,17 @@ def test_planner_counts_the_methods_transients() -> None:
             without.step, without.startup, without.export))
         adamw = predict_method_memory(base, mcfg, shape, TrainConfig(optimizer="adamw"), p)
         assert adamw.update == 0 and adamw.total == base.total
-        # forwards only: no saved activations; the loss's peak is three logits-sized tensors
+        # forwards only: no saved activations; the loss's peak is the float32 logits and one
+        # block of rows of its temporaries (the whole logits here: fewer than a block)
+        logits = 256 * (m // shape.y)
+        assert logits <= NO_GRAD_LOSS_BLOCK_ELEMENTS
         for name in ("mezo", "es"):
             zo = predict_method_memory(base, mcfg, shape, TrainConfig(optimizer=name), p)
             assert zo.activations == zo.grads == zo.optimizer == zo.update == 0, name
-            assert zo.logits == 3 * 256 * (m // shape.y) * 4 == base.logits * 3 // 2, name
+            assert zo.logits == 2 * logits * 4 == base.logits, name
+        big = predict_memory(mcfg, shape, 256 * 64, True, p, on_host=True)
+        zo = predict_method_memory(big, mcfg, shape, TrainConfig(optimizer="mezo"), p)
+        assert zo.logits == 4 * (64 * logits + NO_GRAD_LOSS_BLOCK_ELEMENTS) < big.logits
 
 
 def test_preflight_check_uses_the_methods_memory() -> None:

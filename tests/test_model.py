@@ -149,3 +149,23 @@ def test_down_projection_recomputes_its_input_and_matches_autograd(autocast: boo
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         hooked(x_ref)
     assert len(ffn_wide()) == 3, shapes  # gate, up and down's input
+
+
+def test_loss_without_backward_works_by_row_blocks_and_equals_the_loss_with_it() -> None:
+    """Evaluation and MeZO / ES take the loss a block of rows at a time (several blocks here);
+    each row's loss is the one the whole-tensor loss gives, bit for bit, on one process and
+    for the vocabulary-parallel sums."""
+    from fourfold.parallel.embedding import (NO_GRAD_LOSS_BLOCK_ELEMENTS, CrossEntropy,
+                                             _sum_exp_by_rows)
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300, 5000)
+    targets = torch.randint(0, 5000, (4, 300))
+    assert logits.numel() > 3 * NO_GRAD_LOSS_BLOCK_ELEMENTS
+    with_grad = CrossEntropy()(logits.clone().requires_grad_(), targets)
+    with torch.no_grad():
+        without = CrossEntropy()(logits, targets)
+    assert torch.equal(with_grad.detach(), without)
+    shift = logits.amax(-1)
+    assert torch.equal(_sum_exp_by_rows(logits, shift),
+                       torch.exp(logits - shift.unsqueeze(-1)).sum(-1))
