@@ -7,7 +7,7 @@ training step of MeZO is two forwards, of ES `--population` forwards: tokens/s c
 tokens of the batch once per step, so it compares steps, not forwards. BlockLLM runs at its
 default sparsity (0.9) and patience (10, so the timed steps train the selection of the first
 step, whose backward keeps only the gradients of the selection so far, freeing the others as
-their norms are taken); GaLore at rank dim/4 with its SVD refresh in the first,
+their norms are taken); GaLore at rank dim/4 with its projection refresh in the first,
 untimed step (one refresh per 200 steps by default: `first_step_s` shows its cost).
 
     python bench/memory_lean.py [--preset small] [--steps 4] [--batch 2] [--seq 128]
@@ -17,14 +17,26 @@ untimed step (one refresh per 200 steps by default: `first_step_s` shows its cos
 the one-process ratios. --tuned-malloc: glibc tuned as `fourfold train` tunes CPU runs (and
 ranks); without it freed blocks that glibc keeps read as resident memory (up to ~200 MiB on
 125m, more on gloo ranks, which get an arena per thread), which the planner does not model.
-Measured 125m, --steps 3 --tuned-malloc, planner error: one process within -9%..+4% (adamw,
-lomo, adalomo, mezo, es; galore -7%); 2x2 per rank: -16%..+12%; grid ratios 0.03-0.12 above
-the one-process ones (per-rank parts that do not split four ways: the runtime, the y-split
-logits). GaLore (its refresh from the small side's Gram, no full copy of a matrix; its
-r-rank moments split over all its axes): one process 1674 MiB, 0.73 of AdamW (0.77 with the
-SVD); 2x2 482-535 MiB per rank, 0.84-0.92 (1.33-1.61 with the gathered SVD), planner -13% to
--18%: the ranks' heap in use (--phases' sampler) is 421-427 MiB at the peak (planner 435),
-RSS 60-110 MiB above it (freed blocks the heap cannot reuse, not modelled).
+Measured 125m, --steps 3 --tuned-malloc (MiB above the import, ratio to AdamW, planner error),
+one process / 2x2 per rank (a loaded machine: tokens/s are rough):
+
+    method     one process              2x2 per rank                       2x2 - one process
+    adamw      2,276  1.00  +0.1%       576-599  1.00       +4.6%
+    mezo         684  0.30  +8.7%       232-233  0.39-0.40  -6.0%          +0.09..+0.10
+    es           684  0.30  +8.7%       236-248  0.39-0.43  -11.9%         +0.09..+0.13
+    lomo         892  0.39  -6.1%       232-247  0.40-0.43  +4.5%          +0.01..+0.04
+    adalomo      884  0.39  -5.3%       242-258  0.40-0.45  -5.9%          +0.01..+0.06
+    blockllm     927  0.40  +6.8%*      238-244  0.41-0.42  +17.9%         +0.01..+0.02
+    galore     1,674  0.73  -6.9%       493-498  0.82-0.86  -12.6%         +0.09..+0.13
+    (* default malloc, an earlier commit.) What does not split four ways: the runtime (about
+    40 MiB a rank: 0.018 of AdamW on one process, 0.07 on 2x2, so every lean method's grid
+    ratio sits about 0.03-0.05 above its one-process one on that alone), the build's block of
+    the largest tensor (MeZO's and ES's peak on the grid is the build: params + runtime +
+    startup), the y-split logits. GaLore: its refresh from the small side's Gram, no full copy
+    of a matrix, its r-rank moments split over all its axes (one process 0.77 and 2x2 1.33-1.61
+    with the gathered SVD before); the ranks' heap in use (--phases' sampler) is 421-427 MiB at
+    the peak (planner 435), RSS 60-110 MiB above it (freed blocks the heap cannot reuse, not
+    modelled).
 
 The issue's table uses --preset 125m (about 2 GiB with AdamW); keep to small presets on a
 shared machine.
