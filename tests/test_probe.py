@@ -67,3 +67,14 @@ def test_probe_on_two_gloo_ranks_writes_a_machine_plan_reads(tmp_path, capsys, m
     result = json.loads(capsys.readouterr().out)
     assert result["machine"]["name"] == "here"
     assert result["configurations"][0]["grid"] == {"data": 1, "z": 1, "y": 1, "x": 1}
+
+
+def test_a_noisy_probe_still_fits_a_positive_latency() -> None:
+    """A busy host that slows the larger calls tilts the fitted line below the origin; the
+    latency is then the smallest call's time (it is bound by latency), never zero."""
+    from fourfold.plan.machines import fit_latency_bandwidth
+
+    latency, per_byte = fit_latency_bandwidth([(4096, 10e-6), (65536, 500e-6)])
+    assert latency == 10e-6 and per_byte > 0
+    latency, per_byte = fit_latency_bandwidth([(4096, 100e-6), (65536, 130e-6)])
+    assert abs(latency - 98e-6) < 1e-9 and abs(per_byte - 30e-6 / 61440) < 1e-15

@@ -788,8 +788,12 @@ def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, flo
     if slope <= 0.0:
         return mean_t, 0.0
     latency = mean_t - slope * mean_v
-    if latency < 0.0:  # through the origin instead
-        return 0.0, sum(v * t for v, t in points) / sum(v * v for v, _ in points)
+    if latency < 0.0:
+        # a busy host slowed the larger calls and tilted the line below the origin; no call
+        # is free, and the smallest one is bound by latency (its bytes take microseconds), so
+        # its time stands for the latency; the rate is the line through the origin
+        smallest = min(points)[1]
+        return smallest, sum(v * t for v, t in points) / sum(v * v for v, _ in points)
     return latency, slope
 
 
