@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from fourfold.config import ModelConfig
 from fourfold.models.init import normal_block
 from fourfold.parallel.embedding import CrossEntropy
+from fourfold.parallel.linear import compute_dtype
 from fourfold.parallel.norm import rms_norm
 
 
@@ -150,8 +151,7 @@ class _RecomputedInputLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
                 bias: torch.Tensor | None, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        dtype = (torch.get_autocast_dtype(h.device.type)
-                 if torch.is_autocast_enabled(h.device.type) else h.dtype)
+        dtype = compute_dtype(h)
         with torch.autocast(h.device.type, enabled=False):
             y = F.linear(h.to(dtype), weight.to(dtype),
                          None if bias is None else bias.to(dtype))

@@ -222,24 +222,3 @@ class Comm:
             handle.wait()
         return handle
 
-
-# --------------------------------------------------------------------------------------------
-# Layout changes as autograd Functions: each backward is the matching opposite.
-
-
-class _AllReduceSumBothWays(torch.autograd.Function):
-    """Sum over an axis in forward and in backward: for a partial sum every rank's copy of the
-    result feeds its own part of the loss (RMSNorm statistics over split features)."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:  # type: ignore[override]
-        ctx.comm, ctx.axis = comm, axis
-        return comm.all_reduce(t.clone(), axis).wait()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return ctx.comm.all_reduce(grad.clone(), ctx.axis).wait(), None, None
-
-
-def all_reduce_both_ways(t: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
-    return _AllReduceSumBothWays.apply(t, comm, axis)

@@ -87,7 +87,7 @@ class ParallelEmbedding(nn.Module):
 NO_GRAD_LOSS_BLOCK_ELEMENTS = 1 << 20
 
 
-def _row_blocks(rows: int, width: int) -> int:
+def _rows_per_block(width: int) -> int:
     return max(1, NO_GRAD_LOSS_BLOCK_ELEMENTS // max(1, width))
 
 
@@ -95,7 +95,7 @@ def _sum_exp_by_rows(lf: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """exp(lf - shift).sum(-1), one block of rows at a time: each row's sum is what the whole
     tensor's would give (rows are independent), with one block's temporary."""
     flat, flat_shift = lf.reshape(-1, lf.shape[-1]), shift.reshape(-1, 1)
-    step = _row_blocks(*flat.shape)
+    step = _rows_per_block(flat.shape[-1])
     out = torch.empty(flat.shape[0], dtype=lf.dtype, device=lf.device)
     for i in range(0, flat.shape[0], step):
         out[i:i + step] = (flat[i:i + step] - flat_shift[i:i + step]).exp_().sum(-1)
@@ -161,7 +161,7 @@ class CrossEntropy(nn.Module):
             return F.cross_entropy(flat, flat_targets, reduction="none").view(B, T)
         # no backward (evaluation, MeZO / ES): one block of rows at a time, so the
         # log-softmax temporary is a block's, not the logits' size (rows are independent)
-        step = _row_blocks(B * T, V)
+        step = _rows_per_block(V)
         return torch.cat([F.cross_entropy(flat[i:i + step], flat_targets[i:i + step],
                                           reduction="none")
                           for i in range(0, B * T, step)]).view(B, T)

@@ -29,7 +29,8 @@ from fourfold.parallel.grid import Axis, Grid
 from fourfold.parallel.layout import Layout
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype x's GEMMs run in: autocast's when it is on, else x's own."""
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
@@ -38,7 +39,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 class _FanOut(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, engine: Engine, axis: str) -> torch.Tensor:  # type: ignore[override]
-        ctx.engine, ctx.axis, ctx.wire_dtype = engine, axis, _compute_dtype(x)
+        ctx.engine, ctx.axis, ctx.wire_dtype = engine, axis, compute_dtype(x)
         return x.view_as(x)
 
     @staticmethod
@@ -92,7 +93,7 @@ class _Linear3DFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight_shard: torch.Tensor,  # type: ignore[override]
                 module: "Linear3D", recompute: Recompute | None = None) -> torch.Tensor:
         engine = module.engine
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             w = engine.gather_weight(module, "forward", dtype)  # (out_local, in_local)
             # partial sums over in_axis, all-reduced
@@ -258,7 +259,7 @@ class _FusedLinear3DFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: FusedLinears,  # type: ignore[override]
                 *weight_shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         engine = group.engine
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             w = engine.gather_weight(group, "forward", dtype)  # (sum of out_local, in_local)
             y = _forward_gemm(engine, x.to(dtype), w.to(dtype), group.in_axis)

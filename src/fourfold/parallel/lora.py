@@ -27,7 +27,7 @@ from torch import nn
 from fourfold.parallel.comm import Comm
 from fourfold.parallel.grid import Axis
 from fourfold.parallel.layout import Layout
-from fourfold.parallel.linear import Linear3D, ReplicatedLinear3D
+from fourfold.parallel.linear import Linear3D, ReplicatedLinear3D, compute_dtype
 
 
 class LoRAError(ValueError):
@@ -72,7 +72,7 @@ class _LoRAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,  # type: ignore[override]
                 hook: "LoRAHook") -> torch.Tensor:
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             xc, ac, bc = x.to(dtype), a.to(dtype), b.to(dtype)
             h = xc @ ac.t()  # (..., r), partial over in_axis
@@ -103,12 +103,6 @@ class _LoRAFunction(torch.autograd.Function):
                 # its fan-out receives x before it, so it needs the whole gradient.
                 grad_x = ((dh_full if hook.whole_input_grad else dh) @ a).to(ctx.x_dtype)
         return grad_x, grad_a.to(a.dtype), grad_b.to(b.dtype), None
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 @dataclass(eq=False)

@@ -64,10 +64,7 @@ def small_side_gram(pieces: torch.Tensor, small_axes: tuple[Axis, ...],
     side's axes (float32, at most `chunk_bytes` gathered) and their product added; the lower
     triangle of the sums is then all-reduced over the long side's axes. With no axes (one
     process) the same chunks, without collectives."""
-    parts = 1
-    for axis in small_axes:
-        parts *= comm.grid.size(axis)
-    s = pieces.shape[0] * parts
+    s = pieces.shape[0] * math.prod(comm.grid.size(axis) for axis in small_axes)
     width = max(1, chunk_bytes // (4 * s))
     gram = torch.zeros(s, s, dtype=torch.float64, device=pieces.device)
     for start in range(0, pieces.shape[1], width):
