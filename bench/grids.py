@@ -94,6 +94,10 @@ def worker(args: argparse.Namespace, out_path: str) -> None:
     from fourfold.plan.machines import measure_host_costs, merge_rank_probes, probe_groups
 
     rank, world, device = init_distributed("gloo", 600)
+    if not dist.is_initialized():  # one rank: init_distributed leaves it without a group, but
+        # the barriers, the probe's all_gather_object and Grid.build below all want one
+        store = dist.FileStore(f"{out_path}.store", 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     torch.set_num_threads(1)
     cfg = model_config(args)
     wanted = [tuple(int(v) for v in g.split("x")) for g in args.grids.split(",") if g]
@@ -123,7 +127,8 @@ def worker(args: argparse.Namespace, out_path: str) -> None:
                 model = build_model(cfg, seed=1)
                 pm = parallelize(model, grid, ParallelConfig(x=x, y=y, z=z, data=d,
                                                                overlap_forward=args.overlap_forward))
-                opt = torch.optim.AdamW(list(pm.parameters()), lr=1e-3)
+                # fused, as the trainer builds it (fourfold.train.optim.build_optimizer)
+                opt = torch.optim.AdamW(list(pm.parameters()), lr=1e-3, fused=True)
                 index, count = grid.batch_shard
                 b = args.batch // count
                 for step, tokens in enumerate(data):

@@ -58,8 +58,8 @@ def combine(probes: list[dict]) -> dict:
     n = len(probes)
     comm = {k: [(size, sorted(p["comm"][k][i][1] for p in probes)[n // 2])
                 for i, (size, _) in enumerate(probes[0]["comm"][k])] for k in probes[0]["comm"]}
-    return {"comm": comm, **{k: sum(p[k] for p in probes) / n
-                             for k in ("matmul_flops", "copy_bytes_per_s", "small_op_s")}}
+    # every rate the probe measured (matmul, copy, small op, element-wise, loss, attention)
+    return {"comm": comm, **{k: sum(p[k] for p in probes) / n for k in probes[0] if k != "comm"}}
 
 
 def one_run(args: argparse.Namespace) -> dict:

@@ -615,6 +615,8 @@ def test_cpu_probe_times_compute_by_each_rank_and_feeds_the_calibration():
     for key in ("matmul_flops", "copy_bytes_per_s", "elementwise_bytes_per_s"):
         assert probe[key] > 1e6, key
     assert 0 < probe["loss_s_per_logit"] < 1e-3 and 0 < probe["small_op_s"] < 0.1
+    # causal attention: forward alone is cheaper than forward + backward, both per unit
+    assert 0 < probe["attention_forward_s_per_unit"] < probe["attention_s_per_unit"] < 1e-6
     assert set(probe["comm"]) == {"all_reduce/2", "all_gather/2", "reduce_scatter/2"}
     cpu = load_machine("cpu")
     cal = machines.calibration_from_probe(probe, 2, 2, cpu.gpus_per_node,
@@ -627,5 +629,16 @@ def test_cpu_probe_times_compute_by_each_rank_and_feeds_the_calibration():
     fast = predict_step(*args, cpu.calibrated(cal), Precision.of("float32"))
     slow = predict_step(*args, cpu.calibrated(slower), Precision.of("float32"))
     assert slow.compute_s > fast.compute_s  # the loss's probed cost is what the model charges
+    # so is attention's: 10x its probed cost adds 9x the attention the model charged
+    assert cal.attention_s_per_unit == probe["attention_s_per_unit"]
+    ten = {k: 10 * probe[k] for k in ("attention_forward_s_per_unit", "attention_s_per_unit")}
+    tenfold = machines.calibration_from_probe({**probe, **ten}, 2, 2, cpu.gpus_per_node,
+                                              cpu.device.gemm_half_dim)
+    slower_attention = predict_step(*args, cpu.calibrated(tenfold), Precision.of("float32"))
+    units = 8 // 2 * TINY.n_heads * 16 * 16 * TINY.head_dim * TINY.n_layers  # per rank
+    fwd, both = probe["attention_forward_s_per_unit"], probe["attention_s_per_unit"]
+    # (backward is at least a forward's cost, should a busy host have squeezed it)
+    assert slower_attention.compute_s - fast.compute_s == pytest.approx(
+        9 * units * (fwd + max(both - fwd, fwd)), rel=1e-6)
     with pytest.raises(PlanError, match="not probed"):
         load_machine("perlmutter").calibrated(cal)

@@ -597,6 +597,8 @@ def time_collective(op: str, group: Any, group_size: int, sizes: tuple[int, ...]
     return points
 
 
+# (sequences, heads, seq, head_dim) of the attention probe: plan_check's per-rank shape
+_ATTENTION_PROBE_SHAPE = (4, 8, 128, 32)
 _BUSY_WINDOW_S = 0.4  # per compute probe: long against barrier skew and scheduler slices
 
 
@@ -677,6 +679,18 @@ def measure_host_costs(groups: dict[int, Any]) -> dict[str, Any]:
     targets = torch.randint(0, 4096, (512,))
     out["loss_s_per_logit"] = 1 / logits.numel() / _calls_per_second(
         lambda: torch.nn.functional.cross_entropy(logits, targets).backward())
+    # causal attention as the blocks run it (scaled_dot_product_attention), forward and
+    # forward + backward, per unit of sequences x heads x seq^2 x head_dim: torch's CPU kernel
+    # runs at 20-40 GFLOP/s here, a fifth of a GEMM's rate, so GEMM-rate attention read 5-10x
+    # fast (a profile of bench/plan_check.py's one-process step: 33-45 ms against 7 modelled)
+    q, k, v = (torch.randn(*_ATTENTION_PROBE_SHAPE, requires_grad=True) for _ in range(3))
+    units = math.prod(_ATTENTION_PROBE_SHAPE) * _ATTENTION_PROBE_SHAPE[2]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with torch.no_grad():
+        out["attention_forward_s_per_unit"] = 1 / units / _calls_per_second(
+            lambda: sdpa(q, k, v, is_causal=True))
+    out["attention_s_per_unit"] = 1 / units / _calls_per_second(
+        lambda: sdpa(q, k, v, is_causal=True).sum().backward())
     return out
 
 
@@ -690,7 +704,9 @@ def merge_rank_probes(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "matmul_flops": sum(r["matmul_flops"] for r in ranks) / world,
             "copy_bytes_per_s": sum(r["copy_bytes_per_s"] for r in ranks) / world,
             **{k: sum(r[k] for r in ranks) / world
-               for k in ("small_op_s", "elementwise_bytes_per_s", "loss_s_per_logit")}}
+               for k in ("small_op_s", "elementwise_bytes_per_s", "loss_s_per_logit",
+                         "attention_forward_s_per_unit", "attention_s_per_unit")
+               if k in ranks[0]}}
 
 
 def _probe_rank(rank: int, world: int, store_path: str) -> dict[str, Any]:
@@ -770,10 +786,10 @@ def measure_cpu_comm(world: int, refresh: bool = False) -> dict[str, Any]:
     """Probe (or read from the cache) what `world` gloo ranks on this host pay: collectives by
     group size and buffer size, the matmul rate and the small-op cost per rank (~2-4 s)."""
     path = cache_dir() / f"cpu_comm_{world}ranks_{cores_available()}cores.json"
-    # v4: compute rates shared by all ranks (v3 read up to 2x high on shared cores),
+    # v5: attention probed, v4: compute rates shared by all ranks (v3 read up to 2x high on shared cores),
     # v3: compute rates timed by `_calls_per_second` (v1 caches read 2-4x low: re-measure),
     # element-wise and loss rates probed
-    return _cached_probe(path, f"{_probe_key()}|{world}|v4", refresh,
+    return _cached_probe(path, f"{_probe_key()}|{world}|v5", refresh,
                          lambda: _run_comm_probe(world))
 
 
@@ -811,6 +827,9 @@ class HostCalibration:
     scale: float = 1.0  # > 1 when world exceeds the probed rank count (extrapolated)
     elementwise_bytes_per_s: float = 0.0  # silu * mul with every rank busy (0: as copies)
     loss_s_per_logit: float = 0.0  # cross-entropy forward + backward (0: as 6 copy passes)
+    # causal attention per sequence x head x seq^2 x head_dim (0: at the GEMM rate)
+    attention_forward_s_per_unit: float = 0.0
+    attention_s_per_unit: float = 0.0  # forward + backward
 
     def collective_seconds(self, op: str, group_size: int, nbytes: float) -> float:
         fit = self.collective_fit[0][1]
@@ -856,7 +875,10 @@ def calibration_from_probe(probe: dict[str, Any], world: int, probed: int, cores
                            op_overhead_s=probe["small_op_s"] * scale, scale=scale,
                            elementwise_bytes_per_s=probe.get("elementwise_bytes_per_s", 0.0)
                            / scale,
-                           loss_s_per_logit=probe.get("loss_s_per_logit", 0.0) * scale)
+                           loss_s_per_logit=probe.get("loss_s_per_logit", 0.0) * scale,
+                           attention_forward_s_per_unit=probe.get(
+                               "attention_forward_s_per_unit", 0.0) * scale,
+                           attention_s_per_unit=probe.get("attention_s_per_unit", 0.0) * scale)
 
 
 def machine_for_torch_device(device: Any, refresh: bool = False) -> Machine | None:

@@ -84,6 +84,10 @@ class _Rates:
     gemm_half_dim: float
     elementwise_bytes_per_s: float  # the blocks' element-wise work
     loss_s_per_logit: float  # cross-entropy forward + backward, per logit
+    # causal attention per sequence x head x seq^2 x head_dim, forward and forward + backward
+    # (probed on the cpu machine; 0 elsewhere: flash attention at the GEMM rate)
+    attention_forward_s_per_unit: float = 0.0
+    attention_s_per_unit: float = 0.0
 
 
 def _rates(machine: Machine, dtype: str, world_size: int,
@@ -94,7 +98,8 @@ def _rates(machine: Machine, dtype: str, world_size: int,
         copy = calibration.bytes_per_s_per_rank
         return _Rates(calibration.flops_per_rank, copy, calibration.op_overhead_s,
                       dev.gemm_half_dim, calibration.elementwise_bytes_per_s or copy,
-                      calibration.loss_s_per_logit or _LOSS_PASS_BYTES / copy)
+                      calibration.loss_s_per_logit or _LOSS_PASS_BYTES / copy,
+                      calibration.attention_forward_s_per_unit, calibration.attention_s_per_unit)
     hbm = machine.hbm_bytes_per_s_per_rank(world_size)
     # on a GPU element-wise kernels and the loss are bound by memory bandwidth
     return _Rates(machine.peak_flops_per_rank(dtype, world_size) * dev.gemm_efficiency, hbm,
@@ -173,19 +178,31 @@ def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, r
     # attention: heads split over y (replicated over x); causal, so half of the score matrix
     heads = max(1, model.n_heads // gy)
     seqs = max(1, n // seq_len)
-    attn = _gemm(seq_len, seq_len, model.head_dim, rates, eb,
-                        batch=seqs * heads)  # scores; same again for the weighted sum
-    attn_fwd = attn  # two half-size (causal) GEMMs
-    # element-wise work (norms, RoPE, SwiGLU, residual adds): a few passes over the activations
+    if rates.attention_s_per_unit > 0.0:  # the kernel's own probed rate
+        units = seqs * heads * seq_len * seq_len * model.head_dim
+        attn_fwd = units * rates.attention_forward_s_per_unit
+        attn_bwd = units * max(rates.attention_s_per_unit - rates.attention_forward_s_per_unit,
+                               rates.attention_forward_s_per_unit)
+    else:  # two half-size (causal) GEMMs, scores and weighted sum; backward twice that
+        attn_fwd = _gemm(seq_len, seq_len, model.head_dim, rates, eb, batch=seqs * heads)
+        attn_bwd = 2 * attn_fwd
+    # element-wise work (norms, RoPE, SwiGLU, residual adds), in elements read + written per
+    # token, as torch.profiler counts the engine's non-GEMM ops over one step of 2 and 4
+    # blocks at ffn 768 and 1536 (bench/elementwise_count.py): forward 28 d + 5 ffn, the
+    # modelled 24 d + 5 ffn below; backward 69 d + 24 ffn, modelled 71 d + 24 ffn (SwiGLU's
+    # backward recomputes silu and runs its sigmoid derivative, RMSNorm's reads its input
+    # and the gradient twice)
     kv = model.n_kv_heads * model.head_dim
-    elem_bytes = n * eb * (12 * model.dim // gx + 5 * model.ffn_dim // gy
-                           + 4 * (model.dim + 2 * kv) // gy)
-    elem = elem_bytes / rates.elementwise_bytes_per_s
+    qkv = model.dim + 2 * kv
+    elem = n * eb * (12 * model.dim // gx + 5 * model.ffn_dim // gy
+                     + 4 * qkv // gy) / rates.elementwise_bytes_per_s
+    elem_bwd = n * eb * (35 * model.dim // gx + 24 * model.ffn_dim // gy
+                         + 12 * qkv // gy) / rates.elementwise_bytes_per_s
     # per-kernel overhead: about 25 kernels in a block's forward, twice that in backward
     launch = rates.op_overhead_s
     # the split adds a GEMM and an all-reduce launch to each of the block's 4 fused units
     block_fwd = fwd + attn_fwd + elem + (33 if forward_split else 25) * launch
-    block_bwd = dgrad + wgrad + 2 * attn_fwd + 2 * elem + 50 * launch
+    block_bwd = dgrad + wgrad + attn_bwd + elem_bwd + 50 * launch
     L = model.n_layers
     vocab_l, d_l = model.vocab_size // gy, model.dim // gx
     out_fwd = forward_gemm(vocab_l, d_l)
@@ -258,10 +275,12 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
         hide(phase("step_data"), comp.backward + recompute, share)
 
     comm = {a: sum(p[a] for p in by_phase.values()) for a in AXES}
-    # AdamW reads and writes parameters, gradients and both states once per step
+    # the trainer's fused AdamW reads parameters, gradients and both states and writes
+    # parameters and states, one pass (measured here at copy speed: 28 B per fp32 parameter
+    # in 1.5 ns); clipping first reads the gradients for their norm, then scales them in place
     numel = sum(local_param_numel(model, shape).values())
     optimizer_bytes = numel * (2 * precision.param_bytes + precision.grad_bytes
-                               + 2 * precision.optimizer_bytes)
+                               + 2 * precision.optimizer_bytes + 3 * precision.grad_bytes)
     optimizer_s = optimizer_bytes / rates.bytes_per_s
     compute = fwd_window + bwd_window + optimizer_s
     # while a hidden collective runs, its kernels hold comm_sm_fraction of the SMs: the compute
