@@ -5,9 +5,11 @@ fresh process; its peak RSS above a process that only imports fourfold and build
 given as a ratio to AdamW's, and its tokens/s (steps after the first) beside AdamW's. A
 training step of MeZO is two forwards, of ES `--population` forwards: tokens/s counts the
 tokens of the batch once per step, so it compares steps, not forwards. BlockLLM runs at its
-default sparsity (0.9) and patience (10, so the timed steps train the selection of the first
-step, whose backward keeps only the gradients of the selection so far, freeing the others as
-their norms are taken); GaLore at rank dim/4 with its projection refresh in the first,
+default sparsity (0.9); its first step selects, the middle ones train that selection and the
+last one (of 3 or more) reselects, as block_patience steps without a better loss would make it
+(every selection's backward keeps only the gradients of the selection so far, freeing the
+others as their norms are taken; a reselection's also holds the old selection's moments: the
+method's largest step, which the planner predicts); GaLore at rank dim/4 with its projection refresh in the first,
 untimed step (one refresh per 200 steps by default: `first_step_s` shows its cost).
 
     python bench/memory_lean.py [--preset small] [--steps 4] [--batch 2] [--seq 128]
@@ -107,6 +109,11 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
 
         if sampler is not None:
             sampler.label(f"step {i}")
+        if method == "blockllm" and i == steps - 1 and i >= 2:
+            # the last step reselects, as block_patience steps without a better loss make it:
+            # its backward hands off every gradient while the moments of the old selection
+            # are still held, the method's largest step (and the one the planner predicts)
+            trainer.selected = None
         start = time.perf_counter()
         result = trainer.step(pmodel, StepData(1, losses), cfg.lr)
         times.append(time.perf_counter() - start)

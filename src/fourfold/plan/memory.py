@@ -307,19 +307,21 @@ def galore_update_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfi
       workspace (syevd: about 2 s^2), 4 s^2 float64 in all, measured on CPU for s = 3072:
       4.2 s^2 at eigh's peak;
     - an update: R (the projected gradient) and Adam's normalised step of it, gathered (both
-      r-rank, local), this rank's share of R (1 / p of it), and the step projected back to
-      the shard's full rl x cl, made before it is added.
-    The update's (the embedding / output matrix's) is the larger where shards are large
-    against s^2 (125m and up on a few ranks); the refresh's does not shrink with the grid
-    (4 s^2 float64 on every rank: 128 MiB at s = 2048)."""
+      r-rank, local), this rank's share of R (1 / p of it), and a row block of the step
+      projected back to the shard (GALORE_CHUNK_BYTES), made and added block by block.
+    The update's (the embedding / output matrix's R) is the larger where shards are long
+    against s^2; the refresh's does not shrink with the grid (4 s^2 float64 on every rank:
+    128 MiB at s = 2048)."""
     worst = 0
     for m, n, rl, cl in _local_matrices(model, shape):
         s, r = min(m, n), galore_rank((m, n), train.galore_rank)
         width = min(max(1, GALORE_CHUNK_BYTES // (4 * s)), cl if m < n else rl)
         refresh = max(8 * s * s + 12 * s * width, 32 * s * s)
         low, parts = (r * cl, m // rl) if m < n else (rl * r, n // cl)
-        # R before its reduce-scatter, this rank's share of it, the step back in the shard
-        worst = max(worst, refresh, 4 * (rl * cl + low + low // parts))
+        # R before its reduce-scatter, this rank's share of it, a row block of the step back
+        # in the shard (made and added GALORE_CHUNK_BYTES at a time)
+        back = min(rl * cl, max(1, GALORE_CHUNK_BYTES // (4 * cl)) * cl)
+        worst = max(worst, refresh, 4 * (back + low + low // parts))
     return worst
 
 

@@ -194,12 +194,19 @@ class GaLore(PerParameterState, TrainingMethod):
         state["v"].mul_(self.beta2).addcmul_(low, low, value=1.0 - self.beta2)
         step = (state["m"] / (1.0 - self.beta1 ** t)).div_(
             (state["v"] / (1.0 - self.beta2 ** t)).sqrt_().add_(EPS))
-        if p.dim() == 2:  # Adam's step of every rank's rows of R, back in the shard's basis
-            step = self._gather(step if left else step.T, split)
-            step = state["proj"] @ step if left else step.T @ state["proj"].T
         if view.decay and self.weight_decay:
             p.mul_(1.0 - lr * self.weight_decay)
-        p.add_(step.to(p.dtype), alpha=-lr)
+        if p.dim() == 2:  # Adam's step of every rank's rows of R, back in the shard's basis
+            step = self._gather(step if left else step.T, split)
+            # P (rows, r) @ step (r, cols), or step^T (rows, r) @ Q^T (r, cols), made and added
+            # a row block at a time: no temporary as large as the shard (which also leaves no
+            # shard-sized hole in the heap for the next, slightly larger one to miss)
+            lhs, rhs = (state["proj"], step) if left else (step.T, state["proj"].T)
+            rows = max(1, GALORE_CHUNK_BYTES // (4 * p.shape[1]))
+            for a in range(0, p.shape[0], rows):
+                p[a:a + rows].add_((lhs[a:a + rows] @ rhs).to(p.dtype), alpha=-lr)
+        else:
+            p.add_(step.to(p.dtype), alpha=-lr)
 
     def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
              ) -> StepResult:
@@ -214,6 +221,8 @@ class GaLore(PerParameterState, TrainingMethod):
             for v in self.views:
                 if v.param.grad is not None:
                     self._update(v, lr, t, refresh)
+                    # its gradient goes now: the next matrix's temporaries reuse its block
+                    v.param.grad = None
             self.steps_done += 1
         for v in self.views:
             v.param.grad = None
