@@ -212,8 +212,11 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     # one bucket being filled (its flat copy) and one in flight over data
     comm_buffers = 2 * bucket_bytes if shape.data > 1 else 0
     full_numel, block_numel = largest_tensor_numel(model, shape)
-    # a block drawn on the host, then moved (or kept) on the device, plus the tile it came from
-    startup = block_numel * precision.param_bytes * (2 if on_host else 1) + INIT_TILE_BYTES
+    # a block drawn on the host and moved to the device (whose memory holds it once), or on a
+    # host kept where it was drawn, plus the tile it came from. Measured on a host (125m,
+    # bench/memory_lean.py --phases): the build peaks at the weights + 96 MiB on one process
+    # (a 93 MiB block + a 4 MiB tile), + 8-20 MiB on 2x2 (a 23 MiB block, drawn tile by tile)
+    startup = block_numel * precision.param_bytes + INIT_TILE_BYTES
     export = block_numel * precision.param_bytes  # the receive (or send) buffer of one block
     if on_host and writer:
         export += full_numel * precision.param_bytes
