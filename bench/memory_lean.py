@@ -23,22 +23,22 @@ Measured 125m, --steps 3 --tuned-malloc (MiB above the import, ratio to AdamW, p
 one process / 2x2 per rank (a loaded machine: tokens/s are rough):
 
     method     one process              2x2 per rank                       2x2 - one process
-    adamw      2,276  1.00  +0.1%       576-599  1.00       +4.6%
-    mezo         684  0.30  +8.7%       232-233  0.39-0.40  -6.0%          +0.09..+0.10
-    es           684  0.30  +8.7%       236-248  0.39-0.43  -11.9%         +0.09..+0.13
-    lomo         892  0.39  -6.1%       232-247  0.40-0.43  +4.5%          +0.01..+0.04
-    adalomo      884  0.39  -5.3%       242-258  0.40-0.45  -5.9%          +0.01..+0.06
-    blockllm     927  0.40  +6.8%*      238-244  0.41-0.42  +17.9%         +0.01..+0.02
-    galore     1,674  0.73  -6.9%       493-498  0.82-0.86  -12.6%         +0.09..+0.13
-    (* default malloc, an earlier commit.) What does not split four ways: the runtime (about
-    40 MiB a rank: 0.018 of AdamW on one process, 0.07 on 2x2, so every lean method's grid
-    ratio sits about 0.03-0.05 above its one-process one on that alone), the build's block of
-    the largest tensor (MeZO's and ES's peak on the grid is the build: params + runtime +
-    startup), the y-split logits. GaLore: its refresh from the small side's Gram, no full copy
-    of a matrix, its r-rank moments split over all its axes (one process 0.77 and 2x2 1.33-1.61
-    with the gathered SVD before); the ranks' heap in use (--phases' sampler) is 421-427 MiB at
-    the peak (planner 435), RSS 60-110 MiB above it (freed blocks the heap cannot reuse, not
-    modelled).
+    adamw      2,259  1.00  -2.8%       577-581  1.00       +3.8%
+    mezo         679  0.30  -4.4%       192-196  0.33-0.34  +1.6%          +0.03..+0.04
+    es           679  0.30  -4.4%       192-195  0.33-0.34  +1.6%          +0.03..+0.04
+    lomo         881  0.39  -14.3%      241-245  0.41-0.42  -2.4%          +0.02..+0.03
+    adalomo      881  0.39  -14.2%      245-251  0.42-0.43  -4.4%          +0.03..+0.04
+    blockllm     937  0.41  -3.1%       258-263  0.45-0.46  +7.8%          +0.04..+0.05
+    galore     1,613  0.71  -8.4%       470-475  0.81-0.82  -9.1%          +0.10..+0.11
+    What does not split four ways: the runtime (about 40 MiB a rank: 0.018 of AdamW on one
+    process, 0.07 on 2x2, so every lean method's grid ratio sits about 0.03-0.04 above its
+    one-process one on that alone), the y-split logits, and GaLore's float64 Gram of a matrix's
+    small side (4 s^2 doubles on every rank at a refresh) and its r-rank temporaries. MeZO and
+    ES read 232-248 MiB on 2x2 before the noise was made in 1 MiB row blocks (4 MiB before:
+    several such temporaries live at once). GaLore: its step is projected back a row block at a
+    time and each gradient freed after its update (476-499 MiB a rank before). LOMO and AdaLomo
+    on one process: the heap in use peaks at 681 MiB (--phases; the planner's tensors 715),
+    RSS ~120 MiB above it: freed gradient blocks the heap cannot reuse, not modelled.
 
 The issue's table uses --preset 125m (about 2 GiB with AdamW); keep to small presets on a
 shared machine.
