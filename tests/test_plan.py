@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 
@@ -642,3 +643,30 @@ def test_cpu_probe_times_compute_by_each_rank_and_feeds_the_calibration():
         9 * units * (fwd + max(both - fwd, fwd)), rel=1e-6)
     with pytest.raises(PlanError, match="not probed"):
         load_machine("perlmutter").calibrated(cal)
+
+
+def test_elementwise_counts_are_the_engines() -> None:
+    """The performance model's element-wise elements per token (plan/perf.py) against what
+    torch.profiler counts in the engine's own ops (bench/elementwise_count.py, one process): a
+    change to the blocks' element-wise work must show up in the model."""
+    import re
+    import subprocess
+    import sys
+
+    from fourfold.plan.perf import ELEMENTWISE_PER_TOKEN
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "elementwise_count.py"
+    out = subprocess.run([sys.executable, str(script), "--dim", "128", "--ffn", "384,768",
+                          "--batch", "4", "--seq", "64"], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    measured = {name: tuple(float(v) for v in m.groups()) for name, m in (
+        (line.split()[0], re.search(r"([\d.]+) dim \+ ([\d.]+) ffn", line))
+        for line in out.splitlines() if line.startswith("forward"))}
+    fwd, bwd = ELEMENTWISE_PER_TOKEN["forward"], ELEMENTWISE_PER_TOKEN["backward"]
+    # with kv = dim (n_kv_heads = n_heads), q + k + v is 3 dim wide
+    model_fwd = (fwd["dim"] + 3 * fwd["qkv"], fwd["ffn"])
+    model_both = (model_fwd[0] + bwd["dim"] + 3 * bwd["qkv"], fwd["ffn"] + bwd["ffn"])
+    for (got_dim, got_ffn), (want_dim, want_ffn) in ((measured["forward"], model_fwd),
+                                                     (measured["forward+backward"], model_both)):
+        assert want_dim == pytest.approx(got_dim, rel=0.15)
+        assert want_ffn == pytest.approx(got_ffn, rel=0.15)

@@ -109,6 +109,17 @@ def _rates(machine: Machine, dtype: str, world_size: int,
 # the loss's memory traffic per fp32 logit: 3 passes forward, 3 backward
 _LOSS_PASS_BYTES = 2 * 3 * 4
 
+# A block's element-wise work (norms, RoPE, SwiGLU, residual adds) in elements read + written
+# per token, per width: the model dim (split over x), the ffn width and q + k + v (split over
+# y). From torch.profiler's count of the engine's non-GEMM, non-attention ops over one step of
+# 2 and 4 blocks at two ffn widths (bench/elementwise_count.py; with kv = dim it reads forward
+# 28 dim + 5 ffn, forward + backward 97 dim + 29 ffn, at dim 128 and 256 alike; these give
+# 24 + 5 and 95 + 29). The backward is about 2.5x the forward, not 2x: SwiGLU's backward
+# recomputes silu and runs its sigmoid derivative, RMSNorm's reads its input and the gradient
+# twice. tests/test_plan.py holds these against the profile.
+ELEMENTWISE_PER_TOKEN = {"forward": {"dim": 12, "ffn": 5, "qkv": 4},
+                         "backward": {"dim": 35, "ffn": 24, "qkv": 12}}
+
 
 def _gemm(m: int, n: int, k: int, rates: _Rates, elem_bytes: int, batch: int = 1) -> float:
     if min(m, n, k) <= 0:
@@ -186,18 +197,17 @@ def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, r
     else:  # two half-size (causal) GEMMs, scores and weighted sum; backward twice that
         attn_fwd = _gemm(seq_len, seq_len, model.head_dim, rates, eb, batch=seqs * heads)
         attn_bwd = 2 * attn_fwd
-    # element-wise work (norms, RoPE, SwiGLU, residual adds), in elements read + written per
-    # token, as torch.profiler counts the engine's non-GEMM ops over one step of 2 and 4
-    # blocks at ffn 768 and 1536 (bench/elementwise_count.py): forward 28 d + 5 ffn, the
-    # modelled 24 d + 5 ffn below; backward 69 d + 24 ffn, modelled 71 d + 24 ffn (SwiGLU's
-    # backward recomputes silu and runs its sigmoid derivative, RMSNorm's reads its input
-    # and the gradient twice)
+    # element-wise work (norms, RoPE, SwiGLU, residual adds): ELEMENTWISE_PER_TOKEN
     kv = model.n_kv_heads * model.head_dim
-    qkv = model.dim + 2 * kv
-    elem = n * eb * (12 * model.dim // gx + 5 * model.ffn_dim // gy
-                     + 4 * qkv // gy) / rates.elementwise_bytes_per_s
-    elem_bwd = n * eb * (35 * model.dim // gx + 24 * model.ffn_dim // gy
-                         + 12 * qkv // gy) / rates.elementwise_bytes_per_s
+    widths = {"dim": model.dim // gx, "ffn": model.ffn_dim // gy,
+              "qkv": (model.dim + 2 * kv) // gy}
+
+    def elementwise(counts: dict[str, int]) -> float:
+        return n * eb * sum(c * widths[k] for k, c in counts.items()) / \
+            rates.elementwise_bytes_per_s
+
+    elem = elementwise(ELEMENTWISE_PER_TOKEN["forward"])
+    elem_bwd = elementwise(ELEMENTWISE_PER_TOKEN["backward"])
     # per-kernel overhead: about 25 kernels in a block's forward, twice that in backward
     launch = rates.op_overhead_s
     # the split adds a GEMM and an all-reduce launch to each of the block's 4 fused units
