@@ -9,8 +9,9 @@ default sparsity (0.9); its first step selects, the middle ones train that selec
 last one (of 3 or more) reselects, as block_patience steps without a better loss would make it
 (every selection's backward keeps only the gradients of the selection so far, freeing the
 others as their norms are taken; a reselection's also holds the old selection's moments: the
-method's largest step, which the planner predicts); GaLore at rank dim/4 with its projection refresh in the first,
-untimed step (one refresh per 200 steps by default: `first_step_s` shows its cost).
+method's largest step, which the planner predicts); GaLore at rank dim/4 with its projection
+refresh in the first, untimed step (one refresh per 200 steps by default: `first_step_s` shows
+its cost).
 
     python bench/memory_lean.py [--preset small] [--steps 4] [--batch 2] [--seq 128]
         [--grid 2x2 [--grid-only]] [--tuned-malloc] [--phases]

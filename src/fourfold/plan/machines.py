@@ -701,12 +701,7 @@ def merge_rank_probes(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     return {"comm": {k: [(n, max(r["comm"][k][i][1] for r in ranks))
                          for i, (n, _) in enumerate(ranks[0]["comm"][k])]
                      for k in ranks[0]["comm"]},
-            "matmul_flops": sum(r["matmul_flops"] for r in ranks) / world,
-            "copy_bytes_per_s": sum(r["copy_bytes_per_s"] for r in ranks) / world,
-            **{k: sum(r[k] for r in ranks) / world
-               for k in ("small_op_s", "elementwise_bytes_per_s", "loss_s_per_logit",
-                         "attention_forward_s_per_unit", "attention_s_per_unit")
-               if k in ranks[0]}}
+            **{k: sum(r[k] for r in ranks) / world for k in ranks[0] if k != "comm"}}
 
 
 def _probe_rank(rank: int, world: int, store_path: str) -> dict[str, Any]:
@@ -786,7 +781,8 @@ def measure_cpu_comm(world: int, refresh: bool = False) -> dict[str, Any]:
     """Probe (or read from the cache) what `world` gloo ranks on this host pay: collectives by
     group size and buffer size, the matmul rate and the small-op cost per rank (~2-4 s)."""
     path = cache_dir() / f"cpu_comm_{world}ranks_{cores_available()}cores.json"
-    # v5: attention probed, v4: compute rates shared by all ranks (v3 read up to 2x high on shared cores),
+    # v5: attention probed,
+    # v4: compute rates shared by all ranks (v3 read up to 2x high on shared cores),
     # v3: compute rates timed by `_calls_per_second` (v1 caches read 2-4x low: re-measure),
     # element-wise and loss rates probed
     return _cached_probe(path, f"{_probe_key()}|{world}|v5", refresh,
