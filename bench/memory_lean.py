@@ -114,7 +114,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
             # the last step reselects, as block_patience steps without a better loss make it:
             # its backward hands off every gradient while the moments of the old selection
             # are still held, the method's largest step (and the one the planner predicts)
-            trainer.selected = None
+            trainer.selecting_next = True
         start = time.perf_counter()
         result = trainer.step(pmodel, StepData(1, losses), cfg.lr)
         times.append(time.perf_counter() - start)

@@ -135,53 +135,41 @@ def check_frozen(shape: GridShape, grid: Grid) -> dict:
 
 
 def full_backward_blockllm():
-    """BlockLLM with its selection as it was before the hand-off streamed the norms: one
-    backward that holds every gradient, the norms from them in one all-reduce, the same greedy
-    choice. The reference that the streaming selection is held to."""
+    """BlockLLM with a selection that does not stream: one backward that holds every gradient,
+    every row's norm from them in one all-reduce per tensor, the same greedy choice. The
+    reference that the streaming selection is held to."""
     from fourfold.train.methods.adamw import backward_pass
     from fourfold.train.methods.base import reduce_loss
-    from fourfold.train.methods.blockllm import BlockLLM
+    from fourfold.train.methods.blockllm import BlockLLM, choose_rows, row_norms_sq
 
     class FullBackwardBlockLLM(BlockLLM):
         def _select(self, pmodel, data) -> float:
-            self._set_trainable(None)
+            self._set_trainable(True)
             loss = reduce_loss(pmodel, backward_pass(pmodel, data))
             self.note_gradients(pmodel)
-            local = torch.zeros(len(self.views), dtype=torch.float64, device=self.grid.device)
-            for i, v in enumerate(self.views):
-                if v.param.grad is not None:
-                    local[i] = (v.param.grad.double().pow(2).sum()
-                                / v.layout.replicas(self.grid.shape))
-            if self.grid.world_size > 1:
-                local = self.comm.all_reduce(local, "tensor").wait()
-            norms = local.sqrt().tolist()
-            sizes = [math.prod(v.full_shape) for v in self.views]
-            budget = (1.0 - self.sparsity) * sum(sizes)
-            order = sorted(range(len(self.views)), key=lambda i: (-norms[i], self.views[i].name))
-            chosen, used = [], 0
-            for i in order:
-                if used + sizes[i] <= budget:
-                    chosen.append(self.views[i].name)
-                    used += sizes[i]
-            self.selected = sorted(chosen) if chosen else [self.views[order[0]].name]
-            self.norms = {v.name: n for v, n in zip(self.views, norms)}
-            self.recomputed = []
-            self._set_trainable(set(self.selected))
+            norms = []
+            for c in self.cands:
+                full = torch.zeros(c.rows, dtype=torch.float64)
+                if c.view.param.grad is not None:
+                    full[c.first:c.first + c.count] = row_norms_sq(
+                        c.matrix(c.view.param.grad), c.replicas)
+                if self.grid.world_size > 1:
+                    full = self.comm.all_reduce(full, "tensor").wait()
+                norms.append(full.sqrt())
+            new = choose_rows(norms, [c.row_size for c in self.cands], self.budget)
+            self.grads = {}
+            for i, c in enumerate(self.cands):
+                g = c.view.param.grad
+                if g is not None and new[i].numel():
+                    self.grads[i] = c.matrix(g)[c.local_rows(new[i])].clone()
+                c.view.param.grad = None
+            self.norms = {c.view.name: n for c, n in zip(self.cands, norms)}
+            self._keep_state(new)
+            self.rows = new
+            self._set_trainable(False)
             return loss
 
     return FullBackwardBlockLLM
-
-
-def hold_nothing_blockllm():
-    """BlockLLM whose selection's backward frees every matrix's gradient: each chosen matrix
-    takes the second backward (the path a selection takes when it lets a block back in)."""
-    from fourfold.train.methods.blockllm import BlockLLM
-
-    class HoldNothingBlockLLM(BlockLLM):
-        def _kept_while_selecting(self) -> set[str]:
-            return set()
-
-    return HoldNothingBlockLLM
 
 
 def run_method(pmodel, cfg: TrainConfig, data, method_class=None
@@ -190,9 +178,9 @@ def run_method(pmodel, cfg: TrainConfig, data, method_class=None
     method = build_method(pmodel, cfg) if method_class is None else method_class(pmodel, cfg)
     index, count = batch_shard(pmodel.grid, method.batch_axes)
     losses = []
-    method.selections = []  # blockllm: each selection's chosen blocks, norms and recomputed ones
+    method.selections = []  # blockllm: each selection's chosen rows and row norms
     for micro in data:
-        selecting = getattr(method, "selected", []) is None
+        selecting = getattr(method, "selecting_next", False)
         local = shard_batch(micro, index, count)
 
         def step_losses():
@@ -202,8 +190,8 @@ def run_method(pmodel, cfg: TrainConfig, data, method_class=None
         result = method.step(pmodel, StepData(len(local), step_losses), cfg.lr)
         losses.append(result.loss)
         if selecting:
-            method.selections.append({"selected": method.selected, "norms": method.norms,
-                                      "recomputed": method.recomputed})
+            method.selections.append({"selected": method.selected,
+                                      "norms": {k: v.tolist() for k, v in method.norms.items()}})
     return losses, method
 
 
@@ -240,19 +228,20 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
         freeze(full_ref_model, frozen)
         full_ref_losses, full_ref = run_method(parallelize(full_ref_model, Grid.single()),
                                                tcfg, data, full_backward_blockllm())
-        second_model = build_model(cfg, seed=7)
-        freeze(second_model, frozen)
-        second_losses, second = run_method(parallelize(second_model, grid, pcfg(shape)), tcfg,
-                                           data, hold_nothing_blockllm())
-        extra = dict(second_losses=second_losses, second_selections=second.selections)
         # against every candidate's gradient (at the end only the selected are trainable)
         total = sum(p.numel() * p.element_size() for n, p in pmodel.named_parameters()
                     if not n.endswith(frozen))
-        extra.update(selections=method.selections, ref_selections=ref_method.selections,
+        extra = dict(selections=method.selections, ref_selections=ref_method.selections,
                      full_selections=full.selections, full_ref_selections=full_ref.selections,
                      full_losses=full_losses, full_ref_losses=full_ref_losses,
                      selection_grad_fraction=method.peak_grad_bytes / total,
-                     full_selection_grad_fraction=full.peak_grad_bytes / total)
+                     full_selection_grad_fraction=full.peak_grad_bytes / total,
+                     # this rank's chosen (elements, rows), and each tensor's full rows
+                     selected_local=[
+                         sum(c.local_rows(r).numel() * c.local_cols
+                             for c, r in zip(method.cands, method.rows)),
+                         sum(c.local_rows(r).numel() for c, r in zip(method.cands, method.rows))],
+                     rows={c.view.name: c.rows for c in method.cands})
     if check["name"] == "galore":  # after the run's ledger: these reset it
         extra = dict(refreshes=galore_refreshes(method, ref_method, pmodel))
     return dict(ok=True, losses=losses, ref_losses=ref_losses, ledger=ledger, **extra,

@@ -261,7 +261,8 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
     adamw: every gradient, two moments. lomo / adalomo: one tensor's gradient at a time (the
     largest block; with data > 1 up to two buckets are in flight, not counted); adalomo keeps a
     row and a column statistic per matrix, a second moment per vector. mezo / es: neither.
-    blockllm: moments and gradients of the selected (1 - block_sparsity) share; a selection
+    blockllm: moments and gradients of the selected (1 - block_sparsity) share of the rows, a
+    step count per row; a selection
     step's backward adds the tensor being handed off (the largest block) and the vectors (with
     grad_accum > 1 every gradient lives until the last micro-step). galore: every
     gradient; per matrix its projection (local rows of the projected side x r) and two r-rank
@@ -287,7 +288,10 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
         selected = int(numel * (1.0 - train.block_sparsity))
         handed_off = largest_tensor_numel(model, shape)[1] + vectors
         grads = numel if train.grad_accum > 1 else min(numel, selected + handed_off)
-        return {"grads": grads * p.grad_bytes, "optimizer": selected * p.optimizer_bytes}
+        # and a float32 step count per chosen row (rows are at least dim wide)
+        rows = -(-selected // model.dim)
+        return {"grads": grads * p.grad_bytes,
+                "optimizer": selected * p.optimizer_bytes + 4 * rows}
     if name == "galore":
         state = 2 * vectors
         for m, n, rl, cl in matrices:

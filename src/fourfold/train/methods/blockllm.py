@@ -1,180 +1,372 @@
-"""BlockLLM (Ramesh et al. 2024): AdamW on a selected fraction of the parameter blocks only.
+"""BlockLLM (Ramesh et al. 2024): AdamW on a selected fraction of the coordinate blocks only.
 
-A block is one parameter tensor (the full tensor: on a grid every shard of it is in or out
-together). At a selection step every candidate is trainable for one backward; the blocks are
-ranked by the norm of their full gradient (each shard's sum of squares, reduced over the tensor
-axes, so every rank ranks alike) and taken in that order while their elements fit in
-(1 - train.block_sparsity) of the total. The others are frozen (requires_grad False: no saved
-input for dW, no dW GEMM, no reduce-scatter, no data all-reduce) and lose their AdamW moments.
+A block is one row of a parameter tensor (of its full, global tensor: an output neuron's
+weights, one token's embedding) or a whole vector (a norm's gain, a bias). At a selection step
+every candidate tensor is trainable for one backward; the blocks are ranked by the norm of
+their gradient (each shard's per-row sums of squares, reduced over the tensor axes, so every
+rank ranks alike) and taken in that order while their elements fit in (1 - train.block_sparsity)
+of the total. Rows, not whole tensors: in a small model the embedding and the output layer are
+close to half the weights, so a tenth of the elements never fits one of them whole, and they
+are where fine-tuning moves the loss most (the rows of the frequent tokens).
+
+A tensor none of whose blocks is selected is frozen (requires_grad False: no saved input for
+dW, no dW GEMM, no reduce-scatter, no data all-reduce). A tensor with selected rows computes
+its shard's whole gradient; the moment that gradient is final (LOMO's hand-off,
+base.on_final_gradients) its selected rows are copied out and the gradient is freed, so only
+the selected rows' gradients live until the update. AdamW's moments and step count are kept
+per selected row; rows that stay selected across a reselection keep theirs.
+
 The selection is redone when the step's loss has not beaten the best so far for
-train.block_patience steps.
+train.block_patience steps. Its backward streams too: at each hand-off the tensor's row norms
+join those seen so far, the tentative choice (the steepest blocks of those seen, while they fit)
+is remade, and only the rows in it keep their gradient. A block that leaves the tentative
+choice never comes back into it (blocks seen later only add to the elements ranked above it),
+so the final choice's gradients are all at hand without a second backward.
 
-The selection's backward holds no full set of gradients: each gradient's norm is taken the
-moment it is final (LOMO's hand-off, base.on_final_gradients; on a grid one float64 all-reduce
-over the tensor axes per tensor) and the gradient is kept only while it is in the selection of
-the blocks seen so far (vectors: kept), else freed. The final selection is made from all norms,
-as before; a chosen matrix whose gradient was freed on the way (it did not fit beside the
-blocks seen by then, and a later, steeper block displaced a larger one) gets it from a second
-backward of those blocks alone.
+Checkpoints: the selection (global rows per tensor) is in the state's facts; the per-row
+moments are per rank (state_layout None): a run resumes exactly on the grid that saved it, and
+another grid refuses the state in one line.
 
-Memory: gradients and moments of the selected blocks; a selection step adds one more tensor's
-gradient at a time (the one being handed off) and the vectors' gradients.
+Memory: gradients, moments and step counts of the selected rows; the shard gradient being
+handed off; a selection step also one float64 norm per row of every candidate.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from fourfold.config import TrainConfig
-from fourfold.train.methods.adamw import AdamW, backward_pass
-from fourfold.train.methods.base import (Guard, StepData, StepResult, check_meta,
-                                         live_grad_bytes, on_final_gradients, param_views,
-                                         reduce_loss, shard_norm_sq)
-from fourfold.train.optim import set_lr
+from fourfold.train.methods.adamw import backward_pass
+from fourfold.train.methods.base import (CHUNK_ELEMENTS, Guard, ParamView, StepData, StepResult,
+                                         TrainingMethod, check_meta, live_grad_bytes,
+                                         on_final_gradients, param_views, reduce_loss)
+
+EPS = 1e-8  # AdamW's, as train/optim.build_optimizer
 
 
-def choose_blocks(norms: dict[str, float], sizes: dict[str, int], budget: float) -> list[str]:
-    """The blocks by descending gradient norm (ties by name), each taken if it still fits in
-    `budget` elements; if none fits, the steepest. Sorted by name."""
-    order = sorted(norms, key=lambda n: (-norms[n], n))
-    chosen, used = [], 0
-    for name in order:
-        if used + sizes[name] <= budget:
-            chosen.append(name)
-            used += sizes[name]
-    return sorted(chosen) if chosen else order[:1]
+@dataclass
+class Candidate:
+    """A trainable tensor seen as rows of its full tensor (a vector: one row, the whole of it).
+    This rank holds global rows [first, first + count), each as `local_cols` elements."""
+
+    view: ParamView
+    rows: int  # rows of the full tensor
+    row_size: int  # elements of a full row
+    first: int
+    count: int
+    local_cols: int
+    replicas: int  # ranks over x, y, z that hold each element
+
+    def matrix(self, t: torch.Tensor) -> torch.Tensor:
+        """A shard-shaped tensor as (local rows, local cols)."""
+        return t.reshape(self.count, self.local_cols)
+
+    def local_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The local indices of those of the global `rows` (sorted) that this rank holds."""
+        lo = int(torch.searchsorted(rows, self.first))
+        hi = int(torch.searchsorted(rows, self.first + self.count))
+        return rows[lo:hi] - self.first
 
 
-class BlockLLM(AdamW):
+def candidates(views: list[ParamView], grid: Any) -> list[Candidate]:
+    """Every view as rows, in name order (the same order on every grid)."""
+    out = []
+    for v in sorted(views, key=lambda v: v.name):
+        if v.param.dim() >= 2:
+            rows, first, count = v.full_shape[0], v.offsets[0], v.param.shape[0]
+            row_size = math.prod(v.full_shape[1:])
+        else:
+            rows, first, count, row_size = 1, 0, 1, math.prod(v.full_shape)
+        out.append(Candidate(v, rows, row_size, first, count, v.param.numel() // max(count, 1),
+                             v.layout.replicas(grid.shape)))
+    return out
+
+
+def row_norms_sq(rows: torch.Tensor, replicas: int) -> torch.Tensor:
+    """This shard's part of each row's squared norm (float64; `replicas` ranks hold each
+    element, so it is counted once over them), in blocks of about CHUNK_ELEMENTS: no float64
+    copy of the whole shard."""
+    step = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
+    out = torch.empty(rows.shape[0], dtype=torch.float64, device=rows.device)
+    for start in range(0, rows.shape[0], step):
+        out[start:start + step] = rows[start:start + step].double().pow_(2).sum(1)
+    return out / replicas
+
+
+def choose_rows(norms: list[torch.Tensor | None], sizes: list[int], budget: float
+                ) -> list[torch.Tensor | None]:
+    """The blocks by descending norm (ties: tensor, then row, in order), taken while their
+    elements fit in `budget`; a block larger than the budget on its own is passed over, and if
+    every block is, the steepest is taken. Per tensor: its chosen rows (sorted), or None for a
+    tensor not yet seen."""
+    seen = [i for i, n in enumerate(norms) if n is not None]
+    if not seen:
+        return [None] * len(norms)
+    flat = torch.cat([norms[i] for i in seen])
+    owner = torch.cat([torch.full((norms[i].numel(),), i) for i in seen])
+    row = torch.cat([torch.arange(norms[i].numel()) for i in seen])
+    size = torch.tensor([float(sizes[i]) for i in seen], dtype=torch.float64)
+    size = torch.repeat_interleave(size, torch.tensor([norms[i].numel() for i in seen]))
+    order = torch.sort(flat.cpu(), descending=True, stable=True).indices
+    fits = size[order] <= budget
+    if fits.any():
+        order = order[fits]
+        order = order[torch.cumsum(size[order], 0) <= budget]
+    else:
+        order = order[:1]
+    # sorted by (tensor, row), then cut into the tensors' parts
+    width = max(norms[i].numel() for i in seen) + 1
+    key = torch.sort(owner[order] * width + row[order]).values
+    counts = torch.bincount(key // width, minlength=len(norms)).tolist()
+    parts = torch.split(key % width, counts)
+    return [part if n is not None else None for part, n in zip(parts, norms)]
+
+
+class BlockLLM(TrainingMethod):
     name = "blockllm"
     update_time = "after_backward"
 
     def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
-        super().__init__(pmodel, dataclasses.replace(cfg, optimizer="adamw"), tied_output)
         self.views = param_views(pmodel, tied_output)  # the candidates: trainable at the start
-        self._view = {id(v.param): v for v in self.views}
-        self._by_name = {v.name: v for v in self.views}
         self.grid, self.comm = pmodel.grid, pmodel.comm
+        self.cands = candidates(self.views, self.grid)
+        self._index = {id(c.view.param): i for i, c in enumerate(self.cands)}
         self.sparsity, self.patience = cfg.block_sparsity, cfg.block_patience
-        self.sizes = {v.name: math.prod(v.full_shape) for v in self.views}
+        self.beta1, self.beta2, self.weight_decay = cfg.beta1, cfg.beta2, cfg.weight_decay
+        self.grad_clip = cfg.grad_clip
+        self.sizes = {c.view.name: math.prod(c.view.full_shape) for c in self.cands}
         self.budget = (1.0 - self.sparsity) * sum(self.sizes.values())
-        self.selected: list[str] | None = None  # None: select at the next step
+        # the selection: per candidate its chosen global rows (sorted), None before the first
+        self.rows: list[torch.Tensor] | None = None
+        self.selecting_next = True
         self.best = math.inf
         self.since_best = 0
         self.reselections = 0  # selections after the first
-        # what the last selection saw (tests read them): each block's gradient norm, and the
-        # chosen blocks whose gradients had been freed on the way (so recomputed)
-        self.norms: dict[str, float] = {}
-        self.recomputed: list[str] = []
-        self._held: set[str] = set()
-        self._selecting = False  # in the selection's backward, on its last micro-step
+        # per candidate with chosen local rows: the rows' gradients (after a backward) and
+        # AdamW state: exp_avg, exp_avg_sq (local rows x local cols), step (local rows)
+        self.grads: dict[int, torch.Tensor] = {}
+        self.state: dict[int, dict[str, torch.Tensor]] = {}
+        # what the last selection saw (tests read them): each tensor's row norms
+        self.norms: dict[str, torch.Tensor] = {}
+        self._seen: list[torch.Tensor | None] = []  # a selection's row norms so far
+        self._held: dict[int, torch.Tensor] = {}  # the global rows whose gradients it holds
+        self._armed = False  # on the last micro-step of a backward
+        self._selecting = False
         on_final_gradients(pmodel, self.views, self._on_grad_ready)
 
-    def _set_trainable(self, names: set[str] | None) -> None:
-        """Freeze every candidate outside `names` (None: make all trainable); a frozen block's
-        gradient and moments go."""
-        for v in self.views:
-            keep = names is None or v.name in names
-            v.param.requires_grad_(keep)
-            if not keep:
-                v.param.grad = None
-                self.optimizer.state.pop(v.param, None)
+    # ---- the selection ----------------------------------------------------------------------
+
+    @property
+    def selected(self) -> dict[str, list[int]] | None:
+        """The chosen global rows of each tensor that has any, by name."""
+        if self.rows is None:
+            return None
+        return {c.view.name: r.tolist() for c, r in zip(self.cands, self.rows) if r.numel()}
+
+    def selected_elements(self) -> int:
+        return 0 if self.rows is None else sum(
+            r.numel() * c.row_size for c, r in zip(self.cands, self.rows))
+
+    def _set_trainable(self, every: bool) -> None:
+        for c, r in zip(self.cands, self.rows or [None] * len(self.cands)):
+            c.view.param.requires_grad_(every or (r is not None and r.numel() > 0))
+
+    def _sizes(self) -> list[int]:
+        return [c.row_size for c in self.cands]
 
     @torch.no_grad()
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._selecting or p.grad is None or id(p) not in self._view:
+        i = self._index.get(id(p))
+        if not self._armed or i is None or p.grad is None:
             return
-        self.peak_grad_bytes = max(self.peak_grad_bytes, live_grad_bytes(self.views))
-        view = self._view[id(p)]
-        norm_sq = shard_norm_sq(view, p.grad, self.grid.shape).to(self.grid.device)
-        if self.grid.world_size > 1:  # data replicas hold the same (all-reduced) gradients
-            norm_sq = self.comm.all_reduce(norm_sq, "tensor").wait()
-        self.norms[view.name] = float(norm_sq.sqrt())
-        # every rank has the same norms, so keeps and frees alike. Vectors (norms, biases) are
-        # kept whatever: they cost next to nothing, and they are what a later, steeper matrix
-        # most often lets back into the selection
-        keep = self._kept_while_selecting()
-        self._held.add(view.name)
-        for name in [n for n in self._held if n not in keep]:
-            held = self._by_name[name].param
-            if held.dim() > 1:
-                held.grad = None
-                self._held.discard(name)
+        self.peak_grad_bytes = max(self.peak_grad_bytes, live_grad_bytes(self.views)
+                                   + sum(g.numel() * g.element_size()
+                                         for g in self.grads.values()))
+        c = self.cands[i]
+        if self._selecting:
+            full = torch.zeros(c.rows, dtype=torch.float64, device=self.grid.device)
+            full[c.first:c.first + c.count] = row_norms_sq(c.matrix(p.grad), c.replicas)
+            if self.grid.world_size > 1:  # data replicas hold the same (all-reduced) gradients
+                full = self.comm.all_reduce(full, "tensor").wait()
+            self._seen[i] = full.sqrt().cpu()
+            tentative = choose_rows(self._seen, self._sizes(), self.budget)
+            self.grads[i] = c.matrix(p.grad)[c.local_rows(tentative[i]).to(p.grad.device)]
+            for j, g in list(self.grads.items()):  # blocks that left the tentative choice
+                if j != i:
+                    self.grads[j] = self._subset(j, self._held[j], tentative[j], g)
+            self._held = {j: tentative[j] for j in self.grads}
+        else:
+            rows = self.cands[i].local_rows(self.rows[i]).to(p.grad.device)
+            self.grads[i] = c.matrix(p.grad)[rows]
+        p.grad = None
 
-    def _kept_while_selecting(self) -> set[str]:
-        """The blocks whose gradients a selection's backward keeps, of those handed off so far."""
-        return set(choose_blocks(self.norms, self.sizes, self.budget))
+    def _subset(self, i: int, held: torch.Tensor, keep: torch.Tensor, g: torch.Tensor
+                ) -> torch.Tensor:
+        """The rows of `g` (the local ones of global rows `held`) that are in `keep`."""
+        if keep.numel() == held.numel():
+            return g
+        c = self.cands[i]
+        local_held, local_keep = c.local_rows(held), c.local_rows(keep)
+        if not bool(torch.isin(local_keep, local_held).all()):
+            raise RuntimeError(f"blockllm: {c.view.name}: a block came back into the choice "
+                               "after its gradient was freed (a bug)")
+        return g[torch.searchsorted(local_held, local_keep).to(g.device)]
 
-    def _marked(self, data: StepData) -> StepData:
+    def _armed_data(self, data: StepData) -> StepData:
         """`data` with the hand-off armed on its last micro-step only: on one process the hook
         runs after every micro-step's backward, and only the sum is the step's gradient."""
         def losses() -> Iterator[torch.Tensor]:
             for i, loss in enumerate(data.losses()):
-                self._selecting = i == data.micro_steps - 1
+                self._armed = i == data.micro_steps - 1
                 yield loss
 
         return StepData(data.micro_steps, losses)
 
-    def _select(self, pmodel: Any, data: StepData) -> float:
-        """The selection's backward (every candidate trainable); returns its loss and leaves
-        the gradients of the chosen blocks, and only theirs."""
-        self._set_trainable(None)
-        self.norms, self._held = {}, set()
+    def _backward(self, pmodel: Any, data: StepData, selecting: bool) -> float:
+        self.grads, self._selecting = {}, selecting
+        if selecting:
+            self._seen, self._held = [None] * len(self.cands), {}
         try:
-            loss = reduce_loss(pmodel, backward_pass(pmodel, self._marked(data)))
+            return reduce_loss(pmodel, backward_pass(pmodel, self._armed_data(data)))
         finally:
-            self._selecting = False
-        handed_off = set(self.norms)
-        for v in self.views:  # a block without a gradient ranks as a zero one (as before)
-            self.norms.setdefault(v.name, 0.0)
-        self.selected = choose_blocks(self.norms, self.sizes, self.budget)
-        chosen = set(self.selected)
-        self.recomputed = [v.name for v in self.views if v.name in chosen & handed_off
-                           and v.param.grad is None]
-        if self.recomputed:  # their backward alone; the kept gradients are left alone
-            missing = set(self.recomputed)
-            for v in self.views:
-                v.param.requires_grad_(v.name in missing)
-            backward_pass(pmodel, data)
-        self._set_trainable(chosen)
+            self._armed = self._selecting = False
+
+    def _select(self, pmodel: Any, data: StepData) -> float:
+        """The selection's backward (every candidate trainable): returns its loss and leaves
+        the chosen rows' gradients in self.grads and the new selection in self.rows."""
+        self._set_trainable(True)
+        loss = self._backward(pmodel, data, selecting=True)
+        for i, c in enumerate(self.cands):  # a tensor without a gradient ranks as a zero one
+            if self._seen[i] is None:
+                self._seen[i] = torch.zeros(c.rows, dtype=torch.float64)
+        new = choose_rows(self._seen, self._sizes(), self.budget)
+        for i in list(self.grads):
+            self.grads[i] = self._subset(i, self._held[i], new[i], self.grads[i])
+        self.norms = {c.view.name: n for c, n in zip(self.cands, self._seen)}
+        self._keep_state(new)
+        self.rows = [r for r in new]  # every entry is set now
+        self._set_trainable(False)
         return loss
+
+    def _keep_state(self, new: list[torch.Tensor | None]) -> None:
+        """Carry each row's moments and step count over to the new selection (zeros for a row
+        new to it), one tensor at a time."""
+        for i, c in enumerate(self.cands):
+            old = self.state.pop(i, None)
+            local_new = c.local_rows(new[i])
+            if local_new.numel() == 0:
+                continue
+            device, cols = c.view.param.device, c.local_cols
+            fresh = {"exp_avg": torch.zeros(local_new.numel(), cols, device=device),
+                     "exp_avg_sq": torch.zeros(local_new.numel(), cols, device=device),
+                     "step": torch.zeros(local_new.numel(), device=device)}
+            if old is not None:
+                local_old = c.local_rows(self.rows[i])
+                stays = torch.isin(local_new, local_old)
+                where = torch.searchsorted(local_old, local_new[stays])
+                stays, where = stays.to(device), where.to(device)
+                for key, t in fresh.items():
+                    t[stays] = old[key][where]
+            self.state[i] = fresh
+
+    # ---- the update -------------------------------------------------------------------------
+
+    def _clip(self) -> float:
+        """The selected rows' gradient norm over the grid; scales them to train.grad_clip."""
+        total = torch.zeros((), dtype=torch.float64, device=self.grid.device)
+        for i, g in self.grads.items():
+            total += row_norms_sq(g, self.cands[i].replicas).sum()
+        if self.grid.world_size > 1:
+            total = self.comm.all_reduce(total, "tensor").wait()
+        norm = total.sqrt()
+        if self.grad_clip > 0 and self.grads:
+            coef = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(list(self.grads.values()), coef.to(torch.float32))
+        return float(norm)
+
+    @torch.no_grad()
+    def _update(self, lr: float) -> None:
+        """AdamW (torch's formula) on the selected rows, in row blocks of about CHUNK_ELEMENTS
+        so that its temporaries stay small whatever the tensor."""
+        b1, b2 = self.beta1, self.beta2
+        for i, g in self.grads.items():
+            if g.shape[0] == 0:  # the chosen rows of this tensor lie on other ranks
+                continue
+            c, s = self.cands[i], self.state[i]
+            decay = lr * self.weight_decay if c.view.decay else 0.0
+            weights = c.matrix(c.view.param.data)
+            local = c.local_rows(self.rows[i]).to(g.device)
+            step = max(1, CHUNK_ELEMENTS // max(1, c.local_cols))
+            s["step"] += 1
+            for a in range(0, g.shape[0], step):
+                rows, grad = local[a:a + step], g[a:a + step]
+                m, v, t = s["exp_avg"][a:a + step], s["exp_avg_sq"][a:a + step], \
+                    s["step"][a:a + step, None]
+                m.lerp_(grad, 1 - b1)
+                v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                denom = (v.sqrt() / (1 - b2 ** t).sqrt()).add_(EPS)
+                w = weights[rows]
+                if decay:
+                    w.mul_(1 - decay)
+                w.sub_(m / denom * (lr / (1 - b1 ** t)))
+                weights.index_copy_(0, rows, w)
 
     def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
              ) -> StepResult:
-        set_lr(self.optimizer, lr)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.selected is None:
+        if self.selecting_next:
             if self.best < math.inf:  # not the first selection
                 self.reselections += 1
             loss = self._select(pmodel, data)
+            self.selecting_next = False
         else:
-            loss = reduce_loss(pmodel, backward_pass(pmodel, data))
-        norm, reason = self.clip_and_update(pmodel, loss, guard)
+            loss = self._backward(pmodel, data, selecting=False)
+        norm = self._clip()
+        reason = guard(loss, norm) if guard is not None else None
         if reason is None:
+            self._update(lr)
             if loss < self.best:
                 self.best, self.since_best = loss, 0
             else:
                 self.since_best += 1
                 if self.since_best >= self.patience:
-                    self.selected, self.since_best = None, 0
-        self.optimizer.zero_grad(set_to_none=True)
+                    self.selecting_next, self.since_best = True, 0
+        self.grads = {}
         return StepResult(loss, norm, reason is not None, reason or "")
 
+    # ---- state ------------------------------------------------------------------------------
+
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        tensors, _ = super().state_dict()
+        tensors = {f"{self.cands[i].view.name}/{key}": t for i, s in self.state.items()
+                   for key, t in s.items()}
         return tensors, {"kind": self.name, "selected": self.selected,
+                         "selecting_next": self.selecting_next,
                          "best": None if math.isinf(self.best) else self.best,
                          "since_best": self.since_best, "reselections": self.reselections}
 
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values())
+
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         check_meta(meta, self.name)
-        self.selected = meta["selected"]
-        self._set_trainable(None if self.selected is None else set(self.selected))
+        selected = meta["selected"]
+        if selected is None:
+            self.rows = None
+        else:
+            self.rows = [torch.tensor(selected.get(c.view.name, []), dtype=torch.long)
+                         for c in self.cands]
+        self.selecting_next = bool(meta["selecting_next"])
         self.best = math.inf if meta["best"] is None else float(meta["best"])
         self.since_best, self.reselections = int(meta["since_best"]), int(meta["reselections"])
-        super().load_state_dict(tensors, {"kind": self.name})
+        self.state = {}
+        for i, c in enumerate(self.cands):
+            keys = {k: f"{c.view.name}/{k}" for k in ("exp_avg", "exp_avg_sq", "step")}
+            if all(key in tensors for key in keys.values()):
+                self.state[i] = {k: tensors[key].to(c.view.param.device, copy=True)
+                                 for k, key in keys.items()}
+        self._set_trainable(self.rows is None)
+
