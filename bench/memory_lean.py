@@ -5,7 +5,7 @@ fresh process; its peak RSS above a process that only imports fourfold and build
 given as a ratio to AdamW's, and its tokens/s (steps after the first) beside AdamW's. A
 training step of MeZO is two forwards, of ES `--population` forwards: tokens/s counts the
 tokens of the batch once per step, so it compares steps, not forwards. BlockLLM runs at its
-default sparsity (0.9); its first step selects, the middle ones train that selection and the
+default sparsity (0.9), its blocks rows of the full tensors; its first step selects, the middle ones train that selection and the
 last one (of 3 or more) reselects, as block_patience steps without a better loss would make it
 (every selection's backward keeps only the gradients of the selection so far, freeing the
 others as their norms are taken; a reselection's also holds the old selection's moments: the
@@ -29,7 +29,7 @@ one process / 2x2 per rank (a loaded machine: tokens/s are rough):
     es           679  0.30  -4.4%       192-195  0.33-0.34  +1.6%          +0.03..+0.04
     lomo         881  0.39  -14.3%      241-245  0.41-0.42  -2.4%          +0.02..+0.03
     adalomo      881  0.39  -14.2%      245-251  0.42-0.43  -4.4%          +0.03..+0.04
-    blockllm     937  0.41  -3.1%       258-263  0.45-0.46  +7.8%          +0.04..+0.05
+    blockllm     969  0.43  -6.2%       260-269  0.45-0.47  +6.8%          +0.02..+0.04
     galore     1,613  0.71  -8.4%       470-475  0.81-0.82  -9.1%          +0.10..+0.11
     What does not split four ways: the runtime (about 40 MiB a rank: 0.018 of AdamW on one
     process, 0.07 on 2x2, so every lean method's grid ratio sits about 0.03-0.04 above its
@@ -40,6 +40,8 @@ one process / 2x2 per rank (a loaded machine: tokens/s are rough):
     time and each gradient freed after its update (476-499 MiB a rank before). LOMO and AdaLomo
     on one process: the heap in use peaks at 681 MiB (--phases; the planner's tensors 715),
     RSS ~120 MiB above it: freed gradient blocks the heap cannot reuse, not modelled.
+    BlockLLM's row is from a later run (rows, not whole tensors, as blocks; --methods adamw
+    blockllm), against that run's AdamW: 2,274 MiB one process, 573-583 MiB on 2x2.
 
 The issue's table uses --preset 125m (about 2 GiB with AdamW); keep to small presets on a
 shared machine.

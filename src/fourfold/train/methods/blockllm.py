@@ -23,9 +23,9 @@ is remade, and only the rows in it keep their gradient. A block that leaves the 
 choice never comes back into it (blocks seen later only add to the elements ranked above it),
 so the final choice's gradients are all at hand without a second backward.
 
-Checkpoints: the selection (global rows per tensor) is in the state's facts; the per-row
-moments are per rank (state_layout None): a run resumes exactly on the grid that saved it, and
-another grid refuses the state in one line.
+Checkpoints: the selection (global rows per tensor) is in the state's facts; each tensor's
+moments and step counts are saved as (its chosen rows, the shard's columns), the rows gathered
+over the axes that split them (for the save only), so they reshard to any grid as AdamW's do.
 
 Memory: gradients, moments and step counts of the selected rows; the shard gradient being
 handed off; a selection step also one float64 norm per row of every candidate.
@@ -41,10 +41,12 @@ import torch
 from torch import nn
 
 from fourfold.config import TrainConfig
+from fourfold.parallel import Axis, Layout
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (CHUNK_ELEMENTS, Guard, ParamView, StepData, StepResult,
                                          TrainingMethod, check_meta, live_grad_bytes,
-                                         on_final_gradients, param_views, reduce_loss)
+                                         on_final_gradients, padded_dims, param_views,
+                                         reduce_loss)
 
 EPS = 1e-8  # AdamW's, as train/optim.build_optimizer
 
@@ -136,6 +138,7 @@ class BlockLLM(TrainingMethod):
         self.grid, self.comm = pmodel.grid, pmodel.comm
         self.cands = candidates(self.views, self.grid)
         self._index = {id(c.view.param): i for i, c in enumerate(self.cands)}
+        self._by_name = {c.view.name: c for c in self.cands}
         self.sparsity, self.patience = cfg.block_sparsity, cfg.block_patience
         self.beta1, self.beta2, self.weight_decay = cfg.beta1, cfg.beta2, cfg.weight_decay
         self.grad_clip = cfg.grad_clip
@@ -340,9 +343,45 @@ class BlockLLM(TrainingMethod):
 
     # ---- state ------------------------------------------------------------------------------
 
+    def _row_axes(self, c: Candidate) -> tuple[Axis, ...]:
+        """The grid axes that split the tensor's rows (a vector is one row: none)."""
+        return padded_dims(c.view)[0] if c.view.param.dim() >= 2 else ()
+
+    def state_layout(self, key: str) -> Layout | None:
+        """A tensor's chosen rows' state is saved as (chosen rows, the shard's columns): the
+        rows whole, the columns split as the parameter's (a step count: every row)."""
+        name, field = key.rsplit("/", 1)
+        c = self._by_name.get(name)
+        if c is None:
+            return None
+        if field == "step":
+            return Layout(((),))
+        dims = padded_dims(c.view)
+        return Layout(((),) + (dims[1:] if c.view.param.dim() >= 2 else dims))
+
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        tensors = {f"{self.cands[i].view.name}/{key}": t for i, s in self.state.items()
-                   for key, t in s.items()}
+        """Collective on a grid: each tensor's state is summed into its (chosen rows, shard
+        columns) over the axes that split its rows (zeros elsewhere, so the sum is exact)."""
+        tensors = {}
+        for i, c in enumerate(self.cands):
+            rows = None if self.rows is None else self.rows[i]
+            if rows is None or rows.numel() == 0:
+                continue
+            s, axes = self.state.get(i), self._row_axes(c)
+            at = torch.searchsorted(rows, c.local_rows(rows) + c.first)
+            cols = tuple(c.view.param.shape[1:]) if c.view.param.dim() >= 2 else (c.local_cols,)
+            for field in ("exp_avg", "exp_avg_sq", "step"):
+                shape = (rows.numel(),) + (() if field == "step" else (c.local_cols,))
+                if not axes and s is not None:
+                    t = s[field]
+                else:
+                    t = torch.zeros(shape, device=c.view.param.device)
+                    if s is not None:
+                        t[at.to(t.device)] = s[field]
+                    for axis in axes:
+                        t = self.comm.all_reduce(t, axis).wait()
+                tensors[f"{c.view.name}/{field}"] = t if field == "step" else t.reshape(
+                    rows.numel(), *cols)
         return tensors, {"kind": self.name, "selected": self.selected,
                          "selecting_next": self.selecting_next,
                          "best": None if math.isinf(self.best) else self.best,
@@ -363,10 +402,15 @@ class BlockLLM(TrainingMethod):
         self.best = math.inf if meta["best"] is None else float(meta["best"])
         self.since_best, self.reselections = int(meta["since_best"]), int(meta["reselections"])
         self.state = {}
-        for i, c in enumerate(self.cands):
+        for i, c in enumerate(self.cands):  # this rank's rows of each tensor's chosen rows
+            rows = None if self.rows is None else self.rows[i]
             keys = {k: f"{c.view.name}/{k}" for k in ("exp_avg", "exp_avg_sq", "step")}
-            if all(key in tensors for key in keys.values()):
-                self.state[i] = {k: tensors[key].to(c.view.param.device, copy=True)
-                                 for k, key in keys.items()}
+            if rows is None or not all(key in tensors for key in keys.values()):
+                continue
+            at = torch.searchsorted(rows, c.local_rows(rows) + c.first)
+            if at.numel():
+                self.state[i] = {k: tensors[key].reshape(
+                    (rows.numel(),) if k == "step" else (rows.numel(), -1))[at]
+                    .to(c.view.param.device, copy=True) for k, key in keys.items()}
         self._set_trainable(self.rows is None)
 
