@@ -299,6 +299,35 @@ def check_blockllm_selection(r: dict, label: str) -> None:
     assert 0 < r["selection_grad_fraction"] < bound, f"{label}: {r['selection_grad_fraction']}"
 
 
+def test_blockllm_choose_rows() -> None:
+    """Blocks by descending norm while they fit, ties in (tensor, row) order, a block larger
+    than the budget passed over (the steepest taken when every block is), unseen tensors None;
+    and a block that leaves the choice as more tensors are seen never comes back."""
+    from fourfold.train.methods.blockllm import choose_rows
+
+    a, b = torch.tensor([3.0, 1.0, 2.0], dtype=torch.float64), torch.tensor([2.0, 5.0],
+                                                                           dtype=torch.float64)
+    rows = lambda chosen: [None if c is None else c.tolist() for c in chosen]  # noqa: E731
+    assert rows(choose_rows([a, None], [4, 10], budget=8)) == [[0, 2], None]
+    # b's rows are 10 wide: its 5.0 ranks first but never fits a budget of 8
+    assert rows(choose_rows([a, b], [4, 10], budget=8)) == [[0, 2], []]
+    assert rows(choose_rows([a, b], [4, 10], budget=14)) == [[0], [1]]
+    # a tie (2.0 in both): the first tensor's row first
+    assert rows(choose_rows([a, b], [4, 4], budget=12)) == [[0, 2], [1]]
+    assert rows(choose_rows([a, b], [40, 40], budget=8)) == [[], [1]]  # none fits: the steepest
+    g = torch.Generator().manual_seed(0)
+    norms = [torch.rand(n, generator=g, dtype=torch.float64) for n in (7, 3, 11, 5)]
+    sizes, budget = [3, 5, 2, 4], 30
+    held = [set() for _ in norms]
+    for k in range(1, len(norms) + 1):
+        chosen = choose_rows(norms[:k] + [None] * (len(norms) - k), sizes, budget)
+        for i in range(k):
+            now = set(chosen[i].tolist())
+            assert i == k - 1 or now <= held[i], (k, i)
+            held[i] = now
+        assert sum(len(h) * s for h, s in zip(held, sizes)) <= budget
+
+
 def test_blockllm_selection_streams_gradient_norms() -> None:
     """One process, at the default sparsity and with two micro-steps per step (the hand-off
     waits for their sum): the streamed selection picks the rows the full backward picks, from
