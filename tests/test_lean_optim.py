@@ -302,7 +302,8 @@ def check_blockllm_selection(r: dict, label: str) -> None:
 def test_blockllm_choose_rows() -> None:
     """Blocks by descending norm while they fit, ties in (tensor, row) order, a block larger
     than the budget passed over (the steepest taken when every block is), unseen tensors None;
-    and a block that leaves the choice as more tensors are seen never comes back."""
+    and a block that leaves the choice as more tensors are seen never comes back, so ranking
+    only the choice so far and the new tensor's rows gives the same choice."""
     from fourfold.train.methods.blockllm import choose_rows
 
     a, b = torch.tensor([3.0, 1.0, 2.0], dtype=torch.float64), torch.tensor([2.0, 5.0],
@@ -319,6 +320,7 @@ def test_blockllm_choose_rows() -> None:
     norms = [torch.rand(n, generator=g, dtype=torch.float64) for n in (7, 3, 11, 5)]
     sizes, budget = [3, 5, 2, 4], 30
     held = [set() for _ in norms]
+    kept: list = [None] * len(norms)  # the streamed choice: ranked again from its own rows only
     for k in range(1, len(norms) + 1):
         chosen = choose_rows(norms[:k] + [None] * (len(norms) - k), sizes, budget)
         for i in range(k):
@@ -326,6 +328,12 @@ def test_blockllm_choose_rows() -> None:
             assert i == k - 1 or now <= held[i], (k, i)
             held[i] = now
         assert sum(len(h) * s for h, s in zip(held, sizes)) <= budget
+        rows_of = [None if i >= k else torch.arange(norms[i].numel()) if i == k - 1 else kept[i]
+                   for i in range(len(norms))]
+        kept = choose_rows([None if r is None else norms[i][r] for i, r in enumerate(rows_of)],
+                           sizes, budget, rows_of)
+        assert [None if c is None else c.tolist() for c in kept] == \
+            [None if c is None else c.tolist() for c in chosen], k
 
 
 def test_blockllm_selection_streams_gradient_norms() -> None:

@@ -100,21 +100,24 @@ def row_norms_sq(rows: torch.Tensor, replicas: int) -> torch.Tensor:
     return out / replicas
 
 
-def choose_rows(norms: list[torch.Tensor | None], sizes: list[int], budget: float
-                ) -> list[torch.Tensor | None]:
+def choose_rows(norms: list[torch.Tensor | None], sizes: list[int], budget: float,
+                rows: list[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:
     """The blocks by descending norm (ties: tensor, then row, in order), taken while their
     elements fit in `budget`; a block larger than the budget on its own is passed over, and if
-    every block is, the steepest is taken. Per tensor: its chosen rows (sorted), or None for a
-    tensor not yet seen."""
+    every block is, the steepest is taken. norms[i]: tensor i's rows' norms (None: not seen
+    yet), for its rows rows[i] (sorted; default: all of them, in order). Per tensor: its chosen
+    rows (sorted), or None for a tensor not seen."""
     seen = [i for i, n in enumerate(norms) if n is not None]
     if not seen:
         return [None] * len(norms)
-    flat = torch.cat([norms[i] for i in seen])
+    ids = [rows[i] if rows is not None and rows[i] is not None else torch.arange(norms[i].numel())
+           for i in range(len(norms)) if norms[i] is not None]
+    flat = torch.cat([norms[i].cpu() for i in seen])
     owner = torch.cat([torch.full((norms[i].numel(),), i) for i in seen])
-    row = torch.cat([torch.arange(norms[i].numel()) for i in seen])
+    row = torch.cat(ids)
     size = torch.tensor([float(sizes[i]) for i in seen], dtype=torch.float64)
     size = torch.repeat_interleave(size, torch.tensor([norms[i].numel() for i in seen]))
-    order = torch.sort(flat.cpu(), descending=True, stable=True).indices
+    order = torch.sort(flat, descending=True, stable=True).indices
     fits = size[order] <= budget
     if fits.any():
         order = order[fits]
@@ -122,12 +125,11 @@ def choose_rows(norms: list[torch.Tensor | None], sizes: list[int], budget: floa
     else:
         order = order[:1]
     # sorted by (tensor, row), then cut into the tensors' parts
-    width = max(norms[i].numel() for i in seen) + 1
+    width = int(row.max()) + 1 if row.numel() else 1
     key = torch.sort(owner[order] * width + row[order]).values
     counts = torch.bincount(key // width, minlength=len(norms)).tolist()
     parts = torch.split(key % width, counts)
     return [part if n is not None else None for part, n in zip(parts, norms)]
-
 
 class BlockLLM(TrainingMethod):
     name = "blockllm"
@@ -197,7 +199,12 @@ class BlockLLM(TrainingMethod):
             if self.grid.world_size > 1:  # data replicas hold the same (all-reduced) gradients
                 full = self.comm.all_reduce(full, "tensor").wait()
             self._seen[i] = full.sqrt().cpu()
-            tentative = choose_rows(self._seen, self._sizes(), self.budget)
+            # the choice so far, remade from its own rows and the new tensor's: a block that
+            # left it never comes back, so the rows outside it need not be ranked again
+            held = [None if j == i else self._held.get(j) for j in range(len(self.cands))]
+            tentative = choose_rows([self._seen[j] if j == i else None if h is None
+                                     else self._seen[j][h] for j, h in enumerate(held)],
+                                    self._sizes(), self.budget, held)
             self.grads[i] = c.matrix(p.grad)[c.local_rows(tentative[i]).to(p.grad.device)]
             for j, g in list(self.grads.items()):  # blocks that left the tentative choice
                 if j != i:
