@@ -118,7 +118,7 @@ def test_optimizer_keys_are_checked() -> None:
            ("train.clip_mode=value",): "train.clip_mode = 'value' applies only to",
            ("train.block_sparsity=0.5",): "train.block_sparsity = 0.5 applies only to "
                                           "train.optimizer = 'blockllm', not 'adamw'",
-           ("train.optimizer=galore", "train.block_patience=3"): "train.block_patience = 3 "
+           ("train.optimizer=galore", "train.block_patience=5"): "train.block_patience = 5 "
                                                                  "applies only to",
            ("train.optimizer=blockllm", "train.block_sparsity=1"): "train.block_sparsity = 1.0",
            ("train.optimizer=galore", "train.galore_gap=0"): "train.galore_gap = 0: must be",
@@ -127,6 +127,23 @@ def test_optimizer_keys_are_checked() -> None:
     for items, message in bad.items():
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
             load_config(None, list(items))
+
+
+def test_saved_run_config_reads_after_a_default_changes(tmp_path: Path) -> None:
+    """A run's config.toml records every key, other optimizers' options at the defaults of the
+    version that wrote it (block_patience was 10): read back as a RUN_DIR they are dropped,
+    given as a user's config they are still refused."""
+    from fourfold.config import ConfigError, load_config
+    from fourfold.train.runs import run_config
+
+    (tmp_path / "config.toml").write_text('[train]\noptimizer = "adamw"\nblock_patience = 10\n'
+                                          'block_sparsity = 0.9\n')
+    assert run_config(tmp_path).train.optimizer == "adamw"
+    with pytest.raises(ConfigError, match="train.block_patience = 10 applies only to"):
+        load_config(tmp_path / "config.toml")
+    (tmp_path / "config.toml").write_text('[train]\noptimizer = "blockllm"\n'
+                                          'block_patience = 10\n')
+    assert run_config(tmp_path).train.block_patience == 10  # its own option: kept
 
 
 def test_build_optimizer_builds_adamw_only() -> None:

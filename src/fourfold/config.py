@@ -110,7 +110,7 @@ class TrainConfig:
     es_population: int = 8  # es: perturbed members per step
     es_sigma: float = 1e-3  # es: size of each member's perturbation
     block_sparsity: float = 0.9  # blockllm: fraction of the parameters frozen at a time
-    block_patience: int = 10  # blockllm: steps without a better loss before reselecting
+    block_patience: int = 3  # blockllm: steps without a better loss before reselecting
     galore_rank: int = 0  # galore: projection rank; 0: a quarter of each matrix's smaller side
     galore_gap: int = 200  # galore: steps between refreshes of the projection
     memory_report: bool = False  # peak bytes per rank by category into summary.json
@@ -344,10 +344,14 @@ def _check_key(section: str, key: str) -> str:
     return name
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                saved: bool = False) -> Config:
     """Build a validated Config from an optional TOML file and `section.key=value` overrides.
 
-    Precedence: defaults < preset (model.preset) < file < overrides.
+    Precedence: defaults < preset (model.preset) < file < overrides. `saved`: the file is a
+    run's own config.toml, which records every key; its options for optimizers other than its
+    own are dropped (they are that version's defaults, not choices, and a later default must
+    not make them read as set).
     """
     raw: dict[str, dict[str, Any]] = {}
     if path is not None:
@@ -366,6 +370,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             for key, value in table.items():
                 name = _check_key(section, key)
                 raw.setdefault(section, {})[name] = value
+        if saved:
+            train = raw.get("train", {})
+            optimizer = train.get("optimizer", TrainConfig().optimizer)
+            for key, users in OPTIMIZER_OPTIONS.items():
+                if optimizer not in users:
+                    train.pop(key, None)
     for item in overrides or []:
         section, key, value = _parse_override(item)
         name = _check_key(section, key)

@@ -101,7 +101,7 @@ def _run_config(run_dir: str | Path) -> Config:
         raise RunDirError(f"run directory {str(run_dir)!r} has no {CONFIG_FILE}; is it a "
                           "fourfold RUN_DIR?")
     try:
-        return load_config(run / CONFIG_FILE)
+        return load_config(run / CONFIG_FILE, saved=True)
     except ConfigError as e:
         raise RunDirError(f"{run / CONFIG_FILE}: {e}") from None
 
