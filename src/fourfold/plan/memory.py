@@ -44,6 +44,7 @@ by several ranks (a host's) among them and takes `reserved_gib` per rank off for
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -262,9 +263,9 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
     largest block; with data > 1 up to two buckets are in flight, not counted); adalomo keeps a
     row and a column statistic per matrix, a second moment per vector. mezo / es: neither.
     blockllm: moments and gradients of the selected (1 - block_sparsity) share of the rows, a
-    step count per row; a selection
-    step's backward adds the tensor being handed off (the largest block) and the vectors (with
-    grad_accum > 1 every gradient lives until the last micro-step). galore: every
+    step count per row; a selection step's backward adds the tensor being handed off (the
+    largest block) and the vectors (with grad_accum > 1 every gradient lives until the last
+    micro-step). galore: every
     gradient; per matrix its projection (local rows of the projected side x r) and two r-rank
     moments (r split over the projected side's axes where they divide it); vectors plain
     AdamW."""
@@ -289,7 +290,7 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
         handed_off = largest_tensor_numel(model, shape)[1] + vectors
         grads = numel if train.grad_accum > 1 else min(numel, selected + handed_off)
         # and a float32 step count per chosen row (rows are at least dim wide)
-        rows = -(-selected // model.dim)
+        rows = math.ceil(selected / model.dim)
         return {"grads": grads * p.grad_bytes,
                 "optimizer": selected * p.optimizer_bytes + 4 * rows}
     if name == "galore":

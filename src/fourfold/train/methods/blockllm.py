@@ -145,6 +145,7 @@ class BlockLLM(TrainingMethod):
         self.beta1, self.beta2, self.weight_decay = cfg.beta1, cfg.beta2, cfg.weight_decay
         self.grad_clip = cfg.grad_clip
         self.sizes = {c.view.name: math.prod(c.view.full_shape) for c in self.cands}
+        self.row_sizes = [c.row_size for c in self.cands]
         self.budget = (1.0 - self.sparsity) * sum(self.sizes.values())
         # the selection: per candidate its chosen global rows (sorted), None before the first
         self.rows: list[torch.Tensor] | None = None
@@ -181,9 +182,6 @@ class BlockLLM(TrainingMethod):
         for c, r in zip(self.cands, self.rows or [None] * len(self.cands)):
             c.view.param.requires_grad_(every or (r is not None and r.numel() > 0))
 
-    def _sizes(self) -> list[int]:
-        return [c.row_size for c in self.cands]
-
     @torch.no_grad()
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         i = self._index.get(id(p))
@@ -204,7 +202,7 @@ class BlockLLM(TrainingMethod):
             held = [None if j == i else self._held.get(j) for j in range(len(self.cands))]
             tentative = choose_rows([self._seen[j] if j == i else None if h is None
                                      else self._seen[j][h] for j, h in enumerate(held)],
-                                    self._sizes(), self.budget, held)
+                                    self.row_sizes, self.budget, held)
             self.grads[i] = c.matrix(p.grad)[c.local_rows(tentative[i]).to(p.grad.device)]
             for j, g in list(self.grads.items()):  # blocks that left the tentative choice
                 if j != i:
@@ -254,12 +252,12 @@ class BlockLLM(TrainingMethod):
         for i, c in enumerate(self.cands):  # a tensor without a gradient ranks as a zero one
             if self._seen[i] is None:
                 self._seen[i] = torch.zeros(c.rows, dtype=torch.float64)
-        new = choose_rows(self._seen, self._sizes(), self.budget)
+        new = choose_rows(self._seen, self.row_sizes, self.budget)
         for i in list(self.grads):
             self.grads[i] = self._subset(i, self._held[i], new[i], self.grads[i])
         self.norms = {c.view.name: n for c, n in zip(self.cands, self._seen)}
         self._keep_state(new)
-        self.rows = [r for r in new]  # every entry is set now
+        self.rows = new  # every entry is set now
         self._set_trainable(False)
         return loss
 
