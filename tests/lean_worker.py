@@ -267,9 +267,9 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
 
 def galore_refreshes(method, ref_method, pmodel) -> list[dict]:
     """GaLore's refresh of each matrix from a random global gradient (the same on every rank),
-    each rank given its shard: the basis gathered from the ranks against one process's and
-    against a float64 SVD's subspace, and the bytes this rank's refresh moved."""
-    from fourfold.parallel import Layout
+    each rank given its shard: the basis (its rows and block of r columns) gathered from the
+    ranks against one process's and against a float64 SVD's subspace, and the bytes this
+    rank's refresh moved."""
     from fourfold.parallel.parallelize import _gather_full
     from fourfold.plan.memory import galore_rank
     from fourfold.train.methods.base import padded_dims
@@ -285,7 +285,9 @@ def galore_refreshes(method, ref_method, pmodel) -> list[dict]:
         basis = method._projection(view, full[r0:r0 + rows, c0:c0 + cols], left, r, None)
         moved = sum(pmodel.ledger.snapshot().values())
         split = padded_dims(view)
-        gathered = _gather_full(basis, Layout((split[dim],)), method.comm).double()
+        # its rows over this side's axes, its r columns over the other side's
+        gathered = _gather_full(basis, method.field_layout(view, "proj"), method.comm)
+        gathered = gathered.double()
         one = ref_method._projection(refs[view.name], full, left, r, None).double()
         u, _, vh = torch.linalg.svd(full.double(), full_matrices=False)
         svd = u[:, :r] if left else vh[:r].T

@@ -563,8 +563,8 @@ def test_planner_state_bytes_follow_the_method() -> None:
 
 def test_planner_counts_the_methods_transients() -> None:
     """GaLore's transient after backward, the largest matrix's: its refresh (the small side's
-    float64 Gram, a gathered chunk, eigh) or its update (the step projected back to the
-    shard); it counts in the total. MeZO's and ES's no-grad loss."""
+    float64 Gram, a gathered chunk, eigh) or its update (a block of R and of the step
+    projected back to the shard, and P gathered); it counts in the total. MeZO's and ES's no-grad loss."""
     import dataclasses
 
     from fourfold.config import TrainConfig, model_config
@@ -578,10 +578,15 @@ def test_planner_counts_the_methods_transients() -> None:
     k, cfg, p = min(m, n), TrainConfig(optimizer="galore"), Precision.of("float32")
     r = k // 4
     one, grid = GridShape(1, 1, 1, 1), GridShape(1, 1, 2, 2)
-    for shape, rows in ((one, m), (grid, m // 2)):  # the embedding's rows: vocab over y
+    # the embedding's (vocab over y, dim over x): Q (cols x r) with its r split over y, R
+    # (rows x r) with its r split over x; one block of rows (under GALORE_CHUNK_BYTES)
+    for shape, rows, cols in ((one, m, n), (grid, m // 2, n // 2)):
         width = min(GALORE_CHUNK_BYTES // (4 * k), rows)
         refresh = max(8 * k * k + 12 * k * width, 32 * k * k)
-        update = 4 * (rows * n // shape.x + rows * r + rows * r // shape.x)
+        assert 4 * cols * rows < GALORE_CHUNK_BYTES
+        gathered = cols * r if shape.y > 1 else 0
+        low = r * rows
+        update = 4 * (gathered + cols * rows + low + 2 * (low // shape.x))
         assert galore_update_bytes(mcfg, shape, cfg) == max(refresh, update), shape
     for shape in (one, grid):
         base = predict_memory(mcfg, shape, 256, True, p, on_host=True)

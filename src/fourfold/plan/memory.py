@@ -266,9 +266,9 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
     step count per row; a selection step's backward adds the tensor being handed off (the
     largest block) and the vectors (with grad_accum > 1 every gradient lives until the last
     micro-step). galore: every
-    gradient; per matrix its projection (local rows of the projected side x r) and two r-rank
-    moments (r split over the projected side's axes where they divide it); vectors plain
-    AdamW."""
+    gradient; per matrix its projection (local rows of the projected side x r, r split over
+    the other side's axes where they divide it) and two r-rank moments (r split over the
+    projected side's axes where they divide it); vectors plain AdamW."""
     p = precision or Precision.of("float32")
     numel = sum(local_param_numel(model, shape).values())
     matrices = _local_matrices(model, shape)
@@ -301,7 +301,10 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
             # the moments' r split as the projected side is, where that divides r
             parts = m // rl if m < n else n // cl
             rr = r // parts if r % parts == 0 else r
-            state += rl * r + 2 * rr * cl if m < n else cl * r + 2 * rl * rr
+            # P's (Q's) r columns split as the other side is, where that divides r
+            others = n // cl if m < n else m // rl
+            pr = r // others if r % others == 0 else r
+            state += rl * pr + 2 * rr * cl if m < n else cl * pr + 2 * rl * rr
         return {"grads": numel * p.grad_bytes, "optimizer": state * state_bytes}
     raise PlanError(f"train.optimizer = {name!r}: no memory model for it")
 
@@ -314,22 +317,27 @@ def galore_update_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfi
       GALORE_CHUNK_BYTES at most, and its float64 copy), then eigh's input, output and
       workspace (syevd: about 2 s^2), 4 s^2 float64 in all, measured on CPU for s = 3072:
       4.2 s^2 at eigh's peak;
-    - an update: R (the projected gradient) and Adam's normalised step of it, gathered (both
-      r-rank, local), this rank's share of R (1 / p of it), and a row block of the step
-      projected back to the shard (GALORE_CHUNK_BYTES), made and added block by block.
-    The update's (the embedding / output matrix's R) is the larger where shards are long
-    against s^2; the refresh's does not shrink with the grid (4 s^2 float64 on every rank:
-    128 MiB at s = 2048)."""
+    - an update, a block of the other side at a time (w of its columns for P, rows for Q,
+      the update back in the shard's basis GALORE_CHUNK_BYTES at most): P (Q) gathered to
+      its r columns where they are split, and per block R (r x w) before its reduce-scatter,
+      this rank's share of it, Adam's step of the share (two temporaries) and the step
+      gathered back, and the update back in the shard's basis.
+    The refresh's is the larger but for tiny matrices; it does not shrink with the grid
+    (4 s^2 float64 on every rank: 128 MiB at s = 2048)."""
     worst = 0
     for m, n, rl, cl in _local_matrices(model, shape):
         s, r = min(m, n), galore_rank((m, n), train.galore_rank)
         width = min(max(1, GALORE_CHUNK_BYTES // (4 * s)), cl if m < n else rl)
         refresh = max(8 * s * s + 12 * s * width, 32 * s * s)
-        low, parts = (r * cl, m // rl) if m < n else (rl * r, n // cl)
-        # R before its reduce-scatter, this rank's share of it, a row block of the step back
-        # in the shard (made and added GALORE_CHUNK_BYTES at a time)
-        back = min(rl * cl, max(1, GALORE_CHUNK_BYTES // (4 * cl)) * cl)
-        worst = max(worst, refresh, 4 * (back + low + low // parts))
+        # P's side of the shard, the side the blocks cut; the axes' parts that split R's r
+        # (the projected side's) and P's r (the other side's)
+        side, other = (rl, cl) if m < n else (cl, rl)
+        parts, others = (m // rl, n // cl) if m < n else (n // cl, m // rl)
+        share = parts if r % parts == 0 else 1
+        gathered = side * r if others > 1 and r % others == 0 else 0
+        w = min(other, max(1, GALORE_CHUNK_BYTES // (4 * side)))
+        low = r * w
+        worst = max(worst, refresh, 4 * (gathered + side * w + low + 2 * (low // share)))
     return worst
 
 

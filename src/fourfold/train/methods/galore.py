@@ -22,16 +22,22 @@ refresh each matrix's shard is all-gathered a chunk at a time over the axes that
 small side (a rank receives (p_small - 1) times its shard, and none of the long side), each
 chunk's product is added to the s x s Gram, which is all-reduced over the axes that split the
 long side (8 s^2 bytes); every rank then solves the same eigh and keeps only the rows of P
-(or Q) that its shard needs. On one process the same chunks, without collectives.
-Between refreshes a step reduce-scatters R's local part over the axes that split the
-projected side (r rows of the shard's columns or rows: each rank keeps r / p of them, as an
-all-reduce's first half would) and all-gathers Adam's step of them back (its second half);
-where those axes do not divide r, R is all-reduced and its moments replicated over them. The
-state per rank is its part of P (or Q) and of R's two moments, a quarter of them on 2 x 2
-(parts of global tensors, which checkpoints save as such: a run resumes on any grid). A
-refreshed singular vector takes the sign that agrees with the one it replaces (eigh's signs
-are arbitrary, and a near-equal gradient on another grid could flip them; the first ones meet
-zero moments, where sign is moot).
+(or Q) that its shard needs, and its block of their r columns (below). On one process the same
+chunks, without collectives.
+Between refreshes a step works on a block of G's other side at a time (w of its columns for P,
+of its rows for Q; R's, the moments' and the update's entries there depend on those alone, so
+no temporary outgrows a block: GALORE_CHUNK_BYTES of the update back in the shard's basis).
+Per block it reduce-scatters R's local part over the axes that split the projected side (r
+rows of the block: each rank keeps r / p of them, as an all-reduce's first half would) and
+all-gathers Adam's step of them back (its second half); where those axes do not divide r, R
+is all-reduced and its moments replicated over them. P's (Q's) r columns are split over the
+axes that split the other side, where they divide r (every rank along them needs the same
+rows of P): a step all-gathers them (local rows x r, float32) once per matrix. So the state
+per rank is a quarter of P (or Q) and of R's two moments on 2 x 2 (parts of global tensors,
+which checkpoints save as such: a run resumes on any grid). A refreshed singular vector takes
+the sign that agrees with the one it replaces (eigh's signs are arbitrary, and a near-equal
+gradient on another grid could flip them; the first ones meet zero moments, where sign is
+moot).
 """
 
 from __future__ import annotations
@@ -105,6 +111,27 @@ class GaLore(PerParameterState, TrainingMethod):
         self.rank, self.gap = cfg.galore_rank, cfg.galore_gap
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.steps_done = 0
+        # the state is made up front, before any gradient: it then lies below them in the
+        # heap, and the blocks every step's gradients and temporaries free are reused by the
+        # next step's (made at the first update, between the freed gradients, it left holes
+        # the later, differently sized tensors could not fill: ~50 MiB a rank on 2 x 2)
+        for v in self.views:
+            if v.param.requires_grad:
+                self.state[v.name] = self._new_state(v)
+
+    def _new_state(self, view: ParamView) -> dict[str, torch.Tensor]:
+        """Zero moments (and a zero projection, which the first step's refresh replaces)."""
+        p = view.param
+        zeros = dict(dtype=torch.float32, device=p.device)
+        if p.dim() != 2:
+            return {"m": torch.zeros(p.shape, **zeros), "v": torch.zeros(p.shape, **zeros)}
+        m, n = view.full_shape
+        r = galore_rank(view.full_shape, self.rank)
+        rr = r // math.prod(self.grid.size(a) for a in self._rank_axes(view, r))
+        pr = r // math.prod(self.grid.size(a) for a in self._proj_axes(view, r))
+        moments = (rr, p.shape[1]) if m < n else (p.shape[0], rr)
+        return {"proj": torch.zeros(p.shape[0 if m < n else 1], pr, **zeros),
+                "m": torch.zeros(moments, **zeros), "v": torch.zeros(moments, **zeros)}
 
     def _sum(self, t: torch.Tensor, axes: tuple) -> torch.Tensor:
         for axis in axes:
@@ -115,23 +142,35 @@ class GaLore(PerParameterState, TrainingMethod):
     def field_layout(self, view: ParamView, field: str) -> Layout | None:
         if view.param.dim() != 2:
             return view.layout if field in ("m", "v") else None
-        # P (left, m < n) holds the shard's rows, R = P^T G its columns (replicated over the
-        # row axes it was summed over); Q and R = G Q the other way round
+        # P (left, m < n): the shard's rows, its r columns split over the axes that split G's
+        # columns; R = P^T G (r x the shard's columns), r split over the row axes it is summed
+        # over. Q and R = G Q the other way round.
         m, n = view.full_shape
         rows, cols = padded_dims(view)
+        r = galore_rank(view.full_shape, self.rank)
         if field == "proj":
-            return Layout((rows if m < n else cols, ()))
+            return Layout((rows, self._proj_axes(view, r)) if m < n
+                          else (cols, self._proj_axes(view, r)))
         if field in ("m", "v"):
-            split = self._rank_axes(view, galore_rank(view.full_shape, self.rank))
+            split = self._rank_axes(view, r)
             return Layout((split, cols)) if m < n else Layout((rows, split))
         return None
+
+    def _dividing(self, axes: tuple[Axis, ...], r: int) -> tuple[Axis, ...]:
+        return axes if r % math.prod(self.grid.size(a) for a in axes) == 0 else ()
 
     def _rank_axes(self, view: ParamView, r: int) -> tuple[Axis, ...]:
         """The axes that split R's rank dim (and its moments'): those R is summed over (the
         ones that split the projected side) where they divide r, else none (R replicated)."""
         m, n = view.full_shape
-        axes = padded_dims(view)[0 if m < n else 1]
-        return axes if r % math.prod(self.grid.size(a) for a in axes) == 0 else ()
+        return self._dividing(padded_dims(view)[0 if m < n else 1], r)
+
+    def _proj_axes(self, view: ParamView, r: int) -> tuple[Axis, ...]:
+        """The axes that split P's (Q's) r columns: those that split the other side of the
+        matrix (every rank along them holds the same rows of P) where they divide r, else
+        none (P replicated over them). A step all-gathers the r columns (side_local x r)."""
+        m, n = view.full_shape
+        return self._dividing(padded_dims(view)[1 if m < n else 0], r)
 
     def _scatter(self, t: torch.Tensor, axes: tuple[Axis, ...]) -> torch.Tensor:
         for axis in axes:  # outer first: this rank's block of dim 0, in the offsets' order
@@ -143,11 +182,20 @@ class GaLore(PerParameterState, TrainingMethod):
             t = self.comm.all_gather(t.contiguous(), axis).wait()
         return t
 
+    def _block(self, axes: tuple[Axis, ...], count: int) -> slice:
+        """This rank's block of `count` entries split over `axes` (outer first)."""
+        index, parts = 0, 1
+        for axis in axes:
+            index = index * self.grid.size(axis) + self.grid.coord(axis)
+            parts *= self.grid.size(axis)
+        size = count // parts
+        return slice(index * size, (index + 1) * size)
+
     @torch.no_grad()
     def _projection(self, view: ParamView, grad: torch.Tensor, left: bool, r: int,
                     previous: torch.Tensor | None) -> torch.Tensor:
-        """This shard's rows of P (left) or Q (right): the top eigenvectors of the global
-        gradient's small-side Gram matrix."""
+        """This shard's rows of P (left) or Q (right), this rank's block of their r columns:
+        the top eigenvectors of the global gradient's small-side Gram matrix."""
         dim = 0 if left else 1
         split = padded_dims(view)
         # the small side first: G's shard for P (G G^T), its transpose for Q (G^T G)
@@ -155,7 +203,8 @@ class GaLore(PerParameterState, TrainingMethod):
         basis = top_eigenvectors(gram, r)  # (m, r) or (n, r)
         del gram
         start, size = view.offsets[dim], view.param.shape[dim]
-        basis = basis[start:start + size].contiguous()
+        columns = self._block(self._proj_axes(view, r), r)
+        basis = basis[start:start + size, columns].contiguous()
         if previous is not None:
             # the moments were kept in the old basis: each new direction takes the sign that
             # agrees with the old one (dot products over the full vectors: summed over the
@@ -168,45 +217,59 @@ class GaLore(PerParameterState, TrainingMethod):
     def _update(self, view: ParamView, lr: float, t: int, refresh: bool) -> None:
         p, g = view.param, view.param.grad.float()
         state = self.state.setdefault(view.name, {})
-        if p.dim() == 2:
-            m, n = view.full_shape
-            left = m < n
-            r = galore_rank(view.full_shape, self.rank)
-            row_axes, col_axes = view.layout.dims + ((),) * (2 - len(view.layout.dims))
-            if refresh or "proj" not in state:
-                state["proj"] = self._projection(view, g, left, r, state.get("proj"))
-            proj = state["proj"]
-            # R, rank dim first: P^T G (r, n_local) summed over the axes that split G's rows,
-            # or (G Q)^T = Q^T G^T (r, m_local) over those that split its columns; reduce-scattered
-            # over them (this rank keeps its r / p rows), all-reduced where they do not divide r
-            split = self._rank_axes(view, r)
-            summed = row_axes if left else col_axes
-            low = proj.T @ (g if left else g.T)
-            low = self._sum(self._scatter(low, split), tuple(a for a in summed if a not in split))
-            if not left:
-                low = low.T  # (m_local, r / p): the moments' layout
-        else:
-            low = g
-        if "m" not in state:
-            state["m"] = torch.zeros(low.shape, dtype=low.dtype, device=low.device)
-            state["v"] = torch.zeros_like(state["m"])
-        state["m"].mul_(self.beta1).add_(low, alpha=1.0 - self.beta1)
-        state["v"].mul_(self.beta2).addcmul_(low, low, value=1.0 - self.beta2)
-        step = (state["m"] / (1.0 - self.beta1 ** t)).div_(
-            (state["v"] / (1.0 - self.beta2 ** t)).sqrt_().add_(EPS))
         if view.decay and self.weight_decay:
             p.mul_(1.0 - lr * self.weight_decay)
-        if p.dim() == 2:  # Adam's step of every rank's rows of R, back in the shard's basis
-            step = self._gather(step if left else step.T, split)
-            # P (rows, r) @ step (r, cols), or step^T (rows, r) @ Q^T (r, cols), made and added
-            # a row block at a time: no temporary as large as the shard (which also leaves no
-            # shard-sized hole in the heap for the next, slightly larger one to miss)
-            lhs, rhs = (state["proj"], step) if left else (step.T, state["proj"].T)
-            rows = max(1, GALORE_CHUNK_BYTES // (4 * p.shape[1]))
-            for a in range(0, p.shape[0], rows):
-                p[a:a + rows].add_((lhs[a:a + rows] @ rhs).to(p.dtype), alpha=-lr)
-        else:
-            p.add_(step.to(p.dtype), alpha=-lr)
+        if "m" not in state:  # a checkpoint from before the first step had none
+            state.update(self._new_state(view))
+        if p.dim() != 2:  # plain AdamW
+            p.add_(self._adam(state["m"], state["v"], g, t).to(p.dtype), alpha=-lr)
+            return
+        m, n = view.full_shape
+        left = m < n
+        r = galore_rank(view.full_shape, self.rank)
+        row_axes, col_axes = padded_dims(view)
+        if refresh:  # into the state's own block (the new basis is a small temporary)
+            state["proj"].copy_(self._projection(view, g, left, r, state["proj"]))
+        # P (Q) with all r columns, (side_local, r): gathered over the axes that split them
+        proj = self._gather(state["proj"].T, self._proj_axes(view, r)).T
+        # R, rank dim first: P^T G (r, n_local) summed over the axes that split G's rows, or
+        # (G Q)^T = Q^T G^T (r, m_local) over those that split its columns; reduce-scattered
+        # over them (this rank keeps its r / p rows), all-reduced where they do not divide r.
+        # Every step of it works on a block of G's other side at a time (its columns for P,
+        # its rows for Q: R's, the moments' and the update's entries there depend on those
+        # alone), so no temporary is larger than a block (GALORE_CHUNK_BYTES of the update
+        # back in the shard's basis).
+        split = self._rank_axes(view, r)
+        rest = tuple(a for a in (row_axes if left else col_axes) if a not in split)
+        other = p.shape[1] if left else p.shape[0]  # the side the blocks cut
+        width = max(1, GALORE_CHUNK_BYTES // (4 * p.shape[0 if left else 1]))
+        for a in range(0, other, width):
+            cut = slice(a, min(a + width, other))
+            low = proj.T @ (g[:, cut] if left else g[cut].T)  # (r, block)
+            low = self._sum(self._scatter(low, split), rest)  # (r / p, block)
+            # the moments' entries of this block, (r / p, block) views
+            if left:
+                mom_m, mom_v = state["m"][:, cut], state["v"][:, cut]
+            else:
+                mom_m, mom_v = state["m"][cut].T, state["v"][cut].T
+            step = self._adam(mom_m, mom_v, low, t)
+            del low
+            step = self._gather(step, split)  # (r, block): every rank's rows of Adam's step
+            # P (rows, r) @ step (r, block), or step^T (block, r) @ Q^T (r, cols)
+            if left:
+                p[:, cut].add_((proj @ step).to(p.dtype), alpha=-lr)
+            else:
+                p[cut].add_((step.T @ proj.T).to(p.dtype), alpha=-lr)
+            del step
+
+    def _adam(self, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, t: int
+              ) -> torch.Tensor:
+        """Adam's moments of `grad` updated in place (m, v may be views), and its normalised
+        step (bias-corrected, step t)."""
+        m.mul_(self.beta1).add_(grad, alpha=1.0 - self.beta1)
+        v.mul_(self.beta2).addcmul_(grad, grad, value=1.0 - self.beta2)
+        return (m / (1.0 - self.beta1 ** t)).div_(
+            (v / (1.0 - self.beta2 ** t)).sqrt_().add_(EPS))
 
     def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
              ) -> StepResult:
