@@ -182,15 +182,6 @@ class GaLore(PerParameterState, TrainingMethod):
             t = self.comm.all_gather(t.contiguous(), axis).wait()
         return t
 
-    def _block(self, axes: tuple[Axis, ...], count: int) -> slice:
-        """This rank's block of `count` entries split over `axes` (outer first)."""
-        index, parts = 0, 1
-        for axis in axes:
-            index = index * self.grid.size(axis) + self.grid.coord(axis)
-            parts *= self.grid.size(axis)
-        size = count // parts
-        return slice(index * size, (index + 1) * size)
-
     @torch.no_grad()
     def _projection(self, view: ParamView, grad: torch.Tensor, left: bool, r: int,
                     previous: torch.Tensor | None) -> torch.Tensor:
@@ -202,9 +193,9 @@ class GaLore(PerParameterState, TrainingMethod):
         gram = small_side_gram(grad if left else grad.T, split[dim], split[1 - dim], self.comm)
         basis = top_eigenvectors(gram, r)  # (m, r) or (n, r)
         del gram
-        start, size = view.offsets[dim], view.param.shape[dim]
-        columns = self._block(self._proj_axes(view, r), r)
-        basis = basis[start:start + size, columns].contiguous()
+        # this rank's rows and block of the r columns, as the field's layout places them
+        basis = self.field_layout(view, "proj").shard(
+            basis, self.grid.shape, self.grid.shape.coords(self.grid.rank))
         if previous is not None:
             # the moments were kept in the old basis: each new direction takes the sign that
             # agrees with the old one (dot products over the full vectors: summed over the
