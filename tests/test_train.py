@@ -190,6 +190,50 @@ def test_nan_loss_skip_policy_skips_the_update(tmp_path: Path) -> None:
     assert [r["step"] for r in records if r.get("skipped")] == [3]
 
 
+def test_a_bad_galore_refresh_step_is_stopped_or_skipped_whole(tmp_path: Path) -> None:
+    """GaLore refreshes its basis inside backward, before the guard sees the step: a NaN step
+    that is a refresh step stops with the NaN's own error (not eigh's), and a refresh step the
+    guard rejects under "skip" (a spike) leaves the basis, the moments and the weights as they
+    were."""
+    # a small side under 32, where eigh of a NaN Gram raises (larger ones return NaN vectors)
+    galore = ("train.optimizer=galore", "model.dim=24", "model.n_heads=2", "model.n_kv_heads=1",
+              "model.ffn_dim=64")
+    stopped = Trainer(small_config(*galore, "train.galore_gap=2"), tmp_path / "stop",
+                      progress=False)  # steps 1, 3, 5 refresh
+    _poison_step(stopped, 3)
+    with pytest.raises(TrainingError, match=r"^step 3: loss is nan"):
+        stopped.fit()
+
+    # every step after the first five is a spike; step 6 (5 steps done) refreshes
+    trainer = Trainer(small_config(*galore, "train.galore_gap=5", "train.steps=7",
+                                   "train.spike_threshold=0.5", "train.nan_policy=skip"),
+                      tmp_path / "skip", progress=False)
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
+    refreshed: list[int] = []
+    original_step, original_projection = trainer.train_step, trainer.method._projection
+
+    def step_and_snapshot():
+        stats = original_step()
+        tensors, _ = trainer.method.state_dict()
+        snapshots[stats.step] = {**{k: t.clone() for k, t in tensors.items()},
+                                 **{n: p.detach().clone()
+                                    for n, p in trainer.pmodel.named_parameters()}}
+        return stats
+
+    def projection(*args):
+        refreshed.append(trainer.step + 1)
+        return original_projection(*args)
+
+    trainer.train_step = step_and_snapshot  # type: ignore[method-assign]
+    trainer.method._projection = projection  # type: ignore[method-assign]
+    result = trainer.fit()
+    assert result.skipped_steps == [6, 7]
+    assert sorted(set(refreshed)) == [1, 6, 7]
+    assert any(k.endswith("/proj") for k in snapshots[5])
+    for key, value in snapshots[5].items():
+        assert torch.equal(value, snapshots[6][key]), key
+
+
 def test_vocab_larger_than_the_model_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"model.vocab_size = 200 .*257") as info:
         Trainer(small_config("model.vocab_size=200"), tmp_path)

@@ -265,10 +265,12 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
     blockllm: moments and gradients of the selected (1 - block_sparsity) share of the rows, a
     step count per row; a selection step's backward adds the tensor being handed off (the
     largest block) and the vectors (with grad_accum > 1 every gradient lives until the last
-    micro-step). galore: every
-    gradient; per matrix its projection (local rows of the projected side x r, r split over
-    the other side's axes where they divide it) and two r-rank moments (r split over the
-    projected side's axes where they divide it); vectors plain AdamW."""
+    micro-step). galore: R, the projected gradient of every matrix (the moments' size), the
+    vectors' gradients and the matrix being handed off (the largest block; with grad_accum > 1
+    every gradient, until the last micro-step); per matrix its projection (local rows of the
+    projected side x r, r split over the other side's axes where they divide it) and two
+    r-rank moments (r split over the projected side's axes where they divide it); vectors
+    plain AdamW."""
     p = precision or Precision.of("float32")
     numel = sum(local_param_numel(model, shape).values())
     matrices = _local_matrices(model, shape)
@@ -294,7 +296,7 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
         return {"grads": grads * p.grad_bytes,
                 "optimizer": selected * p.optimizer_bytes + 4 * rows}
     if name == "galore":
-        state = 2 * vectors
+        state, projected = 2 * vectors, 0
         for m, n, rl, cl in matrices:
             r = galore_rank((m, n), train.galore_rank)
             # m < n: P (local rows x r), moments r x local cols; else Q and m_local x r moments;
@@ -305,7 +307,10 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
             others = n // cl if m < n else m // rl
             pr = r // others if r % others == 0 else r
             state += rl * pr + 2 * rr * cl if m < n else cl * pr + 2 * rl * rr
-        return {"grads": numel * p.grad_bytes, "optimizer": state * state_bytes}
+            projected += rr * cl if m < n else rl * rr
+        handed_off = largest_tensor_numel(model, shape)[1]
+        grads = numel if train.grad_accum > 1 else projected + vectors + handed_off
+        return {"grads": grads * p.grad_bytes, "optimizer": state * state_bytes}
     raise PlanError(f"train.optimizer = {name!r}: no memory model for it")
 
 

@@ -145,6 +145,18 @@ def on_final_gradients(pmodel: Any, views: list[ParamView],
             v.param.register_post_accumulate_grad_hook(hook)
 
 
+def arm_on_last_micro_step(data: StepData, arm: Callable[[bool], None]) -> StepData:
+    """`data` that calls arm(True) as its last micro-step's loss comes and arm(False) as the
+    others' do, for a hand-off hook (on_final_gradients): on one process the hook runs after
+    every micro-step's backward, and only their sum is the step's gradient."""
+    def losses() -> Iterator[torch.Tensor]:
+        for i, loss in enumerate(data.losses()):
+            arm(i == data.micro_steps - 1)
+            yield loss
+
+    return StepData(data.micro_steps, losses)
+
+
 def live_grad_bytes(views: list[ParamView]) -> int:
     return sum(v.param.grad.numel() * v.param.grad.element_size()
                for v in views if v.param.grad is not None)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,9 +44,9 @@ from fourfold.config import TrainConfig
 from fourfold.parallel import Axis, Layout
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (CHUNK_ELEMENTS, Guard, ParamView, StepData, StepResult,
-                                         TrainingMethod, check_meta, live_grad_bytes,
-                                         on_final_gradients, padded_dims, param_views,
-                                         reduce_loss)
+                                         TrainingMethod, arm_on_last_micro_step, check_meta,
+                                         live_grad_bytes, on_final_gradients, padded_dims,
+                                         param_views, reduce_loss)
 
 EPS = 1e-8  # AdamW's, as train/optim.build_optimizer
 
@@ -225,22 +225,13 @@ class BlockLLM(TrainingMethod):
                                "after its gradient was freed (a bug)")
         return g[torch.searchsorted(local_held, local_keep).to(g.device)]
 
-    def _armed_data(self, data: StepData) -> StepData:
-        """`data` with the hand-off armed on its last micro-step only: on one process the hook
-        runs after every micro-step's backward, and only the sum is the step's gradient."""
-        def losses() -> Iterator[torch.Tensor]:
-            for i, loss in enumerate(data.losses()):
-                self._armed = i == data.micro_steps - 1
-                yield loss
-
-        return StepData(data.micro_steps, losses)
-
     def _backward(self, pmodel: Any, data: StepData, selecting: bool) -> float:
         self.grads, self._selecting = {}, selecting
         if selecting:
             self._seen, self._held = [None] * len(self.cands), {}
         try:
-            return reduce_loss(pmodel, backward_pass(pmodel, self._armed_data(data)))
+            return reduce_loss(pmodel, backward_pass(pmodel, arm_on_last_micro_step(
+                data, lambda on: setattr(self, "_armed", on))))
         finally:
             self._armed = self._selecting = False
 

@@ -8,11 +8,22 @@ R = G Q (m x r), step N(R) Q^T. P (or Q) is recomputed from the step's gradient 
 train.galore_gap steps; the moments carry over, as in the paper. The rank is train.galore_rank,
 or a quarter of the smaller side (0), and never above the smaller side.
 
+A matrix's full gradient lives only until it is final (LOMO's hand-off, base.on_final_gradients:
+after its z reduce-scatter and data all-reduce): there it adds its squared norm to the step's,
+refreshes P (Q) when the step is a refresh step, is projected to R, and is freed. So what a
+step holds until its update is R, r/s of the gradient, not G; clipping by the global norm
+scales R, which is linear in G (the same update as clipping G first). Adam and the step back
+to the weights run after backward, when the norm is known and a guard can still skip the step
+(under nan_policy "skip" a refreshed basis waits beside the old one until then; a gradient that
+is not finite refreshes nothing). With grad_accum > 1 the gradients accumulate whole until the
+last micro-step's hand-off.
+
 P (Q) is computed from the Gram matrix of the smaller side, s = min(m, n): the top r
 eigenvectors of G G^T (G^T G), s x s, summed in float64 and solved with eigh (float64), the
 same subspace as the SVD's without a copy of G: a refresh's transient is the Gram, eigh's
 output and workspace (about 4 s^2 float64 in all), one chunk of G's columns (rows) gathered
 to their full small side (GALORE_CHUNK_BYTES, float32) and its float64 copy, and the basis.
+It runs inside backward, when the later layers' gradients are already projected and freed.
 Eigenvalues that tie at the r-th leave the basis of their eigenspace to eigh (as to an SVD);
 zero rows or columns (vocab padding) add nothing to the Gram.
 
@@ -24,16 +35,16 @@ chunk's product is added to the s x s Gram, which is all-reduced over the axes t
 long side (8 s^2 bytes); every rank then solves the same eigh and keeps only the rows of P
 (or Q) that its shard needs, and its block of their r columns (below). On one process the same
 chunks, without collectives.
-Between refreshes a step works on a block of G's other side at a time (w of its columns for P,
-of its rows for Q; R's, the moments' and the update's entries there depend on those alone, so
-no temporary outgrows a block: GALORE_CHUNK_BYTES of the update back in the shard's basis).
-Per block it reduce-scatters R's local part over the axes that split the projected side (r
-rows of the block: each rank keeps r / p of them, as an all-reduce's first half would) and
-all-gathers Adam's step of them back (its second half); where those axes do not divide r, R
-is all-reduced and its moments replicated over them. P's (Q's) r columns are split over the
-axes that split the other side, where they divide r (every rank along them needs the same
-rows of P): a step all-gathers them (local rows x r, float32) once per matrix. So the state
-per rank is a quarter of P (or Q) and of R's two moments on 2 x 2 (parts of global tensors,
+R is made a block of G's other side at a time (w of its columns for P, of its rows for Q: R's,
+the moments' and the update's entries there depend on those alone, so no temporary outgrows a
+block): per block its local part is reduce-scattered over the axes that split the projected
+side (r rows of the block: each rank keeps r / p of them, as an all-reduce's first half
+would); after backward Adam's step of this rank's rows is all-gathered back (its second half)
+a block at a time. Where those axes do not divide r, R is all-reduced and its moments
+replicated over them. P's (Q's) r columns are split over the axes that split the other side,
+where they divide r (every rank along them needs the same rows of P): the projection and the
+update each all-gather them (local rows x r, float32) once per matrix. So the state and R per
+rank are a quarter of P (or Q), of R and of its two moments on 2 x 2 (parts of global tensors,
 which checkpoints save as such: a run resumes on any grid). A refreshed singular vector takes
 the sign that agrees with the one it replaces (eigh's signs are arbitrary, and a near-equal
 gradient on another grid could flip them; the first ones meet zero moments, where sign is
@@ -54,8 +65,9 @@ from fourfold.parallel.grid import Axis
 from fourfold.plan.memory import GALORE_CHUNK_BYTES, galore_rank
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
-                                         StepResult, TrainingMethod, padded_dims, param_views,
-                                         reduce_loss)
+                                         StepResult, TrainingMethod, arm_on_last_micro_step,
+                                         on_final_gradients,
+                                         padded_dims, param_views, reduce_loss, shard_norm_sq)
 
 EPS = 1e-8
 
@@ -105,6 +117,7 @@ class GaLore(PerParameterState, TrainingMethod):
 
     def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
         self.views = param_views(pmodel, tied_output)
+        self._view = {id(v.param): v for v in self.views}
         self.grid, self.comm = pmodel.grid, pmodel.comm
         self.beta1, self.beta2 = cfg.beta1, cfg.beta2
         self.weight_decay, self.grad_clip = cfg.weight_decay, cfg.grad_clip
@@ -118,6 +131,19 @@ class GaLore(PerParameterState, TrainingMethod):
         for v in self.views:
             if v.param.requires_grad:
                 self.state[v.name] = self._new_state(v)
+        # a step's hand-offs: each matrix's share of R, its refreshed basis (when it waits for
+        # the update) and the squared norm of the gradients they came from
+        self._low: dict[str, torch.Tensor] = {}
+        self._new_proj: dict[str, torch.Tensor] = {}
+        self._norm_sq = torch.zeros((), dtype=torch.float64, device=self.grid.device)
+        self._armed = False  # on the last micro-step of a backward
+        self._refresh = False
+        # a refreshed basis replaces the old one at once, unless a step the guard rejects can
+        # be skipped and the run go on (nan_policy "skip"): then the old basis stays until the
+        # update (its copy costs one more P per matrix at a refresh); "stop" ends the run and
+        # "rollback" reloads the state
+        self._keep_old_basis = cfg.nan_policy == "skip"
+        on_final_gradients(pmodel, self.views, self._on_grad_ready)
 
     def _new_state(self, view: ParamView) -> dict[str, torch.Tensor]:
         """Zero moments (and a zero projection, which the first step's refresh replaces)."""
@@ -184,13 +210,16 @@ class GaLore(PerParameterState, TrainingMethod):
 
     @torch.no_grad()
     def _projection(self, view: ParamView, grad: torch.Tensor, left: bool, r: int,
-                    previous: torch.Tensor | None) -> torch.Tensor:
+                    previous: torch.Tensor | None) -> torch.Tensor | None:
         """This shard's rows of P (left) or Q (right), this rank's block of their r columns:
-        the top eigenvectors of the global gradient's small-side Gram matrix."""
+        the top eigenvectors of the global gradient's small-side Gram matrix; None for a
+        gradient that is not finite (the same on every rank: the Gram is)."""
         dim = 0 if left else 1
         split = padded_dims(view)
         # the small side first: G's shard for P (G G^T), its transpose for Q (G^T G)
         gram = small_side_gram(grad if left else grad.T, split[dim], split[1 - dim], self.comm)
+        if not bool(torch.isfinite(gram).all()):  # eigh would fail; the guard skips the step
+            return None
         basis = top_eigenvectors(gram, r)  # (m, r) or (n, r)
         del gram
         # this rank's rows and block of the r columns, as the field's layout places them
@@ -204,47 +233,97 @@ class GaLore(PerParameterState, TrainingMethod):
             basis = basis * torch.where(dots < 0, -1.0, 1.0)
         return basis
 
+    # ---- the hand-off: inside backward -------------------------------------------------
+
     @torch.no_grad()
-    def _update(self, view: ParamView, lr: float, t: int, refresh: bool) -> None:
-        p, g = view.param, view.param.grad.float()
+    def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        view = self._view.get(id(p))
+        if not self._armed or view is None or p.grad is None or p.dim() != 2:
+            return  # a vector's gradient (small) waits for the update
+        self.peak_grad_bytes = max(self.peak_grad_bytes, self._live_grad_bytes())
+        g = p.grad.float()
+        self._norm_sq += shard_norm_sq(view, g, self.grid.shape)
+        m, n = view.full_shape
+        left, r = m < n, galore_rank(view.full_shape, self.rank)
         state = self.state.setdefault(view.name, {})
-        if view.decay and self.weight_decay:
-            p.mul_(1.0 - lr * self.weight_decay)
         if "m" not in state:  # a checkpoint from before the first step had none
             state.update(self._new_state(view))
+        basis = state["proj"]
+        new = self._projection(view, g, left, r, basis) if self._refresh else None
+        if new is not None and self._keep_old_basis:  # until the update commits it
+            basis = self._new_proj[view.name] = new
+        elif new is not None:
+            basis.copy_(new)
+            del new
+        self._low[view.name] = self._project(view, g, basis, left, r)
+        del g
+        p.grad = None
+
+    def _live_grad_bytes(self) -> int:
+        """Full gradients alive (matrices before their hand-off, vectors) and R's so far."""
+        return sum(t.numel() * t.element_size() for t in
+                   [v.param.grad for v in self.views if v.param.grad is not None]
+                   + list(self._low.values()))
+
+    def _blocks(self, view: ParamView, left: bool) -> list[slice]:
+        """The blocks of G's other side (its columns for P, its rows for Q) a step works on
+        one at a time: GALORE_CHUNK_BYTES of G (and of the update) each."""
+        p = view.param
+        other = p.shape[1] if left else p.shape[0]
+        width = max(1, GALORE_CHUNK_BYTES // (4 * p.shape[0 if left else 1]))
+        return [slice(a, min(a + width, other)) for a in range(0, other, width)]
+
+    def _project(self, view: ParamView, g: torch.Tensor, basis: torch.Tensor, left: bool,
+                 r: int) -> torch.Tensor:
+        """This rank's share of R, shaped as the moments: P^T G (r, n_local) summed over the
+        axes that split G's rows, or (G Q)^T = Q^T G^T (r, m_local) over those that split its
+        columns, reduce-scattered over them (this rank keeps its r / p rows; all-reduced
+        where they do not divide r); a block of G's other side at a time."""
+        row_axes, col_axes = padded_dims(view)
+        split = self._rank_axes(view, r)
+        rest = tuple(a for a in (row_axes if left else col_axes) if a not in split)
+        # P (Q) with all r columns, (side_local, r): gathered over the axes that split them
+        proj = self._gather(basis.T, self._proj_axes(view, r)).T
+        out = torch.empty_like(self.state[view.name]["m"])
+        for cut in self._blocks(view, left):
+            low = proj.T @ (g[:, cut] if left else g[cut].T)  # (r, block)
+            low = self._sum(self._scatter(low, split), rest)  # (r / p, block)
+            if left:
+                out[:, cut] = low
+            else:
+                out[cut] = low.T
+            del low
+        return out
+
+    # ---- the update: after backward -----------------------------------------------------
+
+    @torch.no_grad()
+    def _update(self, view: ParamView, lr: float, t: int, coef: float) -> None:
+        p, state = view.param, self.state[view.name]
+        if view.decay and self.weight_decay:
+            p.mul_(1.0 - lr * self.weight_decay)
         if p.dim() != 2:  # plain AdamW
+            g = p.grad.float()
+            if coef != 1.0:
+                g = g * coef
             p.add_(self._adam(state["m"], state["v"], g, t).to(p.dtype), alpha=-lr)
             return
         m, n = view.full_shape
-        left = m < n
-        r = galore_rank(view.full_shape, self.rank)
-        row_axes, col_axes = padded_dims(view)
-        if refresh:  # into the state's own block (the new basis is a small temporary)
-            state["proj"].copy_(self._projection(view, g, left, r, state["proj"]))
-        # P (Q) with all r columns, (side_local, r): gathered over the axes that split them
+        left, r = m < n, galore_rank(view.full_shape, self.rank)
+        if view.name in self._new_proj:  # a refresh: the new basis replaces the old
+            state["proj"].copy_(self._new_proj.pop(view.name))
+        low = self._low.pop(view.name)
+        if coef != 1.0:
+            low.mul_(coef)
         proj = self._gather(state["proj"].T, self._proj_axes(view, r)).T
-        # R, rank dim first: P^T G (r, n_local) summed over the axes that split G's rows, or
-        # (G Q)^T = Q^T G^T (r, m_local) over those that split its columns; reduce-scattered
-        # over them (this rank keeps its r / p rows), all-reduced where they do not divide r.
-        # Every step of it works on a block of G's other side at a time (its columns for P,
-        # its rows for Q: R's, the moments' and the update's entries there depend on those
-        # alone), so no temporary is larger than a block (GALORE_CHUNK_BYTES of the update
-        # back in the shard's basis).
         split = self._rank_axes(view, r)
-        rest = tuple(a for a in (row_axes if left else col_axes) if a not in split)
-        other = p.shape[1] if left else p.shape[0]  # the side the blocks cut
-        width = max(1, GALORE_CHUNK_BYTES // (4 * p.shape[0 if left else 1]))
-        for a in range(0, other, width):
-            cut = slice(a, min(a + width, other))
-            low = proj.T @ (g[:, cut] if left else g[cut].T)  # (r, block)
-            low = self._sum(self._scatter(low, split), rest)  # (r / p, block)
-            # the moments' entries of this block, (r / p, block) views
+        for cut in self._blocks(view, left):
+            # the moments' and R's entries of this block, (r / p, block) views
             if left:
-                mom_m, mom_v = state["m"][:, cut], state["v"][:, cut]
+                mom_m, mom_v, grad = state["m"][:, cut], state["v"][:, cut], low[:, cut]
             else:
-                mom_m, mom_v = state["m"][cut].T, state["v"][cut].T
-            step = self._adam(mom_m, mom_v, low, t)
-            del low
+                mom_m, mom_v, grad = state["m"][cut].T, state["v"][cut].T, low[cut].T
+            step = self._adam(mom_m, mom_v, grad, t)
             step = self._gather(step, split)  # (r, block): every rank's rows of Adam's step
             # P (rows, r) @ step (r, block), or step^T (block, r) @ Q^T (r, cols)
             if left:
@@ -252,6 +331,7 @@ class GaLore(PerParameterState, TrainingMethod):
             else:
                 p[cut].add_((step.T @ proj.T).to(p.dtype), alpha=-lr)
             del step
+        del low
 
     def _adam(self, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, t: int
               ) -> torch.Tensor:
@@ -262,22 +342,45 @@ class GaLore(PerParameterState, TrainingMethod):
         return (m / (1.0 - self.beta1 ** t)).div_(
             (v / (1.0 - self.beta2 ** t)).sqrt_().add_(EPS))
 
+    def _clip_coef(self) -> tuple[float, float]:
+        """The global gradient norm (matrices' at their hand-off, vectors' now: each element
+        counted once over the grid) and the factor that clips it to train.grad_clip."""
+        total = self._norm_sq.clone()
+        for v in self.views:
+            if v.param.grad is not None and v.param.dim() != 2:
+                total += shard_norm_sq(v, v.param.grad, self.grid.shape)
+        if self.grid.world_size > 1:  # data replicas hold the same gradients
+            total = self.comm.all_reduce(total, "tensor").wait()
+        norm = float(total.sqrt())
+        coef = 1.0
+        if self.grad_clip > 0 and math.isfinite(norm):
+            coef = min(1.0, self.grad_clip / (norm + 1e-6))
+        return norm, coef
+
     def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
              ) -> StepResult:
         for v in self.views:
             v.param.grad = None
-        loss = reduce_loss(pmodel, backward_pass(pmodel, data))
-        self.note_gradients(pmodel)
-        norm = float(pmodel.clip_grad_norm_(self.grad_clip if self.grad_clip > 0 else math.inf))
+        self._refresh = self.steps_done % self.gap == 0
+        self._norm_sq.zero_()
+        try:
+            loss = reduce_loss(pmodel, backward_pass(pmodel, arm_on_last_micro_step(
+                data, lambda on: setattr(self, "_armed", on))))
+        finally:
+            self._armed = False
+        self.peak_grad_bytes = max(self.peak_grad_bytes, self._live_grad_bytes())
+        norm, coef = self._clip_coef()
         reason = guard(loss, norm) if guard is not None else None
         if reason is None:
-            t, refresh = self.steps_done + 1, self.steps_done % self.gap == 0
+            t = self.steps_done + 1
             for v in self.views:
-                if v.param.grad is not None:
-                    self._update(v, lr, t, refresh)
-                    # its gradient goes now: the next matrix's temporaries reuse its block
+                if v.name in self._low or (v.param.dim() != 2 and v.param.grad is not None):
+                    self._update(v, lr, t, coef)
+                    # its gradient goes now: the next tensor's temporaries reuse its block
                     v.param.grad = None
             self.steps_done += 1
+        self._low.clear()
+        self._new_proj.clear()
         for v in self.views:
             v.param.grad = None
         return StepResult(loss, norm, reason is not None, reason or "")
