@@ -95,7 +95,7 @@ def train_and_audit(cfg: Config, train_docs: list[np.ndarray], val_docs: list[np
     t = cfg.train
     model = build_model(cfg.model, seed=t.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
-                                  weight_decay=t.weight_decay)
+                                  weight_decay=t.effective_weight_decay())
     rows = torch.from_numpy(np.stack(train_docs))  # (n_docs, seq_len + 1)
     val = torch.from_numpy(np.stack(val_docs))
     steps_per_epoch = math.ceil(len(rows) / t.batch_size)

@@ -123,10 +123,33 @@ def test_optimizer_keys_are_checked() -> None:
            ("train.optimizer=blockllm", "train.block_sparsity=1"): "train.block_sparsity = 1.0",
            ("train.optimizer=galore", "train.galore_gap=0"): "train.galore_gap = 0: must be",
            ("train.optimizer=galore", "train.galore_rank=-2"): "train.galore_rank = -2",
-           ("train.optimizer=galore", "adapter.kind=norm"): "cannot train a subset"}
+           ("train.optimizer=galore", "adapter.kind=norm"): "cannot train a subset",
+           ("train.weight_decay=heavy",): 'train.weight_decay = \'heavy\': expected a number or '
+                                          '"auto"',
+           ("train.optimizer=lomo", "train.weight_decay=-0.1"): "train.weight_decay = -0.1: "
+                                                                "must not be negative"}
     for items, message in bad.items():
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
             load_config(None, list(items))
+
+
+def test_weight_decay_auto_follows_the_optimizer(tmp_path: Path) -> None:
+    """weight_decay = "auto" (the default) is AdamW's 0.1 for the Adam-step methods and none for
+    the others, as their papers set it; a number given is used as it is, and a run's
+    config.toml keeps "auto" (a run of it repeats the run)."""
+    from fourfold.config import AUTO_WEIGHT_DECAY, CHOICES, load_config
+
+    assert set(AUTO_WEIGHT_DECAY) == set(CHOICES[("train", "optimizer")])
+    for optimizer, decay in (("adamw", 0.1), ("blockllm", 0.1), ("galore", 0.1), ("lomo", 0.0),
+                             ("adalomo", 0.0), ("mezo", 0.0), ("es", 0.0)):
+        cfg = load_config(None, [f"train.optimizer={optimizer}"])
+        assert cfg.train.weight_decay == "auto"
+        assert cfg.train.effective_weight_decay() == decay, optimizer
+        given = load_config(None, [f"train.optimizer={optimizer}", "train.weight_decay=0.05"])
+        assert given.train.effective_weight_decay() == 0.05, optimizer
+    cfg = load_config(None, ["train.optimizer=lomo"])
+    cfg.save(tmp_path / "config.toml")
+    assert load_config(tmp_path / "config.toml", saved=True).train.weight_decay == "auto"
 
 
 def test_saved_run_config_reads_after_a_default_changes(tmp_path: Path) -> None:
@@ -473,7 +496,7 @@ def test_lomo_is_sgd_fused_into_backward() -> None:
     tokens = torch.randint(0, 512, (4, 17), generator=torch.Generator().manual_seed(0))
     lomo_model, sgd_model = build_model(cfg, seed=1), build_model(cfg, seed=1)
     pmodel = parallelize(lomo_model, Grid.single())
-    method = build_method(pmodel, TrainConfig(optimizer="lomo", weight_decay=0.0))
+    method = build_method(pmodel, TrainConfig(optimizer="lomo"))  # "auto": no weight decay
     sgd = torch.optim.SGD(sgd_model.parameters(), lr=0.1)
     for _ in range(3):
         data = StepData(1, lambda: iter([pmodel(tokens[:, :-1], tokens[:, 1:]).mean()]))

@@ -60,7 +60,7 @@ def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], cfg: Train
     if cfg.optimizer != "adamw":  # the others: fourfold.train.methods.build_method
         raise ConfigError(f"train.optimizer = {cfg.optimizer!r}: build_optimizer builds AdamW; "
                           "the others are built by fourfold.train.methods.build_method")
-    groups = param_groups(named_params, cfg.weight_decay, tied_output)
+    groups = param_groups(named_params, cfg.effective_weight_decay(), tied_output)
     groups = [g for g in groups if g["params"]]
     common = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
     try:

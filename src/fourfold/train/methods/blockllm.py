@@ -142,7 +142,8 @@ class BlockLLM(TrainingMethod):
         self._index = {id(c.view.param): i for i, c in enumerate(self.cands)}
         self._by_name = {c.view.name: c for c in self.cands}
         self.sparsity, self.patience = cfg.block_sparsity, cfg.block_patience
-        self.beta1, self.beta2, self.weight_decay = cfg.beta1, cfg.beta2, cfg.weight_decay
+        self.beta1, self.beta2 = cfg.beta1, cfg.beta2
+        self.weight_decay = cfg.effective_weight_decay()
         self.grad_clip = cfg.grad_clip
         self.sizes = {c.view.name: math.prod(c.view.full_shape) for c in self.cands}
         self.row_sizes = [c.row_size for c in self.cands]

@@ -120,7 +120,7 @@ class GaLore(PerParameterState, TrainingMethod):
         self._view = {id(v.param): v for v in self.views}
         self.grid, self.comm = pmodel.grid, pmodel.comm
         self.beta1, self.beta2 = cfg.beta1, cfg.beta2
-        self.weight_decay, self.grad_clip = cfg.weight_decay, cfg.grad_clip
+        self.weight_decay, self.grad_clip = cfg.effective_weight_decay(), cfg.grad_clip
         self.rank, self.gap = cfg.galore_rank, cfg.galore_gap
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.steps_done = 0

@@ -40,7 +40,7 @@ class FusedBackward(TrainingMethod):
         self._view = {id(v.param): v for v in self.views}
         self.grid, self.comm = pmodel.grid, pmodel.comm
         self.clip_mode, self.grad_clip = cfg.clip_mode, cfg.grad_clip
-        self.weight_decay = cfg.weight_decay
+        self.weight_decay = cfg.effective_weight_decay()
         self._phase = ""  # "norm": first pass of two_pass; "update"; "": not in a step
         self._lr, self._scale = 0.0, 1.0
         self._norm_sq = torch.zeros((), dtype=torch.float64)

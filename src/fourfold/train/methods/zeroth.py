@@ -57,7 +57,8 @@ class MeZO(TrainingMethod):
 
     def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
         self.views = param_views(pmodel, tied_output)
-        self.seed, self.eps, self.weight_decay = cfg.seed, cfg.mezo_eps, cfg.weight_decay
+        self.seed, self.eps = cfg.seed, cfg.mezo_eps
+        self.weight_decay = cfg.effective_weight_decay()
         self.steps_done = 0
 
     def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
@@ -117,7 +118,7 @@ class EvolutionStrategies(TrainingMethod):
     def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
         self.views = param_views(pmodel, tied_output)
         self.seed, self.sigma, self.population = cfg.seed, cfg.es_sigma, cfg.es_population
-        self.weight_decay = cfg.weight_decay
+        self.weight_decay = cfg.effective_weight_decay()
         self.steps_done = 0
 
     def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
