@@ -235,11 +235,11 @@ def main() -> None:
                     help="learning rates to try: for every method, or METHOD=... for one")
     ap.add_argument("--base", type=Path, help="a finished AdamW run to start from (default: "
                     "train one under --out-dir/base)")
-    ap.add_argument("--base-steps", type=int, default=400)
+    ap.add_argument("--base-steps", type=int, default=2000)
     ap.add_argument("--tokenizer", default="bpe:8192",
                     help="the base's tokenizer when this script trains it (examples/15m.toml's)")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
