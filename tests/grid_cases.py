@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import traceback
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
@@ -17,6 +17,19 @@ from dist_count import DistCount
 
 RunCase = Callable[[GridShape, Grid, dict], dict]
 CountedCase = Callable[[GridShape, Grid, dict, DistCount], dict]
+T = TypeVar("T")
+_REFERENCES: dict[str, object] = {}
+
+
+def one_process_reference(case: dict, make: Callable[[], T]) -> T:
+    """The one-process run a case is compared with, made once per case and rank: it depends
+    on the case alone (its model, data and seeds), not on the grid, and a job runs each case
+    on several grids; each rank of a 4- or 8-rank job on 2 cores made it again for every grid.
+    The caller must not change what it returns."""
+    key = json.dumps(case, sort_keys=True)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = make()
+    return _REFERENCES[key]  # type: ignore[return-value]
 
 
 def run_grid_cases(cases_env: str, label: str, run_case: RunCase) -> None:

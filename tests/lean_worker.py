@@ -17,7 +17,7 @@ import torch
 from fourfold.config import ParallelConfig, TrainConfig, model_config
 from fourfold.models import build_model
 from fourfold.parallel import Grid, GridShape, parallelize
-from grid_cases import run_grid_cases
+from grid_cases import one_process_reference, run_grid_cases
 
 BATCH, SEQ = 8, 16
 
@@ -90,10 +90,14 @@ def sgd_steps(pmodel, data, shard: tuple[int, int]) -> tuple[list[float], dict]:
 def check_frozen(shape: GridShape, grid: Grid) -> dict:
     cfg = model_config("debug", bias=True)
     data = batches(cfg.vocab_size, 3)
-    ref_model = build_model(cfg, seed=7)
-    freeze(ref_model)
-    ref_losses, _ = sgd_steps(parallelize(ref_model, Grid.single()), data, (0, 1))
-    ref_state = ref_model.state_dict()
+
+    def reference() -> tuple[list[float], dict]:
+        ref_model = build_model(cfg, seed=7)
+        freeze(ref_model)
+        return sgd_steps(parallelize(ref_model, Grid.single()), data, (0, 1))[0], \
+            ref_model.state_dict()
+
+    ref_losses, ref_state = one_process_reference({"name": "frozen"}, reference)
 
     runs = {}
     for frozen in (False, True):
@@ -206,10 +210,14 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
     # "freeze": true freezes FROZEN, a list the names ending so
     frozen = check.get("freeze", False)
     frozen = tuple(frozen) if isinstance(frozen, list) else FROZEN if frozen else ()
-    ref_model = build_model(cfg, seed=7)
-    freeze(ref_model, frozen)
-    ref_losses, ref_method = run_method(parallelize(ref_model, Grid.single()), tcfg, data)
-    ref_state = ref_model.state_dict()
+
+    def reference(*hooks) -> tuple:
+        ref_model = build_model(cfg, seed=7)
+        freeze(ref_model, frozen)
+        return (*run_method(parallelize(ref_model, Grid.single()), tcfg, data, *hooks),
+                ref_model.state_dict())
+
+    ref_losses, ref_method, ref_state = one_process_reference(check, reference)
     model = build_model(cfg, seed=7)
     freeze(model, frozen)
     pmodel = parallelize(model, grid, pcfg(shape))
@@ -224,10 +232,8 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
         freeze(full_model, frozen)
         full_pmodel = parallelize(full_model, grid, pcfg(shape))
         full_losses, full = run_method(full_pmodel, tcfg, data, full_backward_blockllm())
-        full_ref_model = build_model(cfg, seed=7)
-        freeze(full_ref_model, frozen)
-        full_ref_losses, full_ref = run_method(parallelize(full_ref_model, Grid.single()),
-                                               tcfg, data, full_backward_blockllm())
+        full_ref_losses, full_ref, _ = one_process_reference(
+            {**check, "full_backward": True}, lambda: reference(full_backward_blockllm()))
         # against every candidate's gradient (at the end only the selected are trainable)
         total = sum(p.numel() * p.element_size() for n, p in pmodel.named_parameters()
                     if not n.endswith(frozen))

@@ -13,7 +13,7 @@ from fourfold.config import AdapterConfig, ParallelConfig, model_config
 from fourfold.models.adapter import apply_adapter
 from fourfold.parallel import Grid, GridShape, parallelize
 from dist_count import DistCount  # what torch.distributed is handed, counted apart
-from grid_cases import run_counted_variants
+from grid_cases import one_process_reference, run_counted_variants
 from parallel_worker import build  # the same tiny models as the engine's exactness test
 
 STEPS = 20
@@ -94,13 +94,23 @@ def run_variant(shape: GridShape, grid: Grid, variant: dict, counter: DistCount)
                        tie_embeddings=variant.get("tie", False))
     data = batches(cfg.vocab_size, variant.get("accum", 1))
     acfg = adapter_cfg(variant)
-    ref_model = build(cfg, variant)
-    base_state = {k: v.clone() for k, v in ref_model.state_dict().items()}
-    ref = parallelize(ref_model, Grid.single())
-    ref_trainable = apply_adapter(ref, acfg, seed=11)
-    ref_init = {k: v.clone() for k, v in ref_model.state_dict().items()}
-    ref_losses = train(ref, data, (0, 1), variant.get("opt", "adamw"))
-    ref_state = ref_model.state_dict()
+
+    def reference() -> dict:
+        ref_model = build(cfg, variant)
+        base_state = {k: v.clone() for k, v in ref_model.state_dict().items()}
+        ref = parallelize(ref_model, Grid.single())
+        trainable = apply_adapter(ref, acfg, seed=11)
+        init = {k: v.clone() for k, v in ref_model.state_dict().items()}
+        losses = train(ref, data, (0, 1), variant.get("opt", "adamw"))
+        with_vars = ref_model.state_dict(keep_vars=True)  # tied names share a tensor
+        return dict(base_state=base_state, trainable=trainable, init=init, losses=losses,
+                    state=ref_model.state_dict(),
+                    tuned=[k for k in with_vars if with_vars[k].requires_grad],
+                    frozen=[k for k in with_vars if not with_vars[k].requires_grad])
+
+    one = one_process_reference(variant, reference)
+    base_state, ref_trainable, ref_init = one["base_state"], one["trainable"], one["init"]
+    ref_losses, ref_state, tuned, frozen = one["losses"], one["state"], one["tuned"], one["frozen"]
 
     model = build(cfg, variant)
     pcfg = ParallelConfig(x=shape.x, y=shape.y, z=shape.z, data=shape.data,
@@ -118,9 +128,6 @@ def run_variant(shape: GridShape, grid: Grid, variant: dict, counter: DistCount)
     handed = counter.by_axis(grid)
     spread = replica_spread(pmodel, grid)
     state = pmodel.full_state_dict()
-    with_vars = ref_model.state_dict(keep_vars=True)  # tied names share a tensor
-    tuned = [k for k in ref_state if with_vars[k].requires_grad]
-    frozen = [k for k in ref_state if not with_vars[k].requires_grad]
     return dict(
         ok=True, losses=losses, ref_losses=ref_losses,
         max_loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),

@@ -16,7 +16,7 @@ from fourfold.parallel import Grid, GridShape, parallelize
 from fourfold.train.goldfish import goldfish_mask
 
 from dist_count import DistCount  # noqa: E402  (tests/ is this script's directory)
-from grid_cases import run_counted_variants  # noqa: E402
+from grid_cases import one_process_reference, run_counted_variants  # noqa: E402
 
 STEPS = 3
 BATCH = 8  # sequences per step, whole job (test_parallel.py uses the same numbers)
@@ -114,11 +114,15 @@ def run_variant(shape: GridShape, grid: Grid, variant: dict, counter: DistCount)
                        tie_embeddings=variant.get("tie", False))
     accum = variant.get("accum", 1)
     data = batches(cfg.vocab_size, accum)
-    ref_model = build(cfg, variant)
-    ref = parallelize(ref_model, Grid.single())
-    ref_losses, _ = train(ref, data, (0, 1), variant.get("opt", "sgd"),
-                          variant.get("goldfish", False), variant.get("bf16", False))
-    ref_state = ref_model.state_dict()
+
+    def reference() -> tuple[list[float], dict]:
+        ref_model = build(cfg, variant)
+        ref = parallelize(ref_model, Grid.single())
+        ref_losses, _ = train(ref, data, (0, 1), variant.get("opt", "sgd"),
+                              variant.get("goldfish", False), variant.get("bf16", False))
+        return ref_losses, ref_model.state_dict()
+
+    ref_losses, ref_state = one_process_reference(variant, reference)
 
     model = build(cfg, variant)
     overlap = variant.get("overlap", True)
