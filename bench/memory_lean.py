@@ -30,14 +30,16 @@ one process / 2x2 per rank (a loaded machine: tokens/s are rough):
     lomo         881  0.39  -14.3%      241-245  0.41-0.42  -2.4%          +0.02..+0.03
     adalomo      881  0.39  -14.2%      245-251  0.42-0.43  -4.4%          +0.03..+0.04
     blockllm     969  0.43  -6.2%       260-269  0.45-0.47  +6.8%          +0.02..+0.04
-    galore     1,613  0.71  -8.4%       470-475  0.81-0.82  -9.1%          +0.10..+0.11
+    galore     1,186  0.53  +0.1%       346-348  0.60       +0.4%          +0.07..+0.08
     What does not split four ways: the runtime (about 40 MiB a rank: 0.018 of AdamW on one
     process, 0.07 on 2x2, so every lean method's grid ratio sits about 0.03-0.04 above its
     one-process one on that alone), the y-split logits, and GaLore's float64 Gram of a matrix's
     small side (4 s^2 doubles on every rank at a refresh) and its r-rank temporaries. MeZO and
     ES read 232-248 MiB on 2x2 before the noise was made in 1 MiB row blocks (4 MiB before:
-    several such temporaries live at once). GaLore: its step is projected back a row block at a
-    time and each gradient freed after its update (476-499 MiB a rank before). LOMO and AdaLomo
+    several such temporaries live at once). GaLore's row is a later run (--methods adamw
+    galore; its AdamW 2,252 MiB, 575-579 on 2x2) with each gradient projected at its hand-off
+    and freed (1,491-1,613 MiB, 409-475 a rank while full gradients lived until the update):
+    the more a method saves, the more of what is left does not split. LOMO and AdaLomo
     on one process: the heap in use peaks at 681 MiB (--phases; the planner's tensors 715),
     RSS ~120 MiB above it: freed gradient blocks the heap cannot reuse, not modelled.
     BlockLLM's row is from a later run (rows, not whole tensors, as blocks; --methods adamw
