@@ -240,7 +240,6 @@ class GaLore(PerParameterState, TrainingMethod):
         view = self._view.get(id(p))
         if not self._armed or view is None or p.grad is None or p.dim() != 2:
             return  # a vector's gradient (small) waits for the update
-        self.peak_grad_bytes = max(self.peak_grad_bytes, self._live_grad_bytes())
         g = p.grad.float()
         self._norm_sq += shard_norm_sq(view, g, self.grid.shape)
         m, n = view.full_shape
@@ -256,6 +255,8 @@ class GaLore(PerParameterState, TrainingMethod):
             basis.copy_(new)
             del new
         self._low[view.name] = self._project(view, g, basis, left, r)
+        # the most alive at once: this gradient and its R, beside the R's before them
+        self.peak_grad_bytes = max(self.peak_grad_bytes, self._live_grad_bytes())
         del g
         p.grad = None
 
