@@ -183,7 +183,7 @@ class PeakSampler:
         from fourfold.train.methods import zeroth
 
         self.wrap(pmodel.module, "forward", "forward")
-        for attr in ("update", "_update", "_projection", "finish_backward"):
+        for attr in ("update", "_update", "_projection", "_project", "finish_backward"):
             if hasattr(trainer, attr):
                 self.wrap(trainer, attr, attr)
         if hasattr(pmodel, "finish_backward"):
@@ -288,7 +288,7 @@ def main() -> None:
     ap.add_argument("--grid", default=None, metavar="XxY",
                     help="also run every method on x * y gloo ranks (data = z = 1), per rank")
     ap.add_argument("--phases", action="store_true",
-                    help="peak heap in use and RSS per phase of each run (one process)")
+                    help="peak heap in use and RSS per phase of each run (on a grid: each rank's)")
     ap.add_argument("--grid-only", action="store_true",
                     help="only the grid's table (no one-process column)")
     ap.add_argument("--tuned-malloc", action="store_true",
@@ -360,6 +360,8 @@ def grid_table(args: argparse.Namespace, grid: tuple[int, int], one_ratio: dict[
               f"{min(ratios):.2f}-{max(ratios):.2f} | {one_text} | {diff_text} | "
               f"{ranks[0]['predicted'] / 2**20:.0f} MiB | {max(errors, key=abs):+.1%} | "
               f"{min(r['tokens_per_s'] for r in ranks):.0f} |", flush=True)
+        if args.phases:
+            print_phases({f"{m} rank {i}": r for i, r in enumerate(ranks)})
 
 
 if __name__ == "__main__":
