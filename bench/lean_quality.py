@@ -42,8 +42,9 @@ DEFAULT_METHODS = ("adamw", "lomo", "adalomo", "galore", "blockllm", "mezo")  # 
 # fine-tune from the 2000-step base: 1e-2 4.42, 3e-2 4.30, 1e-1 4.14, 3e-1 3.97, 1.0 diverged;
 # with AdamW's decoupled weight decay 0.1, which SGD's large steps turn into a fast shrink of
 # the weights, 1e-2 was its best at 4.47); BlockLLM's best was 2e-3 at seeds 0, 1 and 2 (1e-2:
-# 4.65, far off), so its grid sits around it; MeZO and ES step along random directions. MeZO's grid is a step lower than that trial's: over 300 steps
-# of the 15m fine-tune 1e-3 climbed (L 9.4), and at 3e-4 a 3,000-step run climbed after ~1,000.
+# 4.65, far off), so its grid sits around it; MeZO and ES step along random directions.
+# MeZO's grid is a step lower than that trial's: over 300 steps of the 15m fine-tune 1e-3
+# climbed (L 9.4), and at 3e-4 a 3,000-step run climbed after ~1,000.
 DEFAULT_LRS = {
     "adamw": (3e-4, 1e-3, 3e-3),
     "lomo": (3e-2, 1e-1, 3e-1),
