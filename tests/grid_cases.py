@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import traceback
 from typing import Callable, TypeVar
 
@@ -46,10 +47,12 @@ def run_grid_cases(cases_env: str, label: str, run_case: RunCase) -> None:
         grid = Grid.build(shape, device)
         for case in cases:
             result = {"shape": shape_list, label: case}
+            started = time.perf_counter()
             try:
                 result.update(run_case(shape, grid, case))
             except Exception:  # reported to the test, which fails with the traceback
                 result.update(ok=False, error=traceback.format_exc())
+            result["seconds"] = round(time.perf_counter() - started, 2)  # where a job's time goes
             results.append(result)
     if rank == 0:
         with open(os.environ["FOURFOLD_TEST_OUT"], "w") as f:
