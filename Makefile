@@ -19,9 +19,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/fourfold train --out runs/demo
 
-# Everything, as CI runs it; prints the slowest tests.
+# Everything, as CI runs it; prints the slowest tests. Two pytest workers (pytest-xdist), each
+# taking whole test files (a file's module fixtures are made once): a rank job waits on
+# collectives much of its time, so one worker alone left a core idle (figures: README, Tests).
+# More workers start more rank jobs at once: mind the memory.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 # The quick loop while you work (about a minute): leaves out tests that start ranks, compile
 # or take seconds each. Run `make test` before you push.
