@@ -36,10 +36,9 @@ VARIANTS = [
 ]
 
 LORA_STEPS, LORA_BATCH, LORA_SEQ = 20, 8, 16  # as in lora_worker.py
-GRIDS = {  # (data, z, y, x): every axis alone, then x with y (both split an adapted
-    # layer's matrix) and data with z (both split the batch); two more 4-rank grids took ~50 s
+GRIDS = {  # (data, z, y, x)
     2: [[1, 1, 1, 2], [1, 1, 2, 1], [1, 2, 1, 1], [2, 1, 1, 1]],
-    4: [[1, 1, 2, 2], [2, 2, 1, 1]],
+    4: [[1, 1, 2, 2], [2, 2, 1, 1], [1, 2, 1, 2], [2, 1, 2, 1]],
 }
 
 
