@@ -36,7 +36,8 @@ def one_process_reference(case: dict, make: Callable[[], T]) -> T:
 def run_grid_cases(cases_env: str, label: str, run_case: RunCase) -> None:
     """Run every (grid, case) of this job; `cases_env` names the variable that holds the cases
     and `label` the key each result carries its case under ({"shape": [...], label: case,
-    **run_case(shape, grid, case)}). Ends the rank (leave_job)."""
+    **run_case(shape, grid, case), "seconds": the case's time}, which tells where a job's time
+    goes). Ends the rank (leave_job)."""
     rank, world, device = init_distributed("gloo", timeout_s=120)
     cases = json.loads(os.environ[cases_env])
     results = []
@@ -52,7 +53,7 @@ def run_grid_cases(cases_env: str, label: str, run_case: RunCase) -> None:
                 result.update(run_case(shape, grid, case))
             except Exception:  # reported to the test, which fails with the traceback
                 result.update(ok=False, error=traceback.format_exc())
-            result["seconds"] = round(time.perf_counter() - started, 2)  # where a job's time goes
+            result["seconds"] = round(time.perf_counter() - started, 2)
             results.append(result)
     if rank == 0:
         with open(os.environ["FOURFOLD_TEST_OUT"], "w") as f:
