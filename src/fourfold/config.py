@@ -110,7 +110,7 @@ class TrainConfig:
     es_population: int = 8  # es: perturbed members per step
     es_sigma: float = 1e-3  # es: size of each member's perturbation
     block_sparsity: float = 0.9  # blockllm: fraction of the parameters frozen at a time
-    block_patience: int = 3  # blockllm: steps without a better loss before reselecting
+    block_patience: int = 1  # blockllm: steps without a better loss before reselecting
     galore_rank: int = 0  # galore: projection rank; 0: a quarter of each matrix's smaller side
     galore_gap: int = 200  # galore: steps between refreshes of the projection
     memory_report: bool = False  # peak bytes per rank by category into summary.json

@@ -17,11 +17,15 @@ the selected rows' gradients live until the update. AdamW's moments and step cou
 per selected row; rows that stay selected across a reselection keep theirs.
 
 The selection is redone when the step's loss has not beaten the best so far for
-train.block_patience steps. Its backward streams too: at each hand-off the tensor's row norms
-join those seen so far, the tentative choice (the steepest blocks of those seen, while they fit)
-is remade, and only the rows in it keep their gradient. A block that leaves the tentative
-choice never comes back into it (blocks seen later only add to the elements ranked above it),
-so the final choice's gradients are all at hand without a second backward.
+train.block_patience steps (default 1: a batch loss is noisy, so after most steps. On the
+15m fine-tune of bench/lean_quality.py from its 2000-step base, R was 0.926, 0.909 and 0.960
+at seeds 0-2 with 1, 0.918, 0.859 and 0.939 with 3, and 0.770 at seed 1 with 10: the rows
+with the steepest gradient change from batch to batch). Its backward streams too: at each
+hand-off the tensor's row norms join those seen so far, the tentative choice (the steepest
+blocks of those seen, while they fit) is remade, and only the rows in it keep their gradient.
+A block that leaves the tentative choice never comes back into it (blocks seen later only add
+to the elements ranked above it), so the final choice's gradients are all at hand without a
+second backward.
 
 Checkpoints: the selection (global rows per tensor) is in the state's facts; each tensor's
 moments and step counts are saved as (its chosen rows, the shard's columns), the rows gathered
