@@ -14,7 +14,7 @@ refresh in the first, untimed step (one refresh per 200 steps by default: `first
 its cost).
 
     python bench/memory_lean.py [--preset small] [--steps 4] [--batch 2] [--seq 128]
-        [--grid 2x2 [--grid-only]] [--tuned-malloc] [--phases]
+        [--grid 2x2 [--grid-only]] [--tuned-malloc] [--phases] [--set METHOD:train.KEY=VALUE]
 
 --grid XxY: the same methods on x * y gloo ranks (torchrun, data = z = 1), per rank, beside
 the one-process ratios. --tuned-malloc: glibc tuned as `fourfold train` tunes CPU runs (and
@@ -60,19 +60,23 @@ import sys
 import time
 from pathlib import Path
 
+from lean_quality import parse_extra  # METHOD:SECTION.KEY=VALUE, as lean_quality's --set
+
 METHODS = ("adamw", "lomo", "adalomo", "mezo", "es", "blockllm", "galore")
 
 
 def child(preset: str, method: str, steps: int, batch: int, seq: int, population: int,
-          grid: tuple[int, int] = (1, 1), phases: bool = False, tuned: bool = False) -> dict:
+          grid: tuple[int, int] = (1, 1), phases: bool = False, tuned: bool = False,
+          sets: tuple[str, ...] = ()) -> dict:
     """Train `method` for `steps` steps on this process (on a grid: this rank of an x by y
-    grid, under torchrun) and report its peak RSS (ru_maxrss, KiB) and the rest of a row."""
+    grid, under torchrun) and report its peak RSS (ru_maxrss, KiB) and the rest of a row.
+    `sets`: this method's extra `train.KEY=VALUE` keys (--set)."""
     import torch
 
     import fourfold  # noqa: F401  (the baseline process imports this much)
     if method == "none":
         return {"rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
-    from fourfold.config import ParallelConfig, TrainConfig, model_config
+    from fourfold.config import ParallelConfig, model_config
     from fourfold.models import build_model
     from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
     from fourfold.train.methods import StepData, build_method
@@ -96,8 +100,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     model = build_model(model_config(preset), seed=0, device="meta")
     model.activation_checkpointing = True
     pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y))
-    extra = {"es_population": population} if method == "es" else {}
-    cfg = TrainConfig(optimizer=method, lr=1e-4, seq_len=seq, **extra)
+    cfg = train_config(method, seq, population, sets)
     trainer = build_method(pmodel, cfg)
     if sampler is not None:
         sampler.label("built")
@@ -197,6 +200,39 @@ class PeakSampler:
         return self.peaks
 
 
+def train_config(method: str, seq: int, population: int, sets: tuple[str, ...] | list[str] = ()):
+    """The run's [train] section: the method, lr 1e-4, `seq`, ES's population, then `sets`
+    (train.KEY=VALUE strings, typed and checked as `fourfold train --set` checks them)."""
+    from fourfold.config import load_config
+
+    keys = [f"train.optimizer={method}", "train.lr=1e-4", f"train.seq_len={seq}"]
+    if method == "es":
+        keys.append(f"train.es_population={population}")
+    return load_config(overrides=[*keys, *sets]).train
+
+
+def method_sets(args: argparse.Namespace, method: str) -> list[str]:
+    """--set's keys for `method`, as train.KEY=VALUE."""
+    return [f"{key}={value}" for m, key, value in args.extra if m == method]
+
+
+def check_sets(args: argparse.Namespace) -> None:
+    """--set: only [train] keys, each one the method takes, with a value of its type (before
+    any process starts: one line and a non-zero exit, no traceback)."""
+    from fourfold.config import ConfigError
+
+    for method, key, value in args.extra:
+        if not key.startswith("train."):
+            sys.exit(f"error: --set {method}:{key}={value}: only train.KEY keys apply here")
+        if method not in args.methods and method != "adamw":
+            sys.exit(f"error: --set {method}:{key}={value}: {method} is not in --methods")
+    for method in dict.fromkeys(["adamw", *args.methods]):
+        try:
+            train_config(method, args.seq, args.population, method_sets(args, method))
+        except ConfigError as e:
+            sys.exit(f"error: --set for {method}: {e}")
+
+
 def predicted_bytes(model_cfg, train_cfg, tokens: int, shape) -> int:
     """The planner's peak for this run, per rank (plan/memory.py with the method's state)."""
     from fourfold.plan.memory import Precision, predict_memory, predict_method_memory
@@ -209,7 +245,8 @@ def predicted_bytes(model_cfg, train_cfg, tokens: int, shape) -> int:
 def measure(args: argparse.Namespace, method: str) -> dict:
     code = ("import json, sys; sys.path.insert(0, 'bench'); import memory_lean as m; "
             f"print(json.dumps(m.child({args.preset!r}, {method!r}, {args.steps}, {args.batch}, "
-            f"{args.seq}, {args.population}, phases={args.phases}, tuned={args.tuned_malloc})))")
+            f"{args.seq}, {args.population}, phases={args.phases}, tuned={args.tuned_malloc}, "
+            f"sets={tuple(method_sets(args, method))!r})))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=malloc_env(args))
     if proc.returncode:
@@ -231,7 +268,7 @@ def measure_grid(args: argparse.Namespace, method: str, grid: tuple[int, int]) -
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
     spec = json.dumps([args.preset, method, args.steps, args.batch, args.seq, args.population,
-                       list(grid), args.phases, args.tuned_malloc])
+                       list(grid), args.phases, args.tuned_malloc, method_sets(args, method)])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(grid[0] * grid[1]), __file__, "--rank-worker", spec]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -246,9 +283,9 @@ def rank_worker(spec: str) -> None:
 
     from fourfold.parallel import leave_job
 
-    preset, method, steps, batch, seq, population, grid, phases, *tuned = json.loads(spec)
-    row = child(preset, method, steps, batch, seq, population, tuple(grid), phases,
-                bool(tuned and tuned[0]))
+    preset, method, steps, batch, seq, population, grid, phases, tuned, sets = json.loads(spec)
+    row = child(preset, method, steps, batch, seq, population, tuple(grid), phases, tuned,
+                tuple(sets))
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if dist.get_rank() == 0:
@@ -293,6 +330,10 @@ def main() -> None:
                     help="only the grid's table (no one-process column)")
     ap.add_argument("--tuned-malloc", action="store_true",
                     help="glibc tuned as `fourfold train` tunes CPU ranks (train/host_memory.py)")
+    ap.add_argument("--set", dest="extra", action="append", type=parse_extra, default=[],
+                    metavar="METHOD:train.KEY=VALUE",
+                    help="an extra key for one method's runs "
+                    "(e.g. blockllm:train.block_patience=3)")
     if len(sys.argv) == 3 and sys.argv[1] == "--rank-worker":
         rank_worker(sys.argv[2])
         return
@@ -302,6 +343,7 @@ def main() -> None:
     grid = parse_grid(args.grid) if args.grid else None
     if args.grid_only and grid is None:
         sys.exit("error: --grid-only needs --grid XxY")
+    check_sets(args)
     one_ratio: dict[str, float] = {}
     if not args.grid_only:
         one_ratio = one_process_table(args)
