@@ -50,7 +50,7 @@ class ParallelModel:
         self._layouts: dict[str, Layout] | None = None
         self._is_hf = hasattr(module, "config") and hasattr(module.config, "model_type")
         # The logits are whole on one process, under the generic plan (vocab_start is None) and
-        # when y = 1: then the plain loss, without a custom Function and size-1 all-reduces.
+        # when y = 1: then the loss without the size-1 all-reduces.
         self.criterion: nn.Module | Any = (
             VocabParallelCrossEntropy(comm, vocab_start)
             if vocab_start is not None and grid.size("y") > 1 else CrossEntropy())
