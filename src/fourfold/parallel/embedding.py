@@ -128,10 +128,10 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
             local_sum = exp.sum(-1)
         else:  # no backward (evaluation, MeZO / ES): the sums row block by row block
             local_sum = _sum_exp_by_rows(lf, shift)
+        sum_exp = local_sum
         if comm is not None:
             stats = comm.all_reduce(torch.stack([local_sum, target_logit]), "y").wait()
-            local_sum, target_logit = stats[0], stats[1]
-        sum_exp = local_sum
+            sum_exp, target_logit = stats[0], stats[1]
         loss = torch.log(sum_exp) - target_logit
         if keep:
             exp.div_(sum_exp.unsqueeze(-1))  # softmax over the local slice
