@@ -368,6 +368,25 @@ def test_documents_first_n_in_order(tmp_path):
     assert len(documents(out, "train", 100)) == 12
 
 
+def test_loader_refuses_ids_outside_the_vocabulary(tmp_path, corpus):
+    """A shard id past manifest.json's vocabulary (another tokenizer's shard, or one damaged
+    since prepare) stops the loader with one line, not a loss over the wrong rows."""
+    out = tmp_path / "data"
+    prepare([corpus[0]], out, progress=False)
+    manifest = Manifest.load(out)
+    shard = out / manifest.splits["train"].shards[0].file
+    ids = np.fromfile(shard, dtype=manifest.dtype)
+    ids[5] = manifest.vocab_size
+    ids.tofile(shard)
+    loader = BatchLoader(out, "train", batch_size=2, seq_len=len(ids) - 1, seed=0)
+    with pytest.raises(DataError, match=f"token id {manifest.vocab_size} at offset 0 \\+ 5, "
+                       f"outside the vocabulary 0..{manifest.vocab_size - 1}"):
+        loader.next_batch()
+    ids[5] = manifest.vocab_size - 1  # the last id is in range
+    ids.tofile(shard)
+    inputs, targets = loader.next_batch()
+    assert int(inputs[0, 5]) == manifest.vocab_size - 1 == int(targets[0, 4])
+
 def test_loader_user_mistakes(byte_dir, tmp_path):
     with pytest.raises(DataError, match="batch_size = 6 .*4"):
         BatchLoader(byte_dir, "train", batch_size=6, seq_len=8, seed=0, num_shards=4)

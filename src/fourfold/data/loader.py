@@ -134,7 +134,17 @@ class BatchLoader:
     def _local_batch(self, global_offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.local_batch_size
         mine = global_offsets[self.shard_index * b:(self.shard_index + 1) * b]
-        windows = torch.from_numpy(self.dataset.windows(mine, self.seq_len + 1))  # (b, T + 1)
+        rows = self.dataset.windows(mine, self.seq_len + 1)  # (b, T + 1)
+        # ids are unsigned; one past the vocabulary would index past the embedding and the
+        # loss's logits (a shard written by another tokenizer, or damaged since `verify`)
+        if rows.size and int(rows.max()) >= self.dataset.vocab_size:
+            row = int(np.argmax(rows.max(axis=1)))
+            raise DataError(f"{self.dataset.data_dir}: split '{self.split}' has token id "
+                            f"{int(rows[row].max())} at offset {int(mine[row])} + "
+                            f"{int(np.argmax(rows[row]))}, outside the vocabulary 0.."
+                            f"{self.dataset.vocab_size - 1} of its manifest.json; prepare "
+                            "the data again")
+        windows = torch.from_numpy(rows)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
