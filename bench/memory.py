@@ -124,7 +124,7 @@ def predicted(cfg_path: Path, rank: int) -> int:
                           Precision.of(t.dtype), bucket_bytes=int(p.bucket_mb * MIB),
                           on_host=True, writer=rank == 0,
                           async_checkpoint=cfg.checkpoint.is_async(True)
-                          and cfg.checkpoint.every > 0).total
+                          and cfg.checkpoint.every > 0, output_loss=p.output_loss).total
 
 
 def phase_table(nproc: int, results: list[dict]) -> None:

@@ -67,7 +67,7 @@ METHODS = ("adamw", "lomo", "adalomo", "mezo", "es", "blockllm", "galore")
 
 def child(preset: str, method: str, steps: int, batch: int, seq: int, population: int,
           grid: tuple[int, int] = (1, 1), phases: bool = False, tuned: bool = False,
-          sets: tuple[str, ...] = ()) -> dict:
+          sets: tuple[str, ...] = (), output_loss: str = "auto") -> dict:
     """Train `method` for `steps` steps on this process (on a grid: this rank of an x by y
     grid, under torchrun) and report its peak RSS (ru_maxrss, KiB) and the rest of a row.
     `sets`: this method's extra `train.KEY=VALUE` keys (--set)."""
@@ -99,7 +99,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     # on the meta device, as build_run does: parallelize makes this rank's shard of each tensor
     model = build_model(model_config(preset), seed=0, device="meta")
     model.activation_checkpointing = True
-    pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y))
+    pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y, output_loss=output_loss))
     cfg = train_config(method, seq, population, sets)
     trainer = build_method(pmodel, cfg)
     if sampler is not None:
@@ -128,7 +128,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     out = {"rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "base_kib": base_kib,
            "tokens_per_s": batch * seq * (len(times) - 1) / sum(times[1:]),
            "first_step_s": times[0], "peak_grad_bytes": trainer.peak_grad_bytes,
-           "predicted": predicted_bytes(model.cfg, cfg, batch * seq, shape),
+           "predicted": predicted_bytes(model.cfg, cfg, batch * seq, shape, output_loss),
            "loss": result.loss, "state_bytes": trainer.state_bytes()}
     if sampler is not None:
         out["phases"] = sampler.stop()
@@ -233,20 +233,22 @@ def check_sets(args: argparse.Namespace) -> None:
             sys.exit(f"error: --set for {method}: {e}")
 
 
-def predicted_bytes(model_cfg, train_cfg, tokens: int, shape) -> int:
+def predicted_bytes(model_cfg, train_cfg, tokens: int, shape, output_loss: str = "auto") -> int:
     """The planner's peak for this run, per rank (plan/memory.py with the method's state)."""
     from fourfold.plan.memory import Precision, predict_memory, predict_method_memory
 
     precision = Precision.of("float32")
-    mem = predict_memory(model_cfg, shape, tokens, True, precision, on_host=True)
-    return predict_method_memory(mem, model_cfg, shape, train_cfg, precision).total
+    mem = predict_memory(model_cfg, shape, tokens, True, precision, on_host=True,
+                         output_loss=output_loss)
+    return predict_method_memory(mem, model_cfg, shape, train_cfg, precision,
+                                 output_loss).total
 
 
 def measure(args: argparse.Namespace, method: str) -> dict:
     code = ("import json, sys; sys.path.insert(0, 'bench'); import memory_lean as m; "
             f"print(json.dumps(m.child({args.preset!r}, {method!r}, {args.steps}, {args.batch}, "
             f"{args.seq}, {args.population}, phases={args.phases}, tuned={args.tuned_malloc}, "
-            f"sets={tuple(method_sets(args, method))!r})))")
+            f"sets={tuple(method_sets(args, method))!r}, output_loss={args.output_loss!r})))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=malloc_env(args))
     if proc.returncode:
@@ -268,7 +270,8 @@ def measure_grid(args: argparse.Namespace, method: str, grid: tuple[int, int]) -
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
     spec = json.dumps([args.preset, method, args.steps, args.batch, args.seq, args.population,
-                       list(grid), args.phases, args.tuned_malloc, method_sets(args, method)])
+                       list(grid), args.phases, args.tuned_malloc, method_sets(args, method),
+                       args.output_loss])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(grid[0] * grid[1]), __file__, "--rank-worker", spec]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -283,9 +286,10 @@ def rank_worker(spec: str) -> None:
 
     from fourfold.parallel import leave_job
 
-    preset, method, steps, batch, seq, population, grid, phases, tuned, sets = json.loads(spec)
+    preset, method, steps, batch, seq, population, grid, phases, tuned, sets, output_loss = \
+        json.loads(spec)
     row = child(preset, method, steps, batch, seq, population, tuple(grid), phases, tuned,
-                tuple(sets))
+                tuple(sets), output_loss)
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if dist.get_rank() == 0:
@@ -321,6 +325,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--population", type=int, default=4, help="ES members per step")
+    ap.add_argument("--output-loss", default="auto", choices=("auto", "blocks", "whole"),
+                    help="parallel.output_loss of every run (auto: blocks where x = 1)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--grid", default=None, metavar="XxY",
                     help="also run every method on x * y gloo ranks (data = z = 1), per rank")

@@ -13,6 +13,9 @@ The same model shapes are trained three ways, in float32 and in bfloat16 (autoca
 - fourfold+gemm (not in the default set): fourfold with parallel.gemm_tuning = true (each
             linear's GEMMs tuned once per shape: matmul layouts, and oneDNN beside MKL);
 - fourfold+compile+gemm (not in the default set): both;
+- fourfold+whole (not in the default set): fourfold with parallel.output_loss = "whole" (the
+            logits made whole, as before the blocked loss, which is one process's default and
+            makes them again in backward);
 - plain+compile (not in the default set): the plain loop with its model under torch.compile.
 
 Each runs in its own process, as its user would run it: fourfold's Trainer tunes malloc for
@@ -62,7 +65,7 @@ SHAPES: dict[str, tuple[ModelConfig, int, int]] = {
                          vocab_size=32000, max_seq_len=512), 512, 2),
 }
 IMPLEMENTATIONS = ("fourfold", "fourfold+compile", "fourfold+gemm", "fourfold+compile+gemm",
-                   "plain", "plain+compile", "hf")
+                   "fourfold+whole", "plain", "plain+compile", "hf")
 DEFAULT_IMPLEMENTATIONS = ("fourfold", "plain", "hf")
 DTYPES = ("float32", "bfloat16")
 LR = 3e-4
@@ -222,7 +225,8 @@ def build_step(impl: str, c: ModelConfig, seq: int, batch: int, dtype: str,
                                  f"train.lr={LR}", "train.warmup_steps=0",
                                  "data.path=builtin:stdlib", "data.tokenizer=byte",
                                  f"train.compile={'+compile' in impl}",
-                                 f"parallel.gemm_tuning={'+gemm' in impl}"])
+                                 f"parallel.gemm_tuning={'+gemm' in impl}",
+                                 f"parallel.output_loss={'whole' if '+whole' in impl else 'auto'}"])
         trainer = Trainer(cfg, run_dir, progress=False)
         return (lambda: trainer.train_step() and None), trainer.pmodel.module.num_params()
     if impl in ("plain", "plain+compile"):

@@ -131,7 +131,8 @@ def run_variant(shape: GridShape, grid: Grid, variant: dict, counter: DistCount)
                           prefetch_weights=overlap, overlap_data_grad=overlap,
                           bucket_mb=0.05,
                           reduce_dtype=variant.get("reduce", "float32"),
-                          overlap_forward=variant.get("split", False))
+                          overlap_forward=variant.get("split", False),
+                          output_loss=variant.get("loss", "auto"))
     pmodel = parallelize(model, grid, pcfg)
     pmodel.ledger.reset()
     counter.reset()

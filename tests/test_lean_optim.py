@@ -598,7 +598,7 @@ def test_planner_counts_the_methods_transients() -> None:
 
     from fourfold.config import TrainConfig, model_config
     from fourfold.parallel import GridShape
-    from fourfold.parallel.embedding import NO_GRAD_LOSS_BLOCK_ELEMENTS
+    from fourfold.parallel.embedding import NO_GRAD_LOSS_BLOCK_ELEMENTS, output_loss_rows
     from fourfold.plan.memory import (GALORE_CHUNK_BYTES, Precision, galore_update_bytes,
                                       predict_memory, predict_method_memory)
 
@@ -618,25 +618,41 @@ def test_planner_counts_the_methods_transients() -> None:
         update = 4 * (gathered + cols * rows + low + 2 * (low // shape.x))
         assert galore_update_bytes(mcfg, shape, cfg) == max(refresh, update), shape
     for shape in (one, grid):
-        base = predict_memory(mcfg, shape, 256, True, p, on_host=True)
-        galore = predict_method_memory(base, mcfg, shape, cfg, p)
+        base = predict_memory(mcfg, shape, 256, True, p, on_host=True, output_loss="whole")
+        galore = predict_method_memory(base, mcfg, shape, cfg, p, output_loss="whole")
         assert galore.update == galore_update_bytes(mcfg, shape, cfg) > 0
         without = dataclasses.replace(galore, update=0)
         assert galore.total == without.total + max(0, galore.update - max(
             without.step, without.startup, without.export))
-        adamw = predict_method_memory(base, mcfg, shape, TrainConfig(optimizer="adamw"), p)
+        adamw = predict_method_memory(base, mcfg, shape, TrainConfig(optimizer="adamw"), p,
+                                      output_loss="whole")
         assert adamw.update == 0 and adamw.total == base.total
         # forwards only: no saved activations; the loss's peak is the float32 logits and one
         # block of rows of its temporaries (the whole logits here: fewer than a block)
         logits = 256 * (m // shape.y)
         assert logits <= NO_GRAD_LOSS_BLOCK_ELEMENTS
         for name in ("mezo", "es"):
-            zo = predict_method_memory(base, mcfg, shape, TrainConfig(optimizer=name), p)
+            zo = predict_method_memory(base, mcfg, shape, TrainConfig(optimizer=name), p,
+                                       output_loss="whole")
             assert zo.activations == zo.grads == zo.optimizer == zo.update == 0, name
             assert zo.logits == 2 * logits * 4 == base.logits, name
-        big = predict_memory(mcfg, shape, 256 * 64, True, p, on_host=True)
-        zo = predict_method_memory(big, mcfg, shape, TrainConfig(optimizer="mezo"), p)
+        big = predict_memory(mcfg, shape, 256 * 64, True, p, on_host=True, output_loss="whole")
+        zo = predict_method_memory(big, mcfg, shape, TrainConfig(optimizer="mezo"), p,
+                                   output_loss="whole")
         assert zo.logits == 4 * (64 * logits + NO_GRAD_LOSS_BLOCK_ELEMENTS) < big.logits
+        # the output layer and the loss in blocks of rows (parallel.output_loss "blocks"; the
+        # default "auto" where x = 1): one block of float32 logits and two floats a token,
+        # with or without a backward
+        width = m // shape.y
+        rows = output_loss_rows(width)
+        blocked = predict_memory(mcfg, shape, 256 * 64, True, p, on_host=True,
+                                 output_loss="blocks")
+        assert blocked.logits == 4 * rows * width + 8 * 256 * 64 < zo.logits
+        for name in ("mezo", "adamw", "lomo"):
+            assert predict_method_memory(blocked, mcfg, shape, TrainConfig(optimizer=name), p,
+                                         output_loss="blocks").logits == blocked.logits
+        auto = predict_memory(mcfg, shape, 256 * 64, True, p, on_host=True)
+        assert auto.logits == (blocked.logits if shape.x == 1 else big.logits)
 
 
 def test_preflight_check_uses_the_methods_memory() -> None:

@@ -169,3 +169,59 @@ def test_loss_without_backward_works_by_row_blocks_and_equals_the_loss_with_it()
     shift = logits.amax(-1)
     assert torch.equal(_sum_exp_by_rows(logits, shift),
                        torch.exp(logits - shift.unsqueeze(-1)).sum(-1))
+
+
+def test_blocked_output_loss_equals_the_loss_over_whole_logits() -> None:
+    """parallel.output_loss = "blocks" (one process's default): the output layer and the loss
+    a block of rows at a time (several blocks here), the logits made again in backward. The
+    losses equal the whole-logits loss's, with and without backward, and so do the gradients
+    (to float32 rounding: the dW sums run block by block); an output layer with a forward
+    hook (a LoRA adapter) falls back to whole logits, and an unknown mode is refused. Tied
+    embeddings: the output's dW joins the embedding's (untied: tests/test_parallel.py, whose
+    one-process reference takes blocks and whose x = 2 grids whole logits)."""
+    from fourfold.config import ConfigError, ParallelConfig
+    from fourfold.parallel import Grid, parallelize
+    from fourfold.parallel.embedding import BlockedOutputLoss, CrossEntropy, output_loss_rows
+
+    cfg = model_config("debug", vocab_size=8192, tie_embeddings=True)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (9, 65), generator=g)
+    weights = torch.rand(9, 64, generator=g)
+    assert 9 * 64 > 4 * output_loss_rows(cfg.vocab_size)  # several blocks, a ragged last
+    runs = {}
+    for mode in ("whole", "blocks"):
+        model = build_model(cfg, seed=0)
+        pmodel = parallelize(model, Grid.single(), ParallelConfig(output_loss=mode))
+        assert isinstance(model.output_loss, BlockedOutputLoss) == (mode == "blocks")
+        loss = pmodel(tokens[:, :-1], tokens[:, 1:])
+        (loss * weights).sum().backward()
+        with torch.no_grad():
+            runs[mode] = (loss.detach(), pmodel(tokens[:, :-1], tokens[:, 1:]),
+                          {n: p.grad for n, p in model.named_parameters()})
+    (whole, whole_ng, whole_grads), (blocks, blocks_ng, blocks_grads) = runs["whole"], \
+        runs["blocks"]
+    assert torch.equal(whole, blocks) and torch.equal(whole_ng, blocks_ng)
+    assert torch.equal(blocks, blocks_ng)
+    for name, grad in whole_grads.items():
+        assert (blocks_grads[name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name
+    # a hook on the output layer (LoRA adds its term by one): the whole-logits path runs it
+    model = build_model(cfg, seed=0)
+    pmodel = parallelize(model, Grid.single(), ParallelConfig(output_loss="blocks"))
+    model.output.register_forward_hook(lambda module, args, out: out * 0.5)
+    hooked = pmodel(tokens[:, :-1], tokens[:, 1:])
+    with torch.no_grad():
+        expected = CrossEntropy()(model.output(model.norm(_hidden(model, tokens[:, :-1]))),
+                                  tokens[:, 1:])
+    assert torch.equal(hooked.detach(), expected) and not torch.equal(hooked.detach(), blocks)
+    with pytest.raises(ConfigError, match="parallel.output_loss = 'rows': choose one of "
+                       "auto, blocks, whole"):
+        parallelize(build_model(cfg, seed=0), Grid.single(), ParallelConfig(output_loss="rows"))
+
+
+def _hidden(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
+    """The residual stream before the final norm (the model's own forward, without a cache)."""
+    T = tokens.shape[1]
+    h = model.embed(tokens)
+    for layer in model.layers:
+        h = layer(h, model.rope_cos[:T], model.rope_sin[:T])
+    return h

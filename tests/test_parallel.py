@@ -6,7 +6,9 @@ overlap switched off, AdamW (losses only: Adam magnifies rounding noise in tiny 
 a Hugging Face LlamaForCausalLM parallelized with one call, a non-Llama module that gets
 the generic plan, the goldfish loss (the same mask and loss on every grid), bfloat16 autocast
 and bfloat16 gradient reductions (parallel.reduce_dtype; not exact: their drift from one
-process is bounded), and parallel.overlap_forward ("split"). Every case checks the ledger
+process is bounded), parallel.overlap_forward ("split") and parallel.output_loss = "blocks"
+("loss": the output layer and the loss in blocks of rows where x > 1 too; one process and
+grids with x = 1 use them by default, the others whole logits). Every case checks the ledger
 against an independent count of what torch.distributed was handed, and (Llama cases) against
 the planner's schedule.
 """
@@ -42,6 +44,8 @@ LOW_PRECISION_LOSS_DRIFT = {"bf16": 2e-2, "reduce": 1e-3}
 LOW_PRECISION_VARIANTS = [{"bf16": True, "ckpt": True, "accum": 2}, {"reduce": "bfloat16"}]
 # parallel.overlap_forward (each forward GEMM in two token halves), with checkpointing
 SPLIT_VARIANT = {"split": True, "ckpt": True, "accum": 2}
+# the blocked output layer and loss on grids with x > 1 (tied: its dW joins the embedding's)
+BLOCKS_VARIANT = {"loss": "blocks", "tie": True, "accum": 2}
 
 GRIDS = {  # (data, z, y, x)
     2: [[1, 1, 1, 2], [1, 1, 2, 1], [1, 2, 1, 1], [2, 1, 1, 1]],
@@ -69,7 +73,7 @@ def test_grids_match_single_process(nproc: int, tmp_path: Path) -> None:
     variants = VARIANTS if nproc == 2 else VARIANTS[:3] + [{"opt": "adamw"}, {"hf": True},
                                                            {"goldfish": True}]
     if nproc > 2:
-        variants = variants + LOW_PRECISION_VARIANTS + [SPLIT_VARIANT]
+        variants = variants + LOW_PRECISION_VARIANTS + [SPLIT_VARIANT, BLOCKS_VARIANT]
     results = run_worker(nproc, GRIDS[nproc], variants, tmp_path)
     assert len(results) == len(GRIDS[nproc]) * len(variants)
     for r in results:
@@ -106,7 +110,8 @@ def test_grids_match_single_process(nproc: int, tmp_path: Path) -> None:
                                           variant.get("ckpt", False), act_bytes=act,
                                           weight_bytes=act, grad_bytes=2 if reduce16 else 4,
                                           residual_bytes=4,
-                                          overlap_forward=variant.get("split", False))
+                                          overlap_forward=variant.get("split", False),
+                                          output_loss=variant.get("loss", "auto"))
             predicted = {k: v * STEPS for k, v in per_step.items()}
             recorded = {k: r["ledger"][k] for k in ("x", "y", "z", "data")}
             assert predicted == recorded, f"{label}: planner {predicted} != ledger {recorded}"

@@ -149,6 +149,9 @@ class ParallelConfig:
     gemm_tuning: bool = False  # time the equivalent matmuls per GEMM shape once, keep the fastest
     reduce_dtype: str = "float32"  # float32 | bfloat16: dW reduce-scatter and data all-reduce
     overlap_forward: bool = False  # forward GEMMs in two token halves, all-reduce under GEMM
+    # auto | blocks | whole: the output layer and the loss a block of rows at a time, logits
+    # made again in backward ("auto": where x = 1, whose logits need no all-reduce)
+    output_loss: str = "auto"
     machine: str = "cpu"  # planner machine preset or MACHINE.toml, for parallel.auto
 
 
@@ -264,6 +267,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("train", "clip_mode"): ("none", "value", "two_pass"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
+    ("parallel", "output_loss"): ("auto", "blocks", "whole"),
     ("adapter", "kind"): ("none", "lora", "norm"),
 }
 

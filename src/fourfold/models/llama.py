@@ -234,6 +234,9 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.embed.weight
         self.criterion = CrossEntropy()
+        # set by parallelize (parallel.output_loss): the output layer and the loss together,
+        # a block of rows at a time, never whole logits
+        self.output_loss: nn.Module | None = None
         self.activation_checkpointing = False
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -293,6 +296,8 @@ class Llama(nn.Module):
             else:
                 h = layer(h, cos, sin, cache, i)
         h = self.norm(h)
+        if targets is not None and self.output_loss is not None:
+            return self.output_loss(h, self.output, targets)
         logits = self.output(h)  # (B, T, vocab)
         if targets is None:
             return logits

@@ -5,6 +5,12 @@ x), so a tied output layer shares the very same shard. Looking up a token: each 
 rows its vocabulary slice owns, zeros elsewhere, and an all-reduce over y completes the residual
 stream (split over x). The loss never gathers the logits: the max, the sum of exponentials and
 the target logit are reduced over y as (b*T)-sized vectors.
+
+BlockedOutputLoss runs the output layer and the loss together a block of rows at a time
+(parallel.output_loss), so that no logits-sized tensor exists in forward or backward: it keeps
+each row's log-sum-exp and makes a block's logits again in backward. On the 125m preset, batch
+2 x 128, one process, that is 31 MiB of logits and their float32 softmax less at LOMO's peak
+(bench/memory_lean.py); with a 128k vocabulary and 8k tokens a micro-step, 4 GiB a tensor.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fourfold.parallel.comm import Comm
-from fourfold.parallel.engine import Engine
+from fourfold.parallel.engine import Engine, keeps_output_block
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.layout import Layout
+from fourfold.parallel.linear import Linear3D, compute_dtype
 
 
 class _EmbeddingFunction(torch.autograd.Function):
@@ -170,3 +177,155 @@ class CrossEntropy(nn.Module):
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # without a backward the Function sums by row blocks (NO_GRAD_LOSS_BLOCK_ELEMENTS)
         return _SoftmaxCrossEntropy.apply(logits, targets, None, 0)
+
+
+# ---- the output layer and the loss a block of rows at a time ------------------------------
+
+# rows of logits per block of the blocked loss: about NO_GRAD_LOSS_BLOCK_ELEMENTS of them, and
+# at least this many rows (a GEMM of fewer rows runs far below a GPU's peak)
+OUTPUT_LOSS_MIN_ROWS = 64
+OUTPUT_LOSS_MODES = ("auto", "blocks", "whole")
+
+
+def output_loss_rows(width: int) -> int:
+    """Rows per block of the blocked output layer and loss, for `width` logits a row."""
+    return max(OUTPUT_LOSS_MIN_ROWS, _rows_per_block(width))
+
+
+def uses_blocked_loss(mode: str, x: int) -> bool:
+    """parallel.output_loss: "blocks", or "auto" where the logits need no all-reduce over x
+    (x = 1: recomputing them in backward is one GEMM; with x > 1 it is one more all-reduce of
+    the logits' size as well)."""
+    return mode == "blocks" or (mode == "auto" and x == 1)
+
+
+def _block_logits(rows: torch.Tensor, w: torch.Tensor, output: nn.Module) -> torch.Tensor:
+    """float32 logits of a block of rows (summed over the output layer's input axis)."""
+    if isinstance(output, Linear3D):
+        engine = output.engine
+        return engine.comm.all_reduce(engine.matmul("forward", rows, w),
+                                      output.in_axis).wait().float()
+    return torch.matmul(rows, w.t()).float()
+
+
+class _OutputCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of h W^T, a block of rows at a time: neither pass holds
+    logits-sized tensors. Forward keeps h (which the output layer keeps anyway) and each row's
+    log-sum-exp; backward makes each block's logits again (one more GEMM, and one more
+    all-reduce over x where the output layer's input is split over it), turns them into their
+    gradient in place, and adds that block's share of dh and dW. Values are
+    _SoftmaxCrossEntropy's on the whole logits, row by row."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
+                targets: torch.Tensor, output: nn.Module, comm: Comm | None,
+                vocab_start: int) -> torch.Tensor:
+        engine: Engine | None = getattr(output, "engine", None)
+        dtype = compute_dtype(h)
+        with torch.autocast(h.device.type, enabled=False):
+            w = (engine.gather_weight(output, "forward", dtype) if engine is not None
+                 else weight).to(dtype)
+            rows = h.reshape(-1, h.shape[-1]).to(dtype)
+            local = targets.reshape(-1) - vocab_start
+            owned = (local >= 0) & (local < w.shape[0])
+            local = local.masked_fill(~owned, 0)
+            loss = torch.empty(rows.shape[0], dtype=torch.float32, device=h.device)
+            lse = torch.empty_like(loss)
+            step = output_loss_rows(w.shape[0])
+            for a in range(0, rows.shape[0], step):
+                cut = slice(a, a + step)
+                lf = _block_logits(rows[cut], w, output)
+                shift = lf.amax(-1)
+                if comm is not None:
+                    shift = comm.all_reduce(shift, "y", op="max").wait()
+                target = (lf.gather(-1, local[cut].unsqueeze(-1)).squeeze(-1) - shift) \
+                    * owned[cut]
+                sum_exp = lf.sub_(shift.unsqueeze(-1)).exp_().sum(-1)
+                del lf
+                if comm is not None:
+                    stats = comm.all_reduce(torch.stack([sum_exp, target]), "y").wait()
+                    sum_exp, target = stats[0], stats[1]
+                log_sum = torch.log(sum_exp)
+                loss[cut] = log_sum - target
+                lse[cut] = log_sum + shift
+        ctx.output, ctx.comm, ctx.dtype = output, comm, dtype
+        ctx.kept_block = None
+        if engine is not None and engine.is_last(output) and engine.comm.grid.size("z") > 1 \
+                and keeps_output_block(w.numel() * w.element_size(),
+                                       rows.shape[0] * w.shape[0] * w.element_size(),
+                                       rows.shape[0] * w.shape[0]):
+            ctx.kept_block = w  # the same rule as the output layer's own (Linear3D)
+        ctx.save_for_backward(h, weight if engine is None else None, lse, local, owned)
+        return loss.view(targets.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        h, weight, lse, local, owned = ctx.saved_tensors
+        output: nn.Module = ctx.output
+        engine: Engine | None = getattr(output, "engine", None)
+        dtype = ctx.dtype
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.autocast(grad.device.type, enabled=False):
+            # gathered even for a frozen weight: the engine's prefetch order expects it
+            w = (engine.gather_weight(output, "backward", dtype, kept=ctx.kept_block)
+                 if engine is not None else weight).to(dtype)
+            ctx.kept_block = None
+            rows = h.reshape(-1, h.shape[-1]).to(dtype)
+            g = grad.reshape(-1).float()
+            grad_h = torch.empty(rows.shape, dtype=h.dtype, device=h.device) if need_h else None
+            dw = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if need_w else None
+            step = output_loss_rows(w.shape[0])
+            for a in range(0, rows.shape[0], step):
+                cut = slice(a, a + step)
+                d = _block_logits(rows[cut], w, output)
+                d.sub_(lse[cut].unsqueeze(-1)).exp_()  # the softmax over this rank's slice
+                d.scatter_add_(-1, local[cut].unsqueeze(-1),
+                               -owned[cut].to(d.dtype).unsqueeze(-1))
+                d = d.mul_(g[cut].unsqueeze(-1)).to(dtype)
+                if need_h:  # partial over y where the vocabulary is split: the fan-out sums
+                    grad_h[cut] = torch.matmul(d, w).to(h.dtype)  # type: ignore[index]
+                if need_w:
+                    if dtype == torch.float32:
+                        dw.addmm_(d.t(), rows[cut])  # type: ignore[union-attr]
+                    else:  # a block-sized product in the compute dtype, summed in float32
+                        dw += torch.matmul(d.t(), rows[cut])  # type: ignore[operator]
+                del d
+        grad_h = grad_h.view(h.shape) if grad_h is not None else None
+        if engine is None:
+            return grad_h, (dw.to(weight.dtype) if dw is not None else None), \
+                None, None, None, None
+        if dw is not None:
+            block = dw if dtype == torch.float32 else dw.to(dtype)
+            engine.defer(lambda: engine.reduce_scatter_weight_grad(output.weight, block))
+        return grad_h, None, None, None, None, None
+
+
+def blocked_loss_applies(output: nn.Module) -> bool:
+    """Whether the blocked loss can stand in for `output` and the loss: a plain Linear or a
+    Linear3D (not one of a fused group), without a bias and without hooks on its forward (a
+    LoRA adapter adds its term by one, which the blocked loss would not run)."""
+    if output._forward_hooks or output._forward_pre_hooks:
+        return False
+    if type(output) is nn.Linear:
+        return output.bias is None
+    return type(output) is Linear3D and output.bias is None and output.fused is None \
+        and not output.transposed
+
+
+class BlockedOutputLoss(nn.Module):
+    """Per-token losses (b, T) from the last hidden states and the output layer, a block of
+    rows at a time (parallel.output_loss, see uses_blocked_loss): with `comm`, the output
+    layer's rows are this y-rank's vocabulary slice from `vocab_start`. An output layer it
+    cannot take (blocked_loss_applies) gets `whole`, the loss over its whole logits."""
+
+    def __init__(self, comm: Comm | None, vocab_start: int, whole: nn.Module) -> None:
+        super().__init__()
+        self.comm = comm
+        self.vocab_start = vocab_start
+        self.whole = whole  # the loss over whole logits, for an output layer this cannot take
+
+    def forward(self, h: torch.Tensor, output: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+        if not blocked_loss_applies(output):  # e.g. wrapped by an adapter since
+            return self.whole(output(h), targets)
+        return _OutputCrossEntropy.apply(h, output.weight, targets, output, self.comm,
+                                         self.vocab_start)

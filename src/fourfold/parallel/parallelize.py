@@ -19,8 +19,9 @@ from torch import nn
 from fourfold.config import ConfigError, ParallelConfig
 from fourfold.intmath import divisors
 from fourfold.parallel.comm import Comm, CommLedger
-from fourfold.parallel.embedding import (CrossEntropy, ParallelEmbedding,
-                                         VocabParallelCrossEntropy)
+from fourfold.parallel.embedding import (OUTPUT_LOSS_MODES, BlockedOutputLoss, CrossEntropy,
+                                         ParallelEmbedding, VocabParallelCrossEntropy,
+                                         blocked_loss_applies, uses_blocked_loss)
 from fourfold.parallel.engine import Engine, OverlapOptions
 from fourfold.parallel.grid import Grid, GridError
 from fourfold.parallel.layout import REPLICATED, Layout
@@ -63,6 +64,8 @@ class ParallelModel:
             self.engine.begin_forward(recompute=self._recomputes())
         if self._is_hf:
             logits = self.module(input_ids=tokens, use_cache=False).logits
+        elif targets is not None and getattr(self.module, "output_loss", None) is not None:
+            return self.module(tokens, targets)  # the output layer and the loss in blocks
         else:
             logits = self.module(tokens)
         if targets is None:
@@ -259,9 +262,14 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
     """
     comm = Comm(grid)
     options = overlap_options(config)
+    output_loss = config.output_loss if config is not None else "auto"
+    if output_loss not in OUTPUT_LOSS_MODES:
+        raise ConfigError(f"parallel.output_loss = {output_loss!r}: choose one of "
+                          f"{', '.join(OUTPUT_LOSS_MODES)}")
     if grid.world_size == 1 and not options.gemm_tuning:
         pmodel = ParallelModel(model, grid, comm, None, None)
         materialize(model, pmodel.layouts(), grid)
+        _set_output_loss(model, output_loss, grid, None, 0)
         return pmodel
     engine = Engine(comm, options)
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
@@ -276,7 +284,18 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
     if vocab_start is None or not hasattr(model, "criterion"):
         return pmodel
     model.criterion = pmodel.criterion  # the model's own loss path uses the split vocabulary too
+    _set_output_loss(model, output_loss, grid, comm if grid.size("y") > 1 else None, vocab_start)
     return pmodel
+
+
+def _set_output_loss(model: nn.Module, mode: str, grid: Grid, comm: Comm | None,
+                     vocab_start: int) -> None:
+    """Give a fourfold model the blocked output layer and loss where parallel.output_loss
+    asks for it (embedding.uses_blocked_loss) and its output layer allows it."""
+    if not hasattr(model, "output_loss") or not hasattr(model, "output"):
+        return
+    blocked = uses_blocked_loss(mode, grid.size("x")) and blocked_loss_applies(model.output)
+    model.output_loss = BlockedOutputLoss(comm, vocab_start, model.criterion) if blocked else None
 
 
 def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:

@@ -49,7 +49,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fourfold.config import ModelConfig
-from fourfold.parallel.embedding import NO_GRAD_LOSS_BLOCK_ELEMENTS
+from fourfold.parallel.embedding import (NO_GRAD_LOSS_BLOCK_ELEMENTS, output_loss_rows,
+                                         uses_blocked_loss)
 from fourfold.parallel.grid import GridShape
 from fourfold.plan.errors import PlanError
 from fourfold.plan.schedule import block_linears, local_param_numel
@@ -176,17 +177,37 @@ def largest_tensor_numel(model: ModelConfig, shape: GridShape) -> tuple[int, int
     return full, max(n // parts for n, parts in tensors)
 
 
+def logits_bytes(model: ModelConfig, shape: GridShape, tokens: int, precision: Precision,
+                 output_loss: str = "auto") -> int:
+    """The output layer's and the loss's transients: the logits (this rank's vocabulary slice)
+    in the compute dtype and the loss's float32 workspace over them; with the blocked loss
+    (parallel/embedding.py) one block of rows of them (and, below float32, its copy in the
+    compute dtype, and the block-sized dW product beside a float32 sum), plus two floats a
+    token kept for backward."""
+    width = model.vocab_size // shape.y
+    act = precision.act_bytes
+    if not uses_blocked_loss(output_loss, shape.x):
+        return tokens * width * (act + 4)
+    rows = min(tokens, output_loss_rows(width))
+    low = act < 4
+    vocab_block = model.vocab_size * model.dim // (shape.x * shape.y)
+    return (rows * width * (4 + (2 * act if low else 0)) + 8 * tokens
+            + (vocab_block * (act + 4) if low else 0))
+
+
 def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int,
                    activation_checkpointing: bool, precision: Precision, *,
                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, on_host: bool = False,
-                   writer: bool = False, async_checkpoint: bool = False) -> MemoryBreakdown:
+                   writer: bool = False, async_checkpoint: bool = False,
+                   output_loss: str = "auto") -> MemoryBreakdown:
     """Peak bytes per rank: of one training step, of building the model in shards, and of
     streaming it out at the end, whichever is largest, on top of the model state.
 
     `on_host`: the rank computes in host memory (a CPU run), so that the host-side parts count:
     the export writer's (`writer`) full copy of each tensor in turn, and the snapshot an
     asynchronous checkpoint copies the shards into while training goes on, and the runtime's
-    own growth (HOST_RUNTIME_BYTES). Each term and the measurement it rests on: see the module
+    own growth (HOST_RUNTIME_BYTES). `output_loss`: parallel.output_loss (the logits whole, or
+    a block of rows at a time). Each term and the measurement it rests on: see the module
     docstring."""
     gx, gy = shape.x, shape.y
     states = predict_param_memory(model, shape, precision)
@@ -209,7 +230,7 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
                    vocab_block * (precision.weight_bytes + precision.grad_bytes))
     if shape.z == 1:
         gathered = layer_block * precision.grad_bytes  # no gather buffers; still dW per layer
-    logits = n * (model.vocab_size // gy) * (precision.act_bytes + 4)
+    logits = logits_bytes(model, shape, n, precision, output_loss)
     # one bucket being filled (its flat copy) and one in flight over data
     comm_buffers = 2 * bucket_bytes if shape.data > 1 else 0
     full_numel, block_numel = largest_tensor_numel(model, shape)
@@ -347,11 +368,12 @@ def galore_update_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfi
 
 
 def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape: GridShape,
-                          train: "TrainConfig", precision: Precision | None = None
-                          ) -> MemoryBreakdown:
+                          train: "TrainConfig", precision: Precision | None = None,
+                          output_loss: str = "auto") -> MemoryBreakdown:
     """`breakdown` (predict_memory's, which counts AdamW) with train.optimizer's gradients and
     state; mezo and es run forwards only: no saved activations, no dW or gradient buckets.
     galore: its update's temporaries (`update`, galore_update_bytes), after backward.
+    `output_loss`: parallel.output_loss, as predict_memory had it.
 
     Checked with bench/memory_lean.py (125m, 2 x 128 tokens; --phases gives the heap in use at
     each method's peak): the live tensors at each peak are these terms. Resident memory under
@@ -375,6 +397,8 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
         numel = breakdown.logits // (p.act_bytes + 4)
         logits = (numel * (p.act_bytes + (4 if p.act_bytes < 4 else 0))
                   + 4 * min(numel, NO_GRAD_LOSS_BLOCK_ELEMENTS))  # parallel/embedding.py
+        if uses_blocked_loss(output_loss, shape.x):  # one block of rows, as with backward
+            logits = breakdown.logits
         out = dataclasses.replace(out, activations=0, comm_buffers=0, gathered_weights=gathered,
                                   logits=logits)
     return out

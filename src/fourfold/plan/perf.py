@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from fourfold.config import ModelConfig
 from fourfold.models.llama import flops_per_token
+from fourfold.parallel.embedding import uses_blocked_loss
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.parallel.linear import split_rows
 from fourfold.plan.machines import HostCalibration, Machine, ring_volume
@@ -169,7 +170,8 @@ class _Compute:
 
 
 def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, rates: _Rates,
-                   precision: Precision, forward_split: bool = False) -> _Compute:
+                   precision: Precision, forward_split: bool = False,
+                   blocked_loss: bool = False) -> _Compute:
     gx, gy = shape.x, shape.y
     eb = precision.act_bytes
     # overlap_forward runs each forward GEMM as two over the token halves: smaller GEMMs
@@ -219,27 +221,32 @@ def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, r
     out_dgrad = _gemm(n, d_l, vocab_l, rates, eb)
     out_wgrad = _gemm(vocab_l, d_l, n, rates, eb)
     loss = n * vocab_l * rates.loss_s_per_logit / 2  # forward; the same again in backward
+    # the blocked loss (parallel.output_loss) makes the logits again in backward
+    again = out_fwd if blocked_loss else 0.0
     return _Compute(forward=L * block_fwd + out_fwd + loss + 10 * launch,
-                    backward=L * block_bwd + out_dgrad + out_wgrad + loss + 20 * launch,
+                    backward=L * block_bwd + out_dgrad + out_wgrad + again + loss + 20 * launch,
                     weight_grad=L * wgrad + out_wgrad, recompute=L * block_fwd,
                     forward_gemm=L * fwd + out_fwd, recompute_gemm=L * fwd)
 
 
 def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_len: int,
                  grad_accum: int, activation_checkpointing: bool, machine: Machine,
-                 precision: Precision, overlap: Overlap = Overlap()) -> StepPrediction:
+                 precision: Precision, overlap: Overlap = Overlap(),
+                 output_loss: str = "auto") -> StepPrediction:
     """Predicted time of one optimizer step; the batch is split over data and z, then into
-    `grad_accum` micro-steps."""
+    `grad_accum` micro-steps. `output_loss`: parallel.output_loss."""
     world = shape.size
     shards = shape.data * shape.z
     n = global_batch // shards // grad_accum * seq_len  # tokens per rank per micro-step
     calibration = machine.calibration(world)
     rates = _rates(machine, precision.name, world, calibration)
-    comp = _compute_times(model, shape, n, seq_len, rates, precision, overlap.overlap_forward)
+    blocked = uses_blocked_loss(output_loss, shape.x)
+    comp = _compute_times(model, shape, n, seq_len, rates, precision, overlap.overlap_forward,
+                          blocked)
     schedule = collective_schedule(model, shape, n, grad_accum, activation_checkpointing,
                                    precision.act_bytes, precision.weight_bytes,
                                    precision.reduce_bytes, precision.residual_bytes,
-                                   overlap.overlap_forward)
+                                   overlap.overlap_forward, output_loss=output_loss)
     by_phase: dict[str, dict[str, float]] = {}
     comm_bytes = {a: 0 for a in AXES}
     for c in schedule:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fourfold.config import AdapterConfig, ModelConfig
+from fourfold.parallel.embedding import uses_blocked_loss
 from fourfold.parallel.engine import keeps_output_block
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.parallel.linear import split_rows
@@ -98,7 +99,8 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
                         grad_accum: int, activation_checkpointing: bool, act_bytes: int = 4,
                         weight_bytes: int = 4, grad_bytes: int = 4,
                         residual_bytes: int | None = None, overlap_forward: bool = False,
-                        adapter: AdapterConfig | None = None) -> list[Collective]:
+                        adapter: AdapterConfig | None = None,
+                        output_loss: str = "auto") -> list[Collective]:
     """Every collective of one optimizer step, per rank.
 
     n = micro_batch_tokens: tokens per rank per micro-step (sequences per (data, z) shard per
@@ -130,6 +132,10 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
       (`keeps_output_block`: the block is no larger than its logits and the loss's fp32
       workspace, D/Gx * weight_bytes <= n * (act_bytes + 4)).
     - vocabulary-parallel cross-entropy: forward all-reduce y of 3n fp32 values (12n bytes).
+    - the output layer and the loss in blocks of rows (parallel.output_loss, "auto" where
+      Gx = 1): the same bytes in a call per block (the output all-reduce is not split in
+      halves); where Gx > 1 backward makes the logits again: one more all-reduce x of the
+      output, exposed.
     - overlap_forward: every GEMM-output all-reduce (the units above and the output layer)
       runs as two, over the token halves `split_rows(n)`.
     - activation checkpointing: each block's forward collectives (z all-gathers, output
@@ -211,7 +217,10 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
     # output layer (a normal linear, own gathers even when tied) and the loss
     vocab_local = _exact(v, gy, "model.vocab_size")
     add("z", "all_gather", vocab_block * weight_bytes, m, "fwd_gather")
-    output_reduce("x", vocab_local * act_bytes, m)
+    if uses_blocked_loss(output_loss, gx):
+        add("x", "all_reduce", n * vocab_local * act_bytes, 2 * m, "fwd_output")
+    else:
+        output_reduce("x", vocab_local * act_bytes, m)
     if not keeps_output_block(vocab_block * weight_bytes, n * vocab_local * act_bytes,
                               n * vocab_local):
         add("z", "all_gather", vocab_block * weight_bytes, m, "bwd_gather")
@@ -274,12 +283,13 @@ def predict_comm_bytes(model_cfg: ModelConfig, shape: GridShape, micro_batch_tok
                        grad_accum: int, activation_checkpointing: bool, act_bytes: int = 4,
                        weight_bytes: int = 4, grad_bytes: int = 4,
                        residual_bytes: int | None = None, overlap_forward: bool = False,
-                       adapter: AdapterConfig | None = None) -> dict[str, int]:
+                       adapter: AdapterConfig | None = None,
+                       output_loss: str = "auto") -> dict[str, int]:
     """Bytes per rank per optimizer step that the engine's ledger records, by axis
     ("x", "y", "z", "data"); the schedule is spelled out in `collective_schedule`."""
     totals = {axis: 0 for axis in AXES}
     for c in collective_schedule(model_cfg, shape, micro_batch_tokens, grad_accum,
                                  activation_checkpointing, act_bytes, weight_bytes, grad_bytes,
-                                 residual_bytes, overlap_forward, adapter):
+                                 residual_bytes, overlap_forward, adapter, output_loss):
         totals[c.axis] += c.nbytes * c.calls
     return totals

@@ -384,7 +384,7 @@ def check_grid_fits(cfg: "Config", shape: GridShape, device: "torch.device",
                               Precision.of(t.dtype), bucket_bytes=int(p.bucket_mb * 2**20),
                               on_host=device.type == "cpu", writer=True,
                               async_checkpoint=cfg.checkpoint.is_async(device.type == "cpu")
-                              and cfg.checkpoint.every > 0)
+                              and cfg.checkpoint.every > 0, output_loss=p.output_loss)
 
     mem = need(shape)
     if mem.total <= capacity:

@@ -159,8 +159,8 @@ def predicted_memory(cfg: Config, shape: GridShape, on_host: bool) -> MemoryBrea
     mem = predict_memory(cfg.model, shape, micro_tokens, t.activation_checkpointing, precision,
                          bucket_bytes=int(p.bucket_mb * 2**20), on_host=on_host, writer=True,
                          async_checkpoint=cfg.checkpoint.is_async(on_host)
-                         and cfg.checkpoint.every > 0)
-    return predict_method_memory(mem, cfg.model, shape, t, precision)
+                         and cfg.checkpoint.every > 0, output_loss=p.output_loss)
+    return predict_method_memory(mem, cfg.model, shape, t, precision, p.output_loss)
 
 
 def check_method_fits(cfg: Config, shape: GridShape, on_host: bool, capacity: int) -> None:
