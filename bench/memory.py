@@ -53,6 +53,7 @@ import rank_memory_worker  # noqa: E402
 
 from fourfold.config import load_config  # noqa: E402
 from fourfold.parallel import GridShape  # noqa: E402
+from fourfold.parallel.embedding import resolve_output_loss  # noqa: E402
 from fourfold.plan.memory import Precision, predict_memory  # noqa: E402
 
 TRAIN_GRIDS = {1: (1, 1, 1, 1), 2: (1, 2, 1, 1), 4: (1, 2, 2, 1), 8: (1, 2, 2, 2)}  # data z y x
@@ -124,7 +125,8 @@ def predicted(cfg_path: Path, rank: int) -> int:
                           Precision.of(t.dtype), bucket_bytes=int(p.bucket_mb * MIB),
                           on_host=True, writer=rank == 0,
                           async_checkpoint=cfg.checkpoint.is_async(True)
-                          and cfg.checkpoint.every > 0, output_loss=p.output_loss).total
+                          and cfg.checkpoint.every > 0,
+                          output_loss=resolve_output_loss(p.output_loss, p.x, t.optimizer)).total
 
 
 def phase_table(nproc: int, results: list[dict]) -> None:

@@ -99,7 +99,8 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     # on the meta device, as build_run does: parallelize makes this rank's shard of each tensor
     model = build_model(model_config(preset), seed=0, device="meta")
     model.activation_checkpointing = True
-    pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y, output_loss=output_loss))
+    pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y, output_loss=output_loss),
+                         optimizer=method)
     cfg = train_config(method, seq, population, sets)
     trainer = build_method(pmodel, cfg)
     if sampler is not None:
@@ -235,9 +236,11 @@ def check_sets(args: argparse.Namespace) -> None:
 
 def predicted_bytes(model_cfg, train_cfg, tokens: int, shape, output_loss: str = "auto") -> int:
     """The planner's peak for this run, per rank (plan/memory.py with the method's state)."""
+    from fourfold.parallel.embedding import resolve_output_loss
     from fourfold.plan.memory import Precision, predict_memory, predict_method_memory
 
     precision = Precision.of("float32")
+    output_loss = resolve_output_loss(output_loss, shape.x, train_cfg.optimizer)
     mem = predict_memory(model_cfg, shape, tokens, True, precision, on_host=True,
                          output_loss=output_loss)
     return predict_method_memory(mem, model_cfg, shape, train_cfg, precision,

@@ -598,7 +598,8 @@ def test_planner_counts_the_methods_transients() -> None:
 
     from fourfold.config import TrainConfig, model_config
     from fourfold.parallel import GridShape
-    from fourfold.parallel.embedding import NO_GRAD_LOSS_BLOCK_ELEMENTS, output_loss_rows
+    from fourfold.parallel.embedding import (NO_GRAD_LOSS_BLOCK_ELEMENTS, output_loss_columns,
+                                             resolve_output_loss)
     from fourfold.plan.memory import (GALORE_CHUNK_BYTES, Precision, galore_update_bytes,
                                       predict_memory, predict_method_memory)
 
@@ -640,19 +641,22 @@ def test_planner_counts_the_methods_transients() -> None:
         zo = predict_method_memory(big, mcfg, shape, TrainConfig(optimizer="mezo"), p,
                                    output_loss="whole")
         assert zo.logits == 4 * (64 * logits + NO_GRAD_LOSS_BLOCK_ELEMENTS) < big.logits
-        # the output layer and the loss in blocks of rows (parallel.output_loss "blocks"; the
-        # default "auto" where x = 1): one block of float32 logits and two floats a token,
-        # with or without a backward
-        width = m // shape.y
-        rows = output_loss_rows(width)
+        # the output layer and the loss in blocks of the vocabulary (parallel.output_loss
+        # "blocks"; "auto" for the lean methods where x = 1): one block of float32 logits and
+        # two floats a token, with or without a backward
+        columns = min(m // shape.y, output_loss_columns(256 * 64))
         blocked = predict_memory(mcfg, shape, 256 * 64, True, p, on_host=True,
                                  output_loss="blocks")
-        assert blocked.logits == 4 * rows * width + 8 * 256 * 64 < zo.logits
+        assert blocked.logits == 4 * 256 * 64 * (columns + 2) < zo.logits
         for name in ("mezo", "adamw", "lomo"):
             assert predict_method_memory(blocked, mcfg, shape, TrainConfig(optimizer=name), p,
                                          output_loss="blocks").logits == blocked.logits
-        auto = predict_memory(mcfg, shape, 256 * 64, True, p, on_host=True)
-        assert auto.logits == (blocked.logits if shape.x == 1 else big.logits)
+        # "auto": AdamW (and GaLore) keep whole logits; LOMO, MeZO take blocks where x = 1
+        assert predict_memory(mcfg, shape, 256 * 64, True, p, on_host=True).logits == \
+            big.logits
+        for name, lean in (("adamw", False), ("galore", False), ("lomo", True), ("mezo", True)):
+            mode = resolve_output_loss("auto", shape.x, name)
+            assert mode == ("blocks" if lean and shape.x == 1 else "whole"), (name, shape)
 
 
 def test_preflight_check_uses_the_methods_memory() -> None:

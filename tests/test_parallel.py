@@ -7,8 +7,8 @@ a Hugging Face LlamaForCausalLM parallelized with one call, a non-Llama module t
 the generic plan, the goldfish loss (the same mask and loss on every grid), bfloat16 autocast
 and bfloat16 gradient reductions (parallel.reduce_dtype; not exact: their drift from one
 process is bounded), parallel.overlap_forward ("split") and parallel.output_loss = "blocks"
-("loss": the output layer and the loss in blocks of rows where x > 1 too; one process and
-grids with x = 1 use them by default, the others whole logits). Every case checks the ledger
+("loss": the output layer and the loss a block of the vocabulary at a time, on every grid,
+against the one process's whole logits). Every case checks the ledger
 against an independent count of what torch.distributed was handed, and (Llama cases) against
 the planner's schedule.
 """
@@ -37,14 +37,15 @@ WORKER = Path(__file__).with_name("parallel_worker.py")
 VARIANTS = [{}, {"bias": True, "tie": True}, {"accum": 2, "ckpt": True},
             {"overlap": False, "bias": True}, {"opt": "adamw"},
             {"hf": True, "bias": True}, {"generic": True}, {"goldfish": True, "accum": 2},
-            {"bf16": True, "reduce": "bfloat16"}, {"split": True, "bias": True}]
+            {"bf16": True, "reduce": "bfloat16"}, {"split": True, "bias": True},
+            {"loss": "blocks", "tie": True, "accum": 2}]
 # not exact, so bounded: bfloat16 autocast against one process under the same autocast, and
 # float32 training with bfloat16 gradient reductions against float32 (measured: see README)
 LOW_PRECISION_LOSS_DRIFT = {"bf16": 2e-2, "reduce": 1e-3}
 LOW_PRECISION_VARIANTS = [{"bf16": True, "ckpt": True, "accum": 2}, {"reduce": "bfloat16"}]
 # parallel.overlap_forward (each forward GEMM in two token halves), with checkpointing
 SPLIT_VARIANT = {"split": True, "ckpt": True, "accum": 2}
-# the blocked output layer and loss on grids with x > 1 (tied: its dW joins the embedding's)
+# the blocked output layer and loss (tied: its dW joins the embedding's)
 BLOCKS_VARIANT = {"loss": "blocks", "tie": True, "accum": 2}
 
 GRIDS = {  # (data, z, y, x)

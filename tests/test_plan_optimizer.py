@@ -8,6 +8,7 @@ import pytest
 
 from fourfold.cli import main
 from fourfold.config import CHOICES, Config, ParallelConfig, TrainConfig, model_config
+from fourfold.parallel.embedding import resolve_output_loss
 from fourfold.plan import PlanError, Precision, choose_grid, load_machine, plan, predict_memory
 from fourfold.plan.cli import plan_main
 from fourfold.plan.memory import predict_method_memory
@@ -66,9 +67,11 @@ def test_candidate_memory_is_the_method_model(optimizer):
     result = plan(model, 4, machine, 8, 512, precision, train=train)
     assert result.optimizer == optimizer
     for c in result.candidates:
+        # parallel.output_loss at its default, as a run of the method resolves it
+        loss = resolve_output_loss("auto", c.shape.x, optimizer)
         base = predict_memory(model, c.shape, c.micro_batch * 512, c.activation_checkpointing,
-                              precision)
-        assert c.memory == predict_method_memory(base, model, c.shape, train, precision)
+                              precision, output_loss=loss)
+        assert c.memory == predict_method_memory(base, model, c.shape, train, precision, loss)
         if optimizer in NO_ACCUMULATION:
             assert c.grad_accum == 1
     adamw = plan(model, 4, machine, 8, 512, precision)

@@ -6,14 +6,16 @@ rows its vocabulary slice owns, zeros elsewhere, and an all-reduce over y comple
 stream (split over x). The loss never gathers the logits: the max, the sum of exponentials and
 the target logit are reduced over y as (b*T)-sized vectors.
 
-BlockedOutputLoss runs the output layer and the loss together a block of rows at a time
-(parallel.output_loss), so that no logits-sized tensor exists in forward or backward: it keeps
-each row's log-sum-exp and makes a block's logits again in backward. On the 125m preset, batch
+BlockedOutputLoss runs the output layer and the loss together a block of the vocabulary at a
+time (parallel.output_loss), so that no logits-sized tensor exists in forward or backward: it
+keeps each row's log-sum-exp and makes a block's logits again in backward. On the 125m preset, batch
 2 x 128, one process, that is 31 MiB of logits and their float32 softmax less at LOMO's peak
 (bench/memory_lean.py); with a 128k vocabulary and 8k tokens a micro-step, 4 GiB a tensor.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -179,28 +181,40 @@ class CrossEntropy(nn.Module):
         return _SoftmaxCrossEntropy.apply(logits, targets, None, 0)
 
 
-# ---- the output layer and the loss a block of rows at a time ------------------------------
+# ---- the output layer and the loss a block of vocabulary at a time ------------------------
 
-# rows of logits per block of the blocked loss: about NO_GRAD_LOSS_BLOCK_ELEMENTS of them, and
-# at least this many rows (a GEMM of fewer rows runs far below a GPU's peak)
-OUTPUT_LOSS_MIN_ROWS = 64
+# columns of logits (vocabulary entries) per block of the blocked loss: about
+# NO_GRAD_LOSS_BLOCK_ELEMENTS logits, and at least this many columns (narrower GEMMs run far
+# below a GPU's peak)
+OUTPUT_LOSS_MIN_COLUMNS = 1024
 OUTPUT_LOSS_MODES = ("auto", "blocks", "whole")
+# the training methods whose peak holds the logits (a backward that starts at the output layer
+# with little else alive, or a forward without backward): "auto" gives them the blocked loss.
+# AdamW's and GaLore's peaks come later, with the gradients (GaLore's R), where the blocked
+# loss would cost its extra GEMM and save nothing.
+BLOCKED_LOSS_METHODS = ("lomo", "adalomo", "mezo", "es", "blockllm")
 
 
-def output_loss_rows(width: int) -> int:
-    """Rows per block of the blocked output layer and loss, for `width` logits a row."""
-    return max(OUTPUT_LOSS_MIN_ROWS, _rows_per_block(width))
+def output_loss_columns(tokens: int) -> int:
+    """Vocabulary columns per block of the blocked output layer and loss, for `tokens` rows."""
+    return max(OUTPUT_LOSS_MIN_COLUMNS, NO_GRAD_LOSS_BLOCK_ELEMENTS // max(1, tokens))
 
 
-def uses_blocked_loss(mode: str, x: int) -> bool:
-    """parallel.output_loss: "blocks", or "auto" where the logits need no all-reduce over x
-    (x = 1: recomputing them in backward is one GEMM; with x > 1 it is one more all-reduce of
-    the logits' size as well)."""
-    return mode == "blocks" or (mode == "auto" and x == 1)
+def uses_blocked_loss(mode: str, x: int, optimizer: str = "adamw") -> bool:
+    """parallel.output_loss: "blocks", or "auto" for a method whose peak holds the logits
+    (BLOCKED_LOSS_METHODS) where they need no all-reduce over x (x = 1: making them again in
+    backward is one GEMM; with x > 1 it is one more all-reduce of the logits' size too)."""
+    return mode == "blocks" or (mode == "auto" and x == 1 and optimizer in BLOCKED_LOSS_METHODS)
+
+
+def resolve_output_loss(mode: str, x: int, optimizer: str) -> str:
+    """parallel.output_loss as a run of `optimizer` with x = `x` uses it: blocks or whole."""
+    return "blocks" if uses_blocked_loss(mode, x, optimizer) else "whole"
 
 
 def _block_logits(rows: torch.Tensor, w: torch.Tensor, output: nn.Module) -> torch.Tensor:
-    """float32 logits of a block of rows (summed over the output layer's input axis)."""
+    """float32 logits of rows against a block of the output layer's rows (summed over the
+    layer's input axis)."""
     if isinstance(output, Linear3D):
         engine = output.engine
         return engine.comm.all_reduce(engine.matmul("forward", rows, w),
@@ -209,12 +223,14 @@ def _block_logits(rows: torch.Tensor, w: torch.Tensor, output: nn.Module) -> tor
 
 
 class _OutputCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of h W^T, a block of rows at a time: neither pass holds
-    logits-sized tensors. Forward keeps h (which the output layer keeps anyway) and each row's
-    log-sum-exp; backward makes each block's logits again (one more GEMM, and one more
-    all-reduce over x where the output layer's input is split over it), turns them into their
-    gradient in place, and adds that block's share of dh and dW. Values are
-    _SoftmaxCrossEntropy's on the whole logits, row by row."""
+    """Per-token cross-entropy of h W^T, a block of the vocabulary at a time: neither pass
+    holds logits-sized tensors. Forward sums each row's exponentials block by block (a running
+    maximum rescales the sum, as in an online softmax) and keeps h (which the output layer
+    keeps anyway) and each row's log-sum-exp; backward makes each block's logits again (one
+    more GEMM, and one more all-reduce over x where the output layer's input is split over it),
+    turns them into their gradient in place, writes that block's rows of dW and adds its share
+    of dh. With a comm, the rows of W are this y-rank's vocabulary slice from vocab_start and
+    the row statistics are reduced over y once."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
@@ -226,34 +242,36 @@ class _OutputCrossEntropy(torch.autograd.Function):
             w = (engine.gather_weight(output, "forward", dtype) if engine is not None
                  else weight).to(dtype)
             rows = h.reshape(-1, h.shape[-1]).to(dtype)
+            n, vocab = rows.shape[0], w.shape[0]
             local = targets.reshape(-1) - vocab_start
-            owned = (local >= 0) & (local < w.shape[0])
+            owned = (local >= 0) & (local < vocab)
             local = local.masked_fill(~owned, 0)
-            loss = torch.empty(rows.shape[0], dtype=torch.float32, device=h.device)
-            lse = torch.empty_like(loss)
-            step = output_loss_rows(w.shape[0])
-            for a in range(0, rows.shape[0], step):
-                cut = slice(a, a + step)
-                lf = _block_logits(rows[cut], w, output)
-                shift = lf.amax(-1)
-                if comm is not None:
-                    shift = comm.all_reduce(shift, "y", op="max").wait()
-                target = (lf.gather(-1, local[cut].unsqueeze(-1)).squeeze(-1) - shift) \
-                    * owned[cut]
-                sum_exp = lf.sub_(shift.unsqueeze(-1)).exp_().sum(-1)
+            peak = torch.full((n,), -math.inf, dtype=torch.float32, device=h.device)
+            sum_exp = torch.zeros(n, dtype=torch.float32, device=h.device)
+            target = torch.zeros(n, dtype=torch.float32, device=h.device)
+            step = output_loss_columns(n)
+            for a in range(0, vocab, step):
+                lf = _block_logits(rows, w[a:a + step], output)  # (n, columns)
+                here = owned & (local >= a) & (local < a + lf.shape[1])
+                index = (local - a).clamp_(0, lf.shape[1] - 1).unsqueeze(-1)
+                target += lf.gather(-1, index).squeeze(-1) * here
+                new_peak = torch.maximum(peak, lf.amax(-1))
+                sum_exp.mul_(torch.exp(peak - new_peak))
+                sum_exp += lf.sub_(new_peak.unsqueeze(-1)).exp_().sum(-1)
+                peak = new_peak
                 del lf
-                if comm is not None:
-                    stats = comm.all_reduce(torch.stack([sum_exp, target]), "y").wait()
-                    sum_exp, target = stats[0], stats[1]
-                log_sum = torch.log(sum_exp)
-                loss[cut] = log_sum - target
-                lse[cut] = log_sum + shift
-        ctx.output, ctx.comm, ctx.dtype = output, comm, dtype
+            if comm is not None:
+                top = comm.all_reduce(peak.clone(), "y", op="max").wait()
+                sum_exp.mul_(torch.exp(peak - top))
+                stats = comm.all_reduce(torch.stack([sum_exp, target]), "y").wait()
+                sum_exp, target, peak = stats[0], stats[1], top
+            lse = peak + torch.log(sum_exp)
+            loss = lse - target
+        ctx.output, ctx.dtype = output, dtype
         ctx.kept_block = None
         if engine is not None and engine.is_last(output) and engine.comm.grid.size("z") > 1 \
                 and keeps_output_block(w.numel() * w.element_size(),
-                                       rows.shape[0] * w.shape[0] * w.element_size(),
-                                       rows.shape[0] * w.shape[0]):
+                                       n * vocab * w.element_size(), n * vocab):
             ctx.kept_block = w  # the same rule as the output layer's own (Linear3D)
         ctx.save_for_backward(h, weight if engine is None else None, lse, local, owned)
         return loss.view(targets.shape)
@@ -271,32 +289,36 @@ class _OutputCrossEntropy(torch.autograd.Function):
                  if engine is not None else weight).to(dtype)
             ctx.kept_block = None
             rows = h.reshape(-1, h.shape[-1]).to(dtype)
-            g = grad.reshape(-1).float()
-            grad_h = torch.empty(rows.shape, dtype=h.dtype, device=h.device) if need_h else None
-            dw = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if need_w else None
-            step = output_loss_rows(w.shape[0])
-            for a in range(0, rows.shape[0], step):
-                cut = slice(a, a + step)
-                d = _block_logits(rows[cut], w, output)
-                d.sub_(lse[cut].unsqueeze(-1)).exp_()  # the softmax over this rank's slice
-                d.scatter_add_(-1, local[cut].unsqueeze(-1),
-                               -owned[cut].to(d.dtype).unsqueeze(-1))
-                d = d.mul_(g[cut].unsqueeze(-1)).to(dtype)
-                if need_h:  # partial over y where the vocabulary is split: the fan-out sums
-                    grad_h[cut] = torch.matmul(d, w).to(h.dtype)  # type: ignore[index]
-                if need_w:
+            n, vocab = rows.shape[0], w.shape[0]
+            g = grad.reshape(-1, 1).float()
+            # dh sums over the blocks (float32); partial over y where the vocabulary is split
+            # there, which the fan-out that made h sums
+            grad_h = torch.zeros(rows.shape, dtype=torch.float32, device=h.device) \
+                if need_h else None
+            dw = torch.empty(w.shape, dtype=dtype, device=h.device) if need_w else None
+            step = output_loss_columns(n)
+            for a in range(0, vocab, step):
+                wb = w[a:a + step]
+                d = _block_logits(rows, wb, output)
+                d.sub_(lse.unsqueeze(-1)).exp_()  # the softmax's block
+                here = owned & (local >= a) & (local < a + d.shape[1])
+                index = (local - a).clamp_(0, d.shape[1] - 1).unsqueeze(-1)
+                d.scatter_add_(-1, index, -here.to(d.dtype).unsqueeze(-1))
+                d = d.mul_(g).to(dtype)
+                if grad_h is not None:
                     if dtype == torch.float32:
-                        dw.addmm_(d.t(), rows[cut])  # type: ignore[union-attr]
-                    else:  # a block-sized product in the compute dtype, summed in float32
-                        dw += torch.matmul(d.t(), rows[cut])  # type: ignore[operator]
+                        grad_h.addmm_(d, wb)
+                    else:
+                        grad_h += torch.matmul(d, wb)
+                if dw is not None:
+                    dw[a:a + step] = torch.matmul(d.t(), rows)
                 del d
-        grad_h = grad_h.view(h.shape) if grad_h is not None else None
+        grad_h = grad_h.to(h.dtype).view(h.shape) if grad_h is not None else None
         if engine is None:
             return grad_h, (dw.to(weight.dtype) if dw is not None else None), \
                 None, None, None, None
         if dw is not None:
-            block = dw if dtype == torch.float32 else dw.to(dtype)
-            engine.defer(lambda: engine.reduce_scatter_weight_grad(output.weight, block))
+            engine.defer(lambda: engine.reduce_scatter_weight_grad(output.weight, dw))
         return grad_h, None, None, None, None, None
 
 
@@ -314,7 +336,7 @@ def blocked_loss_applies(output: nn.Module) -> bool:
 
 class BlockedOutputLoss(nn.Module):
     """Per-token losses (b, T) from the last hidden states and the output layer, a block of
-    rows at a time (parallel.output_loss, see uses_blocked_loss): with `comm`, the output
+    the vocabulary at a time (parallel.output_loss, see uses_blocked_loss): with `comm`, the output
     layer's rows are this y-rank's vocabulary slice from `vocab_start`. An output layer it
     cannot take (blocked_loss_applies) gets `whole`, the loss over its whole logits."""
 

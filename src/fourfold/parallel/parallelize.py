@@ -249,8 +249,8 @@ def overlap_options(cfg: ParallelConfig | None) -> OverlapOptions:
                           forward_split=cfg.overlap_forward)
 
 
-def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = None
-                ) -> ParallelModel:
+def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = None, *,
+                optimizer: str = "adamw") -> ParallelModel:
     """Parallelize `model` over `grid`: a model with its full weights, the same on every rank,
     or one declared on the meta device (`build_model(cfg, seed, device="meta")`), of which
     each rank materialises only its own shards, on grid.device, with the values a one-process
@@ -258,7 +258,8 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
 
     Modules are replaced in place. On a one-process grid with GEMM tuning off (the default)
     the model is left as it is; with tuning on its linears become fourfold's own, whose GEMMs
-    the tuner chooses.
+    the tuner chooses. `optimizer` (train.optimizer) decides parallel.output_loss = "auto"
+    (embedding.uses_blocked_loss).
     """
     comm = Comm(grid)
     options = overlap_options(config)
@@ -269,7 +270,7 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
     if grid.world_size == 1 and not options.gemm_tuning:
         pmodel = ParallelModel(model, grid, comm, None, None)
         materialize(model, pmodel.layouts(), grid)
-        _set_output_loss(model, output_loss, grid, None, 0)
+        _set_output_loss(model, uses_blocked_loss(output_loss, 1, optimizer), None, 0)
         return pmodel
     engine = Engine(comm, options)
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
@@ -284,17 +285,18 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
     if vocab_start is None or not hasattr(model, "criterion"):
         return pmodel
     model.criterion = pmodel.criterion  # the model's own loss path uses the split vocabulary too
-    _set_output_loss(model, output_loss, grid, comm if grid.size("y") > 1 else None, vocab_start)
+    _set_output_loss(model, uses_blocked_loss(output_loss, grid.size("x"), optimizer),
+                     comm if grid.size("y") > 1 else None, vocab_start)
     return pmodel
 
 
-def _set_output_loss(model: nn.Module, mode: str, grid: Grid, comm: Comm | None,
+def _set_output_loss(model: nn.Module, blocked: bool, comm: Comm | None,
                      vocab_start: int) -> None:
     """Give a fourfold model the blocked output layer and loss where parallel.output_loss
-    asks for it (embedding.uses_blocked_loss) and its output layer allows it."""
+    asks for it (`blocked`) and its output layer allows it."""
     if not hasattr(model, "output_loss") or not hasattr(model, "output"):
         return
-    blocked = uses_blocked_loss(mode, grid.size("x")) and blocked_loss_applies(model.output)
+    blocked = blocked and blocked_loss_applies(model.output)
     model.output_loss = BlockedOutputLoss(comm, vocab_start, model.criterion) if blocked else None
 
 

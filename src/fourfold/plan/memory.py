@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fourfold.config import ModelConfig
-from fourfold.parallel.embedding import (NO_GRAD_LOSS_BLOCK_ELEMENTS, output_loss_rows,
+from fourfold.parallel.embedding import (NO_GRAD_LOSS_BLOCK_ELEMENTS, output_loss_columns,
                                          uses_blocked_loss)
 from fourfold.parallel.grid import GridShape
 from fourfold.plan.errors import PlanError
@@ -181,18 +181,15 @@ def logits_bytes(model: ModelConfig, shape: GridShape, tokens: int, precision: P
                  output_loss: str = "auto") -> int:
     """The output layer's and the loss's transients: the logits (this rank's vocabulary slice)
     in the compute dtype and the loss's float32 workspace over them; with the blocked loss
-    (parallel/embedding.py) one block of rows of them (and, below float32, its copy in the
-    compute dtype, and the block-sized dW product beside a float32 sum), plus two floats a
-    token kept for backward."""
+    (parallel/embedding.py; `output_loss` as the run resolves it, embedding.resolve_output_loss:
+    "auto" here is AdamW's) one block of columns of them in float32 (below float32 also its
+    two copies in the compute dtype), plus two floats a token kept for backward."""
     width = model.vocab_size // shape.y
     act = precision.act_bytes
     if not uses_blocked_loss(output_loss, shape.x):
         return tokens * width * (act + 4)
-    rows = min(tokens, output_loss_rows(width))
-    low = act < 4
-    vocab_block = model.vocab_size * model.dim // (shape.x * shape.y)
-    return (rows * width * (4 + (2 * act if low else 0)) + 8 * tokens
-            + (vocab_block * (act + 4) if low else 0))
+    columns = min(width, output_loss_columns(tokens))
+    return tokens * columns * (4 + (2 * act if act < 4 else 0)) + 8 * tokens
 
 
 def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from fourfold.config import CHOICES, PRESETS, ModelConfig, model_config
 from fourfold.intmath import divisors
+from fourfold.parallel.embedding import resolve_output_loss
 from fourfold.parallel.grid import AXES, RANK_ORDER, GridShape
 from fourfold.plan.errors import PlanError
 from fourfold.plan.machines import GIB, Machine
@@ -204,10 +205,13 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
     # time model (which splits its batch over data and z) is given `copies` times the batch and
     # its throughput figures are divided back to the job's real tokens.
     copies = local_batch * shape.data * shape.z // global_batch
+    # parallel.output_loss at its default, as the method's run resolves it
+    loss_mode = resolve_output_loss("auto", shape.x,
+                                    train.optimizer if train is not None else "adamw")
 
     def step(accum: int, ac: bool, wire: Precision, split: Overlap) -> StepPrediction:
         p = predict_step(model, shape, global_batch * copies, seq_len, accum, ac, machine, wire,
-                         split)
+                         split, output_loss=loss_mode)
         if copies == 1:
             return p
         return dataclasses.replace(p, tokens_per_s=p.tokens_per_s / copies, mfu=p.mfu / copies,
@@ -223,9 +227,10 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
     smallest: tuple[int, bool, MemoryBreakdown] | None = None
     for ac in checkpointing:
         for micro in micro_options:  # largest first: bigger GEMMs, fewer repeated gathers
-            mem = predict_memory(model, shape, micro * seq_len, ac, precision)
+            mem = predict_memory(model, shape, micro * seq_len, ac, precision,
+                                 output_loss=loss_mode)
             if train is not None:
-                mem = predict_method_memory(mem, model, shape, train, precision)
+                mem = predict_method_memory(mem, model, shape, train, precision, loss_mode)
             if smallest is None or mem.total < smallest[2].total:
                 smallest = (micro, ac, mem)
             if mem.total <= usable:
@@ -384,7 +389,8 @@ def check_grid_fits(cfg: "Config", shape: GridShape, device: "torch.device",
                               Precision.of(t.dtype), bucket_bytes=int(p.bucket_mb * 2**20),
                               on_host=device.type == "cpu", writer=True,
                               async_checkpoint=cfg.checkpoint.is_async(device.type == "cpu")
-                              and cfg.checkpoint.every > 0, output_loss=p.output_loss)
+                              and cfg.checkpoint.every > 0,
+                              output_loss=resolve_output_loss(p.output_loss, s.x, t.optimizer))
 
     mem = need(shape)
     if mem.total <= capacity:

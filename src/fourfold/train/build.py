@@ -26,6 +26,7 @@ from fourfold.models.adapter import apply_adapter
 from fourfold.models.hf import HF_CONFIG_FILE, hf_model_config
 from fourfold.models.llama import Llama, build_model
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
+from fourfold.parallel.embedding import resolve_output_loss
 from fourfold.plan.errors import PlanError
 from fourfold.plan.memory import (GIB, MemoryBreakdown, Precision, predict_memory,
                                   predict_method_memory)
@@ -120,7 +121,7 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
         model.to(device)
     # Set before parallelize, which converts the layers in place and keeps the flag.
     model.activation_checkpointing = t.activation_checkpointing
-    pmodel = parallelize(model, grid, p)
+    pmodel = parallelize(model, grid, p, optimizer=cfg.train.optimizer)
     if init_from:
         from fourfold.models.hf import load_hf_into
 
@@ -156,11 +157,12 @@ def predicted_memory(cfg: Config, shape: GridShape, on_host: bool) -> MemoryBrea
     t, p = cfg.train, cfg.parallel
     precision = Precision.of(t.dtype)
     micro_tokens = t.batch_size // (shape.data * shape.z) // t.grad_accum * t.seq_len
+    output_loss = resolve_output_loss(p.output_loss, shape.x, t.optimizer)
     mem = predict_memory(cfg.model, shape, micro_tokens, t.activation_checkpointing, precision,
                          bucket_bytes=int(p.bucket_mb * 2**20), on_host=on_host, writer=True,
                          async_checkpoint=cfg.checkpoint.is_async(on_host)
-                         and cfg.checkpoint.every > 0, output_loss=p.output_loss)
-    return predict_method_memory(mem, cfg.model, shape, t, precision, p.output_loss)
+                         and cfg.checkpoint.every > 0, output_loss=output_loss)
+    return predict_method_memory(mem, cfg.model, shape, t, precision, output_loss)
 
 
 def check_method_fits(cfg: Config, shape: GridShape, on_host: bool, capacity: int) -> None:
