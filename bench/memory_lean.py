@@ -240,7 +240,7 @@ def predicted_bytes(model_cfg, train_cfg, tokens: int, shape, output_loss: str =
     from fourfold.plan.memory import Precision, predict_memory, predict_method_memory
 
     precision = Precision.of("float32")
-    output_loss = resolve_output_loss(output_loss, shape.x, train_cfg.optimizer)
+    output_loss = resolve_output_loss(output_loss, train_cfg.optimizer)
     mem = predict_memory(model_cfg, shape, tokens, True, precision, on_host=True,
                          output_loss=output_loss)
     return predict_method_memory(mem, model_cfg, shape, train_cfg, precision,

@@ -642,7 +642,7 @@ def test_planner_counts_the_methods_transients() -> None:
                                    output_loss="whole")
         assert zo.logits == 4 * (64 * logits + NO_GRAD_LOSS_BLOCK_ELEMENTS) < big.logits
         # the output layer and the loss in blocks of the vocabulary (parallel.output_loss
-        # "blocks"; "auto" for the lean methods where x = 1): one block of float32 logits and
+        # "blocks"; "auto" for the lean methods): one block of float32 logits and
         # two floats a token, with or without a backward
         columns = min(m // shape.y, output_loss_columns(256 * 64))
         blocked = predict_memory(mcfg, shape, 256 * 64, True, p, on_host=True,
@@ -651,12 +651,12 @@ def test_planner_counts_the_methods_transients() -> None:
         for name in ("mezo", "adamw", "lomo"):
             assert predict_method_memory(blocked, mcfg, shape, TrainConfig(optimizer=name), p,
                                          output_loss="blocks").logits == blocked.logits
-        # "auto": AdamW (and GaLore) keep whole logits; LOMO, MeZO take blocks where x = 1
+        # "auto": AdamW (and GaLore) keep whole logits; LOMO, MeZO take blocks
         assert predict_memory(mcfg, shape, 256 * 64, True, p, on_host=True).logits == \
             big.logits
         for name, lean in (("adamw", False), ("galore", False), ("lomo", True), ("mezo", True)):
-            mode = resolve_output_loss("auto", shape.x, name)
-            assert mode == ("blocks" if lean and shape.x == 1 else "whole"), (name, shape)
+            mode = resolve_output_loss("auto", name)
+            assert mode == ("blocks" if lean else "whole"), name
 
 
 def test_preflight_check_uses_the_methods_memory() -> None:

@@ -172,7 +172,7 @@ def test_loss_without_backward_works_by_row_blocks_and_equals_the_loss_with_it()
 
 
 def test_blocked_output_loss_equals_the_loss_over_whole_logits() -> None:
-    """parallel.output_loss = "blocks" (the lean methods' default where x = 1): the output
+    """parallel.output_loss = "blocks" (what "auto" gives the lean methods): the output
     layer and the loss a block of the vocabulary at a time (several blocks here), the logits
     made again in backward. The losses and gradients equal the whole-logits loss's to float32
     rounding (the exponentials are summed block by block), the losses without backward equal

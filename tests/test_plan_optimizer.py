@@ -68,7 +68,7 @@ def test_candidate_memory_is_the_method_model(optimizer):
     assert result.optimizer == optimizer
     for c in result.candidates:
         # parallel.output_loss at its default, as a run of the method resolves it
-        loss = resolve_output_loss("auto", c.shape.x, optimizer)
+        loss = resolve_output_loss("auto", optimizer)
         base = predict_memory(model, c.shape, c.micro_batch * 512, c.activation_checkpointing,
                               precision, output_loss=loss)
         assert c.memory == predict_method_memory(base, model, c.shape, train, precision, loss)

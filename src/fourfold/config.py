@@ -149,8 +149,8 @@ class ParallelConfig:
     gemm_tuning: bool = False  # time the equivalent matmuls per GEMM shape once, keep the fastest
     reduce_dtype: str = "float32"  # float32 | bfloat16: dW reduce-scatter and data all-reduce
     overlap_forward: bool = False  # forward GEMMs in two token halves, all-reduce under GEMM
-    # auto | blocks | whole: the output layer and the loss a block of rows at a time, logits
-    # made again in backward ("auto": where x = 1, whose logits need no all-reduce)
+    # auto | blocks | whole: the output layer and the loss a block of the vocabulary at a time,
+    # logits made again in backward ("auto": blocks for lomo, adalomo, mezo, es, blockllm)
     output_loss: str = "auto"
     machine: str = "cpu"  # planner machine preset or MACHINE.toml, for parallel.auto
 

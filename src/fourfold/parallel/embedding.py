@@ -200,16 +200,17 @@ def output_loss_columns(tokens: int) -> int:
     return max(OUTPUT_LOSS_MIN_COLUMNS, NO_GRAD_LOSS_BLOCK_ELEMENTS // max(1, tokens))
 
 
-def uses_blocked_loss(mode: str, x: int, optimizer: str = "adamw") -> bool:
+def uses_blocked_loss(mode: str, optimizer: str = "adamw") -> bool:
     """parallel.output_loss: "blocks", or "auto" for a method whose peak holds the logits
-    (BLOCKED_LOSS_METHODS) where they need no all-reduce over x (x = 1: making them again in
-    backward is one GEMM; with x > 1 it is one more all-reduce of the logits' size too)."""
-    return mode == "blocks" or (mode == "auto" and x == 1 and optimizer in BLOCKED_LOSS_METHODS)
+    (BLOCKED_LOSS_METHODS). Its price: making the logits again in backward, one more GEMM of
+    the output layer, and where x > 1 one more all-reduce of the logits over x (a method
+    without backward, MeZO or ES, pays neither)."""
+    return mode == "blocks" or (mode == "auto" and optimizer in BLOCKED_LOSS_METHODS)
 
 
-def resolve_output_loss(mode: str, x: int, optimizer: str) -> str:
-    """parallel.output_loss as a run of `optimizer` with x = `x` uses it: blocks or whole."""
-    return "blocks" if uses_blocked_loss(mode, x, optimizer) else "whole"
+def resolve_output_loss(mode: str, optimizer: str) -> str:
+    """parallel.output_loss as a run of `optimizer` uses it: blocks or whole."""
+    return "blocks" if uses_blocked_loss(mode, optimizer) else "whole"
 
 
 def _block_logits(rows: torch.Tensor, w: torch.Tensor, output: nn.Module) -> torch.Tensor:

@@ -270,7 +270,7 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
     if grid.world_size == 1 and not options.gemm_tuning:
         pmodel = ParallelModel(model, grid, comm, None, None)
         materialize(model, pmodel.layouts(), grid)
-        _set_output_loss(model, uses_blocked_loss(output_loss, 1, optimizer), None, 0)
+        _set_output_loss(model, uses_blocked_loss(output_loss, optimizer), None, 0)
         return pmodel
     engine = Engine(comm, options)
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
@@ -285,7 +285,7 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
     if vocab_start is None or not hasattr(model, "criterion"):
         return pmodel
     model.criterion = pmodel.criterion  # the model's own loss path uses the split vocabulary too
-    _set_output_loss(model, uses_blocked_loss(output_loss, grid.size("x"), optimizer),
+    _set_output_loss(model, uses_blocked_loss(output_loss, optimizer),
                      comm if grid.size("y") > 1 else None, vocab_start)
     return pmodel
 

@@ -186,7 +186,7 @@ def logits_bytes(model: ModelConfig, shape: GridShape, tokens: int, precision: P
     two copies in the compute dtype), plus two floats a token kept for backward."""
     width = model.vocab_size // shape.y
     act = precision.act_bytes
-    if not uses_blocked_loss(output_loss, shape.x):
+    if not uses_blocked_loss(output_loss):
         return tokens * width * (act + 4)
     columns = min(width, output_loss_columns(tokens))
     return tokens * columns * (4 + (2 * act if act < 4 else 0)) + 8 * tokens
@@ -394,7 +394,7 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
         numel = breakdown.logits // (p.act_bytes + 4)
         logits = (numel * (p.act_bytes + (4 if p.act_bytes < 4 else 0))
                   + 4 * min(numel, NO_GRAD_LOSS_BLOCK_ELEMENTS))  # parallel/embedding.py
-        if uses_blocked_loss(output_loss, shape.x):  # one block of rows, as with backward
+        if uses_blocked_loss(output_loss):  # one block, as with backward
             logits = breakdown.logits
         out = dataclasses.replace(out, activations=0, comm_buffers=0, gathered_weights=gathered,
                                   logits=logits)

@@ -240,7 +240,7 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     n = global_batch // shards // grad_accum * seq_len  # tokens per rank per micro-step
     calibration = machine.calibration(world)
     rates = _rates(machine, precision.name, world, calibration)
-    blocked = uses_blocked_loss(output_loss, shape.x)
+    blocked = uses_blocked_loss(output_loss)
     comp = _compute_times(model, shape, n, seq_len, rates, precision, overlap.overlap_forward,
                           blocked)
     schedule = collective_schedule(model, shape, n, grad_accum, activation_checkpointing,

@@ -132,10 +132,10 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
       (`keeps_output_block`: the block is no larger than its logits and the loss's fp32
       workspace, D/Gx * weight_bytes <= n * (act_bytes + 4)).
     - vocabulary-parallel cross-entropy: forward all-reduce y of 3n fp32 values (12n bytes).
-    - the output layer and the loss in blocks of rows (parallel.output_loss, "auto" where
-      Gx = 1): the same bytes in a call per block (the output all-reduce is not split in
-      halves); where Gx > 1 backward makes the logits again: one more all-reduce x of the
-      output, exposed.
+    - the output layer and the loss in blocks of the vocabulary (parallel.output_loss =
+      "blocks", as a lean method resolves "auto"): the same bytes in a call per block (the
+      output all-reduce is not split in halves); backward makes the logits again: one more
+      all-reduce x of the output, exposed (this list is a step with backward).
     - overlap_forward: every GEMM-output all-reduce (the units above and the output layer)
       runs as two, over the token halves `split_rows(n)`.
     - activation checkpointing: each block's forward collectives (z all-gathers, output
@@ -217,7 +217,7 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
     # output layer (a normal linear, own gathers even when tied) and the loss
     vocab_local = _exact(v, gy, "model.vocab_size")
     add("z", "all_gather", vocab_block * weight_bytes, m, "fwd_gather")
-    if uses_blocked_loss(output_loss, gx):
+    if uses_blocked_loss(output_loss):
         add("x", "all_reduce", n * vocab_local * act_bytes, 2 * m, "fwd_output")
     else:
         output_reduce("x", vocab_local * act_bytes, m)

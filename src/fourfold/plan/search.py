@@ -206,7 +206,7 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
     # its throughput figures are divided back to the job's real tokens.
     copies = local_batch * shape.data * shape.z // global_batch
     # parallel.output_loss at its default, as the method's run resolves it
-    loss_mode = resolve_output_loss("auto", shape.x,
+    loss_mode = resolve_output_loss("auto",
                                     train.optimizer if train is not None else "adamw")
 
     def step(accum: int, ac: bool, wire: Precision, split: Overlap) -> StepPrediction:
@@ -390,7 +390,7 @@ def check_grid_fits(cfg: "Config", shape: GridShape, device: "torch.device",
                               on_host=device.type == "cpu", writer=True,
                               async_checkpoint=cfg.checkpoint.is_async(device.type == "cpu")
                               and cfg.checkpoint.every > 0,
-                              output_loss=resolve_output_loss(p.output_loss, s.x, t.optimizer))
+                              output_loss=resolve_output_loss(p.output_loss, t.optimizer))
 
     mem = need(shape)
     if mem.total <= capacity:

@@ -157,7 +157,7 @@ def predicted_memory(cfg: Config, shape: GridShape, on_host: bool) -> MemoryBrea
     t, p = cfg.train, cfg.parallel
     precision = Precision.of(t.dtype)
     micro_tokens = t.batch_size // (shape.data * shape.z) // t.grad_accum * t.seq_len
-    output_loss = resolve_output_loss(p.output_loss, shape.x, t.optimizer)
+    output_loss = resolve_output_loss(p.output_loss, t.optimizer)
     mem = predict_memory(cfg.model, shape, micro_tokens, t.activation_checkpointing, precision,
                          bucket_bytes=int(p.bucket_mb * 2**20), on_host=on_host, writer=True,
                          async_checkpoint=cfg.checkpoint.is_async(on_host)
