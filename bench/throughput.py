@@ -13,9 +13,10 @@ The same model shapes are trained three ways, in float32 and in bfloat16 (autoca
 - fourfold+gemm (not in the default set): fourfold with parallel.gemm_tuning = true (each
             linear's GEMMs tuned once per shape: matmul layouts, and oneDNN beside MKL);
 - fourfold+compile+gemm (not in the default set): both;
-- fourfold+whole (not in the default set): fourfold with parallel.output_loss = "whole" (the
-            logits made whole, as before the blocked loss, which is one process's default and
-            makes them again in backward);
+- fourfold+blocks (not in the default set): fourfold with parallel.output_loss = "blocks"
+            (the output layer and the loss a block of the vocabulary at a time, the logits
+            made again in backward: what "auto" gives the memory-lean methods; AdamW's
+            default keeps whole logits);
 - plain+compile (not in the default set): the plain loop with its model under torch.compile.
 
 Each runs in its own process, as its user would run it: fourfold's Trainer tunes malloc for
@@ -65,7 +66,7 @@ SHAPES: dict[str, tuple[ModelConfig, int, int]] = {
                          vocab_size=32000, max_seq_len=512), 512, 2),
 }
 IMPLEMENTATIONS = ("fourfold", "fourfold+compile", "fourfold+gemm", "fourfold+compile+gemm",
-                   "fourfold+whole", "plain", "plain+compile", "hf")
+                   "fourfold+blocks", "plain", "plain+compile", "hf")
 DEFAULT_IMPLEMENTATIONS = ("fourfold", "plain", "hf")
 DTYPES = ("float32", "bfloat16")
 LR = 3e-4
@@ -226,7 +227,7 @@ def build_step(impl: str, c: ModelConfig, seq: int, batch: int, dtype: str,
                                  "data.path=builtin:stdlib", "data.tokenizer=byte",
                                  f"train.compile={'+compile' in impl}",
                                  f"parallel.gemm_tuning={'+gemm' in impl}",
-                                 f"parallel.output_loss={'whole' if '+whole' in impl else 'auto'}"])
+                                 f"parallel.output_loss={'blocks' if '+blocks' in impl else 'auto'}"])
         trainer = Trainer(cfg, run_dir, progress=False)
         return (lambda: trainer.train_step() and None), trainer.pmodel.module.num_params()
     if impl in ("plain", "plain+compile"):
