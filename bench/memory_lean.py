@@ -15,35 +15,26 @@ its cost).
 
     python bench/memory_lean.py [--preset small] [--steps 4] [--batch 2] [--seq 128]
         [--grid 2x2 [--grid-only]] [--tuned-malloc] [--phases] [--set METHOD:train.KEY=VALUE]
+        [--output-loss auto|blocks|whole]
 
 --grid XxY: the same methods on x * y gloo ranks (torchrun, data = z = 1), per rank, beside
 the one-process ratios. --tuned-malloc: glibc tuned as `fourfold train` tunes CPU runs (and
 ranks); without it freed blocks that glibc keeps read as resident memory (up to ~200 MiB on
 125m, more on gloo ranks, which get an arena per thread), which the planner does not model.
-Measured 125m, --steps 3 --tuned-malloc (MiB above the import, ratio to AdamW, planner error),
-one process / 2x2 per rank (a loaded machine: tokens/s are rough):
+--output-loss: parallel.output_loss of every run (auto: blocks for lomo, adalomo, mezo, es and
+blockllm, whole logits for adamw and galore).
+Measured 125m, --steps 4 --tuned-malloc --grid 2x2 (MiB above the import, ratio to AdamW,
+planner error), one process / 2x2 per rank, stop 29 (README has the figures from before the
+blocked loss and what GaLore's ranks hold):
 
     method     one process              2x2 per rank                       2x2 - one process
-    adamw      2,259  1.00  -2.8%       577-581  1.00       +3.8%
-    mezo         679  0.30  -4.4%       192-196  0.33-0.34  +1.6%          +0.03..+0.04
-    es           679  0.30  -4.4%       192-195  0.33-0.34  +1.6%          +0.03..+0.04
-    lomo         881  0.39  -14.3%      241-245  0.41-0.42  -2.4%          +0.02..+0.03
-    adalomo      881  0.39  -14.2%      245-251  0.42-0.43  -4.4%          +0.03..+0.04
-    blockllm     969  0.43  -6.2%       260-269  0.45-0.47  +6.8%          +0.02..+0.04
-    galore     1,186  0.53  +0.1%       346-348  0.60       +0.4%          +0.07..+0.08
-    What does not split four ways: the runtime (about 40 MiB a rank: 0.018 of AdamW on one
-    process, 0.07 on 2x2, so every lean method's grid ratio sits about 0.03-0.04 above its
-    one-process one on that alone), the y-split logits, and GaLore's float64 Gram of a matrix's
-    small side (4 s^2 doubles on every rank at a refresh) and its r-rank temporaries. MeZO and
-    ES read 232-248 MiB on 2x2 before the noise was made in 1 MiB row blocks (4 MiB before:
-    several such temporaries live at once). GaLore's row is a later run (--methods adamw
-    galore; its AdamW 2,252 MiB, 575-579 on 2x2) with each gradient projected at its hand-off
-    and freed (1,491-1,613 MiB, 409-475 a rank while full gradients lived until the update):
-    the more a method saves, the more of what is left does not split. LOMO and AdaLomo
-    on one process: the heap in use peaks at 681 MiB (--phases; the planner's tensors 715),
-    RSS ~120 MiB above it: freed gradient blocks the heap cannot reuse, not modelled.
-    BlockLLM's row is from a later run (rows, not whole tensors, as blocks; --methods adamw
-    blockllm), against that run's AdamW: 2,274 MiB one process, 573-583 MiB on 2x2.
+    adamw      2,257  1.00  -2.7%       580-599  1.00       +3.4%
+    lomo         778  0.34  -4.5%       210-227  0.36-0.39  +4.0%          +0.05
+    adalomo      783  0.35  -5.0%       223-231  0.37-0.40  -5.0%          +0.05
+    mezo         624  0.28  +4.1%       173-176  0.29-0.30  +12.6%         +0.03
+    es           626  0.28  +3.7%       177-184  0.30-0.32  +10.2%         +0.04
+    blockllm     929  0.41  -3.4%       253-260  0.43-0.44  +1.5%          +0.03
+    galore     1,171  0.52  +1.4%       347-360  0.58-0.62  -3.3%          +0.10
 
 The issue's table uses --preset 125m (about 2 GiB with AdamW); keep to small presets on a
 shared machine.
