@@ -214,6 +214,19 @@ def test_blocked_output_loss_equals_the_loss_over_whole_logits() -> None:
         expected = CrossEntropy()(model.output(model.norm(_hidden(model, tokens[:, :-1]))),
                                   tokens[:, 1:])
     assert torch.equal(hooked.detach(), expected) and not torch.equal(hooked.detach(), blocks)
+    # bfloat16 autocast: the blocks' GEMMs in bfloat16, their sums in float32, as whole
+    # logits' are (their values differ by bfloat16 rounding of the logits)
+    bf16 = {}
+    for mode in ("whole", "blocks"):
+        model = build_model(cfg, seed=0)
+        pmodel = parallelize(model, Grid.single(), ParallelConfig(output_loss=mode))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = pmodel(tokens[:, :-1], tokens[:, 1:])
+        (loss * weights).sum().backward()
+        bf16[mode] = (loss.detach().float(), model.output.weight.grad)
+    assert (bf16["blocks"][0] - bf16["whole"][0]).abs().max() <= 2e-2 * whole.abs().max()
+    assert (bf16["blocks"][1] - bf16["whole"][1]).abs().max() <= 2e-2 * \
+        bf16["whole"][1].abs().max()
     with pytest.raises(ConfigError, match="parallel.output_loss = 'rows': choose one of "
                        "auto, blocks, whole"):
         parallelize(build_model(cfg, seed=0), Grid.single(), ParallelConfig(output_loss="rows"))
