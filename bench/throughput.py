@@ -227,7 +227,8 @@ def build_step(impl: str, c: ModelConfig, seq: int, batch: int, dtype: str,
                                  "data.path=builtin:stdlib", "data.tokenizer=byte",
                                  f"train.compile={'+compile' in impl}",
                                  f"parallel.gemm_tuning={'+gemm' in impl}",
-                                 f"parallel.output_loss={'blocks' if '+blocks' in impl else 'auto'}"])
+                                 "parallel.output_loss="
+                                 + ("blocks" if "+blocks" in impl else "auto")])
         trainer = Trainer(cfg, run_dir, progress=False)
         return (lambda: trainer.train_step() and None), trainer.pmodel.module.num_params()
     if impl in ("plain", "plain+compile"):

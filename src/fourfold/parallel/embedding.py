@@ -337,9 +337,9 @@ def blocked_loss_applies(output: nn.Module) -> bool:
 
 class BlockedOutputLoss(nn.Module):
     """Per-token losses (b, T) from the last hidden states and the output layer, a block of
-    the vocabulary at a time (parallel.output_loss, see uses_blocked_loss): with `comm`, the output
-    layer's rows are this y-rank's vocabulary slice from `vocab_start`. An output layer it
-    cannot take (blocked_loss_applies) gets `whole`, the loss over its whole logits."""
+    the vocabulary at a time (parallel.output_loss, see uses_blocked_loss): with `comm`, the
+    output layer's rows are this y-rank's vocabulary slice from `vocab_start`. An output layer
+    it cannot take (blocked_loss_applies) gets `whole`, the loss over its whole logits."""
 
     def __init__(self, comm: Comm | None, vocab_start: int, whole: nn.Module) -> None:
         super().__init__()
