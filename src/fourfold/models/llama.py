@@ -235,7 +235,7 @@ class Llama(nn.Module):
             self.output.weight = self.embed.weight
         self.criterion = CrossEntropy()
         # set by parallelize (parallel.output_loss): the output layer and the loss together,
-        # a block of rows at a time, never whole logits
+        # a block of the vocabulary at a time, never whole logits
         self.output_loss: nn.Module | None = None
         self.activation_checkpointing = False
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)

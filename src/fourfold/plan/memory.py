@@ -203,9 +203,9 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     `on_host`: the rank computes in host memory (a CPU run), so that the host-side parts count:
     the export writer's (`writer`) full copy of each tensor in turn, and the snapshot an
     asynchronous checkpoint copies the shards into while training goes on, and the runtime's
-    own growth (HOST_RUNTIME_BYTES). `output_loss`: parallel.output_loss (the logits whole, or
-    a block of rows at a time). Each term and the measurement it rests on: see the module
-    docstring."""
+    own growth (HOST_RUNTIME_BYTES). `output_loss`: parallel.output_loss as the run resolves
+    it (the logits whole, or a block of the vocabulary at a time). Each term and the
+    measurement it rests on: see the module docstring."""
     gx, gy = shape.x, shape.y
     states = predict_param_memory(model, shape, precision)
     n = micro_batch_tokens
