@@ -187,7 +187,6 @@ class CrossEntropy(nn.Module):
 # NO_GRAD_LOSS_BLOCK_ELEMENTS logits, and at least this many columns (narrower GEMMs run far
 # below a GPU's peak)
 OUTPUT_LOSS_MIN_COLUMNS = 1024
-OUTPUT_LOSS_MODES = ("auto", "blocks", "whole")
 # the training methods whose peak holds the logits (a backward that starts at the output layer
 # with little else alive, or a forward without backward): "auto" gives them the blocked loss.
 # AdamW's and GaLore's peaks come later, with the gradients (GaLore's R), where the blocked

@@ -16,12 +16,12 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from fourfold.config import ConfigError, ParallelConfig
+from fourfold.config import CHOICES, ConfigError, ParallelConfig
 from fourfold.intmath import divisors
 from fourfold.parallel.comm import Comm, CommLedger
-from fourfold.parallel.embedding import (OUTPUT_LOSS_MODES, BlockedOutputLoss, CrossEntropy,
-                                         ParallelEmbedding, VocabParallelCrossEntropy,
-                                         blocked_loss_applies, uses_blocked_loss)
+from fourfold.parallel.embedding import (BlockedOutputLoss, CrossEntropy, ParallelEmbedding,
+                                         VocabParallelCrossEntropy, blocked_loss_applies,
+                                         uses_blocked_loss)
 from fourfold.parallel.engine import Engine, OverlapOptions
 from fourfold.parallel.grid import Grid, GridError
 from fourfold.parallel.layout import REPLICATED, Layout
@@ -264,9 +264,10 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
     comm = Comm(grid)
     options = overlap_options(config)
     output_loss = config.output_loss if config is not None else "auto"
-    if output_loss not in OUTPUT_LOSS_MODES:
+    modes = CHOICES[("parallel", "output_loss")]  # what a config file may say, checked there too
+    if output_loss not in modes:
         raise ConfigError(f"parallel.output_loss = {output_loss!r}: choose one of "
-                          f"{', '.join(OUTPUT_LOSS_MODES)}")
+                          f"{', '.join(modes)}")
     if grid.world_size == 1 and not options.gemm_tuning:
         pmodel = ParallelModel(model, grid, comm, None, None)
         materialize(model, pmodel.layouts(), grid)

@@ -391,10 +391,11 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
         # embedding.py works a loss without backward block by block). Before the blocks:
         # bench/memory_lean.py --phases, 125m, 256 tokens read 96 MiB in use above the
         # weights, 3 x the 31 MiB of logits
-        numel = breakdown.logits // (p.act_bytes + 4)
-        logits = (numel * (p.act_bytes + (4 if p.act_bytes < 4 else 0))
-                  + 4 * min(numel, NO_GRAD_LOSS_BLOCK_ELEMENTS))  # parallel/embedding.py
-        if uses_blocked_loss(output_loss):  # one block, as with backward
+        if not uses_blocked_loss(output_loss):
+            numel = breakdown.logits // (p.act_bytes + 4)
+            logits = (numel * (p.act_bytes + (4 if p.act_bytes < 4 else 0))
+                      + 4 * min(numel, NO_GRAD_LOSS_BLOCK_ELEMENTS))  # parallel/embedding.py
+        else:  # the blocked loss: one block of the vocabulary, as with backward
             logits = breakdown.logits
         out = dataclasses.replace(out, activations=0, comm_buffers=0, gathered_weights=gathered,
                                   logits=logits)
