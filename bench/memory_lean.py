@@ -313,14 +313,17 @@ def print_phases(rows: dict) -> None:
 
 
 def main() -> None:
+    from fourfold.config import CHOICES
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--population", type=int, default=4, help="ES members per step")
-    ap.add_argument("--output-loss", default="auto", choices=("auto", "blocks", "whole"),
-                    help="parallel.output_loss of every run (auto: blocks where x = 1)")
+    ap.add_argument("--output-loss", default="auto", choices=CHOICES[("parallel", "output_loss")],
+                    help="parallel.output_loss of every run (auto: blocks for lomo, adalomo, "
+                    "mezo, es and blockllm, whole logits for adamw and galore)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--grid", default=None, metavar="XxY",
                     help="also run every method on x * y gloo ranks (data = z = 1), per rank")

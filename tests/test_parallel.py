@@ -34,19 +34,19 @@ BATCH, SEQ, STEPS = 8, 16, 3  # as in parallel_worker.py
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 
+# the blocked output layer and loss (tied: its dW joins the embedding's)
+BLOCKS_VARIANT = {"loss": "blocks", "tie": True, "accum": 2}
 VARIANTS = [{}, {"bias": True, "tie": True}, {"accum": 2, "ckpt": True},
             {"overlap": False, "bias": True}, {"opt": "adamw"},
             {"hf": True, "bias": True}, {"generic": True}, {"goldfish": True, "accum": 2},
             {"bf16": True, "reduce": "bfloat16"}, {"split": True, "bias": True},
-            {"loss": "blocks", "tie": True, "accum": 2}]
+            BLOCKS_VARIANT]
 # not exact, so bounded: bfloat16 autocast against one process under the same autocast, and
 # float32 training with bfloat16 gradient reductions against float32 (measured: see README)
 LOW_PRECISION_LOSS_DRIFT = {"bf16": 2e-2, "reduce": 1e-3}
 LOW_PRECISION_VARIANTS = [{"bf16": True, "ckpt": True, "accum": 2}, {"reduce": "bfloat16"}]
 # parallel.overlap_forward (each forward GEMM in two token halves), with checkpointing
 SPLIT_VARIANT = {"split": True, "ckpt": True, "accum": 2}
-# the blocked output layer and loss (tied: its dW joins the embedding's)
-BLOCKS_VARIANT = {"loss": "blocks", "tie": True, "accum": 2}
 
 GRIDS = {  # (data, z, y, x)
     2: [[1, 1, 1, 2], [1, 1, 2, 1], [1, 2, 1, 1], [2, 1, 1, 1]],
