@@ -105,6 +105,10 @@ def test_noise_of_a_shard_is_its_part_of_the_full_tensors_noise() -> None:
     parts = torch.cat([shard.sample(a, b, key) for a, b in shard.chunks()])
     assert torch.equal(parts, full[32:48, 24:48])
     assert abs(float(full.mean())) < 0.1 and abs(float(full.std()) - 1) < 0.05
+    # a GPU makes bigger chunks (launches, not bytes, cost there): the same values
+    from fourfold.train.methods.noise import chunk_elements
+
+    assert chunk_elements(torch.device("cuda")) > chunk_elements(cpu)
 
 
 def test_optimizer_keys_are_checked() -> None:

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from fourfold.config import ModelConfig, model_config
+from fourfold.config import ModelConfig, TrainConfig, model_config
 from fourfold.models.llama import build_model
 from fourfold.parallel.grid import GridShape
 from fourfold.plan import (Overlap, PlanError, Precision, choose_grid, grid_shapes, load_machine,
                            plan, predict_comm_bytes, predict_param_memory, predict_step)
 from fourfold.plan.cli import plan_main
-from fourfold.plan.schedule import collective_schedule
+from fourfold.plan.schedule import collective_schedule, local_param_numel
 
 TINY = ModelConfig(preset="custom", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
                    vocab_size=96, max_seq_len=64)
@@ -641,6 +641,18 @@ def test_cpu_probe_times_compute_by_each_rank_and_feeds_the_calibration():
     # (backward is at least a forward's cost, should a busy host have squeezed it)
     assert slower_attention.compute_s - fast.compute_s == pytest.approx(
         9 * units * (fwd + max(both - fwd, fwd)), rel=1e-6)
+    # mezo's noise: the generator's probed time per element is what a step's four passes cost
+    assert 0 < probe["noise_s_per_element"] < 1e-6
+    assert cal.noise_s_per_element == probe["noise_s_per_element"]
+    doubled = machines.calibration_from_probe(
+        {**probe, "noise_s_per_element": 2 * probe["noise_s_per_element"]}, 2, 2,
+        cpu.gpus_per_node, cpu.device.gemm_half_dim)
+    mezo = TrainConfig(optimizer="mezo")
+    noisy = [predict_step(*args, cpu.calibrated(c), Precision.of("float32"), train=mezo)
+             for c in (cal, doubled)]
+    numel = sum(local_param_numel(TINY, GridShape(data=2)).values())
+    assert noisy[1].compute_s - noisy[0].compute_s == pytest.approx(
+        4 * numel * probe["noise_s_per_element"], rel=1e-6)
     with pytest.raises(PlanError, match="not probed"):
         load_machine("perlmutter").calibrated(cal)
 

@@ -66,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-forward", choices=("auto", "on", "off"), default="off",
                    help="parallel.overlap_forward: forward GEMMs in two token halves, one "
                    "half's output all-reduce under the other's GEMM (auto: the faster per grid)")
-    p.add_argument("--optimizer", help="train.optimizer whose gradients and state the memory "
-                   "column counts: " + ", ".join(OPTIMIZERS) + " (default: the config's "
-                   "train.optimizer, else adamw); the step time stays AdamW's")
+    p.add_argument("--optimizer", help="train.optimizer whose step, gradients and state the "
+                   "time and memory columns model: " + ", ".join(OPTIMIZERS) + " (default: the "
+                   "config's train.optimizer, else adamw)")
     p.add_argument("--top", type=int, default=10, help="rows to show (0: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--compute", type=_positive_number, help="training FLOPs for a scaling-law "
@@ -213,7 +213,7 @@ def plan_json(result: Plan, top: int, model_name: str | None = None) -> dict:
         "seq_len": result.seq_len, "dtype": result.precision.name,
         "ranked_by": "step_s (equivalently mfu: model FLOPs; hfu adds the recomputed forward)",
         "optimizer": result.optimizer,
-        "step_time_method_specific": result.time_note is None,
+        "step_time_method_specific": True,
         "step_time_note": result.time_note or "AdamW's forward, backward and communication",
         "configurations": [c.to_json() for c in rows],
         "rejected": [{"grid": {a: getattr(s, a) for a in RANK_ORDER},

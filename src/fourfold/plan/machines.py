@@ -674,6 +674,18 @@ def measure_host_costs(groups: dict[int, Any]) -> dict[str, Any]:
     gate, up = torch.randn(2 * 1024 * 1024), torch.randn(2 * 1024 * 1024)
     out["elementwise_bytes_per_s"] = 3 * gate.numel() * 4 * _calls_per_second(
         lambda: torch.nn.functional.silu(gate) * up)
+    # the seeded noise mezo and es perturb the weights with, added into a weight: its integer
+    # hash and Box-Muller are ~45 element-wise ops on int32 and float32, whose CPU speed does
+    # not follow silu's (measured here at 1 and 2 threads: 30 to 210 silu-bytes an element),
+    # so the probe times the generator itself (imported here only: the planner never imports
+    # the trainer otherwise)
+    from fourfold.train.methods.noise import CHUNK_ELEMENTS, ShardNoise
+
+    rows = CHUNK_ELEMENTS // 256
+    weight = torch.zeros(rows, 256)
+    noise = ShardNoise((rows, 256), (rows, 256), (0, 0), torch.device("cpu"))
+    out["noise_s_per_element"] = 1 / weight.numel() / _calls_per_second(
+        lambda: weight.add_(noise.sample(0, rows, 1).mul_(1e-3)))
     # the loss over the logits, forward and backward (log-softmax: exps, several passes)
     logits = torch.randn(512, 4096, requires_grad=True)
     targets = torch.randint(0, 4096, (512,))
@@ -826,6 +838,7 @@ class HostCalibration:
     # causal attention per sequence x head x seq^2 x head_dim (0: at the GEMM rate)
     attention_forward_s_per_unit: float = 0.0
     attention_s_per_unit: float = 0.0  # forward + backward
+    noise_s_per_element: float = 0.0  # mezo / es: seeded noise added into a weight (0: unprobed)
 
     def collective_seconds(self, op: str, group_size: int, nbytes: float) -> float:
         fit = self.collective_fit[0][1]
@@ -874,7 +887,8 @@ def calibration_from_probe(probe: dict[str, Any], world: int, probed: int, cores
                            loss_s_per_logit=probe.get("loss_s_per_logit", 0.0) * scale,
                            attention_forward_s_per_unit=probe.get(
                                "attention_forward_s_per_unit", 0.0) * scale,
-                           attention_s_per_unit=probe.get("attention_s_per_unit", 0.0) * scale)
+                           attention_s_per_unit=probe.get("attention_s_per_unit", 0.0) * scale,
+                           noise_s_per_element=probe.get("noise_s_per_element", 0.0) * scale)
 
 
 def machine_for_torch_device(device: Any, refresh: bool = False) -> Machine | None:

@@ -251,7 +251,7 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
 # ---- per training method (train.optimizer): kept apart from the rank model above ---------------
 
 
-def _local_matrices(model: ModelConfig, shape: GridShape) -> list[tuple[int, int, int, int]]:
+def local_matrices(model: ModelConfig, shape: GridShape) -> list[tuple[int, int, int, int]]:
     """(full rows, full cols, local rows, local cols) of every weight matrix on a rank, as the
     engine lays them out: W[out, in] with out split over (y, z) and in over x (a transposed
     layer swaps x and y); the embedding and output layer as a normal layer."""
@@ -291,7 +291,7 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
     plain AdamW."""
     p = precision or Precision.of("float32")
     numel = sum(local_param_numel(model, shape).values())
-    matrices = _local_matrices(model, shape)
+    matrices = local_matrices(model, shape)
     vectors = numel - sum(rl * cl for _, _, rl, cl in matrices)
     state_bytes = p.optimizer_bytes // 2  # one float32 state tensor per element
     name = train.optimizer
@@ -348,7 +348,7 @@ def galore_update_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfi
     The refresh's is the larger but for tiny matrices; it does not shrink with the grid
     (4 s^2 float64 on every rank: 128 MiB at s = 2048)."""
     worst = 0
-    for m, n, rl, cl in _local_matrices(model, shape):
+    for m, n, rl, cl in local_matrices(model, shape):
         s, r = min(m, n), galore_rank((m, n), train.galore_rank)
         width = min(max(1, GALORE_CHUNK_BYTES // (4 * s)), cl if m < n else rl)
         refresh = max(8 * s * s + 12 * s * width, 32 * s * s)

@@ -24,13 +24,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from fourfold.config import ModelConfig
+from fourfold.config import ModelConfig, TrainConfig
 from fourfold.models.llama import flops_per_token
 from fourfold.parallel.embedding import uses_blocked_loss
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.parallel.linear import split_rows
 from fourfold.plan.machines import HostCalibration, Machine, ring_volume
-from fourfold.plan.memory import Precision
+from fourfold.plan.memory import Precision, galore_rank, local_matrices
 from fourfold.plan.schedule import Collective, block_linears, collective_schedule, local_param_numel
 
 
@@ -89,6 +89,7 @@ class _Rates:
     # (probed on the cpu machine; 0 elsewhere: flash attention at the GEMM rate)
     attention_forward_s_per_unit: float = 0.0
     attention_s_per_unit: float = 0.0
+    noise_s_per_element: float = 0.0  # mezo / es noise, probed on the cpu machine (0: modelled)
 
 
 def _rates(machine: Machine, dtype: str, world_size: int,
@@ -100,7 +101,8 @@ def _rates(machine: Machine, dtype: str, world_size: int,
         return _Rates(calibration.flops_per_rank, copy, calibration.op_overhead_s,
                       dev.gemm_half_dim, calibration.elementwise_bytes_per_s or copy,
                       calibration.loss_s_per_logit or _LOSS_PASS_BYTES / copy,
-                      calibration.attention_forward_s_per_unit, calibration.attention_s_per_unit)
+                      calibration.attention_forward_s_per_unit, calibration.attention_s_per_unit,
+                      calibration.noise_s_per_element)
     hbm = machine.hbm_bytes_per_s_per_rank(world_size)
     # on a GPU element-wise kernels and the loss are bound by memory bandwidth
     return _Rates(machine.peak_flops_per_rank(dtype, world_size) * dev.gemm_efficiency, hbm,
@@ -229,12 +231,107 @@ def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, r
                     forward_gemm=L * fwd + out_fwd, recompute_gemm=L * fwd)
 
 
+# MeZO's and ES's seeded noise (train/methods/noise.py) is made in chunks by about
+# NOISE_OPS_PER_CHUNK element-wise ops (the int32 hash of each coordinate, Box-Muller, the
+# scale and the add into the weight). The cpu machine's probe times the generator itself
+# (`noise_s_per_element`); on a GPU (chunks of NOISE_GPU_CHUNK_ELEMENTS) each op reads and
+# writes 4-byte elements at memory bandwidth or costs its launch, whichever is more: a model,
+# never measured on a GPU.
+NOISE_GPU_CHUNK_ELEMENTS = 1 << 22  # noise.py ACCELERATOR_CHUNK_ELEMENTS (tests hold them equal)
+NOISE_OPS_PER_CHUNK = 45
+NOISE_BYTES_PER_ELEMENT = 8 * NOISE_OPS_PER_CHUNK
+# GaLore's refresh: eigh of an s x s float64 Gram matrix, about 9 s^3 FLOPs, ran at 0.36 of the
+# float32 GEMM rate here (0.135 s at s = 768, one thread, against 84 GFLOP/s float32)
+EIGH_FLOPS_PER_CUBE = 9.0
+EIGH_RATE_OF_GEMM = 0.36
+FORWARD_ONLY = ("mezo", "es")
+
+
+@dataclass(frozen=True)
+class MethodCost:
+    """How a training method's step differs from AdamW's, for `predict_step`."""
+
+    forwards: int  # forward-only methods: forwards a rank runs per step (0: forward + backward)
+    passes: int  # forward + backward passes per step (lomo/adalomo two_pass clipping: 2)
+    update_s: float  # the optimizer's own work per step (AdamW: its fused update)
+
+
+def _noise_seconds(numel: int, tensors: int, rates: _Rates) -> float:
+    """One pass of seeded noise over `numel` local elements in `tensors` tensors."""
+    if rates.noise_s_per_element > 0.0:
+        return numel * rates.noise_s_per_element
+    chunks = numel / NOISE_GPU_CHUNK_ELEMENTS + tensors
+    return max(numel * NOISE_BYTES_PER_ELEMENT / rates.elementwise_bytes_per_s,
+               chunks * NOISE_OPS_PER_CHUNK * rates.op_overhead_s)
+
+
+def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
+                rates: _Rates, precision: Precision) -> MethodCost:
+    """The step of train.optimizer (None: AdamW) as forwards, passes and update work.
+
+    adamw: its fused update (parameters, gradients, two moments: one pass). lomo / adalomo:
+    their update inside backward (parameter read and written, gradient read; adalomo also
+    reads it for its row and column statistics and the update's norm), and with
+    clip_mode = two_pass a whole forward + backward more. mezo: two forwards and four noise
+    passes (+eps, -2 eps, +eps with the update). es: the members a data replica evaluates
+    (ceil(population / data)) and 3 x population noise passes (every rank perturbs and
+    restores every member, then rebuilds the update from all seeds). blockllm: AdamW's update
+    on the selected fraction (1 - block_sparsity); its backward is AdamW's, an upper bound (a
+    tensor with no selected row skips its dW GEMM; which ones depends on the selection).
+    galore: per matrix the projection P^T G and the update P N(R) (two GEMMs of rank r over
+    the local shard), Adam on R, the weights read and written, plain AdamW for vectors, and
+    a refresh (Gram in float64 and its eigh) every galore_gap steps, spread over them."""
+    numel = sum(local_param_numel(model, shape).values())
+    adamw_bytes = (2 * precision.param_bytes + precision.grad_bytes
+                   + 2 * precision.optimizer_bytes + 3 * precision.grad_bytes)
+    adamw_s = numel * adamw_bytes / rates.bytes_per_s
+    name = "adamw" if train is None else train.optimizer
+    if name == "adamw" or train is None:
+        return MethodCost(0, 1, adamw_s)
+    tensors = len(local_matrices(model, shape)) + 2 * model.n_layers + 1
+    if name in ("lomo", "adalomo"):
+        reads = 1 if name == "lomo" else 3
+        update_s = numel * (2 * precision.param_bytes + reads * precision.grad_bytes) \
+            / rates.bytes_per_s
+        return MethodCost(0, 2 if train.clip_mode == "two_pass" else 1, update_s)
+    if name == "mezo":
+        return MethodCost(2, 1, 4 * _noise_seconds(numel, tensors, rates))
+    if name == "es":
+        members = -(-train.es_population // shape.data)
+        return MethodCost(members, 1,
+                          3 * train.es_population * _noise_seconds(numel, tensors, rates))
+    if name == "blockllm":
+        return MethodCost(0, 1, (1.0 - train.block_sparsity) * adamw_s)
+    if name == "galore":
+        eb = precision.act_bytes
+        update_s, vectors = 0.0, numel
+        for m, n, rl, cl in local_matrices(model, shape):
+            r, s = galore_rank((m, n), train.galore_rank), min(m, n)
+            side, other = (rl, cl) if m < n else (cl, rl)
+            vectors -= rl * cl
+            gemms = 2 * _gemm(r, other, side, rates, eb)  # project and update back
+            adam_r = r * other / (shape.x * shape.y * shape.z) * adamw_bytes
+            weights = rl * cl * 2 * precision.param_bytes
+            # the refresh, every galore_gap steps: the Gram (float64: half the float32 rate)
+            # and its eigh, the same s x s on every rank
+            gram = 2 * _gemm(s, s, other, rates, 8)
+            eigh = EIGH_FLOPS_PER_CUBE * s ** 3 / (rates.flops * EIGH_RATE_OF_GEMM)
+            update_s += gemms + (adam_r + weights) / rates.bytes_per_s \
+                + (gram + eigh) / train.galore_gap
+        return MethodCost(0, 1, update_s + vectors * adamw_bytes / rates.bytes_per_s)
+    raise ValueError(f"train.optimizer = {name!r}: no step-time model for it")
+
+
 def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_len: int,
                  grad_accum: int, activation_checkpointing: bool, machine: Machine,
                  precision: Precision, overlap: Overlap = Overlap(),
-                 output_loss: str = "auto") -> StepPrediction:
+                 output_loss: str = "auto", train: TrainConfig | None = None
+                 ) -> StepPrediction:
     """Predicted time of one optimizer step; the batch is split over data and z, then into
-    `grad_accum` micro-steps. `output_loss`: parallel.output_loss."""
+    `grad_accum` micro-steps. `output_loss`: parallel.output_loss. `train`: the step of its
+    train.optimizer (`method_cost`; None: AdamW). A forward-only method (mezo, es) runs its
+    forwards without recomputation and issues only the forward's collectives (its scalar
+    losses are not counted)."""
     world = shape.size
     shards = shape.data * shape.z
     n = global_batch // shards // grad_accum * seq_len  # tokens per rank per micro-step
@@ -247,19 +344,33 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
                                    precision.act_bytes, precision.weight_bytes,
                                    precision.reduce_bytes, precision.residual_bytes,
                                    overlap.overlap_forward, output_loss=output_loss)
+    cost = method_cost(model, shape, train, rates, precision)
+
+    def runs(phase: str) -> int:
+        """How many times the step issues the schedule's collectives of `phase`."""
+        if cost.forwards:
+            return cost.forwards if phase.startswith("fwd") else 0
+        return cost.passes
+
     by_phase: dict[str, dict[str, float]] = {}
     comm_bytes = {a: 0 for a in AXES}
     for c in schedule:
-        t = c.calls * collective_seconds(c, shape, machine, calibration)
+        calls = c.calls * runs(c.phase)
+        t = calls * collective_seconds(c, shape, machine, calibration)
         by_phase.setdefault(c.phase, {a: 0.0 for a in AXES})[c.axis] += t
-        comm_bytes[c.axis] += c.nbytes * c.calls
+        comm_bytes[c.axis] += c.nbytes * calls
 
     def phase(name: str) -> dict[str, float]:
         return by_phase.get(name, {a: 0.0 for a in AXES})
 
     m = grad_accum
     recompute = comp.recompute if activation_checkpointing else 0.0
-    fwd_window, bwd_window = m * comp.forward, m * (comp.backward + recompute)
+    if cost.forwards:  # no backward, so nothing to recompute
+        recompute = 0.0
+        fwd_window, bwd_window = cost.forwards * m * comp.forward, 0.0
+    else:
+        fwd_window = cost.passes * m * comp.forward
+        bwd_window = cost.passes * m * (comp.backward + recompute)
     # the first layer's gather of each pass has nothing to hide under
     units = model.n_layers + 2
     share = (units - 1) / units
@@ -279,27 +390,24 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     if overlap.prefetch_weights:
         hide(phase("fwd_gather"), fwd_window, share)
     # overlap_forward: a first half's output all-reduce runs under the second half's GEMM
-    split_window = m * (comp.forward_gemm + (comp.recompute_gemm if activation_checkpointing
-                                             else 0.0)) / 2
+    split_window = max(cost.forwards, cost.passes) * m * (
+        comp.forward_gemm + (comp.recompute_gemm if recompute else 0.0)) / 2
     hide(phase("fwd_split"), split_window, 1.0)
     # backward z traffic (gathers and dW reduce-scatters) shares the z links and backward window
     z_backward = {a: (phase("bwd_gather")[a] if overlap.prefetch_weights else 0.0)
                   + (phase("bwd_weight")[a] if overlap.overlap_weight_grad else 0.0) for a in AXES}
     hide(z_backward, bwd_window, share)
     if overlap.overlap_input_grad:
-        hide(phase("bwd_input"), m * comp.weight_grad, 1.0)
+        hide(phase("bwd_input"), cost.passes * m * comp.weight_grad, 1.0)
     if overlap.overlap_data_grad:
-        hide(phase("step_data"), comp.backward + recompute, share)
+        hide(phase("step_data"), cost.passes * (comp.backward + recompute), share)
 
     comm = {a: sum(p[a] for p in by_phase.values()) for a in AXES}
-    # the trainer's fused AdamW reads parameters, gradients and both states and writes
+    # AdamW: the trainer's fused AdamW reads parameters, gradients and both states and writes
     # parameters and states, one pass (measured here at copy speed: 28 B per fp32 parameter
-    # in 1.5 ns); clipping first reads the gradients for their norm, then scales them in place
-    numel = sum(local_param_numel(model, shape).values())
-    optimizer_bytes = numel * (2 * precision.param_bytes + precision.grad_bytes
-                               + 2 * precision.optimizer_bytes + 3 * precision.grad_bytes)
-    optimizer_s = optimizer_bytes / rates.bytes_per_s
-    compute = fwd_window + bwd_window + optimizer_s
+    # in 1.5 ns); clipping first reads the gradients for their norm, then scales them in
+    # place. Other methods: method_cost.
+    compute = fwd_window + bwd_window + cost.update_s
     # while a hidden collective runs, its kernels hold comm_sm_fraction of the SMs: the compute
     # under it runs that much slower (W of work overlapped for t takes W + f t), summed over
     # collectives, which each hold their own channels even when they run at the same time
@@ -308,6 +416,10 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     tokens = global_batch * seq_len
     flops = flops_per_token(model, seq_len) * tokens
     hardware = hardware_flops_per_token(model, seq_len, activation_checkpointing) * tokens
+    if cost.forwards:  # a forward is a third of the model FLOPs (2 of 6 per weight, token)
+        flops = hardware = cost.forwards * flops / 3
+    else:
+        hardware *= cost.passes
     peak = machine.job_peak_flops(precision.name, world)
     return StepPrediction(step_s=step, compute_s=compute, comm_s=comm, hidden_s=hidden,
                           comm_bytes=comm_bytes, tokens_per_s=tokens / step,

@@ -84,7 +84,7 @@ class Plan:
 
     @property
     def time_note(self) -> str | None:
-        """Why the step-time column is not this optimizer's own (None for AdamW)."""
+        """What the step-time column is for this optimizer (None for AdamW's own step)."""
         return STEP_TIME_NOTES.get(self.optimizer)
 
 
@@ -94,18 +94,21 @@ OPTIMIZERS: tuple[str, ...] = CHOICES[("train", "optimizer")]
 METHOD_BATCH_AXES: dict[str, tuple[str, ...]] = {"es": ("z",)}
 # methods that update each shard inside backward and so cannot accumulate micro-steps
 NO_ACCUMULATION = ("lomo", "adalomo")
-# The step-time model is AdamW's forward + backward + communication; where a method's step
-# differs, the time column says so instead of claiming a figure for it.
+# Each method's step is modelled (perf.method_cost); what its time column stands for, and where
+# that is a bound or rests on a CPU-only measurement, the plan says with these notes.
 STEP_TIME_NOTES: dict[str, str] = {
-    "lomo": "step time is AdamW's forward+backward (lomo's fused update is not modelled)",
-    "adalomo": "step time is AdamW's forward+backward (adalomo's fused update is not modelled)",
-    "mezo": "step time is AdamW's forward+backward, not mezo's (two forwards, no backward, "
-            "no gradient communication)",
-    "es": "step time is AdamW's forward+backward, not es's (one forward per population member, "
-          "no backward, no gradient communication)",
-    "blockllm": "step time is AdamW's forward+backward (blockllm's skipped weight gradients of "
-                "frozen blocks are not modelled)",
-    "galore": "step time is AdamW's forward+backward (galore's projections are not modelled)",
+    "lomo": "step time: forward + backward with lomo's update inside it (twice with "
+            "clip_mode two_pass)",
+    "adalomo": "step time: forward + backward with adalomo's update inside it (twice with "
+               "clip_mode two_pass)",
+    "mezo": "step time: mezo's two forwards and four noise passes (the noise's cost is probed "
+            "on the cpu machine, modelled on GPUs)",
+    "es": "step time: es's forwards (population / data per replica) and 3 x population noise "
+          "passes (the noise's cost is probed on the cpu machine, modelled on GPUs)",
+    "blockllm": "step time: AdamW's backward with every dW GEMM, an upper bound (tensors with "
+                "no selected row skip theirs), and the selected rows' update",
+    "galore": "step time: forward + backward, galore's projections, and its refresh spread "
+              "over galore_gap steps",
 }
 
 
@@ -203,7 +206,8 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
 
     # A rank's share of the step: under es every data replica runs the whole batch, so the
     # time model (which splits its batch over data and z) is given `copies` times the batch and
-    # its throughput figures are divided back to the job's real tokens.
+    # its tokens/s is divided back to the job's real tokens (its FLOPs are the forwards every
+    # replica runs: method_cost counts a replica's members).
     copies = local_batch * shape.data * shape.z // global_batch
     # parallel.output_loss at its default, as the method's run resolves it
     loss_mode = resolve_output_loss("auto",
@@ -211,11 +215,10 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
 
     def step(accum: int, ac: bool, wire: Precision, split: Overlap) -> StepPrediction:
         p = predict_step(model, shape, global_batch * copies, seq_len, accum, ac, machine, wire,
-                         split, output_loss=loss_mode)
+                         split, output_loss=loss_mode, train=train)
         if copies == 1:
             return p
-        return dataclasses.replace(p, tokens_per_s=p.tokens_per_s / copies, mfu=p.mfu / copies,
-                                   hfu=p.hfu / copies, flops_per_step=p.flops_per_step / copies)
+        return dataclasses.replace(p, tokens_per_s=p.tokens_per_s / copies)
 
     def candidates(micro: int, ac: bool, mem: MemoryBreakdown) -> list[Candidate]:
         accum = local_batch // micro

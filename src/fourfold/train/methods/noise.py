@@ -20,6 +20,15 @@ _M32 = 0xFFFFFFFF
 # element-wise passes then run in the core's L2 (12 ns/element here against 17 at 4 MiB blocks,
 # 26 at 64 KiB where per-op overhead dominates)
 CHUNK_ELEMENTS = 1 << 18
+# on a GPU those passes cost their launches (microseconds each) more than their bytes: a 1 MiB
+# chunk there is ~45 launches per 2^18 elements, so it makes 16 MiB chunks (a few such
+# temporaries alive at once). The values do not depend on the chunking.
+ACCELERATOR_CHUNK_ELEMENTS = 1 << 22
+
+
+def chunk_elements(device: torch.device) -> int:
+    """Elements of noise made per chunk on `device`."""
+    return CHUNK_ELEMENTS if device.type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
 
 
 def _s32(v: int) -> int:
@@ -92,7 +101,7 @@ class ShardNoise:
         inner = 1
         for n in local_shape[1:]:
             inner *= n
-        self.rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, inner))
+        self.rows_per_chunk = max(1, chunk_elements(torch.device(device)) // max(1, inner))
 
     def chunks(self) -> list[tuple[int, int]]:
         """Row ranges [start, stop) of dim 0 in which noise is made."""
