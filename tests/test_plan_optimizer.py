@@ -193,7 +193,7 @@ def test_step_time_is_each_methods_own():
     galore = _step("galore")
     assert galore.step_s > adamw.step_s
     assert _step("galore", galore_gap=1).step_s > galore.step_s
-    # mezo: two forwards (no recompute, no backward) and four noise passes
+    # mezo: two forwards (no recompute, no backward) and three noise passes
     mezo = _step("mezo", machine="cpu")
     bigger_batch = _step("mezo", machine="cpu", batch=8)
     forward_s = bigger_batch.compute_s - mezo.compute_s  # two forwards of 4 more sequences

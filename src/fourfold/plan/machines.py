@@ -681,11 +681,16 @@ def measure_host_costs(groups: dict[int, Any]) -> dict[str, Any]:
     # the trainer otherwise)
     from fourfold.train.methods.noise import CHUNK_ELEMENTS, ShardNoise
 
-    rows = CHUNK_ELEMENTS // 256
+    # (a 16 MiB weight, past the caches, a chunk at a time as add_noise makes it)
+    rows = 16 * CHUNK_ELEMENTS // 256
     weight = torch.zeros(rows, 256)
     noise = ShardNoise((rows, 256), (rows, 256), (0, 0), torch.device("cpu"))
-    out["noise_s_per_element"] = 1 / weight.numel() / _calls_per_second(
-        lambda: weight.add_(noise.sample(0, rows, 1).mul_(1e-3)))
+
+    def perturb() -> None:
+        for start, stop in noise.chunks():
+            weight[start:stop].add_(noise.sample(start, stop, 1).mul_(1e-3))
+
+    out["noise_s_per_element"] = 1 / weight.numel() / _calls_per_second(perturb)
     # the loss over the logits, forward and backward (log-softmax: exps, several passes)
     logits = torch.randn(512, 4096, requires_grad=True)
     targets = torch.randint(0, 4096, (512,))

@@ -272,8 +272,8 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
     adamw: its fused update (parameters, gradients, two moments: one pass). lomo / adalomo:
     their update inside backward (parameter read and written, gradient read; adalomo also
     reads it for its row and column statistics and the update's norm), and with
-    clip_mode = two_pass a whole forward + backward more. mezo: two forwards and four noise
-    passes (+eps, -2 eps, +eps with the update). es: the members a data replica evaluates
+    clip_mode = two_pass a whole forward + backward more. mezo: two forwards and three noise
+    passes (+eps, -2 eps, then back and the update in one). es: the members a data replica evaluates
     (ceil(population / data)) and 3 x population noise passes (every rank perturbs and
     restores every member, then rebuilds the update from all seeds). blockllm: AdamW's update
     on the selected fraction (1 - block_sparsity); its backward is AdamW's, an upper bound (a
@@ -295,7 +295,7 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
             / rates.bytes_per_s
         return MethodCost(0, 2 if train.clip_mode == "two_pass" else 1, update_s)
     if name == "mezo":
-        return MethodCost(2, 1, 4 * _noise_seconds(numel, tensors, rates))
+        return MethodCost(2, 1, 3 * _noise_seconds(numel, tensors, rates))
     if name == "es":
         members = -(-train.es_population // shape.data)
         return MethodCost(members, 1,

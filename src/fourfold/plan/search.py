@@ -101,7 +101,7 @@ STEP_TIME_NOTES: dict[str, str] = {
             "clip_mode two_pass)",
     "adalomo": "step time: forward + backward with adalomo's update inside it (twice with "
                "clip_mode two_pass)",
-    "mezo": "step time: mezo's two forwards and four noise passes (the noise's cost is probed "
+    "mezo": "step time: mezo's two forwards and three noise passes (the noise's cost is probed "
             "on the cpu machine, modelled on GPUs)",
     "es": "step time: es's forwards (population / data per replica) and 3 x population noise "
           "passes (the noise's cost is probed on the cpu machine, modelled on GPUs)",
