@@ -249,7 +249,9 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
                          sum(c.local_rows(r).numel() for c, r in zip(method.cands, method.rows))],
                      rows={c.view.name: c.rows for c in method.cands})
     if check["name"] == "galore":  # after the run's ledger: these reset it
-        extra = dict(refreshes=galore_refreshes(method, ref_method, pmodel))
+        extra = dict(refreshes=galore_refreshes(method, ref_method, pmodel),
+                     own_collectives=galore_own_collectives(method, pmodel, tcfg, data[0],
+                                                            cfg, shape))
     return dict(ok=True, losses=losses, ref_losses=ref_losses, ledger=ledger, **extra,
                 max_rel_loss=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
                 max_weight_diff=max(float((state[k] - ref_state[k]).abs().max())
@@ -269,6 +271,40 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
                 # what one forward all-gathers over z: every z-sharded module's block
                 forward_gather_bytes=sum(m.block_shape[0] * m.block_shape[1] * 4
                                          for m in pmodel.engine.sharded) if shape.z > 1 else 0)
+
+
+def galore_own_collectives(method, pmodel, tcfg: TrainConfig, micro, cfg, shape: GridShape
+                           ) -> dict:
+    """One GaLore step without a refresh against one AdamW step on the same model and batch
+    (their model collectives are the same): the ledger's difference per axis is GaLore's
+    own, beside the planner's `galore_collectives` for this model and grid."""
+    from fourfold.plan.perf import galore_collectives
+    from fourfold.train.methods import StepData, batch_shard, build_method
+
+    index, count = batch_shard(pmodel.grid, method.batch_axes)
+    local = shard_batch(micro, index, count)
+
+    def losses():
+        for inputs, targets in local:
+            yield pmodel(inputs, targets).sum() / (BATCH * SEQ)
+
+    while method.steps_done % method.gap == 0:  # the next step must not refresh
+        method.step(pmodel, StepData(len(local), losses), 0.0)
+    ledgers = []
+    for m in (method, build_method(pmodel, TrainConfig(optimizer="adamw"))):
+        pmodel.ledger.reset()
+        m.step(pmodel, StepData(len(local), losses), 0.0)
+        ledgers.append((pmodel.ledger.snapshot(), dict(pmodel.ledger.calls)))
+    (galore, galore_calls), (adamw, adamw_calls) = ledgers
+    predicted = {a: 0 for a in ("x", "y", "z")}
+    predicted_calls = dict(predicted)
+    for c in galore_collectives(cfg, shape, tcfg):
+        predicted[c.axis] += c.nbytes * c.calls
+        predicted_calls[c.axis] += c.calls
+    return {"measured": {a: galore[a] - adamw[a] for a in predicted},
+            "measured_calls": {a: galore_calls.get(a, 0) - adamw_calls.get(a, 0)
+                               for a in predicted},
+            "predicted": predicted, "predicted_calls": predicted_calls}
 
 
 def galore_refreshes(method, ref_method, pmodel) -> list[dict]:

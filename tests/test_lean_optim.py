@@ -4,6 +4,7 @@ train/methods trains on a grid as on one process (see lean_worker.py)."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -292,6 +293,12 @@ def check_subset_method(r: dict) -> None:
         assert r["max_weight_diff"] < 0.2 * SUBSET_LR, f"{label}: {r['max_weight_diff']}"
         assert 0 < r["state_bytes"] < 0.6 * adamw_state, label
         check_galore_refreshes(r, label)
+        # its own collectives in a step (a GaLore step's ledger less an AdamW step's): what
+        # the planner's step time charges it (plan/perf.py galore_collectives)
+        own = r["own_collectives"]
+        assert own["measured"] == own["predicted"], f"{label}: {own}"
+        assert own["measured_calls"] == own["predicted_calls"], f"{label}: {own}"
+        assert (sum(own["measured"].values()) > 0) == (math.prod(r["shape"][1:]) > 1), label
 
 
 def check_galore_refreshes(r: dict, label: str) -> None:

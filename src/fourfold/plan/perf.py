@@ -30,7 +30,7 @@ from fourfold.parallel.embedding import uses_blocked_loss
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.parallel.linear import split_rows
 from fourfold.plan.machines import HostCalibration, Machine, ring_volume
-from fourfold.plan.memory import Precision, galore_rank, local_matrices
+from fourfold.plan.memory import GALORE_CHUNK_BYTES, Precision, galore_rank, local_matrices
 from fourfold.plan.schedule import Collective, block_linears, collective_schedule, local_param_numel
 
 
@@ -322,6 +322,58 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
     raise ValueError(f"train.optimizer = {name!r}: no step-time model for it")
 
 
+def galore_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig
+                       ) -> list[Collective]:
+    """GaLore's own collectives in one step, per rank (train/methods/galore.py), each exposed:
+    per matrix, P's r columns all-gathered (its local rows x r) over the axes that split the
+    other side, once to project and once to update; per block of the other side
+    (GALORE_CHUNK_BYTES of G), R's r rows reduce-scattered over the axes that split the
+    projected side (all-reduced over those that do not divide r), and Adam's step all-gathered
+    back. The refresh's Gram gathers and all-reduce (every galore_gap steps) are not counted."""
+    out: list[Collective] = []
+
+    def size(axes: tuple[str, ...]) -> int:
+        return math.prod(getattr(shape, a) for a in axes)
+
+    def add(axes: tuple[str, ...], op: str, nbytes: float, calls: int) -> None:
+        for a in axes:
+            if getattr(shape, a) > 1:
+                out.append(Collective(a, op, int(nbytes), calls, "step_method"))  # type: ignore[arg-type]
+
+    matrices = []
+    for lin in block_linears(model):  # out over (y, z) and in over x; transposed: x and y swap
+        rows, cols = (("x", "z"), ("y",)) if lin.transposed else (("y", "z"), ("x",))
+        matrices += [(lin.out_features, lin.in_features, rows, cols)] * model.n_layers
+    matrices += [(model.vocab_size, model.dim, ("y", "z"), ("x",))] * (
+        1 if model.tie_embeddings else 2)
+    for m, n, rows, cols in matrices:
+        r, left = galore_rank((m, n), train.galore_rank), m < n
+        side_axes, other_axes = (rows, cols) if left else (cols, rows)
+        side_l, other_l = (m, n) if left else (n, m)
+        side_l, other_l = side_l // size(side_axes), other_l // size(other_axes)
+        split = side_axes if r % size(side_axes) == 0 else ()
+        rest = tuple(a for a in side_axes if a not in split)
+        proj_axes = other_axes if r % size(other_axes) == 0 else ()
+        # P (Q) with all r columns, gathered innermost axis first, to project and to update
+        nbytes = side_l * r * 4 // size(proj_axes)
+        for a in reversed(proj_axes):
+            nbytes *= getattr(shape, a)
+            add((a,), "all_gather", nbytes, 2)
+        width = max(1, GALORE_CHUNK_BYTES // (4 * side_l))
+        cuts = [min(width, other_l - start) for start in range(0, other_l, width)]
+        for w in sorted(set(cuts)):
+            calls = cuts.count(w)
+            nbytes = r * w * 4  # R's block, reduce-scattered outer axis first
+            for a in split:
+                add((a,), "reduce_scatter", nbytes, calls)
+                nbytes //= getattr(shape, a)
+            add(rest, "all_reduce", nbytes, calls)
+            for a in reversed(split):  # Adam's step of the block gathered back
+                nbytes *= getattr(shape, a)
+                add((a,), "all_gather", nbytes, calls)
+    return out
+
+
 def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_len: int,
                  grad_accum: int, activation_checkpointing: bool, machine: Machine,
                  precision: Precision, overlap: Overlap = Overlap(),
@@ -345,6 +397,8 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
                                    precision.reduce_bytes, precision.residual_bytes,
                                    overlap.overlap_forward, output_loss=output_loss)
     cost = method_cost(model, shape, train, rates, precision)
+    if train is not None and train.optimizer == "galore":
+        schedule = schedule + galore_collectives(model, shape, train)
 
     def runs(phase: str) -> int:
         """How many times the step issues the schedule's collectives of `phase`."""

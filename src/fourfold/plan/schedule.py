@@ -30,8 +30,9 @@ Op = Literal["all_reduce", "all_gather", "reduce_scatter"]
 #   bwd_norm    norm backward all-reduces: exposed
 #   step_z      once per step: all-reduce over z of the gradients not split over z: exposed
 #   step_data   once per step: gradient all-reduce over data, bucketed under the last backward
+#   step_method a training method's own collectives (plan/perf.py: GaLore's projections): exposed
 Phase = Literal["fwd_output", "fwd_split", "fwd_gather", "bwd_gather", "bwd_input",
-                "bwd_weight", "bwd_norm", "step_z", "step_data"]
+                "bwd_weight", "bwd_norm", "step_z", "step_data", "step_method"]
 
 
 @dataclass(frozen=True)
