@@ -5,8 +5,8 @@ Each method trains the same model (float32, activation checkpointing on, one pro
 which then probes this host's costs the way `fourfold plan --machine cpu` does (collectives,
 matmul, copy, element-wise, noise, loss and attention rates, in the same processes and with
 the same threads as the steps they just ran: on a shared machine the load changes by the
-minute). The planner's `predict_step`, calibrated by the mean of the rows'
-probes, with the method's `train` config (plan/perf.py `method_cost`) is printed beside the
+minute). The planner's `predict_step`, calibrated by all runs' probes combined, with the
+method's `train` config (plan/perf.py `method_cost`) is printed beside the
 median of the steps after the first (each method's fastest of --repeat runs, made
 round-robin), with the error and each method's time as a multiple of AdamW's, measured and
 predicted. GaLore refreshes its projection in the first, untimed step; the prediction spreads
