@@ -250,8 +250,11 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
                      rows={c.view.name: c.rows for c in method.cands})
     if check["name"] == "galore":  # after the run's ledger: these reset it
         extra = dict(refreshes=galore_refreshes(method, ref_method, pmodel),
-                     own_collectives=galore_own_collectives(method, pmodel, tcfg, data[0],
-                                                            cfg, shape))
+                     own_collectives=own_collectives(method, "adamw", pmodel, tcfg, data[0],
+                                                     cfg, shape))
+    if check["name"] == "adalomo" and not frozen and tcfg.clip_mode == "none":
+        extra = dict(own_collectives=own_collectives(method, "lomo", pmodel, tcfg, data[0],
+                                                     cfg, shape))
     return dict(ok=True, losses=losses, ref_losses=ref_losses, ledger=ledger, **extra,
                 max_rel_loss=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
                 max_weight_diff=max(float((state[k] - ref_state[k]).abs().max())
@@ -273,12 +276,13 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
                                          for m in pmodel.engine.sharded) if shape.z > 1 else 0)
 
 
-def galore_own_collectives(method, pmodel, tcfg: TrainConfig, micro, cfg, shape: GridShape
-                           ) -> dict:
-    """One GaLore step without a refresh against one AdamW step on the same model and batch
-    (their model collectives are the same): the ledger's difference per axis is GaLore's
-    own, beside the planner's `galore_collectives` for this model and grid."""
-    from fourfold.plan.perf import galore_collectives
+def own_collectives(method, baseline: str, pmodel, tcfg: TrainConfig, micro, cfg,
+                    shape: GridShape) -> dict:
+    """One step of `method` (GaLore: one without a refresh) against one step of `baseline`
+    (AdamW for GaLore, LOMO for AdaLomo: the same model collectives) on the same model and
+    batch: the ledger's difference per axis is the method's own, beside the planner's
+    `method_collectives` for this model and grid."""
+    from fourfold.plan.perf import method_collectives
     from fourfold.train.methods import StepData, batch_shard, build_method
 
     index, count = batch_shard(pmodel.grid, method.batch_axes)
@@ -288,21 +292,22 @@ def galore_own_collectives(method, pmodel, tcfg: TrainConfig, micro, cfg, shape:
         for inputs, targets in local:
             yield pmodel(inputs, targets).sum() / (BATCH * SEQ)
 
-    while method.steps_done % method.gap == 0:  # the next step must not refresh
-        method.step(pmodel, StepData(len(local), losses), 0.0)
+    while getattr(method, "gap", 0) and method.steps_done % method.gap == 0:
+        method.step(pmodel, StepData(len(local), losses), 0.0)  # the next must not refresh
     ledgers = []
-    for m in (method, build_method(pmodel, TrainConfig(optimizer="adamw"))):
+    for make in (lambda: method, lambda: build_method(pmodel, TrainConfig(optimizer=baseline))):
+        m = make()  # the baseline after the method's step: a fused one takes over the hook
         pmodel.ledger.reset()
         m.step(pmodel, StepData(len(local), losses), 0.0)
         ledgers.append((pmodel.ledger.snapshot(), dict(pmodel.ledger.calls)))
-    (galore, galore_calls), (adamw, adamw_calls) = ledgers
+    (own, own_calls), (base, base_calls) = ledgers
     predicted = {a: 0 for a in ("x", "y", "z")}
     predicted_calls = dict(predicted)
-    for c in galore_collectives(cfg, shape, tcfg):
+    for c in method_collectives(cfg, shape, tcfg):
         predicted[c.axis] += c.nbytes * c.calls
         predicted_calls[c.axis] += c.calls
-    return {"measured": {a: galore[a] - adamw[a] for a in predicted},
-            "measured_calls": {a: galore_calls.get(a, 0) - adamw_calls.get(a, 0)
+    return {"measured": {a: own[a] - base[a] for a in predicted},
+            "measured_calls": {a: own_calls.get(a, 0) - base_calls.get(a, 0)
                                for a in predicted},
             "predicted": predicted, "predicted_calls": predicted_calls}
 

@@ -293,12 +293,17 @@ def check_subset_method(r: dict) -> None:
         assert r["max_weight_diff"] < 0.2 * SUBSET_LR, f"{label}: {r['max_weight_diff']}"
         assert 0 < r["state_bytes"] < 0.6 * adamw_state, label
         check_galore_refreshes(r, label)
-        # its own collectives in a step (a GaLore step's ledger less an AdamW step's): what
-        # the planner's step time charges it (plan/perf.py galore_collectives)
-        own = r["own_collectives"]
-        assert own["measured"] == own["predicted"], f"{label}: {own}"
-        assert own["measured_calls"] == own["predicted_calls"], f"{label}: {own}"
-        assert (sum(own["measured"].values()) > 0) == (math.prod(r["shape"][1:]) > 1), label
+        check_own_collectives(r, label)
+
+
+def check_own_collectives(r: dict, label: str) -> None:
+    """A method's own collectives in a step (GaLore's ledger less an AdamW step's, AdaLomo's
+    less a LOMO step's; lean_worker.own_collectives): what the planner's step time charges it
+    (plan/perf.py method_collectives), bytes and calls per axis."""
+    own = r["own_collectives"]
+    assert own["measured"] == own["predicted"], f"{label}: {own}"
+    assert own["measured_calls"] == own["predicted_calls"], f"{label}: {own}"
+    assert (sum(own["measured"].values()) > 0) == (math.prod(r["shape"][1:]) > 1), label
 
 
 def check_galore_refreshes(r: dict, label: str) -> None:
@@ -489,6 +494,8 @@ def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
             assert 0 < r["state_bytes"] < 0.1 * r["trainable_bytes"], label
             assert r["meta"]["steps_done"] == r["check"]["steps"], label
             r["state_bytes"] = 0
+            if "own_collectives" in r:  # every weight trainable, no two_pass
+                check_own_collectives(r, label)
         assert r["grads_left"] == [], label  # every gradient was freed after its update
         # never all gradients at once; with every weight trainable, under half of them (the
         # tiny model's embedding alone is a fifth, and with the norms waits for the end)

@@ -193,10 +193,13 @@ def test_step_time_is_each_methods_own():
     galore = _step("galore")
     assert galore.step_s > adamw.step_s
     assert _step("galore", galore_gap=1).step_s > galore.step_s
-    # on a grid its own collectives (plan/perf.py galore_collectives, which tests/
+    # on a grid its own collectives (plan/perf.py method_collectives, which tests/
     # test_lean_optim.py holds against the ledger) come on top of the model's
     grid = GridShape(y=2, x=2)
     assert all(_step("galore", grid).comm_bytes[a] > _step("adamw", grid).comm_bytes[a]
+               for a in ("x", "y"))
+    # adalomo's row and column statistics too (a few floats per row and column)
+    assert all(_step("adalomo", grid).comm_bytes[a] > _step("lomo", grid).comm_bytes[a]
                for a in ("x", "y"))
     # mezo: two forwards (no recompute, no backward) and three noise passes
     mezo = _step("mezo", machine="cpu")

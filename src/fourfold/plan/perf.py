@@ -322,31 +322,65 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
     raise ValueError(f"train.optimizer = {name!r}: no step-time model for it")
 
 
-def galore_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig
+def _matrices(model: ModelConfig) -> list[tuple[int, int, tuple[str, ...], tuple[str, ...]]]:
+    """(rows, cols, the axes that split the rows, those that split the columns) of every
+    weight matrix, as the engine lays them out: W[out, in] with out over (y, z) and in over x
+    (a transposed layer swaps x and y); the embedding and output layer as a normal layer."""
+    out = []
+    for lin in block_linears(model):
+        rows, cols = (("x", "z"), ("y",)) if lin.transposed else (("y", "z"), ("x",))
+        out += [(lin.out_features, lin.in_features, rows, cols)] * model.n_layers
+    return out + [(model.vocab_size, model.dim, ("y", "z"), ("x",))] * (
+        1 if model.tie_embeddings else 2)
+
+
+def _vector_axes(model: ModelConfig) -> list[tuple[str, ...]]:
+    """The axes that split each vector parameter: norm weights over x, a bias where its
+    layer's output lives."""
+    out = [("x",)] * (2 * model.n_layers + 1)
+    if model.bias:
+        for lin in block_linears(model):
+            out += [("x",) if lin.transposed else ("y",)] * model.n_layers
+    return out
+
+
+def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig | None
                        ) -> list[Collective]:
-    """GaLore's own collectives in one step, per rank (train/methods/galore.py), each exposed:
-    per matrix, P's r columns all-gathered (its local rows x r) over the axes that split the
-    other side, once to project and once to update; per block of the other side
-    (GALORE_CHUNK_BYTES of G), R's r rows reduce-scattered over the axes that split the
-    projected side (all-reduced over those that do not divide r), and Adam's step all-gathered
-    back. The refresh's Gram gathers and all-reduce (every galore_gap steps) are not counted."""
+    """A training method's own collectives in one step, per rank, beyond the model's schedule
+    (each exposed: they run inside the method's update). galore: per matrix, P's r columns
+    all-gathered (its local rows x r) over the axes that split the other side, once to
+    project and once to update; per block of the other side (GALORE_CHUNK_BYTES of G), R's r
+    rows reduce-scattered over the axes that split the projected side (all-reduced over those
+    that do not divide r), and Adam's step all-gathered back (the refresh's Gram gathers and
+    all-reduce, every galore_gap steps, are not counted). adalomo: per matrix its row sums of
+    g^2 all-reduced over the axes that split the columns and its column sums over those that
+    split the rows, the mean of its row means, and per tensor the two sums of squares of its
+    RMS terms. Other methods: none (lomo's updates and mezo's / es's noise are local; es's
+    member losses and blockllm's norms are a few floats)."""
     out: list[Collective] = []
+    name = "adamw" if train is None else train.optimizer
 
     def size(axes: tuple[str, ...]) -> int:
         return math.prod(getattr(shape, a) for a in axes)
 
-    def add(axes: tuple[str, ...], op: str, nbytes: float, calls: int) -> None:
+    def add(axes: tuple[str, ...], op: str, nbytes: float, calls: int = 1) -> None:
         for a in axes:
             if getattr(shape, a) > 1:
                 out.append(Collective(a, op, int(nbytes), calls, "step_method"))  # type: ignore[arg-type]
 
-    matrices = []
-    for lin in block_linears(model):  # out over (y, z) and in over x; transposed: x and y swap
-        rows, cols = (("x", "z"), ("y",)) if lin.transposed else (("y", "z"), ("x",))
-        matrices += [(lin.out_features, lin.in_features, rows, cols)] * model.n_layers
-    matrices += [(model.vocab_size, model.dim, ("y", "z"), ("x",))] * (
-        1 if model.tie_embeddings else 2)
-    for m, n, rows, cols in matrices:
+    if name == "adalomo":
+        for m, n, rows, cols in _matrices(model):
+            add(cols, "all_reduce", m // size(rows) * 4)  # row sums: full rows
+            add(rows, "all_reduce", n // size(cols) * 4)  # column sums: full columns
+            add(rows, "all_reduce", 4)  # the mean of the row means
+            add(rows + cols, "all_reduce", 8)  # sums of squares of u and w
+        for axes in _vector_axes(model):
+            add(axes, "all_reduce", 8)
+        return out
+    if name != "galore":
+        return out
+    assert train is not None
+    for m, n, rows, cols in _matrices(model):
         r, left = galore_rank((m, n), train.galore_rank), m < n
         side_axes, other_axes = (rows, cols) if left else (cols, rows)
         side_l, other_l = (m, n) if left else (n, m)
@@ -397,11 +431,12 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
                                    precision.reduce_bytes, precision.residual_bytes,
                                    overlap.overlap_forward, output_loss=output_loss)
     cost = method_cost(model, shape, train, rates, precision)
-    if train is not None and train.optimizer == "galore":
-        schedule = schedule + galore_collectives(model, shape, train)
+    schedule = schedule + method_collectives(model, shape, train)
 
     def runs(phase: str) -> int:
         """How many times the step issues the schedule's collectives of `phase`."""
+        if phase == "step_method":  # the method's own, counted per step
+            return 1
         if cost.forwards:
             return cost.forwards if phase.startswith("fwd") else 0
         return cost.passes
