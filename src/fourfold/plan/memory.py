@@ -251,19 +251,28 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
 # ---- per training method (train.optimizer): kept apart from the rank model above ---------------
 
 
-def local_matrices(model: ModelConfig, shape: GridShape) -> list[tuple[int, int, int, int]]:
-    """(full rows, full cols, local rows, local cols) of every weight matrix on a rank, as the
-    engine lays them out: W[out, in] with out split over (y, z) and in over x (a transposed
-    layer swaps x and y); the embedding and output layer as a normal layer."""
-    gx, gy, gz = shape.x, shape.y, shape.z
+def matrix_layouts(model: ModelConfig
+                   ) -> list[tuple[int, int, tuple[str, ...], tuple[str, ...]]]:
+    """(full rows, full cols, the axes that split the rows, those that split the columns) of
+    every weight matrix, as the engine lays them out: W[out, in] with out split over (y, z)
+    and in over x (a transposed layer swaps x and y); the embedding and output layer as a
+    normal layer."""
     out = []
     for lin in block_linears(model):
-        g_out, g_in = (gx, gy) if lin.transposed else (gy, gx)
-        out += [(lin.out_features, lin.in_features, lin.out_features // (g_out * gz),
-                 lin.in_features // g_in)] * model.n_layers
-    table = (model.vocab_size, model.dim, model.vocab_size // (gy * gz), model.dim // gx)
-    out += [table] * (1 if model.tie_embeddings else 2)
-    return out
+        rows, cols = (("x", "z"), ("y",)) if lin.transposed else (("y", "z"), ("x",))
+        out += [(lin.out_features, lin.in_features, rows, cols)] * model.n_layers
+    return out + [(model.vocab_size, model.dim, ("y", "z"), ("x",))] * (
+        1 if model.tie_embeddings else 2)
+
+
+def local_matrices(model: ModelConfig, shape: GridShape) -> list[tuple[int, int, int, int]]:
+    """(full rows, full cols, local rows, local cols) of every weight matrix on a rank
+    (`matrix_layouts`)."""
+    def parts(axes: tuple[str, ...]) -> int:
+        return math.prod(getattr(shape, a) for a in axes)
+
+    return [(m, n, m // parts(rows), n // parts(cols))
+            for m, n, rows, cols in matrix_layouts(model)]
 
 
 def galore_rank(full_shape: tuple[int, ...], rank: int) -> int:

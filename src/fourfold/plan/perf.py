@@ -30,7 +30,8 @@ from fourfold.parallel.embedding import uses_blocked_loss
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.parallel.linear import split_rows
 from fourfold.plan.machines import HostCalibration, Machine, ring_volume
-from fourfold.plan.memory import GALORE_CHUNK_BYTES, Precision, galore_rank, local_matrices
+from fourfold.plan.memory import (GALORE_CHUNK_BYTES, Precision, galore_rank, local_matrices,
+                                  matrix_layouts)
 from fourfold.plan.schedule import Collective, block_linears, collective_schedule, local_param_numel
 
 
@@ -244,7 +245,6 @@ NOISE_BYTES_PER_ELEMENT = 8 * NOISE_OPS_PER_CHUNK
 # float32 GEMM rate here (0.135 s at s = 768, one thread, against 84 GFLOP/s float32)
 EIGH_FLOPS_PER_CUBE = 9.0
 EIGH_RATE_OF_GEMM = 0.36
-FORWARD_ONLY = ("mezo", "es")
 
 
 @dataclass(frozen=True)
@@ -322,18 +322,6 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
     raise ValueError(f"train.optimizer = {name!r}: no step-time model for it")
 
 
-def _matrices(model: ModelConfig) -> list[tuple[int, int, tuple[str, ...], tuple[str, ...]]]:
-    """(rows, cols, the axes that split the rows, those that split the columns) of every
-    weight matrix, as the engine lays them out: W[out, in] with out over (y, z) and in over x
-    (a transposed layer swaps x and y); the embedding and output layer as a normal layer."""
-    out = []
-    for lin in block_linears(model):
-        rows, cols = (("x", "z"), ("y",)) if lin.transposed else (("y", "z"), ("x",))
-        out += [(lin.out_features, lin.in_features, rows, cols)] * model.n_layers
-    return out + [(model.vocab_size, model.dim, ("y", "z"), ("x",))] * (
-        1 if model.tie_embeddings else 2)
-
-
 def _vector_axes(model: ModelConfig) -> list[tuple[str, ...]]:
     """The axes that split each vector parameter: norm weights over x, a bias where its
     layer's output lives."""
@@ -366,10 +354,11 @@ def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig 
     def add(axes: tuple[str, ...], op: str, nbytes: float, calls: int = 1) -> None:
         for a in axes:
             if getattr(shape, a) > 1:
-                out.append(Collective(a, op, int(nbytes), calls, "step_method"))  # type: ignore[arg-type]
+                out.append(Collective(a, op, int(nbytes), calls,  # type: ignore[arg-type]
+                                      "step_method"))
 
     if name == "adalomo":
-        for m, n, rows, cols in _matrices(model):
+        for m, n, rows, cols in matrix_layouts(model):
             add(cols, "all_reduce", m // size(rows) * 4)  # row sums: full rows
             add(rows, "all_reduce", n // size(cols) * 4)  # column sums: full columns
             add(rows, "all_reduce", 4)  # the mean of the row means
@@ -380,7 +369,7 @@ def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig 
     if name != "galore":
         return out
     assert train is not None
-    for m, n, rows, cols in _matrices(model):
+    for m, n, rows, cols in matrix_layouts(model):
         r, left = galore_rank((m, n), train.galore_rank), m < n
         side_axes, other_axes = (rows, cols) if left else (cols, rows)
         side_l, other_l = (m, n) if left else (n, m)
