@@ -265,13 +265,15 @@ def matrix_layouts(model: ModelConfig
         1 if model.tie_embeddings else 2)
 
 
+def axes_parts(axes: tuple[str, ...], shape: GridShape) -> int:
+    """How many parts `axes` split a dimension into on `shape`."""
+    return math.prod(getattr(shape, a) for a in axes)
+
+
 def local_matrices(model: ModelConfig, shape: GridShape) -> list[tuple[int, int, int, int]]:
     """(full rows, full cols, local rows, local cols) of every weight matrix on a rank
     (`matrix_layouts`)."""
-    def parts(axes: tuple[str, ...]) -> int:
-        return math.prod(getattr(shape, a) for a in axes)
-
-    return [(m, n, m // parts(rows), n // parts(cols))
+    return [(m, n, m // axes_parts(rows, shape), n // axes_parts(cols, shape))
             for m, n, rows, cols in matrix_layouts(model)]
 
 

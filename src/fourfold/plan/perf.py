@@ -30,7 +30,7 @@ from fourfold.parallel.embedding import uses_blocked_loss
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.parallel.linear import split_rows
 from fourfold.plan.machines import HostCalibration, Machine, ring_volume
-from fourfold.plan.memory import (GALORE_CHUNK_BYTES, Precision, galore_rank, local_matrices,
+from fourfold.plan.memory import (GALORE_CHUNK_BYTES, Precision, axes_parts, galore_rank,
                                   matrix_layouts)
 from fourfold.plan.schedule import Collective, block_linears, collective_schedule, local_param_numel
 
@@ -288,7 +288,7 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
     name = "adamw" if train is None else train.optimizer
     if name == "adamw" or train is None:
         return MethodCost(0, 1, adamw_s)
-    tensors = len(local_matrices(model, shape)) + 2 * model.n_layers + 1
+    tensors = len(matrix_layouts(model)) + len(_vector_axes(model))
     if name in ("lomo", "adalomo"):
         reads = 1 if name == "lomo" else 3
         update_s = numel * (2 * precision.param_bytes + reads * precision.grad_bytes) \
@@ -305,12 +305,16 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
     if name == "galore":
         eb = precision.act_bytes
         update_s, vectors = 0.0, numel
-        for m, n, rl, cl in local_matrices(model, shape):
+        for m, n, rows, cols in matrix_layouts(model):
             r, s = galore_rank((m, n), train.galore_rank), min(m, n)
+            rl, cl = m // axes_parts(rows, shape), n // axes_parts(cols, shape)
             side, other = (rl, cl) if m < n else (cl, rl)
             vectors -= rl * cl
             gemms = 2 * _gemm(r, other, side, rates, eb)  # project and update back
-            adam_r = r * other / (shape.x * shape.y * shape.z) * adamw_bytes
+            # Adam on this rank's rows of R: r split over the axes that split the projected
+            # side where they divide r (method_collectives' reduce-scatter), else all r
+            split = axes_parts(rows if m < n else cols, shape)
+            adam_r = (r // split if r % split == 0 else r) * other * adamw_bytes
             weights = rl * cl * 2 * precision.param_bytes
             # the refresh, every galore_gap steps: the Gram (float64: half the float32 rate)
             # and its eigh, the same s x s on every rank
@@ -348,9 +352,6 @@ def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig 
     out: list[Collective] = []
     name = "adamw" if train is None else train.optimizer
 
-    def size(axes: tuple[str, ...]) -> int:
-        return math.prod(getattr(shape, a) for a in axes)
-
     def add(axes: tuple[str, ...], op: str, nbytes: float, calls: int = 1) -> None:
         for a in axes:
             if getattr(shape, a) > 1:
@@ -359,8 +360,8 @@ def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig 
 
     if name == "adalomo":
         for m, n, rows, cols in matrix_layouts(model):
-            add(cols, "all_reduce", m // size(rows) * 4)  # row sums: full rows
-            add(rows, "all_reduce", n // size(cols) * 4)  # column sums: full columns
+            add(cols, "all_reduce", m // axes_parts(rows, shape) * 4)  # row sums: full rows
+            add(rows, "all_reduce", n // axes_parts(cols, shape) * 4)  # column sums: full columns
             add(rows, "all_reduce", 4)  # the mean of the row means
             add(rows + cols, "all_reduce", 8)  # sums of squares of u and w
         for axes in _vector_axes(model):
@@ -373,12 +374,13 @@ def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig 
         r, left = galore_rank((m, n), train.galore_rank), m < n
         side_axes, other_axes = (rows, cols) if left else (cols, rows)
         side_l, other_l = (m, n) if left else (n, m)
-        side_l, other_l = side_l // size(side_axes), other_l // size(other_axes)
-        split = side_axes if r % size(side_axes) == 0 else ()
+        side_l //= axes_parts(side_axes, shape)
+        other_l //= axes_parts(other_axes, shape)
+        split = side_axes if r % axes_parts(side_axes, shape) == 0 else ()
         rest = tuple(a for a in side_axes if a not in split)
-        proj_axes = other_axes if r % size(other_axes) == 0 else ()
+        proj_axes = other_axes if r % axes_parts(other_axes, shape) == 0 else ()
         # P (Q) with all r columns, gathered innermost axis first, to project and to update
-        nbytes = side_l * r * 4 // size(proj_axes)
+        nbytes = side_l * r * 4 // axes_parts(proj_axes, shape)
         for a in reversed(proj_axes):
             nbytes *= getattr(shape, a)
             add((a,), "all_gather", nbytes, 2)
