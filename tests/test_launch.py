@@ -111,6 +111,14 @@ def test_failed_ranks_give_one_line_and_their_exit_code(tmp_path: Path) -> None:
     assert len(errors) == 1, result.stderr
     assert errors[0].startswith("error: rank"), errors
     assert "exited with code 2: data.path" in errors[0] and "missing" in errors[0], errors
+    # A mistake found only once the ranks have met (3 rows do not split over 2 data ranks):
+    # still one line, and no rank's connection broken under a peer (one barrier after the
+    # grid's groups; before it, a fast rank's exit could leave a peer with gloo's traceback).
+    odd = _fourfold("train", *TINY, "--set", "train.batch_size=3", "--nproc", "2",
+                    "--out", str(tmp_path / "odd"), cwd=tmp_path)
+    assert odd.returncode == 2 and "Traceback" not in odd.stderr, odd.stderr[-3000:]
+    errors = [line for line in odd.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "train.batch_size = 3" in errors[0], odd.stderr
 
 
 # ---- Slurm and multi-node, with the variables Slurm 22.05 set (recorded on slurm-local) ----

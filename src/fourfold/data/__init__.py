@@ -1,6 +1,6 @@
 """Data: tokenizers, `fourfold prepare`, the built-in corpus, and the rank-aware batch loader."""
 
-from fourfold.data.builtin import builtin_corpus, resolve_data_path
+from fourfold.data.builtin import builtin_corpus, check_data_path, resolve_data_path
 from fourfold.data.errors import DataError
 from fourfold.data.loader import BatchLoader, TokenDataset, documents, verify
 from fourfold.data.manifest import Manifest
@@ -8,4 +8,5 @@ from fourfold.data.prepare import prepare, prepare_main
 from fourfold.data.tokenizers import Tokenizer, load_tokenizer
 
 __all__ = ["BatchLoader", "DataError", "Manifest", "TokenDataset", "Tokenizer", "builtin_corpus",
-           "documents", "load_tokenizer", "prepare", "prepare_main", "resolve_data_path", "verify"]
+           "check_data_path", "documents", "load_tokenizer", "prepare", "prepare_main",
+           "resolve_data_path", "verify"]

@@ -97,18 +97,26 @@ def builtin_corpus(tokenizer: str = "byte", cache_dir: Path | None = None,
     return target
 
 
-def resolve_data_path(path: str, tokenizer: str) -> Path:
-    """The DATA_DIR that config `data.path` names: builtin:stdlib or a prepared directory."""
+def check_data_path(path: str) -> None:
+    """Raise DataError (one line) unless config `data.path` names a built-in corpus or a
+    prepared directory. Reads one file's existence and builds nothing: cheap enough to call on
+    every rank before the ranks meet, so that they all fail here alike."""
     if path.startswith("builtin:"):
         if path not in BUILTIN_NAMES:
             raise DataError(f"data.path = {path!r}: unknown built-in corpus; expected "
                             f"{', '.join(BUILTIN_NAMES)} or a DATA_DIR made by `fourfold prepare`")
-        return builtin_corpus(tokenizer, name=path)
-    data_dir = Path(path).expanduser()
-    if not (data_dir / MANIFEST_FILE).is_file():
+    elif not (Path(path).expanduser() / MANIFEST_FILE).is_file():
         raise DataError(f"data.path = {path!r}: not a prepared data directory (no "
                         f"{MANIFEST_FILE}); run `fourfold prepare INPUT --out DIR`")
-    return data_dir
+
+
+def resolve_data_path(path: str, tokenizer: str) -> Path:
+    """The DATA_DIR that config `data.path` names: builtin:stdlib (built on first use) or a
+    prepared directory."""
+    check_data_path(path)
+    if path.startswith("builtin:"):
+        return builtin_corpus(tokenizer, name=path)
+    return Path(path).expanduser()
 
 
 def _cache_key(tokenizer: str) -> str:

@@ -222,6 +222,12 @@ def _make_groups(wanted: list[tuple[str, list[list[int]]]], rank: int,
             # same on every member, since every rank makes one group per partition.
             made[name] = dist.new_group(mine, timeout=timeout, use_local_synchronization=True,
                                         group_desc=f"fourfold_{name}")
+    if not can_split and made:
+        # Locally synchronised groups let a rank leave while a peer still connects its groups
+        # (gloo's full mesh); one barrier keeps them all here until every group is up, so a
+        # rank that fails right after (a user error every rank finds) cannot break a peer's
+        # handshake and turn that peer's one-line error into a connection traceback.
+        dist.barrier()
     return made
 
 

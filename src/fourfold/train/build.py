@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from fourfold.config import Config, ConfigError, validate
-from fourfold.data import BatchLoader, Tokenizer, load_tokenizer, resolve_data_path
+from fourfold.data import (BatchLoader, Tokenizer, check_data_path, load_tokenizer,
+                           resolve_data_path)
 from fourfold.models.adapter import apply_adapter
 from fourfold.models.hf import HF_CONFIG_FILE, hf_model_config
 from fourfold.models.llama import Llama, build_model
@@ -67,6 +68,9 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
     ConfigError / GridError / DataError for user mistakes.
     """
     validate(cfg)
+    # Before the ranks meet: a rank that raised after meeting would close its connections under
+    # peers still making theirs, which then fail with gloo's traceback instead of this line.
+    check_data_path(cfg.data.path)
     cfg = copy.deepcopy(cfg)  # the caller's config stays as it was
     t, p = cfg.train, cfg.parallel
 
