@@ -255,7 +255,7 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
     if check["name"] == "adalomo" and not frozen and tcfg.clip_mode == "none":
         extra = dict(own_collectives=own_collectives(method, "lomo", pmodel, tcfg, data[0],
                                                      cfg, shape))
-    return dict(ok=True, losses=losses, ref_losses=ref_losses, ledger=ledger, **extra,
+    result = dict(ok=True, losses=losses, ref_losses=ref_losses, ledger=ledger, **extra,
                 max_rel_loss=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
                 max_weight_diff=max(float((state[k] - ref_state[k]).abs().max())
                                     for k in ref_state),
@@ -274,6 +274,10 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
                 # what one forward all-gathers over z: every z-sharded module's block
                 forward_gather_bytes=sum(m.block_shape[0] * m.block_shape[1] * 4
                                          for m in pmodel.engine.sharded) if shape.z > 1 else 0)
+    if check["name"] == "blockllm":  # last: its selection step changes the state read above
+        result["own_collectives"] = own_collectives(method, "adamw", pmodel, tcfg, data[0],
+                                                    cfg, shape)
+    return result
 
 
 def own_collectives(method, baseline: str, pmodel, tcfg: TrainConfig, micro, cfg,
@@ -294,8 +298,21 @@ def own_collectives(method, baseline: str, pmodel, tcfg: TrainConfig, micro, cfg
 
     while getattr(method, "gap", 0) and method.steps_done % method.gap == 0:
         method.step(pmodel, StepData(len(local), losses), 0.0)  # the next must not refresh
+    frozen_vectors = 0
+    if method.name == "blockllm":  # a selection's step (the planner's): every candidate trains
+        method.selecting_next = True
+        candidates = {id(c.view.param) for c in method.cands}
+        frozen = [p for p in pmodel.parameters() if id(p) not in candidates]
+        assert all(p.dim() == 1 for p in frozen)  # the frozen key biases
+        frozen_vectors = len(frozen)
+
+    def baseline_method():
+        if method.name == "blockllm":  # the selection left only the chosen tensors trainable
+            method._set_trainable(True)
+        return build_method(pmodel, TrainConfig(optimizer=baseline))
+
     ledgers = []
-    for make in (lambda: method, lambda: build_method(pmodel, TrainConfig(optimizer=baseline))):
+    for make in (lambda: method, baseline_method):
         m = make()  # the baseline after the method's step: a fused one takes over the hook
         pmodel.ledger.reset()
         m.step(pmodel, StepData(len(local), losses), 0.0)
@@ -306,9 +323,19 @@ def own_collectives(method, baseline: str, pmodel, tcfg: TrainConfig, micro, cfg
     for c in method_collectives(cfg, shape, tcfg):
         predicted[c.axis] += c.nbytes * c.calls
         predicted_calls[c.axis] += c.calls
-    return {"measured": {a: own[a] - base[a] for a in predicted},
-            "measured_calls": {a: own_calls.get(a, 0) - base_calls.get(a, 0)
-                               for a in predicted},
+    measured = {a: own[a] - base[a] for a in predicted}
+    measured_calls = {a: own_calls.get(a, 0) - base_calls.get(a, 0) for a in predicted}
+    if method.name == "blockllm":
+        # one all-reduce over the tensor group (the ledger's "all"), which the planner charges
+        # on each of its axes in turn: each axis of it that splits carries the whole of it; the
+        # planner counts every vector a candidate, the test freezes some (their 8 bytes each)
+        tensor = own.get("all", 0) - base.get("all", 0) + 8 * frozen_vectors
+        tensor_calls = own_calls.get("all", 0) - base_calls.get("all", 0) + frozen_vectors
+        for a in predicted:
+            if getattr(shape, a) > 1:
+                measured[a] += tensor
+                measured_calls[a] += tensor_calls
+    return {"measured": measured, "measured_calls": measured_calls,
             "predicted": predicted, "predicted_calls": predicted_calls}
 
 

@@ -289,6 +289,7 @@ def check_subset_method(r: dict) -> None:
             every = r["check"]["steps"] * r["param_bytes"]
             assert 0 < r["ledger"]["data"] <= every, f"{label}: {r['ledger']} vs {every}"
         check_blockllm_selection(r, label)
+        check_own_collectives(r, label)
     else:  # rank-16 moments of 64-wide matrices, plus the projections
         assert r["max_weight_diff"] < 0.2 * SUBSET_LR, f"{label}: {r['max_weight_diff']}"
         assert 0 < r["state_bytes"] < 0.6 * adamw_state, label
@@ -297,9 +298,9 @@ def check_subset_method(r: dict) -> None:
 
 
 def check_own_collectives(r: dict, label: str) -> None:
-    """A method's own collectives in a step (GaLore's ledger less an AdamW step's, AdaLomo's
-    less a LOMO step's; lean_worker.own_collectives): what the planner's step time charges it
-    (plan/perf.py method_collectives), bytes and calls per axis."""
+    """A method's own collectives in a step (GaLore's and a BlockLLM selection's ledger less an
+    AdamW step's, AdaLomo's less a LOMO step's; lean_worker.own_collectives): what the
+    planner's step time charges it (plan/perf.py method_collectives), bytes and calls per axis."""
     own = r["own_collectives"]
     assert own["measured"] == own["predicted"], f"{label}: {own}"
     assert own["measured_calls"] == own["predicted_calls"], f"{label}: {own}"

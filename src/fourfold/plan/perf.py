@@ -247,6 +247,11 @@ EIGH_FLOPS_PER_CUBE = 9.0
 EIGH_RATE_OF_GEMM = 0.36
 
 
+# BlockLLM's row norms at a selection: each gradient read, widened to float64 (written), squared
+# in place (read, written) and summed (read): 4 + 8 + 16 + 8 bytes an element
+ROW_NORM_BYTES_PER_ELEMENT = 36
+
+
 @dataclass(frozen=True)
 class MethodCost:
     """How a training method's step differs from AdamW's, for `predict_step`."""
@@ -275,9 +280,11 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
     clip_mode = two_pass a whole forward + backward more. mezo: two forwards and three noise
     passes (+eps, -2 eps, then back and the update in one). es: the members a data replica evaluates
     (ceil(population / data)) and 3 x population noise passes (every rank perturbs and
-    restores every member, then rebuilds the update from all seeds). blockllm: AdamW's update
-    on the selected fraction (1 - block_sparsity); its backward is AdamW's, an upper bound (a
-    tensor with no selected row skips its dW GEMM; which ones depends on the selection).
+    restores every member, then rebuilds the update from all seeds). blockllm: a selection
+    every step (an upper bound; block_patience = 1, the default, reselects after most steps):
+    AdamW's backward (every candidate trainable), each gradient's row norms in float64, and
+    AdamW's update on the selected fraction (1 - block_sparsity); the choice itself (a sort of
+    the rows at each hand-off, on the host) is not counted.
     galore: per matrix the projection P^T G and the update P N(R) (two GEMMs of rank r over
     the local shard), Adam on R, the weights read and written, plain AdamW for vectors, and
     a refresh (Gram in float64 and its eigh) every galore_gap steps, spread over them."""
@@ -300,8 +307,9 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
         members = -(-train.es_population // shape.data)
         return MethodCost(members, 1,
                           3 * train.es_population * _noise_seconds(numel, tensors, rates))
-    if name == "blockllm":
-        return MethodCost(0, 1, (1.0 - train.block_sparsity) * adamw_s)
+    if name == "blockllm":  # a selection every step (block_patience = 1 reselects after most)
+        norms_s = numel * ROW_NORM_BYTES_PER_ELEMENT / rates.elementwise_bytes_per_s
+        return MethodCost(0, 1, (1.0 - train.block_sparsity) * adamw_s + norms_s)
     if name == "galore":
         eb = precision.act_bytes
         update_s, vectors = 0.0, numel
@@ -347,8 +355,11 @@ def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig 
     all-reduce, every galore_gap steps, are not counted). adalomo: per matrix its row sums of
     g^2 all-reduced over the axes that split the columns and its column sums over those that
     split the rows, the mean of its row means, and per tensor the two sums of squares of its
-    RMS terms. Other methods: none (lomo's updates and mezo's / es's noise are local; es's
-    member losses and blockllm's norms are a few floats)."""
+    RMS terms. blockllm (a selection every step, as `method_cost`): per tensor its full rows'
+    norms (float64) all-reduced over the tensor group (x, y and z together; charged here as
+    one all-reduce over each of its axes in turn), each blocking the backward at its hand-off.
+    Other methods: none (lomo's updates and mezo's / es's noise are local; es's member losses
+    are a few floats)."""
     out: list[Collective] = []
     name = "adamw" if train is None else train.optimizer
 
@@ -366,6 +377,12 @@ def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig 
             add(rows + cols, "all_reduce", 8)  # sums of squares of u and w
         for axes in _vector_axes(model):
             add(axes, "all_reduce", 8)
+        return out
+    if name == "blockllm":
+        for m, _, _, _ in matrix_layouts(model):
+            add(("x", "y", "z"), "all_reduce", 8 * m)
+        for _ in _vector_axes(model):  # a vector is one row
+            add(("x", "y", "z"), "all_reduce", 8)
         return out
     if name != "galore":
         return out

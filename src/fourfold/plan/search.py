@@ -105,8 +105,9 @@ STEP_TIME_NOTES: dict[str, str] = {
             "on the cpu machine, modelled on GPUs)",
     "es": "step time: es's forwards (population / data per replica) and 3 x population noise "
           "passes (the noise's cost is probed on the cpu machine, modelled on GPUs)",
-    "blockllm": "step time: AdamW's backward with every dW GEMM, an upper bound (tensors with "
-                "no selected row skip theirs), and the selected rows' update",
+    "blockllm": "step time: a selection every step, an upper bound: AdamW's backward with "
+                "every dW GEMM, every gradient's row norms (all-reduced over the tensor axes "
+                "at each hand-off) and the selected rows' update",
     "galore": "step time: forward + backward, galore's projections, and its refresh spread "
               "over galore_gap steps",
 }
