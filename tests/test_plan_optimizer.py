@@ -185,11 +185,11 @@ def test_step_time_is_each_methods_own():
     assert lomo.step_s < adamw.step_s
     assert two.step_s > 1.9 * (lomo.step_s - (adamw.compute_s - lomo.compute_s))
     assert two.hfu == pytest.approx(lomo.hfu, rel=0.01)  # twice the work in twice the time
-    # blockllm, a selection every step: AdamW's passes, every gradient's row norms (about one
-    # more AdamW update's traffic) and the selected fraction of AdamW's update
+    # blockllm, a selection every step: AdamW's passes, every gradient's row norms (on a GPU
+    # mostly their launches: a few per tensor) and the selected fraction of AdamW's update
     sparse, half = _step("blockllm"), _step("blockllm", block_sparsity=0.5)
     update = adamw.compute_s - lomo.compute_s  # AdamW's update less LOMO's
-    assert adamw.step_s - update < sparse.step_s < half.step_s < adamw.step_s + 2 * update
+    assert adamw.step_s - update < sparse.step_s < half.step_s < 1.15 * adamw.step_s
     # galore: AdamW's passes plus two rank-r GEMMs per matrix: at 4 x 256 tokens the
     # projections are a third of the passes' GEMMs; a refresh every step costs more
     galore = _step("galore")

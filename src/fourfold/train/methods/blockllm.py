@@ -47,6 +47,7 @@ from torch import nn
 from fourfold.config import TrainConfig
 from fourfold.parallel import Axis, Layout
 from fourfold.train.methods.adamw import backward_pass
+from fourfold.train.methods.noise import chunk_elements
 from fourfold.train.methods.base import (CHUNK_ELEMENTS, Guard, ParamView, StepData, StepResult,
                                          TrainingMethod, arm_on_last_micro_step, check_meta,
                                          live_grad_bytes, on_final_gradients, padded_dims,
@@ -95,9 +96,10 @@ def candidates(views: list[ParamView], grid: Any) -> list[Candidate]:
 
 def row_norms_sq(rows: torch.Tensor, replicas: int) -> torch.Tensor:
     """This shard's part of each row's squared norm (float64; `replicas` ranks hold each
-    element, so it is counted once over them), in blocks of about CHUNK_ELEMENTS: no float64
-    copy of the whole shard."""
-    step = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
+    element, so it is counted once over them), in blocks of about chunk_elements (1 MiB on a
+    CPU, whose cache keeps it; 16 MiB on an accelerator, where each block's ~4 kernel launches
+    would otherwise weigh more than its bytes): no float64 copy of the whole shard."""
+    step = max(1, chunk_elements(rows.device) // max(1, rows.shape[1]))
     out = torch.empty(rows.shape[0], dtype=torch.float64, device=rows.device)
     for start in range(0, rows.shape[0], step):
         out[start:start + step] = rows[start:start + step].double().pow_(2).sum(1)
