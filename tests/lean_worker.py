@@ -326,15 +326,14 @@ def own_collectives(method, baseline: str, pmodel, tcfg: TrainConfig, micro, cfg
     measured = {a: own[a] - base[a] for a in predicted}
     measured_calls = {a: own_calls.get(a, 0) - base_calls.get(a, 0) for a in predicted}
     if method.name == "blockllm":
-        # one all-reduce over the tensor group (the ledger's "all"), which the planner charges
-        # on each of its axes in turn: each axis of it that splits carries the whole of it; the
-        # planner counts every vector a candidate, the test freezes some (their 8 bytes each)
-        tensor = own.get("all", 0) - base.get("all", 0) + 8 * frozen_vectors
-        tensor_calls = own_calls.get("all", 0) - base_calls.get("all", 0) + frozen_vectors
-        for a in predicted:
-            if getattr(shape, a) > 1:
-                measured[a] += tensor
-                measured_calls[a] += tensor_calls
+        # its all-reduces over the tensor group (the ledger's "all"), which the planner books
+        # on the group's innermost axis that splits; the planner counts every vector a
+        # candidate, the test freezes some (their 8 bytes each)
+        axis = next((a for a in ("x", "y", "z") if getattr(shape, a) > 1), None)
+        if axis is not None:
+            measured[axis] += own.get("all", 0) - base.get("all", 0) + 8 * frozen_vectors
+            measured_calls[axis] += (own_calls.get("all", 0) - base_calls.get("all", 0)
+                                     + frozen_vectors)
     return {"measured": measured, "measured_calls": measured_calls,
             "predicted": predicted, "predicted_calls": predicted_calls}
 

@@ -149,10 +149,10 @@ def collective_seconds(c: Collective, shape: GridShape, machine: Machine,
     and each rank sends the whole buffer up and receives it down (2 x nbytes over the same
     bandwidth). All-gather and reduce-scatter stay rings (PAT, NCCL >= 2.23's logarithmic
     algorithm for one rank per node, is not modelled)."""
-    p = getattr(shape, c.axis)
+    p = c.group_size or getattr(shape, c.axis)
     if calibration is not None:
         return calibration.collective_seconds(c.op, p, c.nbytes)
-    bw = machine.bandwidth_gbps(p, shape.stride(c.axis)) * 1e9
+    bw = machine.bandwidth_gbps(p, 1 if c.group_size else shape.stride(c.axis)) * 1e9
     latency = machine.network.latency_us * 1e-6
     steps = 2 * (p - 1) if c.op == "all_reduce" else p - 1
     ring = ring_volume(c.op, p, c.nbytes) / bw + steps * latency
@@ -361,8 +361,8 @@ def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig 
     g^2 all-reduced over the axes that split the columns and its column sums over those that
     split the rows, the mean of its row means, and per tensor the two sums of squares of its
     RMS terms. blockllm (a selection every step, as `method_cost`): per tensor its full rows'
-    norms (float64) all-reduced over the tensor group (x, y and z together; charged here as
-    one all-reduce over each of its axes in turn), each blocking the backward at its hand-off.
+    norms (float64) all-reduced over the tensor group (x, y and z together, booked on the
+    innermost of them that splits), each blocking the backward at its hand-off.
     Other methods: none (lomo's updates and mezo's / es's noise are local; es's member losses
     are a few floats)."""
     out: list[Collective] = []
@@ -384,10 +384,13 @@ def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig 
             add(axes, "all_reduce", 8)
         return out
     if name == "blockllm":
-        for m, _, _, _ in matrix_layouts(model):
-            add(("x", "y", "z"), "all_reduce", 8 * m)
-        for _ in _vector_axes(model):  # a vector is one row
-            add(("x", "y", "z"), "all_reduce", 8)
+        tensor = shape.x * shape.y * shape.z
+        axis = next((a for a in ("x", "y", "z") if getattr(shape, a) > 1), None)
+        if axis is not None:  # one all-reduce over the tensor group for each tensor's rows
+            rows = [m for m, _, _, _ in matrix_layouts(model)] + [1] * len(_vector_axes(model))
+            for m in sorted(set(rows)):
+                out.append(Collective(axis, "all_reduce", 8 * m, rows.count(m), "step_method",
+                                      group_size=tensor))
         return out
     if name != "galore":
         return out

@@ -42,6 +42,10 @@ class Collective:
     nbytes: int  # per rank, the buffer as the ledger counts it
     calls: int  # how many times per optimizer step
     phase: Phase
+    # ranks in the group where it spans more than `axis` (0: the axis's own): blockllm's
+    # all-reduces over the tensor group, x * y * z consecutive ranks, booked on its innermost
+    # axis that splits
+    group_size: int = 0
 
 
 @dataclass(frozen=True)
