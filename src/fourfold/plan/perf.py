@@ -253,6 +253,16 @@ EIGH_RATE_OF_GEMM = 0.36
 # them). On GPUs its chunks are the noise's (NOISE_GPU_CHUNK_ELEMENTS), ~4 launches each.
 ROW_NORM_BYTES_PER_ELEMENT = 20
 ROW_NORM_OPS_PER_CHUNK = 4
+# BlockLLM's streamed choice (blockllm.choose_rows) on the host at each hand-off: the rows held so
+# far and the new tensor's ranked again. Measured on this project's 2-core CPU host (2 threads):
+# 0.15 ms a call, 18 us a tensor seen, 170 ns a row ranked (1M rows in 176 ms)
+CHOOSE_S_PER_CALL = 1.5e-4
+CHOOSE_S_PER_TENSOR = 1.8e-5
+CHOOSE_S_PER_ROW = 1.7e-7
+# ... and once the budget is full, the held gradients of the tensors that lost rows compacted at
+# each hand-off: about a third of the held bytes (fitted here: a selection's compaction took
+# 0.02 s on 15m and 0.39 s on 125m, one process)
+CHOICE_COPIED_SHARE = 0.35
 
 
 @dataclass(frozen=True)
@@ -286,8 +296,8 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
     restores every member, then rebuilds the update from all seeds). blockllm: a selection
     every step (an upper bound; block_patience = 1, the default, reselects after most steps):
     AdamW's backward (every candidate trainable), each gradient's row norms in float64, and
-    AdamW's update on the selected fraction (1 - block_sparsity); the choice itself (a sort of
-    the rows at each hand-off, on the host) is not counted.
+    AdamW's update on the selected fraction (1 - block_sparsity), and the choice's ranking of
+    rows at each hand-off on the host (`blockllm_choice_seconds`).
     galore: per matrix the projection P^T G and the update P N(R) (two GEMMs of rank r over
     the local shard), Adam on R, the weights read and written, plain AdamW for vectors, and
     a refresh (Gram in float64 and its eigh) every galore_gap steps, spread over them."""
@@ -314,7 +324,9 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
         norms_s = max(numel * ROW_NORM_BYTES_PER_ELEMENT / rates.bytes_per_s,
                       (numel / NOISE_GPU_CHUNK_ELEMENTS + tensors) * ROW_NORM_OPS_PER_CHUNK
                       * rates.op_overhead_s)
-        return MethodCost(0, 1, (1.0 - train.block_sparsity) * adamw_s + norms_s)
+        return MethodCost(0, 1, (1.0 - train.block_sparsity) * adamw_s + norms_s
+                          + blockllm_choice_seconds(model, train.block_sparsity,
+                                                    rates.bytes_per_s))
     if name == "galore":
         eb = precision.act_bytes
         update_s, vectors = 0.0, numel
@@ -337,6 +349,40 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
                 + (gram + eigh) / train.galore_gap
         return MethodCost(0, 1, update_s + vectors * adamw_bytes / rates.bytes_per_s)
     raise ValueError(f"train.optimizer = {name!r}: no step-time model for it")
+
+
+def blockllm_choice_seconds(model: ModelConfig, sparsity: float, bytes_per_s: float) -> float:
+    """BlockLLM's streamed choice in one selection (the same on every rank: it ranks full
+    rows): at each hand-off, in backward order, the rows of the choice so far and the new
+    tensor's are ranked again on the host (the choice holds every row seen until the budget,
+    (1 - sparsity) of the elements, is reached, then the budget's share of them), and once
+    more all rows at the end; once the budget is full, each hand-off compacts the held
+    gradients of the tensors that lost rows (float32, read and written), CHOICE_COPIED_SHARE
+    of the held bytes."""
+    forward: list[tuple[int, int]] = [(model.vocab_size, model.dim)]  # (rows, row size)
+    for _ in range(model.n_layers):
+        forward.append((1, model.dim))  # a norm's gain is one row
+        for i, lin in enumerate(block_linears(model)):
+            if i == 4:
+                forward.append((1, model.dim))
+            forward.append((lin.out_features, lin.in_features))
+            if model.bias:
+                forward.append((1, lin.out_features))
+    forward.append((1, model.dim))
+    if not model.tie_embeddings:
+        forward.append((model.vocab_size, model.dim))
+    budget = (1.0 - sparsity) * sum(rows * size for rows, size in forward)
+    seconds, seen_rows, seen_elements = 0.0, 0, 0
+    for count, (rows, size) in enumerate(reversed(forward), start=1):
+        held = seen_rows if seen_elements <= budget else seen_rows * budget / seen_elements
+        seconds += CHOOSE_S_PER_CALL + CHOOSE_S_PER_TENSOR * count \
+            + CHOOSE_S_PER_ROW * (held + rows)
+        if seen_elements + rows * size > budget:
+            seconds += CHOICE_COPIED_SHARE * 8 * min(seen_elements, budget) / bytes_per_s
+        seen_rows += rows
+        seen_elements += rows * size
+    return seconds + CHOOSE_S_PER_CALL + CHOOSE_S_PER_TENSOR * len(forward) \
+        + CHOOSE_S_PER_ROW * seen_rows
 
 
 def _vector_axes(model: ModelConfig) -> list[tuple[str, ...]]:
