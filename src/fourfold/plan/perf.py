@@ -295,9 +295,9 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
     (ceil(population / data)) and 3 x population noise passes (every rank perturbs and
     restores every member, then rebuilds the update from all seeds). blockllm: a selection
     every step (an upper bound; block_patience = 1, the default, reselects after most steps):
-    AdamW's backward (every candidate trainable), each gradient's row norms in float64, and
-    AdamW's update on the selected fraction (1 - block_sparsity), and the choice's ranking of
-    rows at each hand-off on the host (`blockllm_choice_seconds`).
+    AdamW's backward (every candidate trainable), each gradient's row norms in float64,
+    AdamW's update on the selected fraction (1 - block_sparsity) and the choice's work at each
+    hand-off (`blockllm_choice_seconds`).
     galore: per matrix the projection P^T G and the update P N(R) (two GEMMs of rank r over
     the local shard), Adam on R, the weights read and written, plain AdamW for vectors, and
     a refresh (Gram in float64 and its eigh) every galore_gap steps, spread over them."""
