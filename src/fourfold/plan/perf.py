@@ -255,10 +255,11 @@ ROW_NORM_BYTES_PER_ELEMENT = 20
 ROW_NORM_OPS_PER_CHUNK = 4
 # BlockLLM's streamed choice (blockllm.choose_rows) on the host at each hand-off: the rows held so
 # far and the new tensor's ranked again. Measured on this project's 2-core CPU host (2 threads):
-# 0.15 ms a call, 18 us a tensor seen, 170 ns a row ranked (1M rows in 176 ms)
+# about 0.15 ms a call, 7 us a tensor seen, 150 ns a row ranked (1M rows in 154 ms; small
+# calls' rows, in cache, cost less)
 CHOOSE_S_PER_CALL = 1.5e-4
-CHOOSE_S_PER_TENSOR = 1.8e-5
-CHOOSE_S_PER_ROW = 1.7e-7
+CHOOSE_S_PER_TENSOR = 7e-6
+CHOOSE_S_PER_ROW = 1.5e-7
 # ... and once the budget is full, the held gradients of the tensors that lost rows compacted at
 # each hand-off: about a third of the held bytes (fitted here: a selection's compaction took
 # 0.02 s on 15m and 0.39 s on 125m, one process)

@@ -119,10 +119,9 @@ def choose_rows(norms: list[torch.Tensor | None], sizes: list[int], budget: floa
     ids = [rows[i] if rows is not None and rows[i] is not None else torch.arange(norms[i].numel())
            for i in range(len(norms)) if norms[i] is not None]
     flat = torch.cat([norms[i].cpu() for i in seen])
-    owner = torch.cat([torch.full((norms[i].numel(),), i) for i in seen])
-    row = torch.cat(ids)
+    numels = [norms[i].numel() for i in seen]
     size = torch.tensor([float(sizes[i]) for i in seen], dtype=torch.float64)
-    size = torch.repeat_interleave(size, torch.tensor([norms[i].numel() for i in seen]))
+    size = torch.repeat_interleave(size, torch.tensor(numels))
     order = torch.sort(flat, descending=True, stable=True).indices
     fits = size[order] <= budget
     if fits.any():
@@ -130,12 +129,14 @@ def choose_rows(norms: list[torch.Tensor | None], sizes: list[int], budget: floa
         order = order[torch.cumsum(size[order], 0) <= budget]
     else:
         order = order[:1]
-    # sorted by (tensor, row), then cut into the tensors' parts
-    width = int(row.max()) + 1 if row.numel() else 1
-    key = torch.sort(owner[order] * width + row[order]).values
-    counts = torch.bincount(key // width, minlength=len(norms)).tolist()
-    parts = torch.split(key % width, counts)
-    return [part if n is not None else None for part, n in zip(parts, norms)]
+    # a mask over the blocks in (tensor, row) order, cut into the tensors' parts: each part's
+    # rows stay sorted, with no second sort
+    chosen = torch.zeros(flat.numel(), dtype=torch.bool)
+    chosen[order] = True
+    out: list[torch.Tensor | None] = [None] * len(norms)
+    for i, ids_i, mask in zip(seen, ids, torch.split(chosen, numels)):
+        out[i] = ids_i[mask]
+    return out
 
 class BlockLLM(TrainingMethod):
     name = "blockllm"
