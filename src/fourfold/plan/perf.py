@@ -352,6 +352,23 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
     raise ValueError(f"train.optimizer = {name!r}: no step-time model for it")
 
 
+def _tensor_rows(model: ModelConfig) -> list[tuple[int, int]]:
+    """(full rows, row size) of every parameter tensor in forward order, as BlockLLM sees its
+    blocks: a matrix's rows, a vector (a norm's gain, a bias) as one row."""
+    out = [(model.vocab_size, model.dim)]
+    for _ in range(model.n_layers):
+        for lin in block_linears(model):
+            if lin.name in ("q", "gate"):  # the attention's and the ffn's norm before them
+                out.append((1, model.dim))
+            out.append((lin.out_features, lin.in_features))
+            if model.bias:
+                out.append((1, lin.out_features))
+    out.append((1, model.dim))
+    if not model.tie_embeddings:
+        out.append((model.vocab_size, model.dim))
+    return out
+
+
 def blockllm_choice_seconds(model: ModelConfig, sparsity: float, bytes_per_s: float) -> float:
     """BlockLLM's streamed choice in one selection (the same on every rank: it ranks full
     rows): at each hand-off, in backward order, the rows of the choice so far and the new
@@ -360,18 +377,7 @@ def blockllm_choice_seconds(model: ModelConfig, sparsity: float, bytes_per_s: fl
     more all rows at the end; once the budget is full, each hand-off compacts the held
     gradients of the tensors that lost rows (float32, read and written), CHOICE_COPIED_SHARE
     of the held bytes."""
-    forward: list[tuple[int, int]] = [(model.vocab_size, model.dim)]  # (rows, row size)
-    for _ in range(model.n_layers):
-        forward.append((1, model.dim))  # a norm's gain is one row
-        for i, lin in enumerate(block_linears(model)):
-            if i == 4:
-                forward.append((1, model.dim))
-            forward.append((lin.out_features, lin.in_features))
-            if model.bias:
-                forward.append((1, lin.out_features))
-    forward.append((1, model.dim))
-    if not model.tie_embeddings:
-        forward.append((model.vocab_size, model.dim))
+    forward = _tensor_rows(model)
     budget = (1.0 - sparsity) * sum(rows * size for rows, size in forward)
     seconds, seen_rows, seen_elements = 0.0, 0, 0
     for count, (rows, size) in enumerate(reversed(forward), start=1):
@@ -434,7 +440,7 @@ def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig 
         tensor = shape.x * shape.y * shape.z
         axis = next((a for a in ("x", "y", "z") if getattr(shape, a) > 1), None)
         if axis is not None:  # one all-reduce over the tensor group for each tensor's rows
-            rows = [m for m, _, _, _ in matrix_layouts(model)] + [1] * len(_vector_axes(model))
+            rows = [m for m, _ in _tensor_rows(model)]
             for m in sorted(set(rows)):
                 out.append(Collective(axis, "all_reduce", 8 * m, rows.count(m), "step_method",
                                       group_size=tensor))

@@ -47,11 +47,11 @@ from torch import nn
 from fourfold.config import TrainConfig
 from fourfold.parallel import Axis, Layout
 from fourfold.train.methods.adamw import backward_pass
-from fourfold.train.methods.noise import chunk_elements
 from fourfold.train.methods.base import (CHUNK_ELEMENTS, Guard, ParamView, StepData, StepResult,
                                          TrainingMethod, arm_on_last_micro_step, check_meta,
                                          live_grad_bytes, on_final_gradients, padded_dims,
                                          param_views, reduce_loss)
+from fourfold.train.methods.noise import chunk_elements
 
 EPS = 1e-8  # AdamW's, as train/optim.build_optimizer
 
