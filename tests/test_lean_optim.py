@@ -259,7 +259,7 @@ ADALOMO_CHECKS = [{"name": "adalomo", "steps": 20, "train": {"lr": 1e-2}},
 # whatever the noise's size: it stays frozen, as its grid-vs-one-process noise is no test
 SUBSET_LR = 3e-3
 BLOCKLLM = {"name": "blockllm", "steps": 20, "freeze": ["k_proj.bias"],
-            "train": {"lr": SUBSET_LR, "block_sparsity": 0.6, "block_patience": 1}}
+            "train": {"lr": SUBSET_LR, "block_sparsity": 0.8, "block_patience": 1}}
 GALORE = {"name": "galore", "steps": 20, "freeze": ["k_proj.bias"],
           "train": {"lr": SUBSET_LR, "galore_gap": 5}}
 
@@ -279,10 +279,10 @@ def check_subset_method(r: dict) -> None:
     adamw_state = 2 * r["param_bytes"]
     if r["check"]["name"] == "blockllm":
         assert r["meta"]["reselections"] >= 5, f"{label}: {r['meta']}"
-        # moments and a step count for each selected row this rank holds (40% of the
+        # moments and a step count for each selected row this rank holds (20% of the
         # elements; a little more of a rank's shards, which hold replicated vectors whole)
         assert r["state_bytes"] == 8 * r["selected_local"][0] + 4 * r["selected_local"][1], label
-        assert 0 < r["state_bytes"] <= 0.45 * adamw_state, label
+        assert 0 < r["state_bytes"] <= 0.25 * adamw_state, label
         # a tensor with a chosen row reduces its whole shard gradient, one with none nothing:
         # never more than every gradient every step
         if r["shape"][0] > 1:
@@ -347,10 +347,11 @@ def check_blockllm_selection(r: dict, label: str) -> None:
                 assert close(a["norms"][name], b["norms"][name], 1e-12), f"{label} {new} {name}"
     assert close(r["losses"], r["full_losses"], 1e-12), label
     assert close(r["ref_losses"], r["full_ref_losses"], 1e-12), label
-    # the full-backward selection holds every gradient; the streamed one the rows of 40% of
-    # the elements and the tensor being handed off; with data > 1 also what waits for the data
-    # all-reduce: a bucket being filled and one in flight, 0.05 MiB each, about a fifth
-    # of a rank's gradients on x = 2
+    # the full-backward selection holds every gradient; the streamed one the rows of 20% of
+    # the elements (up to 5% more before it ranks them) and the tensor being handed off; with
+    # data > 1 also what waits for the data all-reduce: a bucket being filled and one in
+    # flight, 0.05 MiB each, about a fifth of a rank's gradients on x = 2 (at sparsity 0.6
+    # that made every gradient of the 4-rank data x x grid alive at once)
     assert r["full_selection_grad_fraction"] == pytest.approx(1.0), label
     bound = 0.85 if r["shape"][0] == 1 else 0.98
     assert 0 < r["selection_grad_fraction"] < bound, f"{label}: {r['selection_grad_fraction']}"

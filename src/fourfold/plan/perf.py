@@ -30,8 +30,8 @@ from fourfold.parallel.embedding import uses_blocked_loss
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.parallel.linear import split_rows
 from fourfold.plan.machines import HostCalibration, Machine, ring_volume
-from fourfold.plan.memory import (GALORE_CHUNK_BYTES, Precision, axes_parts, galore_rank,
-                                  matrix_layouts)
+from fourfold.plan.memory import (BLOCKLLM_HOLD_SLACK, GALORE_CHUNK_BYTES, Precision,
+                                  axes_parts, galore_rank, matrix_layouts)
 from fourfold.plan.schedule import Collective, block_linears, collective_schedule, local_param_numel
 
 
@@ -253,17 +253,17 @@ EIGH_RATE_OF_GEMM = 0.36
 # them). On GPUs its chunks are the noise's (NOISE_GPU_CHUNK_ELEMENTS), ~4 launches each.
 ROW_NORM_BYTES_PER_ELEMENT = 20
 ROW_NORM_OPS_PER_CHUNK = 4
-# BlockLLM's streamed choice (blockllm.choose_rows) on the host at each hand-off: the rows held so
-# far and the new tensor's ranked again. Measured on this project's 2-core CPU host (2 threads):
-# about 0.15 ms a call, 7 us a tensor seen, 150 ns a row ranked (1M rows in 154 ms; small
-# calls' rows, in cache, cost less)
+# BlockLLM's streamed choice (blockllm.choose_rows) on the host, each time the held rows outgrow
+# the budget by BLOCKLLM_HOLD_SLACK and once at the end over every row. Measured on this
+# project's 2-core CPU host (2 threads): about 0.15 ms a call, 7 us a tensor, 150 ns a row
+# ranked (1M rows in 154 ms; small calls' rows, in cache, cost less)
 CHOOSE_S_PER_CALL = 1.5e-4
 CHOOSE_S_PER_TENSOR = 7e-6
 CHOOSE_S_PER_ROW = 1.5e-7
-# ... and once the budget is full, the held gradients of the tensors that lost rows compacted at
-# each hand-off: about a third of the held bytes (fitted here: a selection's compaction took
-# 0.02 s on 15m and 0.39 s on 125m, one process)
-CHOICE_COPIED_SHARE = 0.35
+# ... and at each ranking the held gradients of the tensors that lost rows compacted (their kept
+# rows gathered, float32, read and written): about this share of the budget's bytes a ranking
+# (counted: 0.64 on 125m, 0.63 on 15m, one process; 0.11 s a selection on 125m)
+CHOICE_COPIED_SHARE = 0.64
 
 
 @dataclass(frozen=True)
@@ -327,7 +327,8 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
                       * rates.op_overhead_s)
         return MethodCost(0, 1, (1.0 - train.block_sparsity) * adamw_s + norms_s
                           + blockllm_choice_seconds(model, train.block_sparsity,
-                                                    rates.bytes_per_s))
+                                                    rates.bytes_per_s,
+                                                    shape.x * shape.y * shape.z))
     if name == "galore":
         eb = precision.act_bytes
         update_s, vectors = 0.0, numel
@@ -369,27 +370,31 @@ def _tensor_rows(model: ModelConfig) -> list[tuple[int, int]]:
     return out
 
 
-def blockllm_choice_seconds(model: ModelConfig, sparsity: float, bytes_per_s: float) -> float:
-    """BlockLLM's streamed choice in one selection (the same on every rank: it ranks full
-    rows): at each hand-off, in backward order, the rows of the choice so far and the new
-    tensor's are ranked again on the host (the choice holds every row seen until the budget,
-    (1 - sparsity) of the elements, is reached, then the budget's share of them), and once
-    more all rows at the end; once the budget is full, each hand-off compacts the held
-    gradients of the tensors that lost rows (float32, read and written), CHOICE_COPIED_SHARE
-    of the held bytes."""
+def blockllm_choice_seconds(model: ModelConfig, sparsity: float, bytes_per_s: float,
+                            shards: int = 1) -> float:
+    """BlockLLM's streamed choice in one selection, in seconds: in backward order each
+    tensor's gradient is held whole until the held elements exceed the budget ((1 - sparsity)
+    of them) by BLOCKLLM_HOLD_SLACK of all; then the held rows are ranked on the host (full
+    rows: the same on every rank) and the held gradients of the tensors that lost rows are
+    compacted to the budget (CHOICE_COPIED_SHARE of its bytes, float32, read and written,
+    split over the `shards` ranks that split each tensor); at the end every row is ranked
+    once more and the held gradients compacted."""
     forward = _tensor_rows(model)
-    budget = (1.0 - sparsity) * sum(rows * size for rows, size in forward)
-    seconds, seen_rows, seen_elements = 0.0, 0, 0
-    for count, (rows, size) in enumerate(reversed(forward), start=1):
-        held = seen_rows if seen_elements <= budget else seen_rows * budget / seen_elements
-        seconds += CHOOSE_S_PER_CALL + CHOOSE_S_PER_TENSOR * count \
-            + CHOOSE_S_PER_ROW * (held + rows)
-        if seen_elements + rows * size > budget:
-            seconds += CHOICE_COPIED_SHARE * 8 * min(seen_elements, budget) / bytes_per_s
-        seen_rows += rows
-        seen_elements += rows * size
+    total = sum(rows * size for rows, size in forward)
+    budget = (1.0 - sparsity) * total
+    limit = budget + BLOCKLLM_HOLD_SLACK * total
+    compact = CHOICE_COPIED_SHARE * 8 * budget / shards / bytes_per_s
+    seconds, held_rows, held_elements, held_tensors = 0.0, 0.0, 0.0, 0
+    for rows, size in reversed(forward):
+        held_rows, held_elements, held_tensors = held_rows + rows, held_elements + rows * size, \
+            held_tensors + 1
+        if held_elements > limit:  # ranked, and cut to the budget (rows in proportion)
+            seconds += CHOOSE_S_PER_CALL + CHOOSE_S_PER_TENSOR * held_tensors \
+                + CHOOSE_S_PER_ROW * held_rows + compact
+            held_rows *= budget / held_elements
+            held_elements = budget
     return seconds + CHOOSE_S_PER_CALL + CHOOSE_S_PER_TENSOR * len(forward) \
-        + CHOOSE_S_PER_ROW * seen_rows
+        + CHOOSE_S_PER_ROW * sum(rows for rows, _ in forward) + compact
 
 
 def _vector_axes(model: ModelConfig) -> list[tuple[str, ...]]:
