@@ -260,10 +260,25 @@ ROW_NORM_OPS_PER_CHUNK = 4
 CHOOSE_S_PER_CALL = 1.5e-4
 CHOOSE_S_PER_TENSOR = 7e-6
 CHOOSE_S_PER_ROW = 1.5e-7
-# ... and at each ranking the held gradients of the tensors that lost rows compacted (their kept
-# rows gathered, float32, read and written): about this share of the budget's bytes a ranking
-# (counted: 0.64 on 125m, 0.63 on 15m, one process; 0.11 s a selection on 125m)
-CHOICE_COPIED_SHARE = 0.64
+# ... its gathers of rows: after the first ranking a tensor's rows at or above the floor (the
+# steepest row a ranking dropped) are gathered at its hand-off, CHOICE_FLOOR_PASS of its
+# elements (counted: 0.42 on 125m, 0.39 on 15m, one process); each ranking gathers the kept
+# rows of the held tensors that lost some, CHOICE_COPIED_SHARE of the budget (0.54 on 125m,
+# 0.58 on 15m); gathers ran at CHOICE_GATHER_RATE of the copy rate (0.22 on 125m: cold rows
+# into new blocks; 0.09 on 15m, where each call's bookkeeping weighs more)
+CHOICE_FLOOR_PASS = 0.4
+CHOICE_COPIED_SHARE = 0.55
+CHOICE_GATHER_RATE = 0.22
+
+
+@dataclass(frozen=True)
+class ChoiceWork:
+    """BlockLLM's choice in one selection, as `blockllm_choice_work` models it."""
+
+    rankings: int  # choose_rows calls
+    tensors: int  # tensors those calls ranked, summed over them
+    rows: float  # rows they ranked, summed
+    gathered: float  # elements gathered (float32), over all ranks of a tensor
 
 
 @dataclass(frozen=True)
@@ -370,31 +385,45 @@ def _tensor_rows(model: ModelConfig) -> list[tuple[int, int]]:
     return out
 
 
-def blockllm_choice_seconds(model: ModelConfig, sparsity: float, bytes_per_s: float,
-                            shards: int = 1) -> float:
-    """BlockLLM's streamed choice in one selection, in seconds: in backward order each
-    tensor's gradient is held whole until the held elements exceed the budget ((1 - sparsity)
-    of them) by BLOCKLLM_HOLD_SLACK of all; then the held rows are ranked on the host (full
-    rows: the same on every rank) and the held gradients of the tensors that lost rows are
-    compacted to the budget (CHOICE_COPIED_SHARE of its bytes, float32, read and written,
-    split over the `shards` ranks that split each tensor); at the end every row is ranked
-    once more and the held gradients compacted."""
+def blockllm_choice_work(model: ModelConfig, sparsity: float) -> ChoiceWork:
+    """BlockLLM's streamed choice in one selection (blockllm.BlockLLM._on_grad_ready): in
+    backward order each tensor's gradient is held (whole until the first ranking, then its
+    rows at or above the floor: CHOICE_FLOOR_PASS of them, gathered) until the held elements
+    exceed the budget ((1 - sparsity) of them) by BLOCKLLM_HOLD_SLACK of all; then the held
+    rows are ranked (full rows: the same on every rank) and the held gradients cut to the
+    budget (CHOICE_COPIED_SHARE of it gathered; rows kept in proportion to elements); at the
+    end every row is ranked once more and the held gradients cut again."""
     forward = _tensor_rows(model)
     total = sum(rows * size for rows, size in forward)
     budget = (1.0 - sparsity) * total
     limit = budget + BLOCKLLM_HOLD_SLACK * total
-    compact = CHOICE_COPIED_SHARE * 8 * budget / shards / bytes_per_s
-    seconds, held_rows, held_elements, held_tensors = 0.0, 0.0, 0.0, 0
+    rankings, tensors, ranked, gathered = 0, 0, 0.0, 0.0
+    held_rows, held_elements, held_tensors, share = 0.0, 0.0, 0, 1.0
     for rows, size in reversed(forward):
-        held_rows, held_elements, held_tensors = held_rows + rows, held_elements + rows * size, \
-            held_tensors + 1
-        if held_elements > limit:  # ranked, and cut to the budget (rows in proportion)
-            seconds += CHOOSE_S_PER_CALL + CHOOSE_S_PER_TENSOR * held_tensors \
-                + CHOOSE_S_PER_ROW * held_rows + compact
+        if share < 1.0:
+            gathered += share * rows * size
+        held_rows += share * rows
+        held_elements += share * rows * size
+        held_tensors += 1
+        if held_elements > limit:
+            rankings, tensors, ranked = rankings + 1, tensors + held_tensors, ranked + held_rows
+            gathered += CHOICE_COPIED_SHARE * budget
             held_rows *= budget / held_elements
-            held_elements = budget
-    return seconds + CHOOSE_S_PER_CALL + CHOOSE_S_PER_TENSOR * len(forward) \
-        + CHOOSE_S_PER_ROW * sum(rows for rows, _ in forward) + compact
+            held_elements, share = budget, CHOICE_FLOOR_PASS
+    return ChoiceWork(rankings + 1, tensors + len(forward),
+                      ranked + sum(rows for rows, _ in forward),
+                      gathered + CHOICE_COPIED_SHARE * budget)
+
+
+def blockllm_choice_seconds(model: ModelConfig, sparsity: float, bytes_per_s: float,
+                            shards: int = 1) -> float:
+    """BlockLLM's choice in one selection, in seconds (`blockllm_choice_work`): its rankings on
+    the host and its gathers of rows (float32, read and written, at CHOICE_GATHER_RATE of
+    `bytes_per_s`, split over the `shards` ranks that split each tensor)."""
+    work = blockllm_choice_work(model, sparsity)
+    return CHOOSE_S_PER_CALL * work.rankings + CHOOSE_S_PER_TENSOR * work.tensors \
+        + CHOOSE_S_PER_ROW * work.rows \
+        + 8 * work.gathered / shards / (CHOICE_GATHER_RATE * bytes_per_s)
 
 
 def _vector_axes(model: ModelConfig) -> list[tuple[str, ...]]:
