@@ -285,8 +285,9 @@ def own_collectives(method, baseline: str, pmodel, tcfg: TrainConfig, micro, cfg
     """One step of `method` (GaLore: one without a refresh) against one step of `baseline`
     (AdamW for GaLore, LOMO for AdaLomo: the same model collectives) on the same model and
     batch: the ledger's difference per axis is the method's own, beside the planner's
-    `method_collectives` for this model and grid."""
-    from fourfold.plan.perf import method_collectives
+    `method_collectives` for this model and grid. GaLore: also a refresh step against the
+    step before it, beside `galore_refresh_collectives`."""
+    from fourfold.plan.perf import galore_refresh_collectives, method_collectives
     from fourfold.train.methods import StepData, batch_shard, build_method
 
     index, count = batch_shard(pmodel.grid, method.batch_axes)
@@ -311,18 +312,33 @@ def own_collectives(method, baseline: str, pmodel, tcfg: TrainConfig, micro, cfg
             method._set_trainable(True)
         return build_method(pmodel, TrainConfig(optimizer=baseline))
 
-    ledgers = []
-    for make in (lambda: method, baseline_method):
-        m = make()  # the baseline after the method's step: a fused one takes over the hook
+    def ledger_of_a_step(m) -> tuple[dict, dict]:
         pmodel.ledger.reset()
         m.step(pmodel, StepData(len(local), losses), 0.0)
-        ledgers.append((pmodel.ledger.snapshot(), dict(pmodel.ledger.calls)))
-    (own, own_calls), (base, base_calls) = ledgers
-    predicted = {a: 0 for a in ("x", "y", "z")}
-    predicted_calls = dict(predicted)
-    for c in method_collectives(cfg, shape, tcfg):
-        predicted[c.axis] += c.nbytes * c.calls
-        predicted_calls[c.axis] += c.calls
+        return pmodel.ledger.snapshot(), dict(pmodel.ledger.calls)
+
+    def per_axis(collectives) -> tuple[dict, dict]:
+        nbytes, calls = {a: 0 for a in ("x", "y", "z")}, {a: 0 for a in ("x", "y", "z")}
+        for c in collectives:
+            nbytes[c.axis] += c.nbytes * c.calls
+            calls[c.axis] += c.calls
+        return nbytes, calls
+
+    own, own_calls = ledger_of_a_step(method)
+    refresh = {}
+    if method.name == "galore":  # a refresh step against the step before it
+        method.steps_done += -method.steps_done % method.gap
+        new, new_calls = ledger_of_a_step(method)
+        refresh["predicted"], refresh["predicted_calls"] = per_axis(
+            galore_refresh_collectives(cfg, shape, tcfg))
+        refresh["measured"] = {a: new[a] - own[a] for a in refresh["predicted"]}
+        refresh["measured_calls"] = {a: new_calls.get(a, 0) - own_calls.get(a, 0)
+                                     for a in refresh["predicted"]}
+    # the baseline after the method's steps: a fused one takes over the hook
+    base, base_calls = ledger_of_a_step(baseline_method())
+    # what every step issues (galore's refresh collectives come every galore_gap steps)
+    predicted, predicted_calls = per_axis(c for c in method_collectives(cfg, shape, tcfg)
+                                          if c.every == 1)
     measured = {a: own[a] - base[a] for a in predicted}
     measured_calls = {a: own_calls.get(a, 0) - base_calls.get(a, 0) for a in predicted}
     if method.name == "blockllm":
@@ -335,7 +351,7 @@ def own_collectives(method, baseline: str, pmodel, tcfg: TrainConfig, micro, cfg
             measured_calls[axis] += (own_calls.get("all", 0) - base_calls.get("all", 0)
                                      + frozen_vectors)
     return {"measured": measured, "measured_calls": measured_calls,
-            "predicted": predicted, "predicted_calls": predicted_calls}
+            "predicted": predicted, "predicted_calls": predicted_calls, "refresh": refresh}
 
 
 def galore_refreshes(method, ref_method, pmodel) -> list[dict]:

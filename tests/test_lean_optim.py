@@ -300,11 +300,17 @@ def check_subset_method(r: dict) -> None:
 def check_own_collectives(r: dict, label: str) -> None:
     """A method's own collectives in a step (GaLore's and a BlockLLM selection's ledger less an
     AdamW step's, AdaLomo's less a LOMO step's; lean_worker.own_collectives): what the
-    planner's step time charges it (plan/perf.py method_collectives), bytes and calls per axis."""
+    planner's step time charges it (plan/perf.py method_collectives), bytes and calls per axis;
+    GaLore's refresh step less the step before it: plan/perf.py galore_refresh_collectives."""
     own = r["own_collectives"]
     assert own["measured"] == own["predicted"], f"{label}: {own}"
     assert own["measured_calls"] == own["predicted_calls"], f"{label}: {own}"
     assert (sum(own["measured"].values()) > 0) == (math.prod(r["shape"][1:]) > 1), label
+    if r["check"]["name"] == "galore":  # and a refresh's, beyond its other steps'
+        refresh = own["refresh"]
+        assert refresh["measured"] == refresh["predicted"], f"{label}: {refresh}"
+        assert refresh["measured_calls"] == refresh["predicted_calls"], f"{label}: {refresh}"
+        assert (sum(refresh["measured"].values()) > 0) == (math.prod(r["shape"][1:]) > 1), label
 
 
 def check_galore_refreshes(r: dict, label: str) -> None:

@@ -21,6 +21,7 @@ size, and overlap scaled down to what spare cores can hide (none when N >= cores
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -436,6 +437,44 @@ def _vector_axes(model: ModelConfig) -> list[tuple[str, ...]]:
     return out
 
 
+def galore_refresh_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig
+                               ) -> list[Collective]:
+    """GaLore's collectives on a refresh step beyond its other steps', per rank
+    (train/methods/galore.py small_side_gram and _projection): per matrix, its shard a chunk
+    of the long side at a time (GALORE_CHUNK_BYTES of the full small side s) all-gathered over
+    the axes that split the small side, innermost first; the lower triangle of the s x s
+    Gram (float64) all-reduced over each axis that splits the long side; and the new basis's
+    r columns' signs, the dot products of this rank's block of them (float32), all-reduced
+    over the axes that split the small side."""
+    out: list[Collective] = []
+
+    def add(axis: str, op: str, nbytes: int, calls: int = 1) -> None:
+        if getattr(shape, axis) > 1:
+            out.append(Collective(axis, op, nbytes, calls, "step_method"))  # type: ignore[arg-type]
+
+    for m, n, rows, cols in matrix_layouts(model):
+        r, left = galore_rank((m, n), train.galore_rank), m < n
+        small, long_ = (m, n) if left else (n, m)
+        small_axes, long_axes = (rows, cols) if left else (cols, rows)
+        small_l = small // axes_parts(small_axes, shape)
+        long_l = long_ // axes_parts(long_axes, shape)
+        width = max(1, GALORE_CHUNK_BYTES // (4 * small))
+        cuts = [min(width, long_l - start) for start in range(0, long_l, width)]
+        for w in sorted(set(cuts)):
+            nbytes = small_l * w * 4
+            for a in reversed(small_axes):
+                nbytes *= getattr(shape, a)
+                add(a, "all_gather", nbytes, cuts.count(w))
+        if axes_parts(long_axes, shape) > 1:
+            for a in long_axes:
+                add(a, "all_reduce", small * (small + 1) // 2 * 8)
+        proj_parts = axes_parts(long_axes, shape)
+        proj_r = r // proj_parts if r % proj_parts == 0 else r
+        for a in small_axes:
+            add(a, "all_reduce", proj_r * 4)
+    return out
+
+
 def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig | None
                        ) -> list[Collective]:
     """A training method's own collectives in one step, per rank, beyond the model's schedule
@@ -443,8 +482,8 @@ def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig 
     all-gathered (its local rows x r) over the axes that split the other side, once to
     project and once to update; per block of the other side (GALORE_CHUNK_BYTES of G), R's r
     rows reduce-scattered over the axes that split the projected side (all-reduced over those
-    that do not divide r), and Adam's step all-gathered back (the refresh's Gram gathers and
-    all-reduce, every galore_gap steps, are not counted). adalomo: per matrix its row sums of
+    that do not divide r), and Adam's step all-gathered back; and its refresh's, issued every
+    galore_gap steps (`galore_refresh_collectives`, `every` = galore_gap). adalomo: per matrix its row sums of
     g^2 all-reduced over the axes that split the columns and its column sums over those that
     split the rows, the mean of its row means, and per tensor the two sums of squares of its
     RMS terms. blockllm (a selection every step, as `method_cost`): per tensor its full rows'
@@ -482,6 +521,8 @@ def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig 
     if name != "galore":
         return out
     assert train is not None
+    out += [dataclasses.replace(c, every=train.galore_gap)
+            for c in galore_refresh_collectives(model, shape, train)]
     for m, n, rows, cols in matrix_layouts(model):
         r, left = galore_rank((m, n), train.galore_rank), m < n
         side_axes, other_axes = (rows, cols) if left else (cols, rows)
@@ -548,9 +589,9 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     comm_bytes = {a: 0 for a in AXES}
     for c in schedule:
         calls = c.calls * runs(c.phase)
-        t = calls * collective_seconds(c, shape, machine, calibration)
+        t = calls * collective_seconds(c, shape, machine, calibration) / c.every
         by_phase.setdefault(c.phase, {a: 0.0 for a in AXES})[c.axis] += t
-        comm_bytes[c.axis] += c.nbytes * calls
+        comm_bytes[c.axis] += c.nbytes * calls // c.every
 
     def phase(name: str) -> dict[str, float]:
         return by_phase.get(name, {a: 0.0 for a in AXES})

@@ -46,6 +46,8 @@ class Collective:
     # all-reduces over the tensor group, x * y * z consecutive ranks, booked on its innermost
     # axis that splits
     group_size: int = 0
+    # issued on one optimizer step in `every` (galore's refresh: every galore_gap steps)
+    every: int = 1
 
 
 @dataclass(frozen=True)
