@@ -10,7 +10,8 @@ method's `train` config (plan/perf.py `method_cost`) is printed beside the
 median of the steps after the first (each method's fastest of --repeat runs, made
 round-robin), with the error and each method's time as a multiple of AdamW's, measured and
 predicted. GaLore refreshes its projection in the first, untimed step; the prediction spreads
-one refresh over galore_gap (200) steps, a few percent at most here.
+one refresh over galore_gap (200) steps, a few percent at most here. BlockLLM selects at every
+step, the planner's step (an upper bound: at block_patience = 1 most steps select).
 
     python bench/lean_step_time.py [--grid XxY] [--preset 15m] [--steps 6] [--batch 4] [--seq 256]
         [--population 4] [--repeat 3] [--methods adamw lomo ...] [--set METHOD:train.KEY=VALUE]
@@ -76,6 +77,8 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
         def losses():
             yield pmodel(tokens[:, :-1], tokens[:, 1:]).mean()
 
+        if method == "blockllm":  # the planner's step: a selection, every step
+            trainer.selecting_next = True
         dist.barrier()
         start = time.perf_counter()
         trainer.step(pmodel, StepData(1, losses), cfg.lr)
