@@ -26,7 +26,9 @@ the held rows exceed the budget by BLOCKLLM_HOLD_SLACK of all elements, the tent
 (the steepest held blocks, while they fit) is made and only the rows in it keep their
 gradient. A block that leaves the tentative choice never comes back into it (blocks seen
 later only add to the elements ranked above it), so the final choice's gradients are all at
-hand without a second backward.
+hand without a second backward; and a later tensor's rows below the steepest block that left
+are dropped at its hand-off (at sparsity 0.9 about 8 rankings a selection on 125m, against
+one per tensor, 112, when every hand-off ranked).
 
 Checkpoints: the selection (global rows per tensor) is in the state's facts; each tensor's
 moments and step counts are saved as (its chosen rows, the shard's columns), the rows gathered
@@ -176,6 +178,9 @@ class BlockLLM(TrainingMethod):
         self._seen: list[torch.Tensor | None] = []  # a selection's row norms so far
         self._held: dict[int, torch.Tensor] = {}  # the global rows whose gradients it holds
         self._held_elements = 0  # their elements (of the full rows)
+        # the last selection's backward: its rankings of held rows (the final one not counted)
+        # and the rows it dropped at their hand-off, below the floor
+        self.rankings, self.dropped_at_hand_off = 0, 0
         # the norm below which no block can enter the choice (None: not known yet)
         self._floor: float | None = None
         self._armed = False  # on the last micro-step of a backward
@@ -218,6 +223,7 @@ class BlockLLM(TrainingMethod):
             # no copy) until the held rows outgrow the hold limit
             every = torch.arange(c.rows)
             keep = every if self._floor is None else torch.nonzero(norms >= self._floor)[:, 0]
+            self.dropped_at_hand_off += c.rows - keep.numel()
             self.grads[i] = self._subset(i, every, keep, c.matrix(p.grad))
             self._held[i] = keep
             self._held_elements += keep.numel() * c.row_size
@@ -232,8 +238,9 @@ class BlockLLM(TrainingMethod):
         """The choice so far, made from the held rows alone (a block that left it never comes
         back, so the rows outside it need not be ranked again): the held gradients of the
         rows outside it are freed. The floor rises to the steepest block that left it and
-        fits the budget: the blocks ranked above that one already overfill the budget, so a
-        block below it, seen now or later, never enters the choice."""
+        fits the budget: with the blocks ranked above it, that block overfills the budget, so
+        a block below it, seen now or later, never enters the choice."""
+        self.rankings += 1
         held = [self._held.get(j) for j in range(len(self.cands))]
         tentative = choose_rows([None if h is None else self._seen[j][h]
                                  for j, h in enumerate(held)], self.row_sizes, self.budget, held)
@@ -242,7 +249,7 @@ class BlockLLM(TrainingMethod):
                 left = self._held[j][~torch.isin(self._held[j], tentative[j])]
                 if left.numel():
                     steepest = float(self._seen[j][left].max())
-                    self._floor = max(steepest, self._floor or steepest)
+                    self._floor = steepest if self._floor is None else max(self._floor, steepest)
             self.grads[j] = self._subset(j, self._held[j], tentative[j], g)
         self._held = {j: tentative[j] for j in self.grads}
         self._held_elements = sum(r.numel() * self.cands[j].row_size
@@ -265,7 +272,7 @@ class BlockLLM(TrainingMethod):
         self.grads, self._selecting = {}, selecting
         if selecting:
             self._seen, self._held, self._held_elements = [None] * len(self.cands), {}, 0
-            self._floor = None
+            self._floor, self.rankings, self.dropped_at_hand_off = None, 0, 0
         try:
             return reduce_loss(pmodel, backward_pass(pmodel, arm_on_last_micro_step(
                 data, lambda on: setattr(self, "_armed", on))))
