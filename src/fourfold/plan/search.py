@@ -107,10 +107,10 @@ STEP_TIME_NOTES: dict[str, str] = {
           "passes (the noise's cost is probed on the cpu machine, modelled on GPUs)",
     "blockllm": "step time: a selection every step, an upper bound: AdamW's backward with "
                 "every dW GEMM, every gradient's row norms (all-reduced over the tensor axes "
-                "at each hand-off), the streamed choice's ranking of rows on the host, and "
-                "the selected rows' update",
-    "galore": "step time: forward + backward, galore's projections, and its refresh spread "
-              "over galore_gap steps",
+                "at each hand-off), the streamed choice's rankings of held rows on the host "
+                "and gathers of the kept ones, and the selected rows' update",
+    "galore": "step time: forward + backward, galore's projections, and its refresh (Gram, "
+              "eigh and their collectives) spread over galore_gap steps",
 }
 
 
