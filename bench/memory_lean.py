@@ -162,11 +162,15 @@ class PeakSampler:
             self._sample()
 
     def wrap(self, owner: object, attr: str, name: str) -> None:
+        """Label calls of owner.attr `name`; a call whose first argument is a parameter's
+        view (a method's per-tensor work: GaLore's projection at a hand-off) adds its name."""
         inner = getattr(owner, attr)
 
         def wrapped(*args, **kwargs):
             outer = self._label
-            self.label(outer.split(" / ")[0] + " / " + name)
+            tensor = getattr(args[0], "name", None) if args else None
+            part = f"{name} {tensor}" if isinstance(tensor, str) else name
+            self.label(outer.split(" / ")[0] + " / " + part)
             try:
                 return inner(*args, **kwargs)
             finally:
@@ -302,14 +306,22 @@ def parse_grid(text: str) -> tuple[int, int]:
     return x, y
 
 
-def print_phases(rows: dict) -> None:
-    """Per method, the phases by peak heap in use (MiB above the start of the build)."""
+def print_phases(rows: dict, top: int = 5) -> None:
+    """Per method, its `top` phases by peak heap in use (MiB above the start of the build),
+    each the largest over the steps (which step it was in brackets)."""
     for m, r in rows.items():
         if "phases" not in r:
             continue
-        top = sorted(r["phases"].items(), key=lambda kv: -kv[1][0])[:4]
-        print(f"  {m}: " + "; ".join(f"{k}: heap {h / 2**20:.0f} rss {s / 2**20:.0f}"
-                                     for k, (h, s) in top))
+        merged: dict[str, tuple[int, int, str]] = {}
+        for label, (heap, rss) in r["phases"].items():
+            step, _, phase = label.partition(" / ")
+            key = (phase or "rest of the step") if step.startswith("step ") else label
+            if key not in merged or heap > merged[key][0]:
+                merged[key] = (heap, rss, step if step.startswith("step ") else "")
+        best = sorted(merged.items(), key=lambda kv: -kv[1][0])[:top]
+        print(f"  {m}: " + "; ".join(
+            f"{k}{f' ({s})' if s else ''}: heap {h / 2**20:.0f} rss {rss / 2**20:.0f}"
+            for k, (h, rss, s) in best))
 
 
 def main() -> None:
@@ -328,7 +340,9 @@ def main() -> None:
     ap.add_argument("--grid", default=None, metavar="XxY",
                     help="also run every method on x * y gloo ranks (data = z = 1), per rank")
     ap.add_argument("--phases", action="store_true",
-                    help="peak heap in use and RSS per phase of each run (on a grid: each rank's)")
+                    help="the 5 phases of each run with the most heap in use (the largest over the "
+                         "steps; a method's per-tensor work named by its tensor), with RSS "
+                         "(on a grid: each rank's)")
     ap.add_argument("--grid-only", action="store_true",
                     help="only the grid's table (no one-process column)")
     ap.add_argument("--tuned-malloc", action="store_true",
