@@ -315,9 +315,12 @@ def print_phases(rows: dict, top: int = 5) -> None:
         merged: dict[str, tuple[int, int, str]] = {}
         for label, (heap, rss) in r["phases"].items():
             step, _, phase = label.partition(" / ")
-            key = (phase or "rest of the step") if step.startswith("step ") else label
+            if not step.startswith("step "):  # build, built: no step
+                key, step = label, ""
+            else:
+                key = phase or "rest of the step"
             if key not in merged or heap > merged[key][0]:
-                merged[key] = (heap, rss, step if step.startswith("step ") else "")
+                merged[key] = (heap, rss, step)
         best = sorted(merged.items(), key=lambda kv: -kv[1][0])[:top]
         print(f"  {m}: " + "; ".join(
             f"{k}{f' ({s})' if s else ''}: heap {h / 2**20:.0f} rss {rss / 2**20:.0f}"
