@@ -24,8 +24,8 @@ ranks); without it freed blocks that glibc keeps read as resident memory (up to 
 --output-loss: parallel.output_loss of every run (auto: blocks for lomo, adalomo, mezo, es and
 blockllm, whole logits for adamw and galore).
 Measured 125m, --steps 4 --tuned-malloc --grid 2x2 (MiB above the import, ratio to AdamW,
-planner error), one process / 2x2 per rank, stop 29 (README has the figures from before the
-blocked loss and what GaLore's ranks hold):
+planner error), one process / 2x2 per rank, stop 29 (bench/memory_lean.md has the figures from
+before the blocked loss and what GaLore's ranks hold):
 
     method     one process              2x2 per rank                       2x2 - one process
     adamw      2,257  1.00  -2.7%       580-599  1.00       +3.4%
