@@ -15,8 +15,10 @@ its cost).
 
     python bench/memory_lean.py [--preset small] [--steps 4] [--batch 2] [--seq 128]
         [--grid 2x2 [--grid-only]] [--tuned-malloc] [--phases] [--set METHOD:train.KEY=VALUE]
-        [--output-loss auto|blocks|whole]
+        [--output-loss auto|blocks|whole] [--device cpu|cuda]
 
+--device cuda: one process on GPU 0; the peak is torch.cuda.max_memory_allocated, against the
+planner's GPU prediction (no host-side runtime in it).
 --grid XxY: the same methods on x * y gloo ranks (torchrun, data = z = 1), per rank, beside
 the one-process ratios. --tuned-malloc: glibc tuned as `fourfold train` tunes CPU runs (and
 ranks); without it freed blocks that glibc keeps read as resident memory (up to ~200 MiB on
@@ -58,10 +60,11 @@ METHODS = ("adamw", "lomo", "adalomo", "mezo", "es", "blockllm", "galore")
 
 def child(preset: str, method: str, steps: int, batch: int, seq: int, population: int,
           grid: tuple[int, int] = (1, 1), phases: bool = False, tuned: bool = False,
-          sets: tuple[str, ...] = (), output_loss: str = "auto") -> dict:
+          sets: tuple[str, ...] = (), output_loss: str = "auto", device: str = "cpu") -> dict:
     """Train `method` for `steps` steps on this process (on a grid: this rank of an x by y
     grid, under torchrun) and report its peak RSS (ru_maxrss, KiB) and the rest of a row.
-    `sets`: this method's extra `train.KEY=VALUE` keys (--set)."""
+    `sets`: this method's extra `train.KEY=VALUE` keys (--set). On `device` "cuda" the peak
+    is the GPU's instead: torch.cuda.max_memory_allocated (`gpu_bytes`), from zero."""
     import torch
 
     import fourfold  # noqa: F401  (the baseline process imports this much)
@@ -85,7 +88,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
         _, _, device = init_distributed("gloo", timeout_s=600)
         the_grid = Grid.build(shape, device)
     else:
-        the_grid = Grid.single()
+        the_grid = Grid.single(device)
     sampler = PeakSampler() if phases else None
     # on the meta device, as build_run does: parallelize makes this rank's shard of each tensor
     model = build_model(model_config(preset), seed=0, device="meta")
@@ -102,7 +105,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     times = []
     for i in range(steps):
         # x and y split the weights, not the batch: every rank of the grid sees all of it
-        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g).to(device)
 
         def losses():
             yield pmodel(tokens[:, :-1], tokens[:, 1:]).mean()
@@ -116,12 +119,17 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
             trainer.selecting_next = True
         start = time.perf_counter()
         result = trainer.step(pmodel, StepData(1, losses), cfg.lr)
+        if device == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     out = {"rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "base_kib": base_kib,
            "tokens_per_s": batch * seq * (len(times) - 1) / sum(times[1:]),
            "first_step_s": times[0], "peak_grad_bytes": trainer.peak_grad_bytes,
-           "predicted": predicted_bytes(model.cfg, cfg, batch * seq, shape, output_loss),
-           "loss": result.loss, "state_bytes": trainer.state_bytes()}
+           "predicted": predicted_bytes(model.cfg, cfg, batch * seq, shape, output_loss,
+                                        on_host=device == "cpu"),
+           "loss": float(result.loss), "state_bytes": trainer.state_bytes()}
+    if device == "cuda":
+        out["gpu_bytes"] = torch.cuda.max_memory_allocated()
     if sampler is not None:
         out["phases"] = sampler.stop()
     return out
@@ -229,14 +237,15 @@ def check_sets(args: argparse.Namespace) -> None:
             sys.exit(f"error: --set for {method}: {e}")
 
 
-def predicted_bytes(model_cfg, train_cfg, tokens: int, shape, output_loss: str = "auto") -> int:
+def predicted_bytes(model_cfg, train_cfg, tokens: int, shape, output_loss: str = "auto",
+                    on_host: bool = True) -> int:
     """The planner's peak for this run, per rank (plan/memory.py with the method's state)."""
     from fourfold.parallel.embedding import resolve_output_loss
     from fourfold.plan.memory import Precision, predict_memory, predict_method_memory
 
     precision = Precision.of("float32")
     output_loss = resolve_output_loss(output_loss, train_cfg.optimizer)
-    mem = predict_memory(model_cfg, shape, tokens, True, precision, on_host=True,
+    mem = predict_memory(model_cfg, shape, tokens, True, precision, on_host=on_host,
                          output_loss=output_loss)
     return predict_method_memory(mem, model_cfg, shape, train_cfg, precision,
                                  output_loss).total
@@ -246,7 +255,8 @@ def measure(args: argparse.Namespace, method: str) -> dict:
     code = ("import json, sys; sys.path.insert(0, 'bench'); import memory_lean as m; "
             f"print(json.dumps(m.child({args.preset!r}, {method!r}, {args.steps}, {args.batch}, "
             f"{args.seq}, {args.population}, phases={args.phases}, tuned={args.tuned_malloc}, "
-            f"sets={tuple(method_sets(args, method))!r}, output_loss={args.output_loss!r})))")
+            f"sets={tuple(method_sets(args, method))!r}, output_loss={args.output_loss!r}, "
+            f"device={args.device!r})))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=malloc_env(args))
     if proc.returncode:
@@ -354,6 +364,10 @@ def main() -> None:
                     metavar="METHOD:train.KEY=VALUE",
                     help="an extra key for one method's runs "
                     "(e.g. blockllm:train.block_patience=3)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: one process on GPU 0, its peak torch.cuda.max_memory_allocated "
+                    "against the planner's GPU prediction (not with --grid, --phases or "
+                    "--tuned-malloc, which are about host memory)")
     if len(sys.argv) == 3 and sys.argv[1] == "--rank-worker":
         rank_worker(sys.argv[2])
         return
@@ -363,6 +377,16 @@ def main() -> None:
     grid = parse_grid(args.grid) if args.grid else None
     if args.grid_only and grid is None:
         sys.exit("error: --grid-only needs --grid XxY")
+    if args.device == "cuda":
+        for flag, on in (("--grid", grid), ("--phases", args.phases),
+                         ("--tuned-malloc", args.tuned_malloc)):
+            if on:
+                sys.exit(f"error: --device cuda: {flag} is about host memory; leave it out")
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("error: --device cuda: torch sees no CUDA GPU "
+                     f"(torch {torch.__version__}, torch.cuda.is_available() is False)")
     check_sets(args)
     one_ratio: dict[str, float] = {}
     if not args.grid_only:
@@ -372,19 +396,26 @@ def main() -> None:
 
 
 def one_process_table(args: argparse.Namespace) -> dict[str, float]:
-    base = measure(args, "none")["rss_kib"]
+    on_gpu = args.device == "cuda"
+    base = 0 if on_gpu else measure(args, "none")["rss_kib"]
     rows = {m: measure(args, m) for m in dict.fromkeys(["adamw", *args.methods])}
+
+    def above_kib(r: dict) -> float:  # the peak: GPU memory allocated, or RSS above the import
+        return r["gpu_bytes"] / 1024 if on_gpu else r["rss_kib"] - base
+
     ref = rows["adamw"]
+    where = ("one GPU; peak = torch.cuda.max_memory_allocated" if on_gpu else
+             f"one process; baseline (import fourfold) {base / 1024:.0f} MiB; "
+             f"malloc {'tuned' if args.tuned_malloc else 'glibc defaults'}")
     print(f"preset {args.preset}, float32, batch {args.batch} x {args.seq}, activation "
-          f"checkpointing, one process; baseline (import fourfold) {base / 1024:.0f} MiB; "
-          f"malloc {'tuned' if args.tuned_malloc else 'glibc defaults'}")
-    print("| method | peak RSS - base | ratio | planner | error | state | peak grads | tokens/s "
-          "| vs adamw | first step |")
+          f"checkpointing, {where}")
+    print(f"| method | {'peak GPU' if on_gpu else 'peak RSS - base'} | ratio | planner | error "
+          "| state | peak grads | tokens/s | vs adamw | first step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     one_ratio = {}
     for m, r in rows.items():
-        above = r["rss_kib"] - base
-        one_ratio[m] = above / (ref["rss_kib"] - base)
+        above = above_kib(r)
+        one_ratio[m] = above / above_kib(ref)
         print(f"| {m} | {above / 1024:.0f} MiB | {one_ratio[m]:.2f} | "
               f"{r['predicted'] / 2**20:.0f} MiB | "
               f"{r['predicted'] / (above * 1024) - 1:+.1%} | "
