@@ -12,6 +12,12 @@ checkpoint, the streamed export):
   a few MiB on every preset;
 - activations, logits: autograd's saved tensors (tests/test_memory_model.py); the forward's
   end in --phases is the model state plus these;
+- block_transient: one block's temporaries beyond what it saves (its backward's, at the
+  SwiGLU's gradient; MeZO's and ES's no-grad forward). The logits are gone before any block's
+  backward, so a step counts the larger of the logits and one block's recompute plus these:
+  at thousands of tokens a block outweighs a blocked loss (tests/test_lean_optim.py checks
+  the total against the heap in use at every op of a 2,048-token step; on an H200, 125m at
+  16 x 512 tokens, bench/memory_lean.py --device cuda);
 - gathered_weights: the z all-gather buffers (current + prefetched) and one dW block;
 - comm_buffers: the data-parallel buckets in flight;
 - startup, export: one block and one init tile; the export writer's full tensor (on a host);
@@ -109,12 +115,19 @@ class MemoryBreakdown:
     checkpoint: int = 0  # an asynchronous checkpoint's snapshot, when it shares this memory
     runtime: int = 0  # on a host: pages a run touches beyond the import, other than tensors
     update: int = 0  # a method's update temporaries after backward (its activations are freed)
+    recompute: int = 0  # of `activations`: one checkpointed block's, alive during its backward
+    block_transient: int = 0  # one block's temporaries beyond what it saves (see step)
 
     @property
     def step(self) -> int:
-        """The transient bytes of a training step, on top of the model state."""
-        return (self.activations + self.gathered_weights + self.logits + self.comm_buffers
-                + self.checkpoint)
+        """The transient bytes of a training step, on top of the model state. The logits are
+        gone (the output layer's backward is done) before any block's backward starts, so they
+        and a block's backward (its recomputed activations and the temporaries of its
+        gradients, `block_transient`) are never alive together: the larger of the two counts.
+        Without a backward (mezo, es) `block_transient` is a block's no-grad forward."""
+        return (self.activations - self.recompute
+                + max(self.logits, self.recompute + self.block_transient)
+                + self.gathered_weights + self.comm_buffers + self.checkpoint)
 
     @property
     def total(self) -> int:
@@ -160,6 +173,23 @@ def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
     outside = 2 * d // gx * residual + 4 + 9
     return {"block": residual_like * residual + (attention + mlp) * act + stats,
             "checkpoint": d // gx * residual, "outside": outside}
+
+
+def block_transient_bytes_per_token(model: ModelConfig, shape: GridShape, precision: Precision,
+                                    backward: bool = True) -> int:
+    """Per token on a rank: the most a block holds at once beyond what it saved for backward,
+    at its feed-forward part (wider than attention's: ffn_dim against the heads).
+
+    backward: the SwiGLU's gradient, about three ffn-wide tensors (the down projection's input
+    gradient, sigmoid(gate), the products that become d_gate and d_up). Without a backward
+    (mezo, es): the block's input, the residual after attention and the normalized input, with
+    gate, up, silu(gate) and their product. Measured with bench/memory_lean.py --phases (125m,
+    float32, batch 16 x 512, heap in use: LOMO 1,509 MiB, MeZO 844) and on an H200 with
+    --device cuda (max_memory_allocated: LOMO 1,571, MeZO 875; the GPU adds cuBLAS's workspace)."""
+    d, f = model.dim // shape.x, model.ffn_dim // shape.y
+    if backward:
+        return 3 * f * precision.act_bytes
+    return 3 * d * precision.residual_bytes + 4 * f * precision.act_bytes
 
 
 HOST_RUNTIME_BYTES = 40 * 2**20  # measured: see the module docstring (runtime)
@@ -217,9 +247,10 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     states = predict_param_memory(model, shape, precision)
     n = micro_batch_tokens
     per_token = activation_bytes_per_token(model, shape, precision)
+    recompute = n * per_token["block"] if activation_checkpointing else 0
     if activation_checkpointing:
         # every block keeps its input; one block at a time is recomputed with full activations
-        activations = n * (model.n_layers * per_token["checkpoint"] + per_token["block"])
+        activations = n * model.n_layers * per_token["checkpoint"] + recompute
     else:
         activations = n * model.n_layers * per_token["block"]
     activations += n * per_token["outside"]
@@ -252,7 +283,9 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
                            optimizer=states["optimizer"], activations=activations,
                            gathered_weights=gathered, logits=logits, comm_buffers=comm_buffers,
                            startup=startup, export=export, checkpoint=checkpoint,
-                           runtime=HOST_RUNTIME_BYTES if on_host else 0)
+                           runtime=HOST_RUNTIME_BYTES if on_host else 0, recompute=recompute,
+                           block_transient=n * block_transient_bytes_per_token(model, shape,
+                                                                               precision))
 
 
 # ---- per training method (train.optimizer): kept apart from the rank model above ---------------
@@ -406,9 +439,10 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
         layer_block = sum(lin.out_features * lin.in_features for lin in block_linears(model))
         layer_block //= shape.x * shape.y
         gathered = 2 * layer_block * p.weight_bytes if shape.z > 1 else 0
-        # a no-grad forward's peak is its loss: the logits (and their float32 copy when they
-        # are not float32) and one block of rows of the loss's temporaries (parallel/
-        # embedding.py works a loss without backward block by block). Before the blocks:
+        # a no-grad forward's peak is its loss or one block's forward, whichever is larger
+        # (MemoryBreakdown.step). The loss: the logits (and their float32 copy when they are
+        # not float32) and one block of rows of the loss's temporaries (parallel/embedding.py
+        # works a loss without backward block by block). Before the blocks:
         # bench/memory_lean.py --phases, 125m, 256 tokens read 96 MiB in use above the
         # weights, 3 x the 31 MiB of logits
         if not uses_blocked_loss(output_loss):
@@ -417,6 +451,10 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
                       + 4 * min(numel, NO_GRAD_LOSS_BLOCK_ELEMENTS))  # parallel/embedding.py
         else:  # the blocked loss: one block of the vocabulary, as with backward
             logits = breakdown.logits
+        # the block's forward, for the tokens of breakdown's backward term
+        backward = block_transient_bytes_per_token(model, shape, p)
+        forward = (breakdown.block_transient // backward
+                   * block_transient_bytes_per_token(model, shape, p, backward=False))
         out = dataclasses.replace(out, activations=0, comm_buffers=0, gathered_weights=gathered,
-                                  logits=logits)
+                                  logits=logits, recompute=0, block_transient=forward)
     return out
