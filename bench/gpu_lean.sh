@@ -23,14 +23,13 @@ PY=${PYTHON:-.venv/bin/python}
 PRESET=${PRESET:-125m}
 DEVICE=${DEVICE:-cuda}
 METHODS="adamw lomo adalomo mezo es blockllm galore"
-OUT=${OUT:-$(mktemp -d -t fourfold-gpu-lean.XXXX)}
-mkdir -p "$OUT"
-FAILED=()
-
 if [ "$DEVICE" = cuda ] && [ "$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))')" != 1 ]; then
     echo "error: gpu_lean.sh needs a CUDA GPU, and torch sees none (DEVICE=cpu runs parts 1 and 3 on the CPU)" >&2
     exit 2
 fi
+OUT=${OUT:-$(mktemp -d -t fourfold-gpu-lean.XXXX)}
+mkdir -p "$OUT"
+FAILED=()
 
 echo "== 1. noise on $DEVICE against the CPU"
 DEVICE=$DEVICE "$PY" - <<'EOF' || FAILED+=("noise")
