@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 # the baseline: a process that has imported fourfold, the trainer and what it loads (the
 # checkpoint writer pulls in torch.distributed.checkpoint: some 75 MiB)
@@ -51,15 +53,24 @@ class _Mallinfo2(ctypes.Structure):
         "fordblks", "keepcost")]
 
 
+@functools.lru_cache(maxsize=None)
+def _mallinfo2() -> Any:
+    """glibc's mallinfo2, looked up once (find_library runs ldconfig: far slower than the
+    call itself, which samplers make every millisecond); None off glibc."""
+    try:
+        f = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    f.restype = _Mallinfo2
+    return f
+
+
 def _heap() -> tuple[int, int]:
     """(bytes malloc has handed out and not had back, bytes it holds from the kernel: heap
     arenas plus mmapped blocks), over all arenas; (-1, -1) off glibc."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        f = libc.mallinfo2
-    except (OSError, AttributeError):
+    f = _mallinfo2()
+    if f is None:
         return -1, -1
-    f.restype = _Mallinfo2
     m = f()
     return m.uordblks + m.hblkhd, m.arena + m.hblkhd
 
