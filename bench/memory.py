@@ -126,7 +126,8 @@ def predicted(cfg_path: Path, rank: int) -> int:
                           on_host=True, writer=rank == 0,
                           async_checkpoint=cfg.checkpoint.is_async(True)
                           and cfg.checkpoint.every > 0,
-                          output_loss=resolve_output_loss(p.output_loss, t.optimizer)).total
+                          output_loss=resolve_output_loss(p.output_loss, t.optimizer),
+                          grad_accum=t.grad_accum).total
 
 
 def phase_table(nproc: int, results: list[dict]) -> None:

@@ -86,9 +86,9 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     torch.set_num_threads(1)
     x, y = grid
     shape = GridShape(data=1, z=1, y=y, x=x)
-    if shape.size > 1:
-        _, _, device = init_distributed("gloo", timeout_s=600)
-        the_grid = Grid.build(shape, device)
+    if shape.size > 1:  # gloo ranks on the host (--grid refuses --device cuda)
+        _, _, rank_device = init_distributed("gloo", timeout_s=600)
+        the_grid = Grid.build(shape, rank_device)
     else:
         the_grid = Grid.single(device)
     sampler = PeakSampler() if phases else None

@@ -232,10 +232,13 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
     smallest: tuple[int, bool, MemoryBreakdown] | None = None
     for ac in checkpointing:
         for micro in micro_options:  # largest first: bigger GEMMs, fewer repeated gathers
+            accum = local_batch // micro
             mem = predict_memory(model, shape, micro * seq_len, ac, precision,
-                                 output_loss=loss_mode)
-            if train is not None:
-                mem = predict_method_memory(mem, model, shape, train, precision, loss_mode)
+                                 output_loss=loss_mode, grad_accum=accum)
+            if train is not None:  # the method's gradients as this micro-batch accumulates them
+                mem = predict_method_memory(mem, model, shape,
+                                            dataclasses.replace(train, grad_accum=accum),
+                                            precision, loss_mode)
             if smallest is None or mem.total < smallest[2].total:
                 smallest = (micro, ac, mem)
             if mem.total <= usable:
@@ -395,7 +398,8 @@ def check_grid_fits(cfg: "Config", shape: GridShape, device: "torch.device",
                               on_host=device.type == "cpu", writer=True,
                               async_checkpoint=cfg.checkpoint.is_async(device.type == "cpu")
                               and cfg.checkpoint.every > 0,
-                              output_loss=resolve_output_loss(p.output_loss, t.optimizer))
+                              output_loss=resolve_output_loss(p.output_loss, t.optimizer),
+                              grad_accum=t.grad_accum)
 
     mem = need(shape)
     if mem.total <= capacity:

@@ -165,7 +165,8 @@ def predicted_memory(cfg: Config, shape: GridShape, on_host: bool) -> MemoryBrea
     mem = predict_memory(cfg.model, shape, micro_tokens, t.activation_checkpointing, precision,
                          bucket_bytes=int(p.bucket_mb * 2**20), on_host=on_host, writer=True,
                          async_checkpoint=cfg.checkpoint.is_async(on_host)
-                         and cfg.checkpoint.every > 0, output_loss=output_loss)
+                         and cfg.checkpoint.every > 0, output_loss=output_loss,
+                         grad_accum=t.grad_accum)
     return predict_method_memory(mem, cfg.model, shape, t, precision, output_loss)
 
 
