@@ -124,6 +124,7 @@ class MemoryBreakdown:
     recompute: int = 0  # of `activations`: one checkpointed block's, alive during its backward
     block_transient: int = 0  # one block's temporaries beyond what it saves (see step)
     loss_grads: int = 0  # of `grads`: those alive at the loss (see step)
+    tokens: int = 0  # a micro-step's tokens on this rank, which the transients are sized for
 
     @property
     def step(self) -> int:
@@ -300,7 +301,7 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
                            gathered_weights=gathered, logits=logits, comm_buffers=comm_buffers,
                            startup=startup, export=export, checkpoint=checkpoint,
                            runtime=HOST_RUNTIME_BYTES if on_host else 0, recompute=recompute,
-                           loss_grads=states["grads"] if grad_accum > 1 else 0,
+                           loss_grads=states["grads"] if grad_accum > 1 else 0, tokens=n,
                            block_transient=n * block_transient_bytes_per_token(model, shape,
                                                                                precision))
 
@@ -464,15 +465,13 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
         # bench/memory_lean.py --phases, 125m, 256 tokens read 96 MiB in use above the
         # weights, 3 x the 31 MiB of logits
         if not uses_blocked_loss(output_loss):
-            numel = breakdown.logits // (p.act_bytes + 4)
+            numel = breakdown.tokens * (model.vocab_size // shape.y)
             logits = (numel * (p.act_bytes + (4 if p.act_bytes < 4 else 0))
                       + 4 * min(numel, NO_GRAD_LOSS_BLOCK_ELEMENTS))  # parallel/embedding.py
         else:  # the blocked loss: one block of the vocabulary, as with backward
             logits = breakdown.logits
-        # the block's forward, for the tokens of breakdown's backward term
-        backward = block_transient_bytes_per_token(model, shape, p)
-        forward = (breakdown.block_transient // backward
-                   * block_transient_bytes_per_token(model, shape, p, backward=False))
+        forward = breakdown.tokens * block_transient_bytes_per_token(model, shape, p,
+                                                                     backward=False)
         out = dataclasses.replace(out, activations=0, comm_buffers=0, gathered_weights=gathered,
                                   logits=logits, recompute=0, block_transient=forward)
     return out
