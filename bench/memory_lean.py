@@ -240,12 +240,12 @@ def check_sets(args: argparse.Namespace) -> None:
 
 
 def predicted_bytes(model_cfg, train_cfg, tokens: int, shape, output_loss: str = "auto",
-                    on_host: bool = True) -> int:
+                    on_host: bool = True, dtype: str = "float32") -> int:
     """The planner's peak for this run, per rank (plan/memory.py with the method's state)."""
     from fourfold.parallel.embedding import resolve_output_loss
     from fourfold.plan.memory import Precision, predict_memory, predict_method_memory
 
-    precision = Precision.of("float32")
+    precision = Precision.of(dtype)
     output_loss = resolve_output_loss(output_loss, train_cfg.optimizer)
     mem = predict_memory(model_cfg, shape, tokens, True, precision, on_host=on_host,
                          output_loss=output_loss)

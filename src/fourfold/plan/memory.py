@@ -124,6 +124,7 @@ class MemoryBreakdown:
     recompute: int = 0  # of `activations`: one checkpointed block's, alive during its backward
     block_transient: int = 0  # one block's temporaries beyond what it saves (see step)
     loss_grads: int = 0  # of `grads`: those alive at the loss (see step)
+    cast_weights: int = 0  # weights' compute-dtype copies autocast keeps to the loss (see step)
     tokens: int = 0  # a micro-step's tokens on this rank, which the transients are sized for
 
     @property
@@ -131,16 +132,17 @@ class MemoryBreakdown:
         """The peak of a training step beyond the parameters and optimizer state: the larger of
         the loss and one block's backward, which are never alive together (the logits are gone,
         the output layer's backward done, before any block's backward starts). The loss holds
-        the logits and `loss_grads`: no gradient with grad_accum = 1 (every method frees or
-        hands off its gradients within a step; AdamW sets them to None before the forward),
-        all of them on the micro-steps after the first with grad_accum > 1. A block's backward
+        the logits, `cast_weights` (under autocast on one process) and `loss_grads`: no
+        gradient with grad_accum = 1 (every method frees or hands off its gradients within a
+        step; AdamW sets them to None before the forward), all of them on the micro-steps
+        after the first with grad_accum > 1. A block's backward
         holds its recomputed activations, the temporaries of its gradients (`block_transient`)
         and `grads`, every gradient: an upper bound, as the gradients grow while the blocks'
         saved inputs are freed. Without a backward (mezo, es) `block_transient` is a block's
         no-grad forward."""
         alive = (self.activations - self.recompute + self.gathered_weights + self.comm_buffers
                  + self.checkpoint)
-        return alive + max(self.loss_grads + self.logits,
+        return alive + max(self.loss_grads + self.cast_weights + self.logits,
                            self.grads + self.recompute + self.block_transient)
 
     @property
@@ -231,18 +233,28 @@ def largest_tensor_numel(model: ModelConfig, shape: GridShape) -> tuple[int, int
 
 
 def logits_bytes(model: ModelConfig, shape: GridShape, tokens: int, precision: Precision,
-                 output_loss: str = "auto") -> int:
-    """The output layer's and the loss's transients: the logits (this rank's vocabulary slice)
-    in the compute dtype and the loss's float32 workspace over them; with the blocked loss
-    (parallel/embedding.py; `output_loss` as the run resolves it, embedding.resolve_output_loss:
-    "auto" here is AdamW's) one block of columns of them in float32 (below float32 also its
-    two copies in the compute dtype), plus two floats a token kept for backward."""
+                 output_loss: str = "auto", backward: bool = True) -> int:
+    """The output layer's and the loss's transients (parallel/embedding.py; `output_loss` as
+    the run resolves it, embedding.resolve_output_loss: "auto" here is AdamW's).
+
+    Whole logits: the loss's forward holds the logits (this rank's vocabulary slice) in the
+    compute dtype, below float32 also their float32 copy, and the exponentials it makes in
+    float32 (against the heap, bfloat16: -22% before the copy counted).
+    The blocked loss: one block of columns of them in float32 (below float32 also its two
+    copies in the compute dtype), plus two floats a token kept for backward; with a
+    `backward`, the output layer's backward also holds its weight gradient (float32), and
+    below float32 the weight's compute-dtype copy and the gradient made in that dtype before
+    its cast (bfloat16, against the heap: LOMO -20% before they counted)."""
     width = model.vocab_size // shape.y
     act = precision.act_bytes
     if not uses_blocked_loss(output_loss):
-        return tokens * width * (act + 4)
+        return tokens * width * (act + 4 + (4 if act < 4 else 0))
     columns = min(width, output_loss_columns(tokens))
-    return tokens * columns * (4 + (2 * act if act < 4 else 0)) + 8 * tokens
+    out = tokens * columns * (4 + (2 * act if act < 4 else 0)) + 8 * tokens
+    if backward:
+        block = model.vocab_size * model.dim // (shape.x * shape.y)
+        out += block * (precision.grad_bytes + (2 * act if act < 4 else 0))
+    return out
 
 
 def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int,
@@ -283,6 +295,17 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     if shape.z == 1:
         gathered = layer_block * precision.grad_bytes  # no gather buffers; still dW per layer
     logits = logits_bytes(model, shape, n, precision, output_loss)
+    # one process below float32: the model is torch's own (parallelize leaves a one-rank model
+    # as it is) and autocast caches each weight's compute-dtype copy from its first GEMM to
+    # the end of the forward, the loss included: those of every linear that autocast runs
+    # (models/llama.py's down projection casts its own) and the whole output layer's
+    cast_weights = 0
+    if shape.size == 1 and precision.act_bytes < 4:
+        cast = sum(lin.out_features * lin.in_features for lin in block_linears(model)
+                   if lin.name != "down") * model.n_layers
+        if not uses_blocked_loss(output_loss):
+            cast += model.vocab_size * model.dim
+        cast_weights = cast * precision.act_bytes
     # one bucket being filled (its flat copy) and one in flight over data
     comm_buffers = 2 * bucket_bytes if shape.data > 1 else 0
     full_numel, block_numel = largest_tensor_numel(model, shape)
@@ -302,6 +325,7 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
                            startup=startup, export=export, checkpoint=checkpoint,
                            runtime=HOST_RUNTIME_BYTES if on_host else 0, recompute=recompute,
                            loss_grads=states["grads"] if grad_accum > 1 else 0, tokens=n,
+                           cast_weights=cast_weights,
                            block_transient=n * block_transient_bytes_per_token(model, shape,
                                                                                precision))
 
@@ -469,7 +493,8 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
             logits = (numel * (p.act_bytes + (4 if p.act_bytes < 4 else 0))
                       + 4 * min(numel, NO_GRAD_LOSS_BLOCK_ELEMENTS))  # parallel/embedding.py
         else:  # the blocked loss: one block of the vocabulary, as with backward
-            logits = breakdown.logits
+            logits = logits_bytes(model, shape, breakdown.tokens, p, output_loss,
+                                  backward=False)
         forward = breakdown.tokens * block_transient_bytes_per_token(model, shape, p,
                                                                      backward=False)
         out = dataclasses.replace(out, activations=0, comm_buffers=0, gathered_weights=gathered,
