@@ -19,8 +19,8 @@ its cost).
 
 --device cuda: one process on GPU 0; the peak is torch.cuda.max_memory_allocated, against the
 planner's GPU prediction (no host-side runtime in it). On an H200, 125m, --batch 16 --seq 512:
-adamw 3,940 MiB (+11.9%), lomo 1,443 (0.37, +2.6%), mezo 875 (0.22, -4.0%), galore 3,226
-(0.82, +5.4%); the README has the table.
+adamw 3,940 MiB, lomo 1,443 (0.37), mezo 875 (0.22), galore 3,226 (0.82); today's planner
+against them: -1.1%, +2.6%, -4.0%, -1.5%; the README has the table.
 --grid XxY: the same methods on x * y gloo ranks (torchrun, data = z = 1), per rank, beside
 the one-process ratios. --tuned-malloc: glibc tuned as `fourfold train` tunes CPU runs (and
 ranks); without it freed blocks that glibc keeps read as resident memory (up to ~200 MiB on
