@@ -69,12 +69,21 @@ def test_candidate_memory_is_the_method_model(optimizer):
     precision = Precision.of("bfloat16")
     result = plan(model, 4, machine, 8, 512, precision, train=train)
     assert result.optimizer == optimizer
-    for c in result.candidates:
+    candidates = list(result.candidates)
+    if optimizer not in NO_ACCUMULATION:  # and with micro-steps that accumulate gradients
+        candidates += plan(model, 4, machine, 8, 512, precision, train=train,
+                           grad_accum=2).candidates
+        assert any(c.grad_accum == 2 for c in candidates)
+    for c in candidates:
         # parallel.output_loss at its default, as a run of the method resolves it
         loss = resolve_output_loss("auto", optimizer)
         base = predict_memory(model, c.shape, c.micro_batch * 512, c.activation_checkpointing,
-                              precision, output_loss=loss)
-        assert c.memory == predict_method_memory(base, model, c.shape, train, precision, loss)
+                              precision, output_loss=loss, grad_accum=c.grad_accum)
+        assert c.memory == predict_method_memory(
+            base, model, c.shape, dataclasses.replace(train, grad_accum=c.grad_accum),
+            precision, loss)
+        # with accumulation every method's gradients are alive at the later micro-steps' loss
+        assert c.memory.loss_grads == (c.memory.grads if c.grad_accum > 1 else 0)
         if optimizer in NO_ACCUMULATION:
             assert c.grad_accum == 1
     adamw = plan(model, 4, machine, 8, 512, precision)
