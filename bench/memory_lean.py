@@ -28,17 +28,17 @@ ranks); without it freed blocks that glibc keeps read as resident memory (up to 
 --output-loss: parallel.output_loss of every run (auto: blocks for lomo, adalomo, mezo, es and
 blockllm, whole logits for adamw and galore).
 Measured 125m, --steps 4 --tuned-malloc --grid 2x2 (MiB above the import, ratio to AdamW,
-planner error), one process / 2x2 per rank, stop 29 (bench/memory_lean.md has the figures from
-before the blocked loss and what GaLore's ranks hold):
+planner error), one process / 2x2 per rank, stop 37 (bench/memory_lean.md has earlier runs,
+the figures from before the blocked loss and what GaLore's ranks hold):
 
     method     one process              2x2 per rank                       2x2 - one process
-    adamw      2,257  1.00  -2.7%       580-599  1.00       +3.4%
-    lomo         778  0.34  -4.5%       210-227  0.36-0.39  +4.0%          +0.05
-    adalomo      783  0.35  -5.0%       223-231  0.37-0.40  -5.0%          +0.05
-    mezo         624  0.28  +4.1%       173-176  0.29-0.30  +12.6%         +0.03
-    es           626  0.28  +3.7%       177-184  0.30-0.32  +10.2%         +0.04
-    blockllm     929  0.41  -3.4%       253-260  0.43-0.44  +1.5%          +0.03
-    galore     1,171  0.52  +1.4%       347-360  0.58-0.62  -3.3%          +0.10
+    adamw      2,275  1.00  -5.9%       574-581  1.00       -1.5%
+    lomo         773  0.34  -9.5%       211-229  0.37-0.39  -7.8%          +0.06
+    adalomo      785  0.35  -10.8%      224-231  0.39-0.40  -8.3%          +0.06
+    mezo         624  0.27  +4.1%       172-176  0.30-0.31  +13.6%         +0.03
+    es           627  0.28  +3.6%       179-182  0.31-0.32  +8.9%          +0.04
+    blockllm     959  0.42  -8.5%       261-266  0.45-0.46  -3.9%          +0.04
+    galore     1,175  0.52  -3.8%       347-358  0.60-0.62  -10.8%         +0.11
 
 The issue's table uses --preset 125m (about 2 GiB with AdamW); keep to small presets on a
 shared machine.
