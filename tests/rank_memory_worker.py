@@ -9,6 +9,10 @@ Modes (FOURFOLD_RANK_MEM_MODE):
           building in shards)
   train   fourfold's Trainer on the config in FOURFOLD_RANK_MEM_CONFIG (a few steps, a
           checkpoint and the final export)
+  steps   for each case of FOURFOLD_RANK_MEM_MODEL's "cases" (model, optimizer, tokens, dtype):
+          build on the grid and run two steps of the method, the forward under autocast where
+          the dtype is bfloat16 (as the trainer runs it); the number: the heap in use at its
+          peak (HeapPeak), from before the build
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from typing import Any
 import fourfold.cli  # noqa: F401
 import fourfold.train.checkpoint  # noqa: F401
 import fourfold.train.trainer  # noqa: F401
+import torch
 import torch.distributed as dist
+import torch.utils._python_dispatch
 
 from fourfold.config import ModelConfig, ParallelConfig, load_config
 from fourfold.models import build_model
@@ -73,6 +79,50 @@ def _heap() -> tuple[int, int]:
         return -1, -1
     m = f()
     return m.uordblks + m.hblkhd, m.arena + m.hblkhd
+
+
+class HeapPeak(torch.utils._python_dispatch.TorchDispatchMode):
+    """glibc's heap in use (mallinfo2) after every aten op: the most tensor bytes alive at
+    once on a CPU process, as a GPU's max_memory_allocated counts them."""
+
+    def __enter__(self) -> "HeapPeak":
+        self.start = self.peak = _heap()[0]
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, _heap()[0])
+        return out
+
+
+def run_method_steps(model_cfg: ModelConfig, grid: Grid, optimizer: str, batch: int, seq: int,
+                     dtype: str, steps: int = 2) -> int:
+    """Build `model_cfg` on `grid` (on the meta device, then each rank's shards), run `steps`
+    steps of train.optimizer on one random batch, and return the heap's peak in use above
+    its start, in bytes."""
+    from fourfold.train.methods import StepData, build_method
+
+    shape = grid.shape
+    with HeapPeak() as heap:
+        model = build_model(model_cfg, seed=0, device="meta")
+        model.activation_checkpointing = True
+        pmodel = parallelize(model, grid, ParallelConfig(x=shape.x, y=shape.y, z=shape.z,
+                                                         data=shape.data),
+                             optimizer=optimizer)
+        cfg = load_config(overrides=[f"train.optimizer={optimizer}", "train.lr=1e-4",
+                                     f"train.seq_len={seq}"]).train
+        method = build_method(pmodel, cfg)
+        tokens = torch.randint(0, model_cfg.vocab_size, (batch, seq + 1),
+                               generator=torch.Generator().manual_seed(0))
+
+        def losses():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+                per_token = pmodel(tokens[:, :-1], tokens[:, 1:])
+            yield per_token.float().mean()
+
+        for _ in range(steps):
+            method.step(pmodel, StepData(1, losses), 1e-4)
+    return heap.peak - heap.start
 
 
 class Phases:
@@ -157,6 +207,16 @@ def main() -> None:
             phases.mark("fit done")
         rank, world = trainer.rank, trainer.world_size
         record["grid"] = str(trainer.grid.shape)
+    elif mode == "steps":
+        rank, world, device = init_distributed("gloo", timeout_s=300)
+        spec = json.loads(os.environ["FOURFOLD_RANK_MEM_MODEL"])
+        shape = GridShape(*spec["shape"])
+        grid = Grid.build(shape, device)
+        record["heap_peaks"] = [
+            run_method_steps(ModelConfig(**case["model"]), grid, case["optimizer"],
+                             case["batch"], case["seq"], case["dtype"])
+            for case in spec["cases"]]
+        record["grid"] = str(shape)
     else:
         rank, world, device = init_distributed("gloo", timeout_s=300)
         spec = json.loads(os.environ["FOURFOLD_RANK_MEM_MODEL"])
