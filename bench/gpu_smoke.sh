@@ -12,6 +12,7 @@
 # SEQ_LEN (1024), OUT (a fresh temporary directory), RUN_TIMEOUT (seconds per run, 600).
 # tokens/s and MFU are the median over the steps after the first two (compilation of
 # kernels, cuBLAS and NCCL set-up); "alloc GiB" is rank 0's torch.cuda.max_memory_allocated,
+# "plan GiB" the planner's peak per rank for the run's config (plan/memory.py, as on a GPU),
 # "GPU GiB" the most nvidia-smi saw used on each GPU during the run (context included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,12 @@ table() {  # table RUN_DIR... : one row per run (reads summary.json, metrics.jso
 import json, statistics, sys
 from pathlib import Path
 
-print(f"{'run':<16} {'grid':<24} {'tokens/s':>10} {'MFU %':>6} {'alloc GiB':>9}  GPU GiB (per GPU)")
+from fourfold.config import load_config
+from fourfold.parallel import GridShape
+from fourfold.train.build import predicted_memory
+
+print(f"{'run':<16} {'grid':<24} {'tokens/s':>10} {'MFU %':>6} {'alloc GiB':>9} {'plan GiB':>8}"
+      "  GPU GiB (per GPU)")
 for run in map(Path, sys.argv[1:]):
     summary = run / "summary.json"
     if not summary.is_file():
@@ -48,8 +54,11 @@ for run in map(Path, sys.argv[1:]):
             if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
                 per_gpu[int(parts[0])] = max(per_gpu.get(int(parts[0]), 0), int(parts[1]))
     gpus = " ".join(f"{i}:{mib / 1024:.1f}" for i, mib in sorted(per_gpu.items())) or "-"
+    # the planner's peak for this run's config and grid, as on a GPU (no host runtime)
+    shape = GridShape(**{k: int(v) for k, v in (kv.split("=") for kv in s["grid"].split())})
+    plan = predicted_memory(load_config(run / "config.toml"), shape, on_host=False).total
     print(f"{run.name:<16} {s['grid']:<24} {tps:>10.0f} {mfu} "
-          f"{s['peak_mem_bytes'] / 2**30:>9.2f}  {gpus}")
+          f"{s['peak_mem_bytes'] / 2**30:>9.2f} {plan / 2**30:>8.2f}  {gpus}")
 EOF
 }
 
