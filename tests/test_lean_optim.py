@@ -765,6 +765,49 @@ def test_planner_peak_matches_the_heap_at_many_tokens(optimizer: str, vocab: int
     assert abs(predicted / measured - 1) < 0.10, (optimizer, vocab, dtype, predicted, measured)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_blocks_saved_bytes_are_the_planners_on_one_process(dtype: str) -> None:
+    """Without activation checkpointing, the heap that each block's forward adds (what it
+    saves for backward) against plan/memory.py's `block` per token, plus under bfloat16
+    autocast its weights' copies (each linear saves its own until its backward). Before the
+    copies and the per-GEMM casts of the norms' outputs were counted, bfloat16 read -11%."""
+    from rank_memory_worker import _heap
+
+    from fourfold.config import ParallelConfig, model_config
+    from fourfold.models import build_model
+    from fourfold.parallel import Grid, GridShape, parallelize
+    from fourfold.plan.memory import Precision, activation_bytes_per_token, predict_memory
+    from fourfold.plan.schedule import block_linears
+
+    mcfg = model_config("small")
+    model = build_model(mcfg, seed=0, device="meta")
+    pmodel = parallelize(model, Grid.single(), ParallelConfig(), optimizer="adamw")
+    batch, seq = 4, 512
+    tokens = torch.randint(0, mcfg.vocab_size, (batch, seq + 1),
+                           generator=torch.Generator().manual_seed(0))
+    after: list[int] = []
+    for layer in model.layers:
+        layer.register_forward_hook(lambda *_: after.append(_heap()[0]))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+        pmodel(tokens[:, :-1], tokens[:, 1:])
+    precision, one, n = Precision.of(dtype), GridShape(1, 1, 1, 1), batch * seq
+    per_token = activation_bytes_per_token(mcfg, one, precision)
+    copies = 0  # a block's weights' compute-dtype copies
+    if dtype == "bfloat16":
+        copies = 2 * sum(lin.out_features * lin.in_features
+                         for lin in block_linears(mcfg) if lin.name != "down")
+    for a, b in zip(after, after[1:]):  # the blocks after the first (its hook starts the count)
+        assert abs((b - a) / (n * per_token["block"] + copies) - 1) < 0.02, (dtype, b - a)
+    # the planner's saved activations: every block's, the copies (and the whole output
+    # layer's copy, which its GEMM saves too) among them
+    m = predict_memory(mcfg, one, n, False, precision, output_loss="whole")
+    output_copy = 2 * mcfg.vocab_size * mcfg.dim if dtype == "bfloat16" else 0
+    assert m.activations == (n * (mcfg.n_layers * per_token["block"] + per_token["outside"])
+                             + mcfg.n_layers * copies + output_copy)
+    assert m.cast_weights == 0  # with checkpointing they are only the loss's (cached)
+
+
 @pytest.mark.ranks
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
 def test_planner_peak_matches_the_heap_on_a_grid(tmp_path: Path) -> None:

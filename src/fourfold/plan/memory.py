@@ -178,17 +178,24 @@ def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
     # per norm: its input (with a per-token rstd: parallel/norm.py recomputes the normalized
     # tensor in backward) and its output, which the next GEMM keeps
     residual_like = 4 * d // gx
+    act, residual = precision.act_bytes, precision.residual_bytes
+    # one process below float32 (torch's own layers under autocast): each GEMM keeps its own
+    # compute-dtype cast of the norm's output (q, k and v three, gate and up two), and the
+    # float32 output goes; measured on the heap, small preset, bfloat16: 2 d bytes a token a
+    # block more than one float32 output a norm
+    casts = 0
+    if shape.size == 1 and act < residual:
+        residual_like, casts = 2 * d, 5 * d
     # k and v are saved after the GQA repeat, so they are as wide as q
     attention = 4 * heads_dim // gy
     # gate out and up out: models/llama.py's swiglu recomputes silu, and down recomputes its
     # input silu(gate) * up from them (Linear3D's `recompute`)
     mlp = 2 * f // gy
     stats = 4 * (2 + model.n_heads // gy)  # an fp32 rstd per norm, an fp32 lse per local head
-    act, residual = precision.act_bytes, precision.residual_bytes
     # final norm (input, output) and its rstd; token ids (int64) and the
     # embedding's ownership mask (bool)
     outside = 2 * d // gx * residual + 4 + 9
-    return {"block": residual_like * residual + (attention + mlp) * act + stats,
+    return {"block": residual_like * residual + (attention + mlp + casts) * act + stats,
             "checkpoint": d // gx * residual, "outside": outside}
 
 
@@ -298,14 +305,20 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     # one process below float32: the model is torch's own (parallelize leaves a one-rank model
     # as it is) and autocast caches each weight's compute-dtype copy from its first GEMM to
     # the end of the forward, the loss included: those of every linear that autocast runs
-    # (models/llama.py's down projection casts its own) and the whole output layer's
+    # (models/llama.py's down projection casts its own) and the whole output layer's. Without
+    # activation checkpointing each layer also saves its copy for backward, until its own
+    # backward: saved activations then (measured: a block's saved bytes less its weights'
+    # copies match `block` within 1%)
     cast_weights = 0
     if shape.size == 1 and precision.act_bytes < 4:
         cast = sum(lin.out_features * lin.in_features for lin in block_linears(model)
                    if lin.name != "down") * model.n_layers
         if not uses_blocked_loss(output_loss):
             cast += model.vocab_size * model.dim
-        cast_weights = cast * precision.act_bytes
+        if activation_checkpointing:
+            cast_weights = cast * precision.act_bytes
+        else:
+            activations += cast * precision.act_bytes
     # one bucket being filled (its flat copy) and one in flight over data
     comm_buffers = 2 * bucket_bytes if shape.data > 1 else 0
     full_numel, block_numel = largest_tensor_numel(model, shape)
