@@ -135,10 +135,10 @@ class MemoryBreakdown:
         the logits, `cast_weights` (under autocast on one process) and `loss_grads`: no
         gradient with grad_accum = 1 (every method frees or hands off its gradients within a
         step; AdamW sets them to None before the forward), all of them on the micro-steps
-        after the first with grad_accum > 1. A block's backward
-        holds its recomputed activations, the temporaries of its gradients (`block_transient`)
-        and `grads`, every gradient: an upper bound, as the gradients grow while the blocks'
-        saved inputs are freed. Without a backward (mezo, es) `block_transient` is a block's
+        after the first with grad_accum > 1. A block's backward holds its recomputed
+        activations, the temporaries of its gradients (`block_transient`) and `grads`, every
+        gradient: an upper bound, as the gradients grow while the blocks' saved inputs are
+        freed. Without a backward (mezo, es) `block_transient` is a block's
         no-grad forward."""
         alive = (self.activations - self.recompute + self.gathered_weights + self.comm_buffers
                  + self.checkpoint)
@@ -163,6 +163,14 @@ def predict_param_memory(model_cfg: ModelConfig, shape: GridShape,
             "optimizer": numel * p.optimizer_bytes}
 
 
+def autocast_on_torch_layers(shape: GridShape, precision: Precision) -> bool:
+    """Whether the rank runs torch's own layers under autocast: one process (parallelize leaves
+    a one-rank model as it is; on grids Linear3D casts its own weights and inputs) below
+    float32. Autocast then casts a weight once and caches the copy, and casts a GEMM's input
+    anew for every GEMM that reads it."""
+    return shape.size == 1 and precision.act_bytes < precision.residual_bytes
+
+
 def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
                                precision: Precision) -> dict[str, int]:
     """Per token on a rank: what one block keeps for backward (`block`), the block input a
@@ -179,12 +187,12 @@ def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
     # tensor in backward) and its output, which the next GEMM keeps
     residual_like = 4 * d // gx
     act, residual = precision.act_bytes, precision.residual_bytes
-    # one process below float32 (torch's own layers under autocast): each GEMM keeps its own
-    # compute-dtype cast of the norm's output (q, k and v three, gate and up two), and the
-    # float32 output goes; measured on the heap, small preset, bfloat16: 2 d bytes a token a
-    # block more than one float32 output a norm
+    # under autocast on torch's own layers each GEMM keeps its own compute-dtype cast of the
+    # norm's output (q, k and v three, gate and up two), and the float32 output goes;
+    # measured on the heap, small preset, bfloat16: 2 d bytes a token a block more than one
+    # float32 output a norm
     casts = 0
-    if shape.size == 1 and act < residual:
+    if autocast_on_torch_layers(shape, precision):
         residual_like, casts = 2 * d, 5 * d
     # k and v are saved after the GQA repeat, so they are as wide as q
     attention = 4 * heads_dim // gy
@@ -302,15 +310,15 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     if shape.z == 1:
         gathered = layer_block * precision.grad_bytes  # no gather buffers; still dW per layer
     logits = logits_bytes(model, shape, n, precision, output_loss)
-    # one process below float32: the model is torch's own (parallelize leaves a one-rank model
-    # as it is) and autocast caches each weight's compute-dtype copy from its first GEMM to
-    # the end of the forward, the loss included: those of every linear that autocast runs
-    # (models/llama.py's down projection casts its own) and the whole output layer's. Without
+    # under autocast on torch's own layers autocast caches each weight's compute-dtype copy
+    # from its first GEMM to the end of the forward, the loss included: those of every linear
+    # that autocast runs (models/llama.py's down projection casts its own) and the whole
+    # output layer's. Without
     # activation checkpointing each layer also saves its copy for backward, until its own
     # backward: saved activations then (measured: a block's saved bytes less its weights'
     # copies match `block` within 1%)
     cast_weights = 0
-    if shape.size == 1 and precision.act_bytes < 4:
+    if autocast_on_torch_layers(shape, precision):
         cast = sum(lin.out_features * lin.in_features for lin in block_linears(model)
                    if lin.name != "down") * model.n_layers
         if not uses_blocked_loss(output_loss):
