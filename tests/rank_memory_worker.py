@@ -9,10 +9,9 @@ Modes (FOURFOLD_RANK_MEM_MODE):
           building in shards)
   train   fourfold's Trainer on the config in FOURFOLD_RANK_MEM_CONFIG (a few steps, a
           checkpoint and the final export)
-  steps   for each case of FOURFOLD_RANK_MEM_MODEL's "cases" (model, optimizer, tokens, dtype):
-          build on the grid and run two steps of the method, the forward under autocast where
-          the dtype is bfloat16 (as the trainer runs it); the number: the heap in use at its
-          peak (HeapPeak), from before the build
+  steps   for each case of FOURFOLD_RANK_MEM_MODEL's "cases" (model, train, batch): build
+          on the grid and run two steps of train.optimizer (run_method_steps); the number: the
+          heap in use at its peak (HeapPeak), from before the build
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._python_dispatch
 
-from fourfold.config import ModelConfig, ParallelConfig, load_config
+from fourfold.config import ModelConfig, ParallelConfig, TrainConfig, load_config
 from fourfold.models import build_model
 from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
 
@@ -95,28 +94,27 @@ class HeapPeak(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def run_method_steps(model_cfg: ModelConfig, grid: Grid, optimizer: str, batch: int, seq: int,
-                     dtype: str, steps: int = 2) -> int:
+def run_method_steps(model_cfg: ModelConfig, grid: Grid, cfg: TrainConfig, batch: int,
+                     steps: int = 2) -> int:
     """Build `model_cfg` on `grid` (on the meta device, then each rank's shards), run `steps`
-    steps of train.optimizer on one random batch, and return the heap's peak in use above
-    its start, in bytes."""
+    steps of cfg.optimizer on one random batch of cfg.seq_len tokens (the forward under
+    autocast where cfg.dtype is bfloat16, as the trainer runs it), and return the heap's peak
+    in use above its start, in bytes."""
     from fourfold.train.methods import StepData, build_method
 
-    shape = grid.shape
+    shape, seq = grid.shape, cfg.seq_len
     with HeapPeak() as heap:
         model = build_model(model_cfg, seed=0, device="meta")
         model.activation_checkpointing = True
         pmodel = parallelize(model, grid, ParallelConfig(x=shape.x, y=shape.y, z=shape.z,
                                                          data=shape.data),
-                             optimizer=optimizer)
-        cfg = load_config(overrides=[f"train.optimizer={optimizer}", "train.lr=1e-4",
-                                     f"train.seq_len={seq}"]).train
+                             optimizer=cfg.optimizer)
         method = build_method(pmodel, cfg)
         tokens = torch.randint(0, model_cfg.vocab_size, (batch, seq + 1),
                                generator=torch.Generator().manual_seed(0))
 
         def losses():
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
                 per_token = pmodel(tokens[:, :-1], tokens[:, 1:])
             yield per_token.float().mean()
 
@@ -213,8 +211,8 @@ def main() -> None:
         shape = GridShape(*spec["shape"])
         grid = Grid.build(shape, device)
         record["heap_peaks"] = [
-            run_method_steps(ModelConfig(**case["model"]), grid, case["optimizer"],
-                             case["batch"], case["seq"], case["dtype"])
+            run_method_steps(ModelConfig(**case["model"]), grid, TrainConfig(**case["train"]),
+                             case["batch"])
             for case in spec["cases"]]
         record["grid"] = str(shape)
     else:

@@ -757,9 +757,9 @@ def test_planner_peak_matches_the_heap_at_many_tokens(optimizer: str, vocab: int
     seq = 512
     mcfg = dataclasses.replace(model_config("small"), vocab_size=vocab)
     # AdamW makes its moments in step 1
-    measured = run_method_steps(mcfg, Grid.single(), optimizer, batch, seq, dtype,
+    cfg = dataclasses.replace(memory_lean.train_config(optimizer, seq, 4), dtype=dtype)
+    measured = run_method_steps(mcfg, Grid.single(), cfg, batch,
                                 steps=2 if optimizer == "adamw" else 1)
-    cfg = memory_lean.train_config(optimizer, seq, 4)
     predicted = memory_lean.predicted_bytes(mcfg, cfg, batch * seq, GridShape(1, 1, 1, 1),
                                             on_host=False, dtype=dtype)
     assert abs(predicted / measured - 1) < 0.10, (optimizer, vocab, dtype, predicted, measured)
@@ -824,17 +824,18 @@ def test_planner_peak_matches_the_heap_on_a_grid(tmp_path: Path) -> None:
     mcfg = dataclasses.replace(model_config("small"), vocab_size=32000)
     shape, seq = GridShape(data=1, z=1, y=2, x=2), 512
     cases = [("adamw", 1, "float32"), ("adamw", 1, "bfloat16"), ("lomo", 2, "bfloat16")]
+    train = [dataclasses.replace(memory_lean.train_config(o, seq, 4), dtype=d)
+             for o, _, d in cases]
     spec = {"shape": [1, 1, 2, 2], "cases": [
-        {"model": dataclasses.asdict(mcfg), "optimizer": o, "batch": b, "seq": seq, "dtype": d}
-        for o, b, d in cases]}
+        {"model": dataclasses.asdict(mcfg), "train": dataclasses.asdict(t), "batch": b}
+        for t, (_, b, _) in zip(train, cases)]}
     results, stderr = rank_memory_worker.launch(
         4, "steps", tmp_path / "heap.jsonl", {"FOURFOLD_RANK_MEM_MODEL": json.dumps(spec)},
         timeout_s=600)
     assert results is not None, stderr[-4000:]
     for i, (optimizer, batch, dtype) in enumerate(cases):
-        predicted = memory_lean.predicted_bytes(
-            mcfg, memory_lean.train_config(optimizer, seq, 4), batch * seq, shape,
-            on_host=False, dtype=dtype)
+        predicted = memory_lean.predicted_bytes(mcfg, train[i], batch * seq, shape,
+                                                on_host=False, dtype=dtype)
         for r in results:
             measured = r["heap_peaks"][i]
             assert abs(predicted / measured - 1) < 0.10, \
