@@ -10,8 +10,8 @@ Modes (FOURFOLD_RANK_MEM_MODE):
   train   fourfold's Trainer on the config in FOURFOLD_RANK_MEM_CONFIG (a few steps, a
           checkpoint and the final export)
   steps   for each case of FOURFOLD_RANK_MEM_MODEL's "cases" (model, train, batch): build
-          on the grid and run two steps of train.optimizer (run_method_steps); the number: the
-          heap in use at its peak (HeapPeak), from before the build
+          on the grid and run its "steps" (2) steps of train.optimizer (run_method_steps);
+          the number: the heap in use at its peak (HeapPeak), from before the build
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def main() -> None:
         grid = Grid.build(shape, device)
         record["heap_peaks"] = [
             run_method_steps(ModelConfig(**case["model"]), grid, TrainConfig(**case["train"]),
-                             case["batch"])
+                             case["batch"], steps=spec.get("steps", 2))
             for case in spec["cases"]]
         record["grid"] = str(shape)
     else:
