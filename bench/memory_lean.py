@@ -134,6 +134,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
         out["gpu_bytes"] = torch.cuda.max_memory_allocated()
     if sampler is not None:
         out["phases"] = sampler.stop()
+        out["files_bytes"] = sampler.files
     return out
 
 
@@ -151,7 +152,10 @@ class PeakSampler:
         import rank_memory_worker as w
 
         self._heap, self._rss = w._heap, lambda: w._status("VmRSS")
+        self._files = lambda: w._status("RssFile")  # resident pages of mapped files (code)
         self._base = (self._heap()[0], self._rss())
+        self._files_base = self._files()
+        self.files = 0  # mapped files' resident bytes added by the run, set by stop
         self._label = "build"
         self.peaks: dict[str, list[int]] = {}  # label: [heap used, rss] maxima above start
         self._stop = threading.Event()
@@ -203,6 +207,7 @@ class PeakSampler:
         self._stop.set()
         self._thread.join()
         self._sample()
+        self.files = self._files() - self._files_base
         return self.peaks
 
 
@@ -334,9 +339,11 @@ def print_phases(rows: dict, top: int = 5) -> None:
             if key not in merged or heap > merged[key][0]:
                 merged[key] = (heap, rss, step)
         best = sorted(merged.items(), key=lambda kv: -kv[1][0])[:top]
+        files = (f"; mapped files +{r['files_bytes'] / 2**20:.0f} MiB by the end"
+                 if "files_bytes" in r else "")
         print(f"  {m}: " + "; ".join(
             f"{k}{f' ({s})' if s else ''}: heap {h / 2**20:.0f} rss {rss / 2**20:.0f}"
-            for k, (h, rss, s) in best))
+            for k, (h, rss, s) in best) + files)
 
 
 def main() -> None:
@@ -357,7 +364,8 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true",
                     help="the 5 phases of each run with the most heap in use (the largest over the "
                          "steps; a method's per-tensor work named by its tensor), with RSS "
-                         "(on a grid: each rank's)")
+                         "(on a grid: each rank's), and the resident pages of mapped files (library "
+                         "code) the run added")
     ap.add_argument("--grid-only", action="store_true",
                     help="only the grid's table (no one-process column)")
     ap.add_argument("--tuned-malloc", action="store_true",
