@@ -10,7 +10,7 @@ trainer runs it; activation checkpointing is on.
 
 Measured (stop 37): --vocab 32000 --batch 1 --methods adamw: float32 361 MiB, planner -1.8%;
 bfloat16 414 MiB, -2.1%. --preset 125m --batch 2 --seq 128 --methods adamw galore: 2064 and
-1064 MiB in use at their peaks (GaLore 0.516 of AdamW), planner +1.7% and +2.5%.
+1049 MiB in use at their peaks (GaLore 0.51 of AdamW), planner +1.7% and +4.0%.
 """
 
 from __future__ import annotations
