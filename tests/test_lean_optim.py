@@ -744,7 +744,7 @@ def test_planner_peak_matches_the_heap_at_many_tokens(optimizer: str, vocab: int
     vocabulary (512 tokens) AdamW's peak is the loss, where no gradient exists yet: counting
     them there read +18.8% (on an H200, 125m at 16 x 512 tokens, +11.9%). Under bfloat16
     autocast (forward inside it, backward outside, as the trainer runs them) AdamW's loss read
-    -22% and LOMO's output layer -20% before the logits' float32 copy, autocast's cached
+    -22% and LOMO's output layer -14% before the logits' float32 copy, autocast's cached
     weight copies and the output layer's bfloat16 weight and gradient were counted."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     import memory_lean
