@@ -1,6 +1,7 @@
 """Peak resident memory and speed of each training method against AdamW, on one process.
 
-Each method trains the same model (float32, activation checkpointing on) for a few steps in a
+Each method trains the same model (float32 unless --dtype bfloat16, which runs the forward under
+bfloat16 autocast as the trainer does; activation checkpointing on) for a few steps in a
 fresh process; its peak RSS above a process that only imports fourfold and builds nothing is
 given as a ratio to AdamW's, and its tokens/s (steps after the first) beside AdamW's. A
 training step of MeZO is two forwards, of ES `--population` forwards: tokens/s counts the
@@ -15,7 +16,7 @@ its cost).
 
     python bench/memory_lean.py [--preset small] [--steps 4] [--batch 2] [--seq 128]
         [--grid 2x2 [--grid-only]] [--tuned-malloc] [--phases] [--set METHOD:train.KEY=VALUE]
-        [--output-loss auto|blocks|whole] [--device cpu|cuda]
+        [--output-loss auto|blocks|whole] [--device cpu|cuda] [--dtype float32|bfloat16]
 
 --device cuda: one process on GPU 0; the peak is torch.cuda.max_memory_allocated, against the
 planner's GPU prediction (no host-side runtime in it). On an H200, 125m, --batch 16 --seq 512:
@@ -109,8 +110,10 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
         # x and y split the weights, not the batch: every rank of the grid sees all of it
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g).to(device)
 
-        def losses():
-            yield pmodel(tokens[:, :-1], tokens[:, 1:]).mean()
+        def losses():  # under bfloat16 autocast with --dtype bfloat16, as the trainer runs it
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
+                per_token = pmodel(tokens[:, :-1], tokens[:, 1:])
+            yield per_token.float().mean()
 
         if sampler is not None:
             sampler.label(f"step {i}")
@@ -128,7 +131,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
            "tokens_per_s": batch * seq * (len(times) - 1) / sum(times[1:]),
            "first_step_s": times[0], "peak_grad_bytes": trainer.peak_grad_bytes,
            "predicted": predicted_bytes(model.cfg, cfg, batch * seq, shape, output_loss,
-                                        on_host=device == "cpu"),
+                                        on_host=device == "cpu", dtype=cfg.dtype),
            "loss": float(result.loss), "state_bytes": trainer.state_bytes()}
     if device == "cuda":
         out["gpu_bytes"] = torch.cuda.max_memory_allocated()
@@ -223,8 +226,9 @@ def train_config(method: str, seq: int, population: int, sets: tuple[str, ...] |
 
 
 def method_sets(args: argparse.Namespace, method: str) -> list[str]:
-    """--set's keys for `method`, as train.KEY=VALUE."""
-    return [f"{key}={value}" for m, key, value in args.extra if m == method]
+    """--dtype and --set's keys for `method`, as train.KEY=VALUE."""
+    return [f"train.dtype={args.dtype}",
+            *(f"{key}={value}" for m, key, value in args.extra if m == method)]
 
 
 def check_sets(args: argparse.Namespace) -> None:
@@ -374,6 +378,8 @@ def main() -> None:
                     metavar="METHOD:train.KEY=VALUE",
                     help="an extra key for one method's runs "
                     "(e.g. blockllm:train.block_patience=3)")
+    ap.add_argument("--dtype", default="float32", choices=CHOICES[("train", "dtype")],
+                    help="train.dtype of every run (bfloat16: the forward under autocast)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: one process on GPU 0, its peak torch.cuda.max_memory_allocated "
                     "against the planner's GPU prediction (not with --grid, --phases or "
@@ -417,7 +423,7 @@ def one_process_table(args: argparse.Namespace) -> dict[str, float]:
     where = ("one GPU; peak = torch.cuda.max_memory_allocated" if on_gpu else
              f"one process; baseline (import fourfold) {base / 1024:.0f} MiB; "
              f"malloc {'tuned' if args.tuned_malloc else 'glibc defaults'}")
-    print(f"preset {args.preset}, float32, batch {args.batch} x {args.seq}, activation "
+    print(f"preset {args.preset}, {args.dtype}, batch {args.batch} x {args.seq}, activation "
           f"checkpointing, {where}")
     print(f"| method | {'peak GPU' if on_gpu else 'peak RSS - base'} | ratio | planner | error "
           "| state | peak grads | tokens/s | vs adamw | first step |")
