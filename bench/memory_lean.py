@@ -350,7 +350,7 @@ def print_phases(rows: dict, top: int = 5) -> None:
             for k, (h, rss, s) in best) + files)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     from fourfold.config import CHOICES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -384,6 +384,11 @@ def main() -> None:
                     help="cuda: one process on GPU 0, its peak torch.cuda.max_memory_allocated "
                     "against the planner's GPU prediction (not with --grid, --phases or "
                     "--tuned-malloc, which are about host memory)")
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     if len(sys.argv) == 3 and sys.argv[1] == "--rank-worker":
         rank_worker(sys.argv[2])
         return

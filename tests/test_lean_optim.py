@@ -936,3 +936,29 @@ def test_adalomo_row_blocks_change_nothing_but_rounding(monkeypatch: pytest.Monk
     for name in whole:
         torch.testing.assert_close(blocks[name], whole[name], rtol=1e-5, atol=1e-6, msg=name)
     assert any(not torch.equal(blocks[n], whole[n]) for n in whole)  # the blocks did differ
+
+
+def test_memory_lean_bench_runs_and_predicts_at_its_dtype() -> None:
+    """bench/memory_lean.py --dtype: a run's train.dtype reaches the step (its forward under
+    bfloat16 autocast) and the planner's prediction (it asked for float32 whatever the run's
+    dtype was before --dtype existed)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import memory_lean
+
+    from fourfold.config import model_config
+    from fourfold.parallel import GridShape
+
+    args = memory_lean.parser().parse_args(["--methods", "mezo", "--dtype", "bfloat16"])
+    sets = memory_lean.method_sets(args, "mezo")
+    assert sets == ["train.dtype=bfloat16"]
+    row = memory_lean.child("small", "mezo", 2, 1, 32, 4, sets=tuple(sets))
+    cfg = memory_lean.train_config("mezo", 32, 4, ["train.dtype=bfloat16"])
+    one = GridShape(1, 1, 1, 1)
+    mcfg = model_config("small")
+    bf16 = memory_lean.predicted_bytes(mcfg, cfg, 32, one, dtype="bfloat16")
+    assert row["predicted"] == bf16
+    assert bf16 != memory_lean.predicted_bytes(mcfg, cfg, 32, one, dtype="float32")
+    assert math.isfinite(row["loss"])
+    # the same run in float32 (same weights, noise and batch): autocast changed the forward
+    f32 = memory_lean.child("small", "mezo", 2, 1, 32, 4, sets=("train.dtype=float32",))
+    assert f32["loss"] != row["loss"] and abs(f32["loss"] - row["loss"]) < 0.1
