@@ -2,16 +2,16 @@
 # The memory-lean methods (issue 16) on one GPU: run after bench/gpu_smoke.sh. Three parts:
 #   1. noise: MeZO's and ES's counter-based noise is the same on the GPU (16 MiB chunks) as on
 #      the CPU (1 MiB chunks), and how fast the GPU makes it;
-#   2. memory: `bench/memory_lean.py --device cuda` (125m, float32, batch 2 x 128, activation
-#      checkpointing): each method's peak GPU memory as a ratio to AdamW's, the planner's GPU
-#      prediction beside it, tokens/s;
+#   2. memory: `bench/memory_lean.py --device cuda` (125m, activation checkpointing; float32 at
+#      the issue's batch 2 x 128, then 16 x 512 in float32 and in bfloat16): each method's
+#      peak GPU memory as a ratio to AdamW's, the planner's GPU prediction beside it, tokens/s;
 #   3. trainer: every method through `fourfold train` on the GPU (6 steps of the small preset,
 #      a checkpoint at step 3 and 6, train.memory_report on), then resumed from step 3 in a copy
 #      of the run: the losses of steps 4-6 against the first run's; the run's peak (on a GPU
 #      max_memory_allocated) and its memory_report's measured categories against the planner's.
 #      The seven runs of each round share the GPU at once.
 #
-#   bash bench/gpu_lean.sh                  # about 3 minutes on one H200
+#   bash bench/gpu_lean.sh                  # about 5 minutes on one H200
 #   DEVICE=cpu bash bench/gpu_lean.sh       # parts 1 and 3 on the CPU (a dry run of the script)
 #
 # Env: PYTHON (default .venv/bin/python, else python3), PRESET (125m, part 2), OUT (a fresh
@@ -73,8 +73,11 @@ assert same_bits and diff < 1e-5, "the GPU's noise differs from the CPU's"
 EOF
 
 if [ "$DEVICE" = cuda ]; then
-    echo "== 2. memory and speed: $PY bench/memory_lean.py --device cuda --preset $PRESET --steps 4"
-    "$PY" bench/memory_lean.py --device cuda --preset "$PRESET" --steps 4 || FAILED+=("memory")
+    for size in "" "--batch 16 --seq 512" "--batch 16 --seq 512 --dtype bfloat16"; do
+        echo "== 2. memory and speed: $PY bench/memory_lean.py --device cuda --preset $PRESET --steps 4 $size"
+        # shellcheck disable=SC2086  # $size is several arguments
+        "$PY" bench/memory_lean.py --device cuda --preset "$PRESET" --steps 4 $size || FAILED+=("memory $size")
+    done
 fi
 
 echo "== 3. every method through fourfold train on $DEVICE, then resumed from step 3"
