@@ -172,6 +172,18 @@ def autocast_on_torch_layers(shape: GridShape, precision: Precision) -> bool:
     return shape.size == 1 and precision.act_bytes < precision.residual_bytes
 
 
+def autocast_weight_copies(model: ModelConfig, precision: Precision, output_loss: str,
+                           down: bool) -> tuple[int, int]:
+    """Bytes of the compute-dtype weight copies autocast caches on torch's own layers (see
+    autocast_on_torch_layers): (every block linear's, the output layer's). The down
+    projections only with `down` (with a backward models/llama.py's down projection casts its
+    own weight); the output layer's only with whole logits (the blocked loss casts its own)."""
+    blocks = sum(lin.out_features * lin.in_features for lin in block_linears(model)
+                 if down or lin.name != "down") * model.n_layers
+    output = 0 if uses_blocked_loss(output_loss) else model.vocab_size * model.dim
+    return blocks * precision.act_bytes, output * precision.act_bytes
+
+
 def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
                                precision: Precision) -> dict[str, int]:
     """Per token on a rank: what one block keeps for backward (`block`), the block input a
@@ -320,14 +332,11 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     # copies match `block` within 1%)
     cast_weights = 0
     if autocast_on_torch_layers(shape, precision):
-        cast = sum(lin.out_features * lin.in_features for lin in block_linears(model)
-                   if lin.name != "down") * model.n_layers
-        if not uses_blocked_loss(output_loss):
-            cast += model.vocab_size * model.dim
+        cast = sum(autocast_weight_copies(model, precision, output_loss, down=False))
         if activation_checkpointing:
-            cast_weights = cast * precision.act_bytes
+            cast_weights = cast
         else:
-            activations += cast * precision.act_bytes
+            activations += cast
     # one bucket being filled (its flat copy) and one in flight over data
     comm_buffers = 2 * bucket_bytes if shape.data > 1 else 0
     full_numel, block_numel = largest_tensor_numel(model, shape)
@@ -527,10 +536,7 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
         # (the output layer's copy, with whole logits, only from the loss on)
         cast = output_cast = 0
         if autocast_on_torch_layers(shape, p):
-            cast = sum(lin.out_features * lin.in_features
-                       for lin in block_linears(model)) * model.n_layers * p.act_bytes
-            if not uses_blocked_loss(output_loss):
-                output_cast = model.vocab_size * model.dim * p.act_bytes
+            cast, output_cast = autocast_weight_copies(model, p, output_loss, down=True)
         out = dataclasses.replace(out, activations=0, comm_buffers=0, gathered_weights=gathered,
                                   logits=logits, recompute=0, block_transient=forward + cast,
                                   cast_weights=cast + output_cast)
