@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import rank_memory_worker  # noqa: E402
+from fourfold.config import CHOICES  # noqa: E402
 from memory_lean import METHODS, parse_grid, predicted_bytes, train_config  # noqa: E402
 
 MIB = 2**20
@@ -37,7 +38,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--methods", nargs="+", default=["adamw", "lomo"], choices=METHODS)
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default="float32", choices=CHOICES[("train", "dtype")])
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--grid", default=None, metavar="XxY")
     args = ap.parse_args()
@@ -78,8 +79,7 @@ def main() -> None:
     print("| method | heap peak (ranks) | planner | error (worst) |")
     print("|---|---|---|---|")
     for t, measured in zip(train, peaks):
-        predicted = predicted_bytes(mcfg, t, args.batch * args.seq, shape, on_host=False,
-                                    dtype=args.dtype)
+        predicted = predicted_bytes(mcfg, t, args.batch * args.seq, shape, on_host=False)
         worst = max((predicted / m - 1 for m in measured), key=abs)
         print(f"| {t.optimizer} | {min(measured) / MIB:.0f}-{max(measured) / MIB:.0f} MiB | "
               f"{predicted / MIB:.0f} MiB | {worst:+.1%} |", flush=True)

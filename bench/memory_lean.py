@@ -131,7 +131,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
            "tokens_per_s": batch * seq * (len(times) - 1) / sum(times[1:]),
            "first_step_s": times[0], "peak_grad_bytes": trainer.peak_grad_bytes,
            "predicted": predicted_bytes(model.cfg, cfg, batch * seq, shape, output_loss,
-                                        on_host=device == "cpu", dtype=cfg.dtype),
+                                        on_host=device == "cpu"),
            "loss": float(result.loss), "state_bytes": trainer.state_bytes()}
     if device == "cuda":
         out["gpu_bytes"] = torch.cuda.max_memory_allocated()
@@ -249,12 +249,13 @@ def check_sets(args: argparse.Namespace) -> None:
 
 
 def predicted_bytes(model_cfg, train_cfg, tokens: int, shape, output_loss: str = "auto",
-                    on_host: bool = True, dtype: str = "float32") -> int:
-    """The planner's peak for this run, per rank (plan/memory.py with the method's state)."""
+                    on_host: bool = True) -> int:
+    """The planner's peak for this run, per rank (plan/memory.py with the method's state, at
+    train_cfg.dtype)."""
     from fourfold.parallel.embedding import resolve_output_loss
     from fourfold.plan.memory import Precision, predict_memory, predict_method_memory
 
-    precision = Precision.of(dtype)
+    precision = Precision.of(train_cfg.dtype)
     output_loss = resolve_output_loss(output_loss, train_cfg.optimizer)
     mem = predict_memory(model_cfg, shape, tokens, True, precision, on_host=on_host,
                          output_loss=output_loss)

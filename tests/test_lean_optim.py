@@ -763,7 +763,7 @@ def test_planner_peak_matches_the_heap_at_many_tokens(optimizer: str, vocab: int
     measured = run_method_steps(mcfg, Grid.single(), cfg, batch,
                                 steps=2 if optimizer == "adamw" else 1)
     predicted = memory_lean.predicted_bytes(mcfg, cfg, batch * seq, GridShape(1, 1, 1, 1),
-                                            on_host=False, dtype=dtype)
+                                            on_host=False)
     assert abs(predicted / measured - 1) < 0.10, (optimizer, vocab, dtype, predicted, measured)
 
 
@@ -837,7 +837,7 @@ def test_planner_peak_matches_the_heap_on_a_grid(tmp_path: Path) -> None:
     assert results is not None, stderr[-4000:]
     for i, (optimizer, batch, dtype) in enumerate(cases):
         predicted = memory_lean.predicted_bytes(mcfg, train[i], batch * seq, shape,
-                                                on_host=False, dtype=dtype)
+                                                on_host=False)
         for r in results:
             measured = r["heap_peaks"][i]
             assert abs(predicted / measured - 1) < 0.10, \
@@ -955,9 +955,10 @@ def test_memory_lean_bench_runs_and_predicts_at_its_dtype() -> None:
     cfg = memory_lean.train_config("mezo", 32, 4, ["train.dtype=bfloat16"])
     one = GridShape(1, 1, 1, 1)
     mcfg = model_config("small")
-    bf16 = memory_lean.predicted_bytes(mcfg, cfg, 32, one, dtype="bfloat16")
+    bf16 = memory_lean.predicted_bytes(mcfg, cfg, 32, one)
     assert row["predicted"] == bf16
-    assert bf16 != memory_lean.predicted_bytes(mcfg, cfg, 32, one, dtype="float32")
+    assert bf16 != memory_lean.predicted_bytes(mcfg, dataclasses.replace(cfg, dtype="float32"),
+                                               32, one)
     assert math.isfinite(row["loss"])
     # the same run in float32 (same weights, noise and batch): autocast changed the forward
     f32 = memory_lean.child("small", "mezo", 2, 1, 32, 4, sets=("train.dtype=float32",))
