@@ -73,15 +73,11 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     for _ in range(steps):
         # x and y split the weights, not the batch: every rank sees all of it
         tokens = torch.randint(0, model.cfg.vocab_size, (batch, seq + 1), generator=g)
-
-        def losses():
-            yield pmodel(tokens[:, :-1], tokens[:, 1:]).mean()
-
         if method == "blockllm":  # the planner's step: a selection, every step
             trainer.selecting_next = True
         dist.barrier()
         start = time.perf_counter()
-        trainer.step(pmodel, StepData(1, losses), cfg.lr)
+        trainer.step(pmodel, StepData.one_batch(pmodel, tokens), cfg.lr)
         dist.barrier()
         times.append(time.perf_counter() - start)
     world = dist.get_world_size()

@@ -109,12 +109,6 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     for i in range(steps):
         # x and y split the weights, not the batch: every rank of the grid sees all of it
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g).to(device)
-
-        def losses():  # under bfloat16 autocast with --dtype bfloat16, as the trainer runs it
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
-                per_token = pmodel(tokens[:, :-1], tokens[:, 1:])
-            yield per_token.float().mean()
-
         if sampler is not None:
             sampler.label(f"step {i}")
         if method == "blockllm" and i == steps - 1 and i >= 2:
@@ -123,7 +117,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
             # are still held, the method's largest step (and the one the planner predicts)
             trainer.selecting_next = True
         start = time.perf_counter()
-        result = trainer.step(pmodel, StepData(1, losses), cfg.lr)
+        result = trainer.step(pmodel, StepData.one_batch(pmodel, tokens, cfg.dtype), cfg.lr)
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)

@@ -112,14 +112,8 @@ def run_method_steps(model_cfg: ModelConfig, grid: Grid, cfg: TrainConfig, batch
         method = build_method(pmodel, cfg)
         tokens = torch.randint(0, model_cfg.vocab_size, (batch, seq + 1),
                                generator=torch.Generator().manual_seed(0))
-
-        def losses():
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
-                per_token = pmodel(tokens[:, :-1], tokens[:, 1:])
-            yield per_token.float().mean()
-
         for _ in range(steps):
-            method.step(pmodel, StepData(1, losses), 1e-4)
+            method.step(pmodel, StepData.one_batch(pmodel, tokens, cfg.dtype), 1e-4)
     return heap.peak - heap.start
 
 

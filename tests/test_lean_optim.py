@@ -197,7 +197,7 @@ def test_frozen_parameters_have_no_optimizer_state() -> None:
     pmodel = parallelize(model, Grid.single())
     method = build_method(pmodel, TrainConfig(optimizer="adamw"))
     tokens = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
-    data = StepData(1, lambda: iter([pmodel(tokens[:, :-1], tokens[:, 1:]).mean()]))
+    data = StepData.one_batch(pmodel, tokens)
     method.step(pmodel, data, lr=1e-3)
     tensors, meta = method.state_dict()
     assert tensors and all(".ffn." in key for key in tensors)
@@ -228,7 +228,7 @@ def test_state_dict_resumes_exactly(optimizer: str) -> None:
         method = build_method(pmodel, cfg)
         if resume_from is not None:
             method.load_state_dict(*resume_from)
-        data = StepData(1, lambda: iter([pmodel(tokens[:, :-1], tokens[:, 1:]).mean()]))
+        data = StepData.one_batch(pmodel, tokens)
         losses = [method.step(pmodel, data, cfg.lr).loss for _ in range(steps)]
         return losses, method.state_dict(), model.state_dict()
 
@@ -530,7 +530,7 @@ def test_lomo_is_sgd_fused_into_backward() -> None:
     method = build_method(pmodel, TrainConfig(optimizer="lomo"))  # "auto": no weight decay
     sgd = torch.optim.SGD(sgd_model.parameters(), lr=0.1)
     for _ in range(3):
-        data = StepData(1, lambda: iter([pmodel(tokens[:, :-1], tokens[:, 1:]).mean()]))
+        data = StepData.one_batch(pmodel, tokens)
         method.step(pmodel, data, lr=0.1)
         sgd_model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
         sgd.step()
@@ -585,7 +585,7 @@ def test_planner_state_bytes_follow_the_method() -> None:
         predicted[name] = method_state_bytes(mcfg, one, cfg)
         pmodel = parallelize(build_model(mcfg, seed=0), Grid.single())
         method = build_method(pmodel, cfg)
-        data = StepData(1, lambda: iter([pmodel(tokens[:, :-1], tokens[:, 1:]).mean()]))
+        data = StepData.one_batch(pmodel, tokens)
         method.step(pmodel, data, lr=1e-3)
         if name != "blockllm":  # blockllm's selection fills its share to within a row
             assert method.state_bytes() == predicted[name]["optimizer"], name
@@ -926,7 +926,7 @@ def test_adalomo_row_blocks_change_nothing_but_rounding(monkeypatch: pytest.Monk
         pmodel = parallelize(model, Grid.single())
         method = build_method(pmodel, TrainConfig(optimizer="adalomo"))
         for _ in range(3):
-            data = StepData(1, lambda: iter([pmodel(tokens[:, :-1], tokens[:, 1:]).mean()]))
+            data = StepData.one_batch(pmodel, tokens)
             method.step(pmodel, data, lr=1e-2)
         return model.state_dict()
 

@@ -30,6 +30,21 @@ class StepData:
     micro_steps: int
     losses: Callable[[], Iterator[torch.Tensor]]
 
+    @classmethod
+    def one_batch(cls, pmodel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                  tokens: torch.Tensor, dtype: str = "float32") -> StepData:
+        """A step of one micro-batch: the mean next-token loss of `tokens` (b, T + 1), every
+        position counted, where every rank sees the whole batch (no batch axes split it). The
+        forward runs under bfloat16 autocast when `dtype` is "bfloat16", as the trainer runs
+        it. For a loop of one's own, the benches and the tests."""
+        def losses() -> Iterator[torch.Tensor]:
+            with torch.autocast(tokens.device.type, dtype=torch.bfloat16,
+                                enabled=dtype == "bfloat16"):
+                per_token = pmodel(tokens[:, :-1], tokens[:, 1:])
+            yield per_token.float().mean()
+
+        return cls(1, losses)
+
 
 @dataclass(frozen=True)
 class StepResult:
