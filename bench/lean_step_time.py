@@ -165,6 +165,7 @@ def main() -> None:
     ap.add_argument("--grid", default="1x1", metavar="XxY",
                     help="x by y gloo ranks under torchrun (data = z = 1)")
     ap.add_argument("--rank-worker", default=None, help=argparse.SUPPRESS)
+    ap.set_defaults(dtype="float32")  # its runs and planner are float32 (memory_lean's method_sets)
     args = ap.parse_args()
     if args.rank_worker:
         rank_worker(args.rank_worker)

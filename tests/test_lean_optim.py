@@ -963,3 +963,21 @@ def test_memory_lean_bench_runs_and_predicts_at_its_dtype() -> None:
     # the same run in float32 (same weights, noise and batch): autocast changed the forward
     f32 = memory_lean.child("small", "mezo", 2, 1, 32, 4, sets=("train.dtype=float32",))
     assert f32["loss"] != row["loss"] and abs(f32["loss"] - row["loss"]) < 0.1
+
+
+def test_lean_step_time_bench_runs() -> None:
+    """bench/lean_step_time.py end to end at a tiny size: its float32 runs, probes and the
+    planner's step for each method (its share of memory_lean's helpers once failed here:
+    method_sets read a --dtype that only memory_lean's parser had)."""
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    proc = subprocess.run([sys.executable, str(bench / "lean_step_time.py"), "--preset", "debug",
+                           "--steps", "2", "--batch", "1", "--seq", "32", "--methods", "lomo",
+                           "--repeat", "1"], capture_output=True, text=True, timeout=300,
+                          env=outside_job_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines()
+            if line.startswith("| adamw") or line.startswith("| lomo")}
+    assert set(rows) == {"adamw", "lomo"}, proc.stdout
+    for line in rows.values():  # measured and planned seconds, both positive
+        cells = [c.strip() for c in line.split("|")[2:4]]
+        assert all(c.endswith(" s") and float(c[:-2]) > 0 for c in cells), line
