@@ -28,6 +28,10 @@ ranks); without it freed blocks that glibc keeps read as resident memory (up to 
 125m, more on gloo ranks, which get an arena per thread), which the planner does not model.
 --output-loss: parallel.output_loss of every run (auto: blocks for lomo, adalomo, mezo, es and
 blockllm, whole logits for adamw and galore).
+--phases: where each run's heap peaks (its 5 largest phases), the library code it paged in, and
+at the largest heap in use that a named call began with, how much of that heap is tensors that
+Python reaches (the rest: the runtime's, torch's and gloo's own allocations, and tensors only
+C++ holds, such as autograd's saved inputs): whether a grid splits a method's tensors.
 Measured 125m, --steps 4 --tuned-malloc --grid 2x2 (MiB above the import, ratio to AdamW,
 planner error), one process / 2x2 per rank, stop 37 (bench/memory_lean.md has earlier runs,
 the figures from before the blocked loss and what GaLore's ranks hold):
@@ -132,6 +136,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     if sampler is not None:
         out["phases"] = sampler.stop()
         out["files_bytes"] = sampler.files
+        out["census"] = sampler.census
     return out
 
 
@@ -155,6 +160,9 @@ class PeakSampler:
         self.files = 0  # mapped files' resident bytes added by the run, set by stop
         self._label = "build"
         self.peaks: dict[str, list[int]] = {}  # label: [heap used, rss] maxima above start
+        # the largest heap in use that a labelled call began with, the bytes of the tensors
+        # Python reaches then (gc's objects), and the call: what of the heap is not tensors
+        self.census = [0, 0, ""]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -182,12 +190,33 @@ class PeakSampler:
             tensor = getattr(args[0], "name", None) if args else None
             part = f"{name} {tensor}" if isinstance(tensor, str) else name
             self.label(outer.split(" / ")[0] + " / " + part)
+            self._take_census()
             try:
                 return inner(*args, **kwargs)
             finally:
                 self.label(outer)
 
         setattr(owner, attr, wrapped)
+
+    def _take_census(self) -> None:
+        """At a new largest heap in use: the bytes of the CPU tensors' storages that Python
+        objects reach (each storage once). Tensors only C++ holds (autograd's saved inputs)
+        count as the rest, with the allocations of the runtime, torch and gloo."""
+        import gc
+
+        import torch
+
+        heap = self._heap()[0] - self._base[0]
+        if heap <= self.census[0]:
+            return
+        storages: dict[int, int] = {}
+        for obj in gc.get_objects():
+            # type(), not isinstance: that asks obj.__class__, which some objects warn on
+            if (issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu"
+                    and obj.layout == torch.strided and not obj.is_meta):
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        self.census = [heap, sum(storages.values()), self._label]
 
     def instrument(self, pmodel, trainer) -> None:
         from fourfold.train.methods import zeroth
@@ -343,6 +372,11 @@ def print_phases(rows: dict, top: int = 5) -> None:
         print(f"  {m}: " + "; ".join(
             f"{k}{f' ({s})' if s else ''}: heap {h / 2**20:.0f} rss {rss / 2**20:.0f}"
             for k, (h, rss, s) in best) + files)
+        if r.get("census", [0])[0]:
+            heap, tensors, label = r["census"]
+            print(f"    at {label} (the largest heap a named call began with): heap "
+                  f"{heap / 2**20:.0f} MiB, of it tensors Python reaches {tensors / 2**20:.0f}, "
+                  f"the rest {(heap - tensors) / 2**20:.0f}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -363,8 +397,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--phases", action="store_true",
                     help="the 5 phases of each run with the most heap in use (the largest over the "
                          "steps; a method's per-tensor work named by its tensor), with RSS "
-                         "(on a grid: each rank's), and the resident pages of mapped files (library "
-                         "code) the run added")
+                         "(on a grid: each rank's), the resident pages of mapped files (library "
+                         "code) the run added, and the tensors' share of the heap at its peak")
     ap.add_argument("--grid-only", action="store_true",
                     help="only the grid's table (no one-process column)")
     ap.add_argument("--tuned-malloc", action="store_true",

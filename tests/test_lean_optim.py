@@ -981,3 +981,21 @@ def test_lean_step_time_bench_runs() -> None:
     for line in rows.values():  # measured and planned seconds, both positive
         cells = [c.strip() for c in line.split("|")[2:4]]
         assert all(c.endswith(" s") and float(c[:-2]) > 0 for c in cells), line
+
+
+def test_memory_lean_phases_census_counts_the_tensors_in_the_heap() -> None:
+    """bench/memory_lean.py --phases: at the largest heap a named call began with, the bytes
+    of the tensors Python reaches hold at least the model's weights and the method's state,
+    and no more than the heap in use above the run's start (they live in it)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import memory_lean
+
+    from fourfold.config import model_config
+    from fourfold.models import build_model
+
+    row = memory_lean.child("debug", "galore", 2, 1, 32, 4, phases=True)
+    heap, tensors, label = row["census"]
+    weights = build_model(model_config("debug"), seed=0, device="meta").num_params() * 4
+    assert label.startswith("step ") and " / " in label, label
+    assert weights + row["state_bytes"] <= tensors <= heap, (weights, row["state_bytes"],
+                                                             tensors, heap)
