@@ -148,6 +148,7 @@ class PeakSampler:
     during them too."""
 
     def __init__(self) -> None:
+        import gc
         import threading
 
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -155,6 +156,7 @@ class PeakSampler:
 
         self._heap, self._rss = w._heap, lambda: w._status("VmRSS")
         self._files = lambda: w._status("RssFile")  # resident pages of mapped files (code)
+        gc.collect()  # garbage freed during the run would read as a lower heap
         self._base = (self._heap()[0], self._rss())
         self._files_base = self._files()
         self.files = 0  # mapped files' resident bytes added by the run, set by stop
@@ -163,6 +165,8 @@ class PeakSampler:
         # the largest heap in use that a labelled call began with, the bytes of the tensors
         # Python reaches then (gc's objects), and the call: what of the heap is not tensors
         self.census = [0, 0, ""]
+        self._wrapped: list[tuple[object, str, object]] = []  # (owner, attr, its own value)
+        self._before = set(self._storages())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -182,8 +186,10 @@ class PeakSampler:
 
     def wrap(self, owner: object, attr: str, name: str) -> None:
         """Label calls of owner.attr `name`; a call whose first argument is a parameter's
-        view (a method's per-tensor work: GaLore's projection at a hand-off) adds its name."""
+        view (a method's per-tensor work: GaLore's projection at a hand-off) adds its name.
+        stop() puts owner.attr back."""
         inner = getattr(owner, attr)
+        self._wrapped.append((owner, attr, vars(owner).get(attr)))
 
         def wrapped(*args, **kwargs):
             outer = self._label
@@ -196,19 +202,28 @@ class PeakSampler:
             finally:
                 self.label(outer)
 
-        setattr(owner, attr, wrapped)
+        raw = vars(owner).get(attr)
+        setattr(owner, attr, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped)
 
     def _take_census(self) -> None:
         """At a new largest heap in use: the bytes of the CPU tensors' storages that Python
         objects reach (each storage once). Tensors only C++ holds (autograd's saved inputs)
-        count as the rest, with the allocations of the runtime, torch and gloo."""
+        count as the rest, with the allocations of the runtime, torch and gloo. Only the
+        tensors made since the sampler started count, as only their heap does."""
+        heap = self._heap()[0] - self._base[0]
+        if heap <= self.census[0]:
+            return
+        storages = self._storages()
+        self.census = [heap, sum(n for ptr, n in storages.items() if ptr not in self._before),
+                       self._label]
+
+    @staticmethod
+    def _storages() -> dict[int, int]:
+        """The CPU tensor storages that Python objects reach: address -> bytes."""
         import gc
 
         import torch
 
-        heap = self._heap()[0] - self._base[0]
-        if heap <= self.census[0]:
-            return
         storages: dict[int, int] = {}
         for obj in gc.get_objects():
             # type(), not isinstance: that asks obj.__class__, which some objects warn on
@@ -216,9 +231,10 @@ class PeakSampler:
                     and obj.layout == torch.strided and not obj.is_meta):
                 storage = obj.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
-        self.census = [heap, sum(storages.values()), self._label]
+        return storages
 
     def instrument(self, pmodel, trainer) -> None:
+        from fourfold.parallel import embedding
         from fourfold.train.methods import zeroth
 
         self.wrap(pmodel.module, "forward", "forward")
@@ -228,12 +244,19 @@ class PeakSampler:
         if hasattr(pmodel, "finish_backward"):
             self.wrap(pmodel, "finish_backward", "finish_backward")
         self.wrap(zeroth, "add_noise", "add_noise")
+        self.wrap(embedding._OutputCrossEntropy, "backward", "loss backward")  # blocked loss
 
     def stop(self) -> dict[str, list[int]]:
         self._stop.set()
         self._thread.join()
         self._sample()
         self.files = self._files() - self._files_base
+        for owner, attr, raw in reversed(self._wrapped):
+            if raw is None:  # the instance's attribute hid its class's
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, raw)
+        self._wrapped.clear()
         return self.peaks
 
 

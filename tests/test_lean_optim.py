@@ -995,7 +995,13 @@ def test_memory_lean_phases_census_counts_the_tensors_in_the_heap() -> None:
     from fourfold.config import model_config
     from fourfold.models import build_model
 
+    from fourfold.parallel import embedding
+    from fourfold.train.methods import zeroth
+
+    before = (vars(embedding._OutputCrossEntropy)["backward"], zeroth.add_noise)
     row = memory_lean.child("debug", "galore", 2, 1, 32, 4, phases=True)
+    # what it wrapped to label the phases is put back (the rest of this process runs on)
+    assert (vars(embedding._OutputCrossEntropy)["backward"], zeroth.add_noise) == before
     heap, tensors, label = row["census"]
     weights = build_model(model_config("debug"), seed=0, device="meta").num_params() * 4
     assert label.startswith("step ") and " / " in label, label
