@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -151,3 +153,23 @@ def test_tuned_single_process_model_trains_like_the_plain_one(tmp_path, monkeypa
             run.append(loss.item())
         losses[tuning] = run
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+def test_without_a_z_axis_a_weight_gradient_is_final_at_its_gemm() -> None:
+    """With z = 1 there is nothing to reduce-scatter: a dW GEMM's block is its weight's final
+    gradient at once (no copy for a fused group, no wait for a later flush, when a memory-lean
+    method would still hold it beside the next layers' recomputed activations)."""
+    from fourfold.parallel.comm import Comm
+    from fourfold.parallel.engine import Engine, OverlapOptions
+
+    engine = Engine(Comm(Grid.single()), OverlapOptions())
+    ready: list[torch.nn.Parameter] = []
+    engine.set_grad_ready_hook(ready.append)
+    q, k = (torch.nn.Parameter(torch.zeros(4, 3)) for _ in range(2))
+    for p in (q, k):
+        engine.register(SimpleNamespace(weight=p))  # one use each (a module and its weight)
+    blocks = [torch.randn(4, 3), torch.randn(4, 3)]
+    engine.reduce_scatter_weight_grads([q, k], blocks)
+    assert ready == [q, k] and not engine._pending_rs
+    assert q.grad is not None and k.grad is not None
+    assert q.grad.data_ptr() == blocks[0].data_ptr() and torch.equal(k.grad, blocks[1])

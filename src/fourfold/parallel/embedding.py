@@ -318,7 +318,10 @@ class _OutputCrossEntropy(torch.autograd.Function):
             return grad_h, (dw.to(weight.dtype) if dw is not None else None), \
                 None, None, None, None
         if dw is not None:
-            engine.defer(lambda: engine.reduce_scatter_weight_grad(output.weight, dw))
+            if engine.comm.grid.size("z") == 1:  # no reduce-scatter to start under dh's sum:
+                engine.reduce_scatter_weight_grad(output.weight, dw)  # final now, handed on
+            else:
+                engine.defer(lambda: engine.reduce_scatter_weight_grad(output.weight, dw))
         return grad_h, None, None, None, None, None
 
 

@@ -7,7 +7,8 @@ The overlap schedule of one layer's backward (the layers are in linear.py):
   2. the fan-out op that produced the layer's input starts the dI all-reduce asynchronously,
      then runs the deferred dW GEMMs under it, and starts their z reduce-scatters;
   3. those reduce-scatters are waited for one fan-out later, under earlier layers' backward
-     (after that fan-out's own dW GEMMs, so that the GEMMs run under its all-reduce);
+     (after that fan-out's own dW GEMMs, so that the GEMMs run under its all-reduce); without
+     a z axis there are none, and a dW GEMM's output is its weight's final gradient;
   4. a weight's gradient that is final goes to the data-parallel bucketer at once.
 
 Weights are gathered in the compute dtype (the shard is cast first: the GEMM sees the same
@@ -225,8 +226,15 @@ class Engine:
     def reduce_scatter_weight_grads(self, params: list[nn.Parameter],
                                     blocks: list[torch.Tensor]) -> None:
         """One reduce-scatter for the block gradients of weights that share their column
-        split (a fused group): each rank's slices of all of them are laid out together."""
+        split (a fused group): each rank's slices of all of them are laid out together.
+        Without a z axis there is nothing to sum: each block is its weight's gradient, final
+        now (held until a later flush, a memory-lean method's hand-off would wait beside the
+        next layers' recomputed activations)."""
         z = self.comm.grid.size("z")
+        if z == 1:
+            for param, block in zip(params, blocks):
+                self._add_grad(param, block.reshape(param.shape))
+            return
         wire = self.options.reduce_dtype if z > 1 else params[0].dtype
         rest = params[0].shape[1:]
         if len(params) == 1:
