@@ -228,14 +228,14 @@ class Engine:
         """One reduce-scatter for the block gradients of weights that share their column
         split (a fused group): each rank's slices of all of them are laid out together.
         Without a z axis there is nothing to sum: each block is its weight's gradient, final
-        now (held until a later flush, a memory-lean method's hand-off would wait beside the
-        next layers' recomputed activations)."""
+        now (were it held until a later flush, a memory-lean method's hand-off would wait
+        beside the next layers' recomputed activations)."""
         z = self.comm.grid.size("z")
         if z == 1:
             for param, block in zip(params, blocks):
                 self._add_grad(param, block.reshape(param.shape))
             return
-        wire = self.options.reduce_dtype if z > 1 else params[0].dtype
+        wire = self.options.reduce_dtype
         rest = params[0].shape[1:]
         if len(params) == 1:
             flat = blocks[0].to(wire).reshape(-1, *rest)
