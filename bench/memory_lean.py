@@ -188,8 +188,8 @@ class PeakSampler:
         """Label calls of owner.attr `name`; a call whose first argument is a parameter's
         view (a method's per-tensor work: GaLore's projection at a hand-off) adds its name.
         stop() puts owner.attr back."""
-        inner = getattr(owner, attr)
-        self._wrapped.append((owner, attr, vars(owner).get(attr)))
+        inner, raw = getattr(owner, attr), vars(owner).get(attr)  # raw: owner's own, if any
+        self._wrapped.append((owner, attr, raw))
 
         def wrapped(*args, **kwargs):
             outer = self._label
@@ -202,7 +202,6 @@ class PeakSampler:
             finally:
                 self.label(outer)
 
-        raw = vars(owner).get(attr)
         setattr(owner, attr, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped)
 
     def _take_census(self) -> None:
@@ -252,7 +251,7 @@ class PeakSampler:
         self._sample()
         self.files = self._files() - self._files_base
         for owner, attr, raw in reversed(self._wrapped):
-            if raw is None:  # the instance's attribute hid its class's
+            if raw is None:  # wrap gave owner an attribute of its own over its class's
                 delattr(owner, attr)
             else:
                 setattr(owner, attr, raw)
