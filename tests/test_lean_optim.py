@@ -994,7 +994,6 @@ def test_memory_lean_phases_census_counts_the_tensors_in_the_heap() -> None:
 
     from fourfold.config import model_config
     from fourfold.models import build_model
-
     from fourfold.parallel import embedding
     from fourfold.train.methods import zeroth
 
