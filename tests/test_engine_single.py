@@ -173,3 +173,46 @@ def test_without_a_z_axis_a_weight_gradient_is_final_at_its_gemm() -> None:
     assert ready == [q, k] and not engine._pending_rs
     assert q.grad is not None and k.grad is not None
     assert q.grad.data_ptr() == blocks[0].data_ptr() and torch.equal(k.grad, blocks[1])
+
+
+def test_a_released_gradient_is_the_buffer_of_the_next_one_of_its_shape() -> None:
+    """A fused update's hand-off lets go of a host gradient (release_grad): the engine keeps
+    the largest such buffer and the next weight gradient of that shape is written into it (a
+    dW GEMM, the embedding's block, a cast from bfloat16), so the two largest gradients of a
+    step stop landing on top of the heap. A view, a smaller gradient and a buffer of the
+    wrong dtype are not kept."""
+    from fourfold.parallel.comm import Comm
+    from fourfold.parallel.engine import Engine, OverlapOptions
+
+    engine = Engine(Comm(Grid.single()), OverlapOptions())
+    big, small = torch.nn.Parameter(torch.zeros(6, 5)), torch.nn.Parameter(torch.zeros(2, 5))
+    for p in (big, small):
+        engine.register(SimpleNamespace(weight=p))
+    big.grad = torch.randn(6, 5)
+    kept = big.grad.data_ptr()
+    engine.release_grad(big)
+    assert big.grad is None
+    small.grad = torch.randn(2, 5)
+    engine.release_grad(small)  # smaller than the one kept: dropped
+    dy, x = torch.randn(7, 6), torch.randn(7, 5)
+    dw = engine.matmul("weight_grad", dy, x)
+    assert dw.data_ptr() == kept and torch.allclose(dw, dy.t() @ x)
+    assert engine.matmul("weight_grad", dy, x).data_ptr() != kept  # taken once
+
+    cpu = torch.device("cpu")
+    base = torch.randn(12, 5)
+    big.grad = base[::2]  # a view: not a buffer of its own
+    engine.release_grad(big)
+    assert engine.grad_buffer((6, 5), torch.float32, cpu).data_ptr() != base.data_ptr()
+    # a bfloat16 block becomes a float32 gradient in the kept buffer
+    big.grad = torch.randn(6, 5)
+    kept = big.grad.data_ptr()
+    engine.release_grad(big)
+    block = torch.randn(6, 5).bfloat16()
+    engine.reduce_scatter_weight_grad(big, block)
+    assert big.grad.dtype == torch.float32 and big.grad.data_ptr() == kept
+    assert torch.equal(big.grad, block.float())
+    # a request of the kept shape in another dtype drops it: it would only sit beside
+    engine.release_grad(big)
+    assert engine.grad_buffer((6, 5), torch.bfloat16, cpu).dtype == torch.bfloat16
+    assert engine.grad_buffer((6, 5), torch.float32, cpu).data_ptr() != kept

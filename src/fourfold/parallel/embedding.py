@@ -54,7 +54,8 @@ class _EmbeddingFunction(torch.autograd.Function):
             return None, None, None
         # grad is the same on every y-rank (the output was replicated), so each rank keeps
         # the rows it owns: the all-reduce's backward is the identity.
-        block = torch.zeros(module.block_shape, dtype=torch.float32, device=grad.device)
+        block = module.engine.grad_buffer(module.block_shape, torch.float32,
+                                          grad.device).zero_()
         g = grad.float().reshape(-1, grad.shape[-1])
         # Rows of tokens another rank owns add zeros to row 0 (local was set to 0 for them):
         # the same sums as selecting the owned rows, without the host sync that boolean-mask
@@ -295,7 +296,10 @@ class _OutputCrossEntropy(torch.autograd.Function):
             # there, which the fan-out that made h sums
             grad_h = torch.zeros(rows.shape, dtype=torch.float32, device=h.device) \
                 if need_h else None
-            dw = torch.empty(w.shape, dtype=dtype, device=h.device) if need_w else None
+            dw = None
+            if need_w:
+                dw = (engine.grad_buffer(tuple(w.shape), dtype, h.device) if engine is not None
+                      else torch.empty(w.shape, dtype=dtype, device=h.device))
             step = output_loss_columns(n)
             for a in range(0, vocab, step):
                 wb = w[a:a + step]

@@ -80,6 +80,9 @@ class Engine:
                       if options.gemm_tuning else None)
         self._on_grad_ready: Callable[[nn.Parameter], None] | None = None
         self._ready: set[int] = set()
+        # the buffer of the largest host gradient a method let go of (release_grad), for the
+        # next weight gradient of its shape and dtype
+        self._spare: torch.Tensor | None = None
 
     def set_grad_ready_hook(self, hook: Callable[[nn.Parameter], None]) -> None:
         """Call `hook(param)` the moment param.grad is final (after its z reduce-scatter and data
@@ -93,10 +96,59 @@ class Engine:
             self._on_grad_ready(param)
 
     def matmul(self, kind: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """A linear layer's GEMM (kind: forward, input_grad or weight_grad), tuned if enabled."""
+        """A linear layer's GEMM (kind: forward, input_grad or weight_grad), tuned if enabled.
+        Untuned, a weight gradient is written into a released gradient's buffer where one
+        fits (grad_buffer)."""
         if self.tuner is None:
-            return plain_matmul(kind, a, b)
+            out = None
+            if kind == "weight_grad":
+                out = self._take_spare((a.shape[-1], b.shape[-1]), a.dtype, a.device)
+            return plain_matmul(kind, a, b, out=out)
         return self.tuner.matmul(kind, a, b)
+
+    # ---- gradient buffers -----------------------------------------------------------------
+    #
+    # A method that updates each weight at its hand-off and frees its gradient (LOMO, AdaLomo,
+    # GaLore) lets the engine keep the largest such buffer for the next gradient of that
+    # shape: on the host, where each step's gradients are fresh mallocs, the two largest
+    # (the embedding's and the output layer's, 23 MiB each on a 125m 2 x 2 rank) otherwise
+    # each find the heap's holes taken by the activations made since the last one, and land
+    # on top of it; glibc never hands those pages back (train/host_memory.py), so a rank's
+    # resident memory grew by some 16 MiB a step for the first steps (40-55 MiB more than the
+    # heap in use, on GaLore's ranks). Held between steps, the buffer costs its bytes in the
+    # forward, whose peak is below backward's, where it is the gradient being handed off.
+    # GPUs have a caching allocator for this: there gradients are not kept.
+
+    def grad_buffer(self, shape: tuple[int, ...], dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+        """An uninitialised tensor for a weight's gradient (block): the released buffer where
+        its shape and dtype match, else a new one."""
+        spare = self._take_spare(shape, dtype, device)
+        return spare if spare is not None else torch.empty(shape, dtype=dtype, device=device)
+
+    def release_grad(self, param: nn.Parameter) -> None:
+        """param's gradient is used up (a fused update's hand-off): drop it, keeping its
+        buffer for a later gradient where it is a host tensor of its own storage at least as
+        large as the one kept. The caller keeps no reference to it. Not with a z axis: there
+        a gradient is a reduce-scatter's output, which would not take the buffer."""
+        grad, param.grad = param.grad, None
+        if (grad is not None and grad.device.type == "cpu" and self.comm.grid.size("z") == 1
+                and grad.is_contiguous()
+                and grad.storage_offset() == 0
+                and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+                and (self._spare is None or grad.numel() * grad.element_size()
+                     >= self._spare.numel() * self._spare.element_size())):
+            self._spare = grad
+
+    def _take_spare(self, shape: tuple[int, ...], dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor | None:
+        spare = self._spare
+        if spare is None or tuple(spare.shape) != tuple(shape) or spare.device != device:
+            return None
+        # taken; or, of another dtype, dropped: its gradient is a cast of this one (a
+        # bfloat16 GEMM's), which it would only sit beside
+        self._spare = None
+        return spare if spare.dtype == dtype else None
 
     # ---- registration -------------------------------------------------------------------
 
@@ -272,8 +324,10 @@ class Engine:
     def _add_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         if param.grad is None:
             # the slice is this pass's own tensor (a GEMM's output or a collective's buffer),
-            # so it becomes the gradient without a copy
-            param.grad = grad.to(param.dtype)
+            # so it becomes the gradient without a copy (or in the parameter's dtype, cast
+            # into a released gradient's buffer where one fits)
+            param.grad = grad if grad.dtype == param.dtype else self.grad_buffer(
+                tuple(grad.shape), param.dtype, grad.device).copy_(grad)
         else:
             param.grad.add_(grad)
         pid = id(param)

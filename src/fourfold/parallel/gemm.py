@@ -155,10 +155,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def plain_matmul(kind: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The untuned layouts (what the tuner's first variant computes)."""
+def plain_matmul(kind: str, a: torch.Tensor, b: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """The untuned layouts (what the tuner's first variant computes); a weight gradient into
+    `out` where given (its shape and dtype)."""
     if kind == "forward":
         return torch.matmul(a, b.t())
     if kind == "input_grad":
         return torch.matmul(a, b)
-    return torch.matmul(a.reshape(-1, a.shape[-1]).t(), b.reshape(-1, b.shape[-1]))
+    return torch.matmul(a.reshape(-1, a.shape[-1]).t(), b.reshape(-1, b.shape[-1]), out=out)

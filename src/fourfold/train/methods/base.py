@@ -149,15 +149,22 @@ class TrainingMethod(ABC):
 
 
 def on_final_gradients(pmodel: Any, views: list[ParamView],
-                       hook: Callable[[nn.Parameter], None]) -> None:
+                       hook: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
     """Call `hook(param)` the moment each view's gradient is final for the step: on a grid
     after its z reduce-scatter and data all-reduce (Engine.set_grad_ready_hook), on one process
-    when autograd has accumulated it (each micro-step's backward). The hook may free it."""
+    when autograd has accumulated it (each micro-step's backward). The hook may free it with
+    what this returns, `release(param)`, once it keeps no reference to it: on a grid the
+    engine keeps its buffer for a later gradient (Engine.release_grad), else it is dropped."""
     if pmodel.engine is not None:
         pmodel.engine.set_grad_ready_hook(hook)
-    else:
-        for v in views:
-            v.param.register_post_accumulate_grad_hook(hook)
+        return pmodel.engine.release_grad
+    for v in views:
+        v.param.register_post_accumulate_grad_hook(hook)
+    return _drop_grad
+
+
+def _drop_grad(param: nn.Parameter) -> None:
+    param.grad = None
 
 
 def arm_on_last_micro_step(data: StepData, arm: Callable[[bool], None]) -> StepData:

@@ -185,7 +185,7 @@ class BlockLLM(TrainingMethod):
         self._floor: float | None = None
         self._armed = False  # on the last micro-step of a backward
         self._selecting = False
-        on_final_gradients(pmodel, self.views, self._on_grad_ready)
+        self._release = on_final_gradients(pmodel, self.views, self._on_grad_ready)
 
     # ---- the selection ----------------------------------------------------------------------
 
@@ -229,10 +229,11 @@ class BlockLLM(TrainingMethod):
             self._held_elements += keep.numel() * c.row_size
             if self._held_elements > self.hold_limit:
                 self._compact()
+            p.grad = None  # it may be held whole (no copy): its buffer is not let go of
         else:
             rows = self.cands[i].local_rows(self.rows[i]).to(p.grad.device)
-            self.grads[i] = c.matrix(p.grad).index_select(0, rows)
-        p.grad = None
+            self.grads[i] = c.matrix(p.grad).index_select(0, rows)  # a copy of the rows
+            self._release(p)
 
     def _compact(self) -> None:
         """The choice so far, made from the held rows alone (a block that left it never comes

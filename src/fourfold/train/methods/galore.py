@@ -143,7 +143,7 @@ class GaLore(PerParameterState, TrainingMethod):
         # update (its copy costs one more P per matrix at a refresh); "stop" ends the run and
         # "rollback" reloads the state
         self._keep_old_basis = cfg.nan_policy == "skip"
-        on_final_gradients(pmodel, self.views, self._on_grad_ready)
+        self._release = on_final_gradients(pmodel, self.views, self._on_grad_ready)
 
     def _new_state(self, view: ParamView) -> dict[str, torch.Tensor]:
         """Zero moments (and a zero projection, which the first step's refresh replaces)."""
@@ -258,7 +258,7 @@ class GaLore(PerParameterState, TrainingMethod):
         # the most alive at once: this gradient and its R, beside the R's before them
         self.peak_grad_bytes = max(self.peak_grad_bytes, self._live_grad_bytes())
         del g
-        p.grad = None
+        self._release(p)
 
     def _live_grad_bytes(self) -> int:
         """Full gradients alive (matrices before their hand-off, vectors) and R's so far."""

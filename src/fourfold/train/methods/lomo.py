@@ -45,7 +45,7 @@ class FusedBackward(TrainingMethod):
         self._lr, self._scale = 0.0, 1.0
         self._norm_sq = torch.zeros((), dtype=torch.float64)
         self.peak_grad_bytes = 0  # the most gradient bytes alive at one hand-off (tests read it)
-        on_final_gradients(pmodel, self.views, self._on_grad_ready)
+        self._release = on_final_gradients(pmodel, self.views, self._on_grad_ready)
 
     @torch.no_grad()
     def _on_grad_ready(self, p: nn.Parameter) -> None:
@@ -62,7 +62,8 @@ class FusedBackward(TrainingMethod):
             elif self._scale != 1.0:
                 grad.mul_(self._scale)
             self.update(view, grad)
-        p.grad = None
+        del grad
+        self._release(p)
 
     def update(self, view: Any, grad: torch.Tensor) -> None:
         raise NotImplementedError
