@@ -26,8 +26,8 @@ against them: -1.1%, +2.6%, -4.0%, -1.5%; the README has the table.
 the one-process ratios. --tuned-malloc: glibc tuned as `fourfold train` tunes CPU runs (and
 ranks); without it freed blocks that glibc keeps read as resident memory (up to ~200 MiB on
 125m, more on gloo ranks, which get an arena per thread), which the planner does not model.
---output-loss: parallel.output_loss of every run (auto: blocks for lomo, adalomo, mezo, es and
-blockllm, whole logits for adamw and galore).
+--output-loss: parallel.output_loss of every run (auto: blocks for lomo, adalomo, mezo, es,
+blockllm and galore, whole logits for adamw).
 --phases: where each run's heap peaks (its 5 largest phases), the library code it paged in, and
 at the largest heap in use that a named call began with, how much of that heap is tensors that
 Python reaches (the rest: the runtime's, torch's and gloo's own allocations, and tensors only
@@ -412,7 +412,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--population", type=int, default=4, help="ES members per step")
     ap.add_argument("--output-loss", default="auto", choices=CHOICES[("parallel", "output_loss")],
                     help="parallel.output_loss of every run (auto: blocks for lomo, adalomo, "
-                    "mezo, es and blockllm, whole logits for adamw and galore)")
+                    "mezo, es, blockllm and galore, whole logits for adamw)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--grid", default=None, metavar="XxY",
                     help="also run every method on x * y gloo ranks (data = z = 1), per rank")

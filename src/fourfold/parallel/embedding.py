@@ -190,9 +190,13 @@ class CrossEntropy(nn.Module):
 OUTPUT_LOSS_MIN_COLUMNS = 1024
 # the training methods whose peak holds the logits (a backward that starts at the output layer
 # with little else alive, or a forward without backward): "auto" gives them the blocked loss.
-# AdamW's and GaLore's peaks come later, with the gradients (GaLore's R), where the blocked
+# GaLore's too, at a batch worth a GPU (the planner, 125m, 16 x 512 tokens, one GPU: 3,178
+# MiB with whole logits, 1,913 with blocks); at a few hundred tokens its peak comes later,
+# with the gradients (R), but the whole logits' transients, made anew each step, left holes
+# in a CPU rank's heap that the next gradients did not fit (125m, 2 x 2: 333-342 MiB a rank
+# with blocks, 339-355 without). AdamW's peak is its gradients and moments, where the blocked
 # loss would cost its extra GEMM and save nothing.
-BLOCKED_LOSS_METHODS = ("lomo", "adalomo", "mezo", "es", "blockllm")
+BLOCKED_LOSS_METHODS = ("lomo", "adalomo", "mezo", "es", "blockllm", "galore")
 
 
 def output_loss_columns(tokens: int) -> int:
