@@ -687,10 +687,10 @@ def test_planner_counts_the_methods_transients() -> None:
                                          output_loss="blocks").logits == blocked.logits
         assert predict_method_memory(blocked, mcfg, shape, TrainConfig(optimizer="mezo"), p,
                                      output_loss="blocks").logits == forward
-        # "auto": AdamW (and GaLore) keep whole logits; LOMO, MeZO take blocks
+        # "auto": AdamW keeps whole logits; LOMO, MeZO and GaLore take blocks
         assert predict_memory(mcfg, shape, 256 * 64, True, p, on_host=True).logits == \
             big.logits
-        for name, lean in (("adamw", False), ("galore", False), ("lomo", True), ("mezo", True)):
+        for name, lean in (("adamw", False), ("galore", True), ("lomo", True), ("mezo", True)):
             mode = resolve_output_loss("auto", name)
             assert mode == ("blocks" if lean else "whole"), name
 
@@ -905,8 +905,12 @@ def test_memory_report_in_summary(tmp_path: Path, optimizer: str) -> None:
 
         block = 4 * 32 * activation_bytes_per_token(cfg.model, GridShape(1, 1, 1, 1),
                                                     Precision.of("float32"))["block"]
+        # nor the output layer's weight gradient, which the planner counts with the blocked
+        # loss ("auto" for galore): no tensor autograd saves
+        dw = 4 * cfg.model.vocab_size * cfg.model.dim
         assert measured["activations"] < predicted["activations"], label
-        assert 0.5 < measured["activations"] / (predicted["activations"] - block) < 2.0, label
+        assert 0.5 < measured["activations"] / (predicted["activations"] - block - dw) < 2.0, \
+            label
     else:
         assert 0.5 < measured["activations"] / predicted["activations"] < 2.0, label
 

@@ -98,12 +98,15 @@ class Engine:
     def matmul(self, kind: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """A linear layer's GEMM (kind: forward, input_grad or weight_grad), tuned if enabled.
         Untuned, a weight gradient is written into a released gradient's buffer where one
-        fits (grad_buffer)."""
+        fits (grad_buffer); tuned, such a buffer is dropped (its variants make their own)."""
         if self.tuner is None:
             out = None
             if kind == "weight_grad":
                 out = self._take_spare((a.shape[-1], b.shape[-1]), a.dtype, a.device)
             return plain_matmul(kind, a, b, out=out)
+        if kind == "weight_grad":
+            # the tuned variants make their own output: a buffer kept for this shape goes
+            self._take_spare((a.shape[-1], b.shape[-1]), a.dtype, a.device)
         return self.tuner.matmul(kind, a, b)
 
     # ---- gradient buffers -----------------------------------------------------------------
