@@ -33,17 +33,17 @@ at the largest heap in use that a named call began with, how much of that heap i
 Python reaches (the rest: the runtime's, torch's and gloo's own allocations, and tensors only
 C++ holds, such as autograd's saved inputs): whether a grid splits a method's tensors.
 Measured 125m, --steps 4 --tuned-malloc --grid 2x2 (MiB above the import, ratio to AdamW,
-planner error), one process / 2x2 per rank, stop 39 (bench/memory_lean.md has earlier runs,
+planner error), one process / 2x2 per rank, stop 40 (bench/memory_lean.md has earlier runs,
 the figures from before the blocked loss and what GaLore's ranks hold):
 
     method     one process              2x2 per rank                       2x2 - one process
-    adamw      2,275  1.00  -5.9%       575-577  1.00       -0.9%
-    lomo         789  0.35  -11.5%      211-218  0.37-0.38  -3.0%          +0.03
-    adalomo      773  0.34  -9.5%       221-224  0.38-0.39  -5.6%          +0.05
-    mezo         622  0.27  +4.4%       173-175  0.30       +13.0%         +0.03
-    es           624  0.27  +4.1%       179-182  0.31       +8.9%          +0.04
-    blockllm     959  0.42  -8.4%       261-270  0.45-0.47  -5.2%          +0.05
-    galore     1,175  0.52  -3.7%       342-357  0.59-0.62  -10.4%         +0.10
+    adamw      2,276  1.00  -6.0%       575-577  1.00       -1.0%
+    lomo         780  0.34  -10.4%      211-215  0.37       -1.5%          +0.03
+    adalomo      780  0.34  -10.2%      220-222  0.38-0.39  -4.6%          +0.04
+    mezo         622  0.27  +4.4%       173-174  0.30       +13.0%         +0.03
+    es           627  0.28  +3.6%       180-183  0.31-0.32  +8.4%          +0.04
+    blockllm     953  0.42  -7.9%       262-267  0.45-0.46  -4.0%          +0.04
+    galore     1,183  0.52  -4.4%       333-338  0.58-0.59  -5.5%          +0.07
 
 The issue's table uses --preset 125m (about 2 GiB with AdamW); keep to small presets on a
 shared machine.
