@@ -212,7 +212,14 @@ def test_a_released_gradient_is_the_buffer_of_the_next_one_of_its_shape() -> Non
     engine.reduce_scatter_weight_grad(big, block)
     assert big.grad.dtype == torch.float32 and big.grad.data_ptr() == kept
     assert torch.equal(big.grad, block.float())
-    # a request of the kept shape in another dtype drops it: it would only sit beside
+    # a request of the kept shape in another dtype drops it (it would only sit beside), and
+    # that shape is not kept again: a smaller gradient's buffer is
     engine.release_grad(big)
     assert engine.grad_buffer((6, 5), torch.bfloat16, cpu).dtype == torch.bfloat16
     assert engine.grad_buffer((6, 5), torch.float32, cpu).data_ptr() != kept
+    big.grad = torch.randn(6, 5)
+    engine.release_grad(big)
+    small.grad = torch.randn(2, 5)
+    kept = small.grad.data_ptr()
+    engine.release_grad(small)
+    assert engine.grad_buffer((2, 5), torch.float32, cpu).data_ptr() == kept

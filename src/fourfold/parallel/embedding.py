@@ -302,8 +302,14 @@ class _OutputCrossEntropy(torch.autograd.Function):
                 if need_h else None
             dw = None
             if need_w:
+                # on one process dW is the gradient that autograd takes: made in the weight's
+                # dtype, each block's product cast as it is written, no whole dW in the
+                # compute dtype beside its cast. (On a grid, in the compute dtype: made in
+                # float32 it raised a 2 x 2 LOMO rank's bfloat16 heap peak from about 52 to 55
+                # MB, small preset, 2 x 512 tokens: the engine's released buffer then lasts
+                # through the forward.)
                 dw = (engine.grad_buffer(tuple(w.shape), dtype, h.device) if engine is not None
-                      else torch.empty(w.shape, dtype=dtype, device=h.device))
+                      else torch.empty(w.shape, dtype=output.weight.dtype, device=h.device))
             step = output_loss_columns(n)
             for a in range(0, vocab, step):
                 wb = w[a:a + step]

@@ -83,6 +83,7 @@ class Engine:
         # the buffer of the largest host gradient a method let go of (release_grad), for the
         # next weight gradient of its shape and dtype
         self._spare: torch.Tensor | None = None
+        self._unkept: set[tuple[int, ...]] = set()  # shapes whose next gradient is cast
 
     def set_grad_ready_hook(self, hook: Callable[[nn.Parameter], None]) -> None:
         """Call `hook(param)` the moment param.grad is final (after its z reduce-scatter and data
@@ -139,6 +140,7 @@ class Engine:
                 and grad.is_contiguous()
                 and grad.storage_offset() == 0
                 and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+                and tuple(grad.shape) not in self._unkept
                 and (self._spare is None or grad.numel() * grad.element_size()
                      >= self._spare.numel() * self._spare.element_size())):
             self._spare = grad
@@ -148,10 +150,14 @@ class Engine:
         spare = self._spare
         if spare is None or tuple(spare.shape) != tuple(shape) or spare.device != device:
             return None
-        # taken; or, of another dtype, dropped: its gradient is a cast of this one (a
-        # bfloat16 GEMM's), which it would only sit beside
         self._spare = None
-        return spare if spare.dtype == dtype else None
+        if spare.dtype == dtype:
+            return spare
+        # of another dtype: this shape's gradient is made in the compute dtype and cast (the
+        # blocked loss's bfloat16 dW), and the buffer would only sit beside it; dropped, and
+        # such shapes are not kept from now on (a smaller gradient's buffer may be reused)
+        self._unkept.add(tuple(shape))
+        return None
 
     # ---- registration -------------------------------------------------------------------
 

@@ -271,8 +271,9 @@ def logits_bytes(model: ModelConfig, shape: GridShape, tokens: int, precision: P
     The blocked loss: one block of columns of them in float32 (below float32 also its two
     copies in the compute dtype), plus two floats a token kept for backward; with a
     `backward`, the output layer's backward also holds its weight gradient (float32), and
-    below float32 the weight's compute-dtype copy and the gradient made in that dtype before
-    its cast (bfloat16, against the heap: LOMO -14% before they counted)."""
+    below float32 the weight's compute-dtype copy (bfloat16, against the heap: LOMO -14% before
+    it counted) and, on a grid, the gradient made in that dtype (on one process it is made in
+    float32 block by block)."""
     width = model.vocab_size // shape.y
     act = precision.act_bytes
     if not uses_blocked_loss(output_loss):
@@ -281,7 +282,8 @@ def logits_bytes(model: ModelConfig, shape: GridShape, tokens: int, precision: P
     out = tokens * columns * (4 + (2 * act if act < 4 else 0)) + 8 * tokens
     if backward:
         block = model.vocab_size * model.dim // (shape.x * shape.y)
-        out += block * (precision.grad_bytes + (2 * act if act < 4 else 0))
+        copies = (1 + (shape.size > 1)) if act < 4 else 0
+        out += block * (precision.grad_bytes + copies * act)
     return out
 
 
