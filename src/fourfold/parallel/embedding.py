@@ -309,7 +309,7 @@ class _OutputCrossEntropy(torch.autograd.Function):
                 # MB, small preset, 2 x 512 tokens: the engine's released buffer then lasts
                 # through the forward.)
                 dw = (engine.grad_buffer(tuple(w.shape), dtype, h.device) if engine is not None
-                      else torch.empty(w.shape, dtype=output.weight.dtype, device=h.device))
+                      else torch.empty(w.shape, dtype=weight.dtype, device=h.device))
             step = output_loss_columns(n)
             for a in range(0, vocab, step):
                 wb = w[a:a + step]
@@ -329,8 +329,7 @@ class _OutputCrossEntropy(torch.autograd.Function):
                 del d
         grad_h = grad_h.to(h.dtype).view(h.shape) if grad_h is not None else None
         if engine is None:
-            return grad_h, (dw.to(weight.dtype) if dw is not None else None), \
-                None, None, None, None
+            return grad_h, dw, None, None, None, None  # dw: in the weight's dtype already
         if dw is not None:
             if engine.comm.grid.size("z") == 1:  # no reduce-scatter to start under dh's sum:
                 engine.reduce_scatter_weight_grad(output.weight, dw)  # final now, handed on

@@ -100,28 +100,25 @@ class Engine:
         """A linear layer's GEMM (kind: forward, input_grad or weight_grad), tuned if enabled.
         Untuned, a weight gradient is written into a released gradient's buffer where one
         fits (grad_buffer); tuned, such a buffer is dropped (its variants make their own)."""
+        out = None
+        if kind == "weight_grad":  # taken either way: the tuned variants make their own
+            out = self._take_spare((a.shape[-1], b.shape[-1]), a.dtype, a.device)
         if self.tuner is None:
-            out = None
-            if kind == "weight_grad":
-                out = self._take_spare((a.shape[-1], b.shape[-1]), a.dtype, a.device)
             return plain_matmul(kind, a, b, out=out)
-        if kind == "weight_grad":
-            # the tuned variants make their own output: a buffer kept for this shape goes
-            self._take_spare((a.shape[-1], b.shape[-1]), a.dtype, a.device)
         return self.tuner.matmul(kind, a, b)
 
     # ---- gradient buffers -----------------------------------------------------------------
     #
     # A method that updates each weight at its hand-off and frees its gradient (LOMO, AdaLomo,
-    # GaLore) lets the engine keep the largest such buffer for the next gradient of that
-    # shape: on the host, where each step's gradients are fresh mallocs, the two largest
-    # (the embedding's and the output layer's, 23 MiB each on a 125m 2 x 2 rank) otherwise
-    # each find the heap's holes taken by the activations made since the last one, and land
-    # on top of it; glibc never hands those pages back (train/host_memory.py), so a rank's
-    # resident memory grew by some 16 MiB a step for the first steps (40-55 MiB more than the
-    # heap in use, on GaLore's ranks). Held between steps, the buffer costs its bytes in the
-    # forward, whose peak is below backward's, where it is the gradient being handed off.
-    # GPUs have a caching allocator for this: there gradients are not kept.
+    # GaLore, BlockLLM's copied rows) lets the engine keep the largest such buffer for the next
+    # gradient of that shape: on the host, where each step's gradients are fresh mallocs, the
+    # two largest (the embedding's and the output layer's, 23 MiB each on a 125m 2 x 2 rank)
+    # otherwise each find the heap's holes taken by the activations made since the last one,
+    # and land on top of it; glibc never hands those pages back (train/host_memory.py), so a
+    # rank's resident memory grew by some 16 MiB a step for the first steps (40-55 MiB more
+    # than the heap in use, on GaLore's ranks). Held between steps, the buffer costs its bytes
+    # in the forward, whose peak is below backward's, where it is the gradient being handed
+    # off. GPUs have a caching allocator for this: there gradients are not kept.
 
     def grad_buffer(self, shape: tuple[int, ...], dtype: torch.dtype,
                     device: torch.device) -> torch.Tensor:

@@ -282,7 +282,7 @@ def logits_bytes(model: ModelConfig, shape: GridShape, tokens: int, precision: P
     out = tokens * columns * (4 + (2 * act if act < 4 else 0)) + 8 * tokens
     if backward:
         block = model.vocab_size * model.dim // (shape.x * shape.y)
-        copies = (1 + (shape.size > 1)) if act < 4 else 0
+        copies = (2 if shape.size > 1 else 1) if act < 4 else 0
         out += block * (precision.grad_bytes + copies * act)
     return out
 
