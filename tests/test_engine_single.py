@@ -213,7 +213,10 @@ def test_a_released_gradient_is_the_buffer_of_the_next_one_of_its_shape() -> Non
     assert big.grad.dtype == torch.float32 and big.grad.data_ptr() == kept
     assert torch.equal(big.grad, block.float())
     # a request of the kept shape in another dtype drops it (it would only sit beside), and
-    # that shape is not kept again: a smaller gradient's buffer is
+    # that shape is not kept again: a smaller gradient's buffer is. (The test holds the
+    # buffer, so that a new tensor cannot be malloc'd at its freed address.)
+    held = big.grad
+    assert held.data_ptr() == kept
     engine.release_grad(big)
     assert engine.grad_buffer((6, 5), torch.bfloat16, cpu).dtype == torch.bfloat16
     assert engine.grad_buffer((6, 5), torch.float32, cpu).data_ptr() != kept
