@@ -495,6 +495,32 @@ def test_galore_basis_spans_the_svds_subspace() -> None:
         assert (basis @ basis.T - ref @ ref.T).abs().max() < 1e-6, view.name
 
 
+def test_galore_hands_free_host_pages_back_before_each_refresh(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refresh's Gram and eigh workspace (~4 s^2 float64) would otherwise sit above the
+    heap's free holes, all resident under the ranks' malloc tuning: on the host each matrix's
+    refresh trims the heap first, and a step that does not refresh does not."""
+    import fourfold.train.methods.galore as galore
+    from fourfold.config import TrainConfig, model_config
+    from fourfold.models import build_model
+    from fourfold.parallel import Grid, parallelize
+    from fourfold.train.methods import StepData, build_method
+
+    trims: list[int] = []
+    monkeypatch.setattr(galore, "trim_host_memory", lambda: trims.append(1))
+    cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    pmodel = parallelize(build_model(cfg, seed=1), Grid.single())
+    method = build_method(pmodel, TrainConfig(optimizer="galore", galore_gap=2))
+    matrices = sum(1 for v in method.views if v.param.dim() == 2)
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    per_step = []
+    for _ in range(3):  # steps 0 and 2 refresh
+        before = len(trims)
+        method.step(pmodel, StepData.one_batch(pmodel, tokens), lr=1e-3)
+        per_step.append(len(trims) - before)
+    assert per_step == [matrices, 0, matrices], (per_step, matrices)
+
+
 def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     for r in run_worker(2, grids, LOMO_CHECKS + ADALOMO_CHECKS + [BLOCKLLM, GALORE], tmp_path):

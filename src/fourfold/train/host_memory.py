@@ -85,7 +85,8 @@ def keep_freed_host_memory() -> bool:
 def trim_host_memory() -> None:
     """Hand the heap's free pages back to the kernel now (glibc's malloc_trim, which frees
     whole free pages in the middle of the heap too): after the training steps, whose blocks
-    the final export will not reuse. A no-op off glibc."""
+    the final export will not reuse, and before a rare large transient (GaLore's refresh)
+    that would otherwise sit above them while they stay resident. A no-op off glibc."""
     if not sys.platform.startswith("linux"):
         return
     try:

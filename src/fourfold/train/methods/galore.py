@@ -23,7 +23,9 @@ eigenvectors of G G^T (G^T G), s x s, summed in float64 and solved with eigh (fl
 same subspace as the SVD's without a copy of G: a refresh's transient is the Gram, eigh's
 output and workspace (about 4 s^2 float64 in all), one chunk of G's columns (rows) gathered
 to their full small side (GALORE_CHUNK_BYTES, float32) and its float64 copy, and the basis.
-It runs inside backward, when the later layers' gradients are already projected and freed.
+It runs inside backward, when the later layers' gradients are already projected and freed; on
+the host the heap's free pages are handed back first (a refresh step only), so that they are
+not resident beside it.
 Eigenvalues that tie at the r-th leave the basis of their eigenspace to eigh (as to an SVD);
 zero rows or columns (vocab padding) add nothing to the Gram.
 
@@ -63,6 +65,7 @@ from fourfold.parallel import Layout
 from fourfold.parallel.comm import Comm
 from fourfold.parallel.grid import Axis
 from fourfold.plan.memory import GALORE_CHUNK_BYTES, galore_rank
+from fourfold.train.host_memory import trim_host_memory
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
                                          StepResult, TrainingMethod, arm_on_last_micro_step,
@@ -216,6 +219,11 @@ class GaLore(PerParameterState, TrainingMethod):
         gradient that is not finite (the same on every rank: the Gram is)."""
         dim = 0 if left else 1
         split = padded_dims(view)
+        if grad.device.type == "cpu":
+            # the refresh's transient (Gram, chunks, eigh's workspace: ~4 s^2 float64) would
+            # land above the heap's free holes, all of them resident under the ranks' malloc
+            # tuning; handed back first, they are not resident beside it (refresh steps only)
+            trim_host_memory()
         # the small side first: G's shard for P (G G^T), its transpose for Q (G^T G)
         gram = small_side_gram(grad if left else grad.T, split[dim], split[1 - dim], self.comm)
         if not bool(torch.isfinite(gram).all()):  # eigh would fail; the guard skips the step
