@@ -90,6 +90,25 @@ def test_one_process_build_is_deterministic_and_seeded() -> None:
     assert torch.equal(d.embed.weight, build_model(cfg).embed.weight)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
+def test_a_meta_build_holds_one_tile_beyond_the_weights() -> None:
+    """Materialising a meta model draws each block a tile at a time into the tensor that
+    becomes the parameter: the heap peaks at the weights plus one tile, the planner's
+    `startup` on a host, not a block more (15m: its embedding is 9 MiB, a tile of it 1 MiB)."""
+    from fourfold.plan.memory import Precision, predict_memory
+
+    cfg = model_config("15m")
+    model = build_model(cfg, seed=0, device="meta")
+    with rank_memory_worker.HeapPeak() as heap:
+        parallelize(model, Grid.single())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    extra = heap.peak - heap.start - weights
+    startup = predict_memory(cfg, GridShape(), 256, True, Precision.of("float32"),
+                             on_host=True).startup
+    block = cfg.vocab_size * cfg.dim * 4
+    assert extra <= startup < block, (extra, startup, block)
+
+
 def test_meta_build_without_seed_cannot_materialise() -> None:
     with pytest.raises(ValueError, match="without a seed"):
         parallelize(build_model(model_config("debug"), device="meta"), Grid.single())

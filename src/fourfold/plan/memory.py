@@ -26,7 +26,8 @@ checkpoint, the streamed export):
   measurement: the GPU was not lent again);
 - gathered_weights: the z all-gather buffers (current + prefetched) and one dW block;
 - comm_buffers: the data-parallel buckets in flight;
-- startup, export: one block and one init tile; the export writer's full tensor (on a host);
+- startup: one init tile (on a host); export: one block, and the export writer's full tensor
+  (on a host);
 - checkpoint: the async snapshot (params and AdamW states copied to host memory), which is
   alive through the next step: on a CPU rank it alone is 0.375x the model's float32 weights
   on 8 ranks, so an async checkpoint keeps such a rank above 0.5 + 0.375 = 0.875x;
@@ -342,11 +343,12 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     # one bucket being filled (its flat copy) and one in flight over data
     comm_buffers = 2 * bucket_bytes if shape.data > 1 else 0
     full_numel, block_numel = largest_tensor_numel(model, shape)
-    # a block drawn on the host and moved to the device (whose memory holds it once), or on a
-    # host kept where it was drawn, plus the tile it came from. Measured on a host (125m,
-    # bench/memory_lean.py --phases): the build peaks at the weights + 96 MiB on one process
-    # (a 93 MiB block + a 4 MiB tile), + 8-20 MiB on 2x2 (a 23 MiB block, drawn tile by tile)
-    startup = block_numel * precision.param_bytes + INIT_TILE_BYTES
+    # parallel/shards.py materialize: each block is drawn on the host a tile at a time into
+    # the float32 tensor that becomes the parameter (on a GPU it is moved there: the device
+    # holds it once, as the parameter), so beyond the weights only the tile is alive, on the
+    # host. Measured (125m, bench/memory_lean.py --phases --tuned-malloc): the build's heap
+    # peaks at the weights + 7 MiB on one process and on 2x2 alike
+    startup = INIT_TILE_BYTES if on_host else 0
     export = block_numel * precision.param_bytes  # the receive (or send) buffer of one block
     if on_host and writer:
         export += full_numel * precision.param_bytes
