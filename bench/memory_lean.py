@@ -33,17 +33,17 @@ at the largest heap in use that a named call began with, how much of that heap i
 Python reaches (the rest: the runtime's, torch's and gloo's own allocations, and tensors only
 C++ holds, such as autograd's saved inputs): whether a grid splits a method's tensors.
 Measured 125m, --steps 4 --tuned-malloc --grid 2x2 (MiB above the import, ratio to AdamW,
-planner error), one process / 2x2 per rank, stop 40 (bench/memory_lean.md has earlier runs,
+planner error), one process / 2x2 per rank, stop 41 (bench/memory_lean.md has earlier runs,
 the figures from before the blocked loss and what GaLore's ranks hold):
 
     method     one process              2x2 per rank                       2x2 - one process
-    adamw      2,276  1.00  -6.0%       575-577  1.00       -1.0%
-    lomo         780  0.34  -10.4%      211-215  0.37       -1.5%          +0.03
-    adalomo      780  0.34  -10.2%      220-222  0.38-0.39  -4.6%          +0.04
-    mezo         622  0.27  +4.4%       173-174  0.30       +13.0%         +0.03
-    es           627  0.28  +3.6%       180-183  0.31-0.32  +8.4%          +0.04
-    blockllm     953  0.42  -7.9%       262-267  0.45-0.46  -4.0%          +0.04
-    galore     1,183  0.52  -4.4%       333-338  0.58-0.59  -5.5%          +0.07
+    adamw      2,273  1.00  -5.8%       577-598  1.00       -4.4%
+    lomo         786  0.35  -11.1%      211-215  0.36-0.37  -1.5%          +0.03
+    adalomo      776  0.34  -9.8%       222-226  0.37-0.39  -6.3%          +0.05
+    mezo         624  0.27  +3.4%       173-179  0.30-0.31  +10.5%         +0.04
+    es           627  0.28  +3.0%       176-183  0.30-0.32  +8.8%          +0.04
+    blockllm     937  0.41  -6.2%       263-268  0.44-0.47  -4.5%          +0.05
+    galore     1,182  0.52  -4.3%       327-334  0.56-0.58  -4.2%          +0.06
 
 The issue's table uses --preset 125m (about 2 GiB with AdamW); keep to small presets on a
 shared machine.
