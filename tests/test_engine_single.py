@@ -180,7 +180,7 @@ def test_a_released_gradient_is_the_buffer_of_the_next_one_of_its_shape() -> Non
     the largest such buffer and the next weight gradient of that shape is written into it (a
     dW GEMM, the embedding's block, a cast from bfloat16), so the two largest gradients of a
     step stop landing on top of the heap. A view, a smaller gradient and a buffer of the
-    wrong dtype are not kept."""
+    wrong dtype (found at a request, or asked for so before) are not kept."""
     from fourfold.parallel.comm import Comm
     from fourfold.parallel.engine import Engine, OverlapOptions
 
@@ -226,3 +226,11 @@ def test_a_released_gradient_is_the_buffer_of_the_next_one_of_its_shape() -> Non
     kept = small.grad.data_ptr()
     engine.release_grad(small)
     assert engine.grad_buffer((2, 5), torch.float32, cpu).data_ptr() == kept
+    # a shape first asked for in another dtype is not kept from its first release on (the
+    # blocked loss's bfloat16 dW on a grid: kept, the buffer sat through the next forward)
+    fresh = Engine(Comm(Grid.single()), OverlapOptions())
+    assert fresh.grad_buffer((2, 5), torch.bfloat16, cpu).dtype == torch.bfloat16
+    small.grad = held = torch.randn(2, 5)
+    fresh.release_grad(small)
+    assert small.grad is None
+    assert fresh.grad_buffer((2, 5), torch.float32, cpu).data_ptr() != held.data_ptr()

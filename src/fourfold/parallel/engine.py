@@ -84,6 +84,7 @@ class Engine:
         # next weight gradient of its shape and dtype
         self._spare: torch.Tensor | None = None
         self._unkept: set[tuple[int, ...]] = set()  # shapes whose next gradient is cast
+        self._asked: dict[tuple[int, ...], torch.dtype] = {}  # each shape's first request
 
     def set_grad_ready_hook(self, hook: Callable[[nn.Parameter], None]) -> None:
         """Call `hook(param)` the moment param.grad is final (after its z reduce-scatter and data
@@ -138,12 +139,17 @@ class Engine:
                 and grad.storage_offset() == 0
                 and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
                 and tuple(grad.shape) not in self._unkept
+                and self._asked.get(tuple(grad.shape), grad.dtype) == grad.dtype
                 and (self._spare is None or grad.numel() * grad.element_size()
                      >= self._spare.numel() * self._spare.element_size())):
             self._spare = grad
 
     def _take_spare(self, shape: tuple[int, ...], dtype: torch.dtype,
                     device: torch.device) -> torch.Tensor | None:
+        # a shape asked for in one dtype and released in another (the blocked loss's bfloat16
+        # dW, cast to the float32 gradient) is not kept: from the first step on, not only
+        # from the first request that finds its buffer (which then sat through a forward)
+        self._asked.setdefault(tuple(shape), dtype)
         spare = self._spare
         if spare is None or tuple(spare.shape) != tuple(shape) or spare.device != device:
             return None
