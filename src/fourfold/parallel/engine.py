@@ -83,8 +83,10 @@ class Engine:
         # the buffer of the largest host gradient a method let go of (release_grad), for the
         # next weight gradient of its shape and dtype
         self._spare: torch.Tensor | None = None
-        self._unkept: set[tuple[int, ...]] = set()  # shapes whose next gradient is cast
-        self._asked: dict[tuple[int, ...], torch.dtype] = {}  # each shape's first request
+        # the dtypes each gradient shape has been asked for in (_take_spare): a shape asked
+        # for in another dtype than its gradient's is made in that dtype and cast (the blocked
+        # loss's bfloat16 dW), and its buffer would only sit beside it, so it is not kept
+        self._asked: dict[tuple[int, ...], set[torch.dtype]] = {}
 
     def set_grad_ready_hook(self, hook: Callable[[nn.Parameter], None]) -> None:
         """Call `hook(param)` the moment param.grad is final (after its z reduce-scatter and data
@@ -138,29 +140,21 @@ class Engine:
                 and grad.is_contiguous()
                 and grad.storage_offset() == 0
                 and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
-                and tuple(grad.shape) not in self._unkept
-                and self._asked.get(tuple(grad.shape), grad.dtype) == grad.dtype
+                and self._asked.get(tuple(grad.shape), {grad.dtype}) == {grad.dtype}
                 and (self._spare is None or grad.numel() * grad.element_size()
                      >= self._spare.numel() * self._spare.element_size())):
             self._spare = grad
 
     def _take_spare(self, shape: tuple[int, ...], dtype: torch.dtype,
                     device: torch.device) -> torch.Tensor | None:
-        # a shape asked for in one dtype and released in another (the blocked loss's bfloat16
-        # dW, cast to the float32 gradient) is not kept: from the first step on, not only
-        # from the first request that finds its buffer (which then sat through a forward)
-        self._asked.setdefault(tuple(shape), dtype)
+        self._asked.setdefault(tuple(shape), set()).add(dtype)
         spare = self._spare
         if spare is None or tuple(spare.shape) != tuple(shape) or spare.device != device:
             return None
         self._spare = None
-        if spare.dtype == dtype:
-            return spare
-        # of another dtype: this shape's gradient is made in the compute dtype and cast (the
-        # blocked loss's bfloat16 dW), and the buffer would only sit beside it; dropped, and
-        # such shapes are not kept from now on (a smaller gradient's buffer may be reused)
-        self._unkept.add(tuple(shape))
-        return None
+        # of another dtype: dropped, and (asked for in two dtypes now) its shape is not kept
+        # again; a smaller gradient's buffer may be
+        return spare if spare.dtype == dtype else None
 
     # ---- registration -------------------------------------------------------------------
 
