@@ -495,11 +495,12 @@ def test_galore_basis_spans_the_svds_subspace() -> None:
         assert (basis @ basis.T - ref @ ref.T).abs().max() < 1e-6, view.name
 
 
-def test_galore_hands_free_host_pages_back_before_each_refresh(
+def test_galore_hands_free_host_pages_back_at_each_phase(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A refresh's Gram and eigh workspace (~4 s^2 float64) would otherwise sit above the
-    heap's free holes, all resident under the ranks' malloc tuning: on the host each matrix's
-    refresh trims the heap first, and a step that does not refresh does not."""
+    """A refresh's Gram and eigh workspace (~4 s^2 float64), and each phase's temporaries,
+    would otherwise sit above the heap's free holes, all resident under the ranks' malloc
+    tuning: on the host each matrix's refresh trims the heap first, and every step trims it at
+    its forward and at its update (a step the guard skips has no update)."""
     import fourfold.train.methods.galore as galore
     from fourfold.config import TrainConfig, model_config
     from fourfold.models import build_model
@@ -518,7 +519,11 @@ def test_galore_hands_free_host_pages_back_before_each_refresh(
         before = len(trims)
         method.step(pmodel, StepData.one_batch(pmodel, tokens), lr=1e-3)
         per_step.append(len(trims) - before)
-    assert per_step == [matrices, 0, matrices], (per_step, matrices)
+    before = len(trims)
+    method.step(pmodel, StepData.one_batch(pmodel, tokens), lr=1e-3,
+                guard=lambda loss, norm: "skipped")
+    per_step.append(len(trims) - before)
+    assert per_step == [matrices + 2, 2, matrices + 2, 1], (per_step, matrices)
 
 
 def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
