@@ -47,6 +47,34 @@ def test_tuned_heap_reuses_pages_that_the_default_heap_faults_in_again():
     assert min(default[-4:]) > first // 4, default  # glibc's default gives them back each time
 
 
+TRIM_PROGRAM = r"""
+import torch
+from fourfold.train.host_memory import keep_freed_host_memory, trim_host_memory
+
+def rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+assert keep_freed_host_memory()
+big = torch.ones(30_000_000)  # 120 MB in the heap (no mmap under the tuning)
+above = torch.ones(1000)  # so that big's pages lie inside the heap, not at its top
+del big
+kept = rss_kib()
+trim_host_memory()
+trim_host_memory()  # the second call reuses the first's lookup of libc
+print(kept - rss_kib())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim")
+def test_trim_hands_a_freed_block_inside_the_heap_back():
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", TRIM_PROGRAM], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    assert int(out) > 100_000, out  # KiB: the freed 117 MiB stayed resident until the trim
+
+
 def test_user_malloc_settings_are_left_alone(monkeypatch):
     from fourfold.train import host_memory
 

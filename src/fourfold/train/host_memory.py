@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -82,19 +84,28 @@ def keep_freed_host_memory() -> bool:
     return ok
 
 
-def trim_host_memory() -> None:
-    """Hand the heap's free pages back to the kernel now (glibc's malloc_trim, which frees
-    whole free pages in the middle of the heap too): after the training steps, whose blocks
-    the final export will not reuse, and before a rare large transient (GaLore's refresh)
-    that would otherwise sit above them while they stay resident. A no-op off glibc."""
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, looked up once (finding libc runs ldconfig: milliseconds)."""
     if not sys.platform.startswith("linux"):
-        return
+        return None
     try:
         trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        return
+        return None
     trim.argtypes = [ctypes.c_size_t]
-    trim(0)
+    return trim
+
+
+def trim_host_memory() -> None:
+    """Hand the heap's free pages back to the kernel now (glibc's malloc_trim, which frees
+    whole free pages in the middle of the heap too): after the training steps, whose blocks
+    the final export will not reuse, and between the phases of a GaLore step (its refresh's
+    large transient above all), which would otherwise land beside resident holes. A no-op off
+    glibc."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
