@@ -33,17 +33,17 @@ at the largest heap in use that a named call began with, how much of that heap i
 Python reaches (the rest: the runtime's, torch's and gloo's own allocations, and tensors only
 C++ holds, such as autograd's saved inputs): whether a grid splits a method's tensors.
 Measured 125m, --steps 4 --tuned-malloc --grid 2x2 (MiB above the import, ratio to AdamW,
-planner error), one process / 2x2 per rank, stop 41 (bench/memory_lean.md has earlier runs,
+planner error), one process / 2x2 per rank, stop 42 (bench/memory_lean.md has earlier runs,
 the figures from before the blocked loss and what GaLore's ranks hold):
 
     method     one process              2x2 per rank                       2x2 - one process
-    adamw      2,273  1.00  -5.8%       577-598  1.00       -4.4%
-    lomo         786  0.35  -11.1%      211-215  0.36-0.37  -1.5%          +0.03
-    adalomo      776  0.34  -9.8%       222-226  0.37-0.39  -6.3%          +0.05
-    mezo         624  0.27  +3.4%       173-179  0.30-0.31  +10.5%         +0.04
-    es           627  0.28  +3.0%       176-183  0.30-0.32  +8.8%          +0.04
-    blockllm     937  0.41  -6.2%       263-268  0.44-0.47  -4.5%          +0.05
-    galore     1,182  0.52  -4.3%       327-334  0.56-0.58  -4.2%          +0.06
+    adamw      2,274  1.00  -5.9%       579-596  1.00       -4.1%
+    lomo         771  0.34  -9.4%       213-217  0.36-0.37  -2.5%          +0.04
+    adalomo      771  0.34  -9.2%       220-226  0.37-0.39  -6.1%          +0.05
+    mezo         624  0.27  +3.4%       172-181  0.30-0.30  +11.2%         +0.03
+    es           627  0.28  +2.9%       179-185  0.30-0.32  +7.0%          +0.04
+    blockllm     938  0.41  -6.4%       263-266  0.44-0.46  -3.8%          +0.05
+    galore     1,180  0.52  -4.1%       320-325  0.55-0.55  -1.7%          +0.04
 
 The issue's table uses --preset 125m (about 2 GiB with AdamW); keep to small presets on a
 shared machine.
