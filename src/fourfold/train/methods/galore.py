@@ -167,8 +167,9 @@ class GaLore(PerParameterState, TrainingMethod):
         ranks' malloc tuning nothing else does, so each phase of a step (forward, backward,
         update, a refresh) would land its temporaries in holes the one before left resident
         beside it. At the forward, at the update and before each refresh's projection:
-        measured on a 2 x 2 rank (125m), the peak resident memory fell by about 10 MiB, at a
-        re-faulted page per touched one (a percent or two of the step)."""
+        measured on a 2 x 2 rank (125m), the peak resident memory fell by 6-10 MiB; the step
+        re-faults each page it touches again, which its time did not show beyond the runs'
+        scatter (one process and 2 x 2)."""
         if self._norm_sq.device.type == "cpu":
             trim_host_memory()
 
