@@ -526,6 +526,30 @@ def test_galore_hands_free_host_pages_back_at_each_phase(
     assert per_step == [matrices + 2, 2, matrices + 2, 1], (per_step, matrices)
 
 
+@pytest.mark.parametrize("optimizer", ["lomo", "adalomo"])
+def test_fused_methods_hand_free_host_pages_back_once_a_step(
+        monkeypatch: pytest.MonkeyPatch, optimizer: str) -> None:
+    """LOMO and AdaLomo trim the heap at each step's start on the host: the last step's freed
+    blocks are not resident beside the next one's tensors (two_pass: still once a step)."""
+    import fourfold.train.methods.lomo as lomo
+    from fourfold.config import TrainConfig, model_config
+    from fourfold.models import build_model
+    from fourfold.parallel import Grid, parallelize
+    from fourfold.train.methods import StepData, build_method
+
+    trims: list[int] = []
+    monkeypatch.setattr(lomo, "trim_host_memory", lambda: trims.append(1))
+    cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    pmodel = parallelize(build_model(cfg, seed=1), Grid.single())
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    for clip_mode in ("value", "two_pass"):
+        method = build_method(pmodel, TrainConfig(optimizer=optimizer, clip_mode=clip_mode))
+        before = len(trims)
+        for _ in range(3):
+            method.step(pmodel, StepData.one_batch(pmodel, tokens), lr=1e-3)
+        assert len(trims) - before == 3, (clip_mode, len(trims) - before)
+
+
 def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     for r in run_worker(2, grids, LOMO_CHECKS + ADALOMO_CHECKS + [BLOCKLLM, GALORE], tmp_path):

@@ -22,6 +22,7 @@ from torch import nn
 
 from fourfold.config import TrainConfig
 from fourfold.parallel import Layout
+from fourfold.train.host_memory import trim_host_memory
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
                                          StepResult, TrainingMethod, check_meta,
@@ -74,6 +75,10 @@ class FusedBackward(TrainingMethod):
             raise ValueError(f"{self.name} updates during backward: one micro-step per step, "
                              f"not {data.micro_steps}")
         self._lr, self._scale, norm = lr, 1.0, math.nan
+        if self.grid.device.type == "cpu":
+            # the last step's freed blocks go back to the kernel (under the ranks' malloc
+            # tuning nothing else hands them back): not resident beside this step's tensors
+            trim_host_memory()
         try:
             if self.clip_mode == "two_pass":
                 self._phase = "norm"
