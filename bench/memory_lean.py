@@ -37,13 +37,13 @@ planner error), one process / 2x2 per rank, stop 42 (bench/memory_lean.md has ea
 the figures from before the blocked loss and what GaLore's ranks hold):
 
     method     one process              2x2 per rank                       2x2 - one process
-    adamw      2,274  1.00  -5.9%       579-596  1.00       -4.1%
-    lomo         771  0.34  -9.4%       213-217  0.36-0.37  -2.5%          +0.04
-    adalomo      771  0.34  -9.2%       220-226  0.37-0.39  -6.1%          +0.05
-    mezo         624  0.27  +3.4%       172-181  0.30-0.30  +11.2%         +0.03
-    es           627  0.28  +2.9%       179-185  0.30-0.32  +7.0%          +0.04
-    blockllm     938  0.41  -6.4%       263-266  0.44-0.46  -3.8%          +0.05
-    galore     1,180  0.52  -4.1%       320-325  0.55-0.55  -1.7%          +0.04
+    adamw      2,275  1.00  -5.9%       574-577  1.00       -1.0%
+    lomo         776  0.34  -10.0%      213-217  0.37-0.38  -2.5%          +0.03
+    adalomo      774  0.34  -9.6%       217-224  0.38-0.39  -5.3%          +0.05
+    mezo         624  0.27  +3.5%       173-176  0.30-0.31  +10.9%         +0.03
+    es           627  0.28  +3.0%       179-181  0.31-0.31  +6.9%          +0.04
+    blockllm     951  0.42  -7.7%       265-268  0.46-0.47  -4.5%          +0.05
+    galore     1,176  0.52  -3.8%       321-325  0.56-0.56  -1.6%          +0.05
 
 The issue's table uses --preset 125m (about 2 GiB with AdamW); keep to small presets on a
 shared machine.
