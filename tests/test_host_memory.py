@@ -60,8 +60,8 @@ big = torch.ones(30_000_000)  # 120 MB in the heap (no mmap under the tuning)
 above = torch.ones(1000)  # so that big's pages lie inside the heap, not at its top
 del big
 kept = rss_kib()
-trim_host_memory()
-trim_host_memory()  # the second call reuses the first's lookup of libc
+trim_host_memory(torch.device("cpu"))
+trim_host_memory(torch.device("cpu"))  # the second call reuses the first's lookup of libc
 print(kept - rss_kib())
 """
 

@@ -508,7 +508,7 @@ def test_galore_hands_free_host_pages_back_at_each_phase(
     from fourfold.train.methods import StepData, build_method
 
     trims: list[int] = []
-    monkeypatch.setattr(galore, "trim_host_memory", lambda: trims.append(1))
+    monkeypatch.setattr(galore, "trim_host_memory", lambda device: trims.append(1))
     cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
     pmodel = parallelize(build_model(cfg, seed=1), Grid.single())
     method = build_method(pmodel, TrainConfig(optimizer="galore", galore_gap=2))
@@ -538,7 +538,7 @@ def test_fused_methods_hand_free_host_pages_back_once_a_step(
     from fourfold.train.methods import StepData, build_method
 
     trims: list[int] = []
-    monkeypatch.setattr(lomo, "trim_host_memory", lambda: trims.append(1))
+    monkeypatch.setattr(lomo, "trim_host_memory", lambda device: trims.append(1))
     cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
     pmodel = parallelize(build_model(cfg, seed=1), Grid.single())
     tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))

@@ -97,12 +97,15 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return trim
 
 
-def trim_host_memory() -> None:
-    """Hand the heap's free pages back to the kernel now (glibc's malloc_trim, which frees
-    whole free pages in the middle of the heap too): after the training steps, whose blocks
-    the final export will not reuse, and between the phases of a GaLore step (its refresh's
-    large transient above all), which would otherwise land beside resident holes. A no-op off
-    glibc."""
+def trim_host_memory(device: torch.device) -> None:
+    """When `device` is the host, hand the heap's free pages back to the kernel now (glibc's
+    malloc_trim, which frees whole free pages in the middle of the heap too): under the ranks'
+    malloc tuning nothing else does. Called after the training steps, whose blocks the final
+    export will not reuse, at a LOMO-family step's start and between the phases of a GaLore
+    step (its refresh's large transient above all), which would otherwise land beside
+    resident holes. A no-op for an accelerator's memory and off glibc."""
+    if device.type != "cpu":
+        return
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

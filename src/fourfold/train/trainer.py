@@ -509,8 +509,7 @@ class Trainer:
                     self.save_checkpoint()
             self._wait_for_checkpoints()
 
-            if self.device.type == "cpu":
-                trim_host_memory()  # the steps' freed blocks, before the writer's tensor
+            trim_host_memory(self.device)  # the steps' freed blocks, before the writer's
             if self.cfg.adapter.kind == "none":
                 # Collective: the weights stream to the main rank one tensor at a time.
                 save_weights_streamed(self.pmodel, self.run_dir / WEIGHTS_FILE,

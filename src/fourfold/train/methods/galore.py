@@ -25,7 +25,10 @@ output and workspace (about 4 s^2 float64 in all), one chunk of G's columns (row
 to their full small side (GALORE_CHUNK_BYTES, float32) and its float64 copy, and the basis.
 It runs inside backward, when the later layers' gradients are already projected and freed; on
 the host the heap's free pages are handed back first, so that they are not resident beside it
-(and at every step's forward and update: `_hand_back_free_pages`).
+(and at every step's forward and update: under the ranks' malloc tuning nothing else does, so
+each phase would land its temporaries in holes the one before left resident beside it;
+measured on a 2 x 2 rank of 125m, the peak fell by 6-10 MiB, the step time within the runs'
+scatter).
 Eigenvalues that tie at the r-th leave the basis of their eigenspace to eigh (as to an SVD);
 zero rows or columns (vocab padding) add nothing to the Gram.
 
@@ -162,17 +165,6 @@ class GaLore(PerParameterState, TrainingMethod):
         return {"proj": torch.zeros(p.shape[0 if m < n else 1], pr, **zeros),
                 "m": torch.zeros(moments, **zeros), "v": torch.zeros(moments, **zeros)}
 
-    def _hand_back_free_pages(self) -> None:
-        """On the host, give the heap's free pages back to the kernel (malloc_trim): under the
-        ranks' malloc tuning nothing else does, so each phase of a step (forward, backward,
-        update, a refresh) would land its temporaries in holes the one before left resident
-        beside it. At the forward, at the update and before each refresh's projection:
-        measured on a 2 x 2 rank (125m), the peak resident memory fell by 6-10 MiB; the step
-        re-faults each page it touches again, which its time did not show beyond the runs'
-        scatter (one process and 2 x 2)."""
-        if self._norm_sq.device.type == "cpu":
-            trim_host_memory()
-
     def _sum(self, t: torch.Tensor, axes: tuple) -> torch.Tensor:
         for axis in axes:
             if self.grid.size(axis) > 1:
@@ -232,7 +224,7 @@ class GaLore(PerParameterState, TrainingMethod):
         split = padded_dims(view)
         # the refresh's transient (Gram, chunks, eigh's workspace: ~4 s^2 float64) would
         # land above the heap's free holes: handed back first, they are not resident beside it
-        self._hand_back_free_pages()
+        trim_host_memory(self.grid.device)
         # the small side first: G's shard for P (G G^T), its transpose for Q (G^T G)
         gram = small_side_gram(grad if left else grad.T, split[dim], split[1 - dim], self.comm)
         if not bool(torch.isfinite(gram).all()):  # eigh would fail; the guard skips the step
@@ -383,7 +375,7 @@ class GaLore(PerParameterState, TrainingMethod):
         for v in self.views:
             v.param.grad = None
         self._refresh = self.steps_done % self.gap == 0
-        self._hand_back_free_pages()  # the last step's update left them: before the forward
+        trim_host_memory(self.grid.device)  # the last update's blocks, before the forward
         self._norm_sq.zero_()
         try:
             loss = reduce_loss(pmodel, backward_pass(pmodel, arm_on_last_micro_step(
@@ -395,7 +387,7 @@ class GaLore(PerParameterState, TrainingMethod):
         reason = guard(loss, norm) if guard is not None else None
         if reason is None:
             t = self.steps_done + 1
-            self._hand_back_free_pages()  # backward's, before the update's temporaries
+            trim_host_memory(self.grid.device)  # backward's, before the update's temporaries
             for v in self.views:
                 if v.name in self._low or (v.param.dim() != 2 and v.param.grad is not None):
                     self._update(v, lr, t, coef)

@@ -75,10 +75,8 @@ class FusedBackward(TrainingMethod):
             raise ValueError(f"{self.name} updates during backward: one micro-step per step, "
                              f"not {data.micro_steps}")
         self._lr, self._scale, norm = lr, 1.0, math.nan
-        if self.grid.device.type == "cpu":
-            # the last step's freed blocks go back to the kernel (under the ranks' malloc
-            # tuning nothing else hands them back): not resident beside this step's tensors
-            trim_host_memory()
+        # the last step's freed blocks go back to the kernel: not resident beside this step's
+        trim_host_memory(self.grid.device)
         try:
             if self.clip_mode == "two_pass":
                 self._phase = "norm"
