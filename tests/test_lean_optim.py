@@ -550,6 +550,47 @@ def test_fused_methods_hand_free_host_pages_back_once_a_step(
         assert len(trims) - before == 3, (clip_mode, len(trims) - before)
 
 
+@pytest.mark.parametrize("optimizer", ["lomo", "galore"])
+def test_bfloat16_on_one_host_process_trims_between_forward_and_backward(
+        monkeypatch: pytest.MonkeyPatch, optimizer: str) -> None:
+    """Autocast frees its cached bfloat16 weight copies as the forward ends: on one host
+    process LOMO (AdaLomo shares its step) and GaLore hand those pages back before backward,
+    once a forward (two_pass: two), and never in float32."""
+    import fourfold.train.host_memory as host_memory
+    from fourfold.config import TrainConfig, model_config
+    from fourfold.models import build_model
+    from fourfold.parallel import Grid, parallelize
+    from fourfold.train.methods import StepData, build_method
+    from fourfold.train.methods import galore, lomo  # noqa: F401  before the patch: their own
+    # step-start and refresh trims keep the function they imported
+
+    trims: list[bool] = []  # per trim: whether the weights were still the step's first
+
+    def trim(device: torch.device) -> None:
+        assert not torch.is_autocast_enabled("cpu")  # the forward's autocast has ended
+        trims.append(all(torch.equal(p, q) for p, q in zip(pmodel.parameters(), before)))
+
+    monkeypatch.setattr(host_memory, "trim_host_memory", trim)
+    cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    pmodel = parallelize(build_model(cfg, seed=1), Grid.single())
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    cases = [("bfloat16", "value", 2), ("float32", "value", 0)]
+    if optimizer == "lomo":
+        cases.append(("bfloat16", "two_pass", 4))
+    for dtype, clip_mode, expected in cases:
+        extra = {"clip_mode": clip_mode} if optimizer == "lomo" else {}
+        method = build_method(pmodel, TrainConfig(optimizer=optimizer, dtype=dtype, **extra))
+        trims.clear()
+        for _ in range(2):
+            before = [p.detach().clone() for p in pmodel.parameters()]
+            method.step(pmodel, StepData.one_batch(pmodel, tokens, dtype), lr=1e-3)
+            assert not all(torch.equal(p, q) for p, q in zip(pmodel.parameters(), before))
+        assert len(trims) == expected, (dtype, clip_mode, trims)
+        assert all(trims)  # before the backward moved any weight
+    assert host_memory.trim_after_autocast_forward(torch.device("cpu"), 4, "bfloat16") is None
+    assert host_memory.trim_after_autocast_forward(torch.device("cuda"), 1, "bfloat16") is None
+
+
 def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     for r in run_worker(2, grids, LOMO_CHECKS + ADALOMO_CHECKS + [BLOCKLLM, GALORE], tmp_path):

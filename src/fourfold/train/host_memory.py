@@ -111,6 +111,22 @@ def trim_host_memory(device: torch.device) -> None:
         trim(0)
 
 
+def trim_after_autocast_forward(device: torch.device, world_size: int,
+                                dtype: str) -> Callable[[], None] | None:
+    """What a memory-lean method runs between a forward and its backward (adamw.backward_pass's
+    `after_forward`): on one host process under bfloat16 autocast, the trim. Autocast caches
+    every weight's bfloat16 copy through the forward and frees them all as it ends (on a grid
+    Linear3D casts its own weights: no cache); the backward's first large tensors (the output
+    layer's float32 dW, the weight's bfloat16 copy) fit none of the copies' holes and land on
+    top of them, all resident. 125m, 2 x 128 tokens, --tuned-malloc (bench/memory_lean.py
+    --dtype bfloat16): LOMO 919-933 MiB without, 845-849 with, at 145-146 tokens/s against
+    151-152; AdaLomo 921-927 against 844; GaLore 1235-1239 against 1207-1208. AdamW would save
+    57 MiB of 2300 at 12% of its tokens/s and BlockLLM nothing: they do not trim."""
+    if device.type != "cpu" or world_size != 1 or dtype != "bfloat16":
+        return None
+    return functools.partial(trim_host_memory, device)
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CPU tensor (a batch) on `device`. To a GPU it goes through pinned memory without
     blocking the host, so the copy overlaps what the GPU is still doing; elsewhere, `t.to`."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,12 +15,16 @@ from fourfold.train.methods.base import (Guard, StepData, StepResult, TrainingMe
 from fourfold.train.optim import build_optimizer, set_lr
 
 
-def backward_pass(pmodel: Any, data: StepData) -> torch.Tensor:
+def backward_pass(pmodel: Any, data: StepData,
+                  after_forward: Callable[[], None] | None = None) -> torch.Tensor:
     """Backward over the step's micro-batches (the data all-reduce on the last one only);
-    returns this rank's summed loss."""
+    returns this rank's summed loss. `after_forward` runs between each micro-step's forward
+    and its backward (host_memory.trim_after_autocast_forward)."""
     total = torch.zeros((), dtype=torch.float64)
     for i, loss in enumerate(data.losses()):
         pmodel.set_requires_gradient_sync(i == data.micro_steps - 1)
+        if after_forward is not None:
+            after_forward()
         loss.backward()
         pmodel.finish_backward()
         total += loss.detach().double().cpu()

@@ -68,7 +68,7 @@ from fourfold.parallel import Layout
 from fourfold.parallel.comm import Comm
 from fourfold.parallel.grid import Axis
 from fourfold.plan.memory import GALORE_CHUNK_BYTES, galore_rank
-from fourfold.train.host_memory import trim_host_memory
+from fourfold.train.host_memory import trim_after_autocast_forward, trim_host_memory
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
                                          StepResult, TrainingMethod, arm_on_last_micro_step,
@@ -142,6 +142,8 @@ class GaLore(PerParameterState, TrainingMethod):
         self._low: dict[str, torch.Tensor] = {}
         self._new_proj: dict[str, torch.Tensor] = {}
         self._norm_sq = torch.zeros((), dtype=torch.float64, device=self.grid.device)
+        self._after_forward = trim_after_autocast_forward(self.grid.device,
+                                                          self.grid.world_size, cfg.dtype)
         self._armed = False  # on the last micro-step of a backward
         self._refresh = False
         # a refreshed basis replaces the old one at once, unless a step the guard rejects can
@@ -379,7 +381,7 @@ class GaLore(PerParameterState, TrainingMethod):
         self._norm_sq.zero_()
         try:
             loss = reduce_loss(pmodel, backward_pass(pmodel, arm_on_last_micro_step(
-                data, lambda on: setattr(self, "_armed", on))))
+                data, lambda on: setattr(self, "_armed", on)), self._after_forward))
         finally:
             self._armed = False
         self.peak_grad_bytes = max(self.peak_grad_bytes, self._live_grad_bytes())

@@ -22,7 +22,7 @@ from torch import nn
 
 from fourfold.config import TrainConfig
 from fourfold.parallel import Layout
-from fourfold.train.host_memory import trim_host_memory
+from fourfold.train.host_memory import trim_after_autocast_forward, trim_host_memory
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
                                          StepResult, TrainingMethod, check_meta,
@@ -47,6 +47,8 @@ class FusedBackward(TrainingMethod):
         self._norm_sq = torch.zeros((), dtype=torch.float64)
         self.peak_grad_bytes = 0  # the most gradient bytes alive at one hand-off (tests read it)
         self._release = on_final_gradients(pmodel, self.views, self._on_grad_ready)
+        self._after_forward = trim_after_autocast_forward(self.grid.device,
+                                                          self.grid.world_size, cfg.dtype)
 
     @torch.no_grad()
     def _on_grad_ready(self, p: nn.Parameter) -> None:
@@ -81,7 +83,7 @@ class FusedBackward(TrainingMethod):
             if self.clip_mode == "two_pass":
                 self._phase = "norm"
                 self._norm_sq.zero_()
-                loss = reduce_loss(pmodel, backward_pass(pmodel, data))
+                loss = reduce_loss(pmodel, backward_pass(pmodel, data, self._after_forward))
                 total = self._norm_sq.to(self.grid.device)
                 if self.grid.world_size > 1:  # data replicas hold the same gradients
                     total = self.comm.all_reduce(total, "tensor").wait()
@@ -93,7 +95,7 @@ class FusedBackward(TrainingMethod):
                 if self.grad_clip > 0 and norm > self.grad_clip:
                     self._scale = self.grad_clip / (norm + 1e-6)
             self._phase = "update"
-            loss = reduce_loss(pmodel, backward_pass(pmodel, data))
+            loss = reduce_loss(pmodel, backward_pass(pmodel, data, self._after_forward))
         finally:
             self._phase = ""
         if self.clip_mode == "two_pass":
