@@ -34,7 +34,10 @@ checkpoint, the streamed export):
 - runtime (on a host): what a rank touches beyond a process that imported fourfold, not as
   tensors: library code and data first used by a step, gloo's and the checkpoint writer's
   threads, the interpreter's objects; a constant ~40 MiB per rank on every preset measured
-  (15m: 37-59 MiB above the other terms on 1-8 ranks).
+  (15m: 37-59 MiB above the other terms on 1-8 ranks). Under bfloat16 it includes oneDNN's
+  primitive cache (each bfloat16 GEMM's kernel, kept from its first call: 5 MiB of heap on
+  one process, 6.5 on a 2 x 2 rank, small preset; none in float32, whose GEMMs are MKL's),
+  which bench/heap_peak.py's heap reads beside the tensors.
 On CPU the allocator keeps freed blocks for reuse (train/host_memory.py) and, so tuned, its
 resident memory stays within a few percent of the heap in use. Measured with it, 350m preset,
 8 ranks (x2 y2 z2): 1,019-1,042 MiB per rank with a sync checkpoint (predicted 1,010),
@@ -126,6 +129,7 @@ class MemoryBreakdown:
     block_transient: int = 0  # one block's temporaries beyond what it saves (see step)
     loss_grads: int = 0  # of `grads`: those alive at the loss (see step)
     cast_weights: int = 0  # weights' compute-dtype copies autocast keeps to the loss (see step)
+    loss_forward: int = 0  # of `logits`: what the loss's forward holds (see step)
     tokens: int = 0  # a micro-step's tokens on this rank, which the transients are sized for
 
     @property
@@ -141,10 +145,15 @@ class MemoryBreakdown:
         gradient: an upper bound, as the gradients grow while the blocks' saved inputs are
         freed. Without a backward (mezo, es) `block_transient` is a block's
         no-grad forward, with (under autocast on one process) every block linear's cached
-        compute-dtype copy, which the cache gathers through the forward."""
+        compute-dtype copy, which the cache gathers through the forward.
+        Autocast lets its copies go as the forward ends, the loss's forward included: they
+        meet only `loss_forward` of the loss, where that is less than `logits` (the blocked
+        loss, whose backward makes the output layer's dW and casts its weight anew; 125m, 2 x
+        128 tokens, bfloat16 LOMO: the heap's peak 15% below the planner before)."""
         alive = (self.activations - self.recompute + self.gathered_weights + self.comm_buffers
                  + self.checkpoint)
-        return alive + max(self.loss_grads + self.cast_weights + self.logits,
+        loss = max(self.cast_weights + (self.loss_forward or self.logits), self.logits)
+        return alive + max(self.loss_grads + loss,
                            self.grads + self.recompute + self.block_transient)
 
     @property
@@ -326,6 +335,10 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     if shape.z == 1:
         gathered = layer_block * precision.grad_bytes  # no gather buffers; still dW per layer
     logits = logits_bytes(model, shape, n, precision, output_loss)
+    loss_forward = 0  # whole logits: the loss's forward holds what its backward does
+    if uses_blocked_loss(output_loss):  # its blocks, and below float32 the weight's copy
+        loss_forward = (logits_bytes(model, shape, n, precision, output_loss, backward=False)
+                        + (vocab_block * precision.act_bytes if precision.act_bytes < 4 else 0))
     # under autocast on torch's own layers autocast caches each weight's compute-dtype copy
     # from its first GEMM to the end of the forward, the loss included: those of every linear
     # that autocast runs (models/llama.py's down projection casts its own) and the whole
@@ -360,7 +373,7 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
                            startup=startup, export=export, checkpoint=checkpoint,
                            runtime=HOST_RUNTIME_BYTES if on_host else 0, recompute=recompute,
                            loss_grads=states["grads"] if grad_accum > 1 else 0, tokens=n,
-                           cast_weights=cast_weights,
+                           cast_weights=cast_weights, loss_forward=loss_forward,
                            block_transient=n * block_transient_bytes_per_token(model, shape,
                                                                                precision))
 
@@ -542,6 +555,7 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
         if autocast_on_torch_layers(shape, p):
             cast, output_cast = autocast_weight_copies(model, p, output_loss, down=True)
         out = dataclasses.replace(out, activations=0, comm_buffers=0, gathered_weights=gathered,
-                                  logits=logits, recompute=0, block_transient=forward + cast,
+                                  logits=logits, loss_forward=0, recompute=0,
+                                  block_transient=forward + cast,
                                   cast_weights=cast + output_cast)
     return out
