@@ -20,6 +20,7 @@ recomputes x for its weight gradient, so x's storage is freed after the forward.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -27,6 +28,16 @@ from torch import nn
 from fourfold.parallel.engine import Engine, keeps_output_block
 from fourfold.parallel.grid import Axis, Grid
 from fourfold.parallel.layout import Layout
+
+T = TypeVar("T", bound=Callable)
+
+
+def eager_only(fn: T) -> T:
+    """torch.compiler.disable(fn), made at fn's first call (torch's own lazy form, as torch's
+    checkpoint has it): the decorator imports torch._dynamo, about 70 MiB resident and a
+    second in every process, which only a run that compiles (train.compile) needs."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -183,7 +194,7 @@ class Linear3D(nn.Module):
     def arrange(self, gathered: torch.Tensor) -> torch.Tensor:
         return gathered.view(self.block_shape)
 
-    @torch.compiler.disable  # collectives and deferred GEMMs: compiled code runs around it
+    @eager_only  # collectives and deferred GEMMs: compiled code runs around it
     def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:
         if self.fused is not None:
             return self.fused.output(self, x)
@@ -351,7 +362,7 @@ class ReplicatedLinear3D(Linear3D):
     def __init__(self, linear: nn.Linear, grid: Grid, engine: Engine) -> None:
         super().__init__(linear, grid, engine, transposed=False, own_fan_out=True)
 
-    @torch.compiler.disable  # as Linear3D.forward
+    @eager_only  # as Linear3D.forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _SplitLastDim.apply(x, self.engine.comm, "x")
         y = super().forward(x)

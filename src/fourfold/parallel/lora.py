@@ -27,7 +27,7 @@ from torch import nn
 from fourfold.parallel.comm import Comm
 from fourfold.parallel.grid import Axis
 from fourfold.parallel.layout import Layout
-from fourfold.parallel.linear import Linear3D, ReplicatedLinear3D, compute_dtype
+from fourfold.parallel.linear import Linear3D, ReplicatedLinear3D, compute_dtype, eager_only
 
 
 class LoRAError(ValueError):
@@ -119,7 +119,7 @@ class LoRAHook:
     whole_input_grad: bool = False
     mask_key: tuple[int, ...] = field(default=())  # grid coordinates that change the input
 
-    @torch.compiler.disable  # collectives inside, as Linear3D.forward
+    @eager_only  # collectives inside, as Linear3D.forward
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         x = args[0]
         if self.spec.dropout > 0 and module.training:
