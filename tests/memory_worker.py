@@ -73,8 +73,13 @@ def measure(shape: GridShape, grid: Grid, ckpt: bool) -> dict:
     counter = SavedTensorCounter(exclude)
 
     def enter(name: str):
-        def hook(_module, _inputs) -> None:
+        def hook(_module, inputs) -> None:
             counter.phase = name
+            if ckpt and name.startswith("body/layer"):
+                # a checkpointed block keeps its input for the backward (held by the block's
+                # recompute, not through autograd's saved tensors: counted here, as
+                # train.memory_report counts it)
+                counter.pack(inputs[0])
         return hook
 
     handles = [layer.register_forward_pre_hook(enter(f"body/layer{i}"))

@@ -239,3 +239,78 @@ def _hidden(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
     for layer in model.layers:
         h = layer(h, model.rope_cos[:T], model.rope_sin[:T])
     return h
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_activation_checkpointing_gives_the_plain_backward_bit_for_bit(autocast: bool) -> None:
+    """train.activation_checkpointing: each block keeps only its input and runs again in the
+    backward, under the forward's autocast; the loss and every gradient are those of the plain
+    model, bit for bit (float32 and bfloat16 autocast)."""
+    cfg = model_config("debug")
+    models = [build_model(cfg, seed=3) for _ in range(2)]
+    models[1].activation_checkpointing = True
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for model in models:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_recompute_replays_the_forwards_random_draws() -> None:
+    """A block that draws random numbers (dropout) draws the same ones when it runs again in
+    the backward, so its gradients are those of the plain call; a second backward of the same
+    graph (retain_graph) runs it again."""
+    from fourfold.models.recompute import recompute_in_backward
+
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x @ w, p=0.5).tanh()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(5)
+    plain = block(x).sum()
+    plain.backward()
+    grads = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    torch.manual_seed(5)
+    again = recompute_in_backward(block, x).sum()
+    torch.rand(100)  # the global generator moves on before the backward
+    again.backward(retain_graph=True)
+    assert torch.equal(plain, again)
+    assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], w.grad)
+    x.grad = w.grad = None
+    again.backward()
+    assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], w.grad)
+
+
+def test_a_meta_build_and_a_checkpointed_step_leave_torch_dynamo_unimported() -> None:
+    """torch._dynamo costs about 70 MiB resident in every process: building a model on the
+    meta device, parallelizing it and a checkpointed forward and backward must not import it
+    (torch's own checkpoint, nn.init on meta tensors and torch.compiler.disable on Linear3D's
+    forward would)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from fourfold.config import model_config, ParallelConfig\n"
+            "from fourfold.models import build_model\n"
+            "from fourfold.parallel import Grid, parallelize\n"
+            "for tuned in (False, True):  # plain modules; Linear3D's (as on a grid)\n"
+            "    model = build_model(model_config('debug'), seed=0, device='meta')\n"
+            "    model.activation_checkpointing = True\n"
+            "    pmodel = parallelize(model, Grid.single('cpu'),\n"
+            "                         ParallelConfig(gemm_tuning=tuned), optimizer='lomo')\n"
+            "    tokens = torch.randint(0, 100, (2, 9))\n"
+            "    pmodel(tokens[:, :-1], tokens[:, 1:]).mean().backward()\n"
+            "    assert all(p.grad is not None for p in pmodel.parameters())\n"
+            "    assert tuned == ('Linear3D' in str(pmodel.module))\n"
+            "    print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False"], out.stdout

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.overrides import TorchFunctionMode
 
 from fourfold.config import ModelConfig
 from fourfold.models.init import normal_block
+from fourfold.models.recompute import recompute_in_backward
 from fourfold.parallel.embedding import CrossEntropy
 from fourfold.parallel.linear import compute_dtype
 from fourfold.parallel.norm import rms_norm
@@ -299,7 +300,7 @@ class Llama(nn.Module):
         h = self.embed(tokens)  # (B, T, dim)
         for i, layer in enumerate(self.layers):
             if self.activation_checkpointing and self.training and cache is None:
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+                h = recompute_in_backward(layer, h, cos, sin)
             else:
                 h = layer(h, cos, sin, cache, i)
         h = self.norm(h)
@@ -318,8 +319,22 @@ def build_model(cfg: ModelConfig, seed: int | None = None,
     initialises only each rank's own shards, to the same values."""
     if device is None:
         return Llama(cfg, seed)
-    with torch.device(device):
+    with torch.device(device), _NoDefaultInitOnMeta():
         return Llama(cfg, seed)
+
+
+class _NoDefaultInitOnMeta(TorchFunctionMode):
+    """nn.Linear's and nn.Embedding's own initialisation skipped on meta tensors (Llama sets
+    every parameter itself): on the meta device it would run torch's Python meta kernels,
+    whose first call imports torch._dynamo (about 70 MiB resident, a second)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

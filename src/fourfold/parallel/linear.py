@@ -19,8 +19,9 @@ recomputes x for its weight gradient, so x's storage is freed after the forward.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -33,11 +34,21 @@ T = TypeVar("T", bound=Callable)
 
 
 def eager_only(fn: T) -> T:
-    """torch.compiler.disable(fn), made at fn's first call (torch's own lazy form, as torch's
-    checkpoint has it): the decorator imports torch._dynamo, about 70 MiB resident and a
-    second in every process, which only a run that compiles (train.compile) needs."""
+    """fn, run eagerly inside a compiled region (torch.compiler.disable: a graph break, the
+    compiled code runs around it) and called as it is outside one. torch.compiler.disable is
+    made at the first compiled call (torch's lazy form): making it, or calling it, imports
+    torch._dynamo, about 70 MiB resident and a second in every process, which only a run that
+    compiles (train.compile) needs."""
     lazy = getattr(torch, "_disable_dynamo", None)
-    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
+    disabled = lazy(fn) if lazy is not None else torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # a constant True while dynamo traces
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
