@@ -23,7 +23,8 @@ planner's GPU prediction (no host-side runtime in it). On an H200, 125m, --batch
 adamw 3,940 MiB, lomo 1,443 (0.37), mezo 875 (0.22), galore 3,226 (0.82); today's planner
 against them: -1.1%, +2.6%, -4.0%, -1.5%; the README has the table.
 --grid XxY: the same methods on x * y gloo ranks (torchrun, data = z = 1), per rank, beside
-the one-process ratios. --tuned-malloc: glibc tuned as `fourfold train` tunes CPU runs (and
+the one-process ratios; each rank's peak above the same baseline, a process that only imports
+fourfold (until stop 43: above the rank's own imports, which held torch._dynamo then). --tuned-malloc: glibc tuned as `fourfold train` tunes CPU runs (and
 ranks); without it freed blocks that glibc keeps read as resident memory (up to ~200 MiB on
 125m, more on gloo ranks, which get an arena per thread), which the planner does not model.
 --output-loss: parallel.output_loss of every run (auto: blocks for lomo, adalomo, mezo, es,
@@ -86,7 +87,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
         from fourfold.train.host_memory import keep_freed_host_memory
 
         keep_freed_host_memory()
-    # a rank's own baseline: what it holds after the imports, before it joins the job
+    # what the process holds after the imports, before it joins the job (--phases prints it)
     base_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     torch.set_num_threads(1)
     x, y = grid
@@ -502,16 +503,18 @@ def one_process_table(args: argparse.Namespace) -> dict[str, float]:
 def grid_table(args: argparse.Namespace, grid: tuple[int, int], one_ratio: dict[str, float]
                ) -> None:
     """The grid's rows, printed as each method's launch ends (AdamW's first)."""
+    base = measure(args, "none")["rss_kib"]  # a process that only imports fourfold
     print(f"\npreset {args.preset}, grid x = {grid[0]}, y = {grid[1]} ({grid[0] * grid[1]} gloo "
-          "ranks, data = z = 1), per rank: peak RSS above the rank's own import, ratio to "
-          f"AdamW's on this grid; malloc {'tuned' if args.tuned_malloc else 'glibc defaults'}")
+          "ranks, data = z = 1), per rank: peak RSS above a process that imports fourfold "
+          f"({base / 1024:.0f} MiB), ratio to AdamW's on this grid; malloc "
+          f"{'tuned' if args.tuned_malloc else 'glibc defaults'}")
     print("| method | peak RSS - base (ranks) | ratio (ranks) | one process | worst diff "
           "| planner | error (worst) | tokens/s |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     ref_above: list[int] = []
     for m in dict.fromkeys(["adamw", *args.methods]):
         ranks = measure_grid(args, m, grid)
-        above = [(r["rss_kib"] - r["base_kib"]) * 1024 for r in ranks]
+        above = [(r["rss_kib"] - base) * 1024 for r in ranks]
         ref_above = ref_above or above
         ratios = [a / b for a, b in zip(above, ref_above)]
         one = one_ratio.get(m)
@@ -526,6 +529,9 @@ def grid_table(args: argparse.Namespace, grid: tuple[int, int], one_ratio: dict[
               f"{ranks[0]['predicted'] / 2**20:.0f} MiB | {max(errors, key=abs):+.1%} | "
               f"{min(r['tokens_per_s'] for r in ranks):.0f} |", flush=True)
         if args.phases:
+            own = [(r["base_kib"] - base) / 1024 for r in ranks]
+            print(f"  {m}: the ranks' own imports (before joining the job) held "
+                  f"{min(own):.0f}-{max(own):.0f} MiB above the baseline")
             print_phases({f"{m} rank {i}": r for i, r in enumerate(ranks)})
 
 

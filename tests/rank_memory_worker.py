@@ -99,25 +99,33 @@ class HeapPeak(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def run_method_steps(model_cfg: ModelConfig, grid: Grid, cfg: TrainConfig, batch: int,
-                     steps: int = 2) -> int:
+                     steps: int = 2, runs: int = 2) -> int:
     """Build `model_cfg` on `grid` (on the meta device, then each rank's shards), run `steps`
     steps of cfg.optimizer on one random batch of cfg.seq_len tokens (the forward under
     autocast where cfg.dtype is bfloat16, as the trainer runs it), and return the heap's peak
-    in use above its start, in bytes."""
+    in use above its start, in bytes: of the second of two such runs, so that what libraries
+    keep from their first use is not in it. MKL keeps a pool of buffers sized by the largest
+    GEMMs it has run (about 40 MiB for the small preset's: a first run read 135 MiB in use
+    against 103 for the next one; 104 with MKL_DISABLE_FAST_MM=1, which costs a fifth of the
+    tokens/s), and torch._dynamo (about 44 MiB of heap) is imported by torch.optim (AdamW)
+    and by HeapPeak's own dispatch mode through torch's Python meta kernels. The planner's
+    host runtime term is where such memory counts in a run's resident memory."""
     from fourfold.train.methods import StepData, build_method
 
     shape, seq = grid.shape, cfg.seq_len
-    with HeapPeak() as heap:
-        model = build_model(model_cfg, seed=0, device="meta")
-        model.activation_checkpointing = True
-        pmodel = parallelize(model, grid, ParallelConfig(x=shape.x, y=shape.y, z=shape.z,
-                                                         data=shape.data),
-                             optimizer=cfg.optimizer)
-        method = build_method(pmodel, cfg)
-        tokens = torch.randint(0, model_cfg.vocab_size, (batch, seq + 1),
-                               generator=torch.Generator().manual_seed(0))
-        for _ in range(steps):
-            method.step(pmodel, StepData.one_batch(pmodel, tokens, cfg.dtype), 1e-4)
+    for _ in range(runs):  # the same run twice, both under HeapPeak (whose mode counts)
+        with HeapPeak() as heap:
+            model = build_model(model_cfg, seed=0, device="meta")
+            model.activation_checkpointing = True
+            pmodel = parallelize(model, grid, ParallelConfig(x=shape.x, y=shape.y, z=shape.z,
+                                                             data=shape.data),
+                                 optimizer=cfg.optimizer)
+            method = build_method(pmodel, cfg)
+            tokens = torch.randint(0, model_cfg.vocab_size, (batch, seq + 1),
+                                   generator=torch.Generator().manual_seed(0))
+            for _ in range(steps):
+                method.step(pmodel, StepData.one_batch(pmodel, tokens, cfg.dtype), 1e-4)
+            del model, pmodel, method, tokens
     return heap.peak - heap.start
 
 
@@ -210,7 +218,7 @@ def main() -> None:
         grid = Grid.build(shape, device)
         record["heap_peaks"] = [
             run_method_steps(ModelConfig(**case["model"]), grid, TrainConfig(**case["train"]),
-                             case["batch"], steps=spec.get("steps", 2))
+                             case["batch"], steps=spec.get("steps", 2), runs=spec.get("runs", 2))
             for case in spec["cases"]]
         record["grid"] = str(shape)
     else:

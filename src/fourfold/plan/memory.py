@@ -37,7 +37,9 @@ checkpoint, the streamed export):
   (15m: 37-59 MiB above the other terms on 1-8 ranks). Under bfloat16 it includes oneDNN's
   primitive cache (each bfloat16 GEMM's kernel, kept from its first call: 5 MiB of heap on
   one process, 6.5 on a 2 x 2 rank, small preset; none in float32, whose GEMMs are MKL's),
-  which bench/heap_peak.py's heap reads beside the tensors.
+  which bench/heap_peak.py's heap reads beside the tensors. AdamW's runs (torch.optim) and
+  compiled ones add torch._dynamo's import, 70 MiB (TORCH_DYNAMO_BYTES), which the other
+  methods never load.
 On CPU the allocator keeps freed blocks for reuse (train/host_memory.py) and, so tuned, its
 resident memory stays within a few percent of the heap in use. Measured with it, 350m preset,
 8 ranks (x2 y2 z2): 1,019-1,042 MiB per rank with a sync checkpoint (predicted 1,010),
@@ -249,6 +251,10 @@ def block_transient_bytes_per_token(model: ModelConfig, shape: GridShape, precis
 
 
 HOST_RUNTIME_BYTES = 40 * 2**20  # measured: see the module docstring (runtime)
+# torch._dynamo, which torch.optim (AdamW) and train.compile import at their first use: 70.6
+# MiB resident (a process that imported fourfold, then torch._dynamo); no other part of a run
+# imports it (models/recompute.py, build_model on the meta device)
+TORCH_DYNAMO_BYTES = 70 * 2**20
 INIT_TILE_BYTES = 1024 * 1024 * 4  # fourfold.models.init: one float32 tile drawn at a time
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb
 GALORE_CHUNK_BYTES = 4 * 2**20  # train/methods/galore.py: gathered columns per Gram chunk
@@ -282,8 +288,8 @@ def logits_bytes(model: ModelConfig, shape: GridShape, tokens: int, precision: P
     copies in the compute dtype), plus two floats a token kept for backward; with a
     `backward`, the output layer's backward also holds its weight gradient (float32), and
     below float32 the weight's compute-dtype copy (bfloat16, against the heap: LOMO -14% before
-    it counted) and, on a grid, the gradient made in that dtype (on one process it is made in
-    float32 block by block)."""
+    it counted) and, on a grid, the gradient made in that dtype, cast to float32 after the
+    block loop (on one process it is made in float32 block by block)."""
     width = model.vocab_size // shape.y
     act = precision.act_bytes
     if not uses_blocked_loss(output_loss):
@@ -292,8 +298,13 @@ def logits_bytes(model: ModelConfig, shape: GridShape, tokens: int, precision: P
     out = tokens * columns * (4 + (2 * act if act < 4 else 0)) + 8 * tokens
     if backward:
         block = model.vocab_size * model.dim // (shape.x * shape.y)
-        copies = (2 if shape.size > 1 else 1) if act < 4 else 0
-        out += block * (precision.grad_bytes + copies * act)
+        if act < 4 and shape.size > 1:
+            # dW made in the compute dtype beside the weight's copy through the block loop, its
+            # float32 gradient after it, when the blocks' transients are gone (the heap's peak,
+            # 2 x 2 LOMO rank, small preset, bfloat16: in the loop; counting the gradient there
+            # too read +17%)
+            return max(out, block * precision.grad_bytes + 8 * tokens) + block * 2 * act
+        out += block * (precision.grad_bytes + (act if act < 4 else 0))
     return out
 
 
@@ -308,7 +319,8 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     `on_host`: the rank computes in host memory (a CPU run), so that the host-side parts count:
     the export writer's (`writer`) full copy of each tensor in turn, and the snapshot an
     asynchronous checkpoint copies the shards into while training goes on, and the runtime's
-    own growth (HOST_RUNTIME_BYTES). `output_loss`: parallel.output_loss as the run resolves
+    own growth (HOST_RUNTIME_BYTES, and AdamW's import of torch._dynamo: predict_method_memory
+    takes it off for the other methods). `output_loss`: parallel.output_loss as the run resolves
     it (the logits whole, or a block of the vocabulary at a time). `grad_accum`: micro-steps
     per step (above 1 the gradients live through the later micro-steps' losses). Each term
     and the measurement it rests on: see the module docstring."""
@@ -371,7 +383,8 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
                            optimizer=states["optimizer"], activations=activations,
                            gathered_weights=gathered, logits=logits, comm_buffers=comm_buffers,
                            startup=startup, export=export, checkpoint=checkpoint,
-                           runtime=HOST_RUNTIME_BYTES if on_host else 0, recompute=recompute,
+                           runtime=HOST_RUNTIME_BYTES + TORCH_DYNAMO_BYTES if on_host else 0,
+                           recompute=recompute,
                            loss_grads=states["grads"] if grad_accum > 1 else 0, tokens=n,
                            cast_weights=cast_weights, loss_forward=loss_forward,
                            block_transient=n * block_transient_bytes_per_token(model, shape,
@@ -524,6 +537,9 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
     states = method_state_bytes(model, shape, train, p)
     out = dataclasses.replace(breakdown, grads=states["grads"], optimizer=states["optimizer"],
                               loss_grads=states["grads"] if train.grad_accum > 1 else 0)
+    if out.runtime and train.optimizer != "adamw" and not train.compile:
+        # no torch.optim, nothing compiled: the run never imports torch._dynamo
+        out = dataclasses.replace(out, runtime=out.runtime - TORCH_DYNAMO_BYTES)
     if train.optimizer == "galore":
         out = dataclasses.replace(out, update=galore_update_bytes(model, shape, train))
     if train.optimizer in ("mezo", "es"):
