@@ -24,8 +24,8 @@ adamw 3,940 MiB, lomo 1,443 (0.37), mezo 875 (0.22), galore 3,226 (0.82); today'
 against them: -1.1%, +2.6%, -4.0%, -1.5%; the README has the table.
 --grid XxY: the same methods on x * y gloo ranks (torchrun, data = z = 1), per rank, beside
 the one-process ratios; each rank's peak above the same baseline, a process that only imports
-fourfold (until stop 43: above the rank's own imports, which held torch._dynamo then). --tuned-malloc: glibc tuned as `fourfold train` tunes CPU runs (and
-ranks); without it freed blocks that glibc keeps read as resident memory (up to ~200 MiB on
+fourfold (until stop 43: above the rank's own imports, which held torch._dynamo then).
+--tuned-malloc: glibc tuned as `fourfold train` tunes CPU runs (and ranks); without it freed blocks that glibc keeps read as resident memory (up to ~200 MiB on
 125m, more on gloo ranks, which get an arena per thread), which the planner does not model.
 --output-loss: parallel.output_loss of every run (auto: blocks for lomo, adalomo, mezo, es,
 blockllm and galore, whole logits for adamw).
