@@ -7,7 +7,9 @@ and hands back the tensors in the order they were saved), without torch's import
 torch._dynamo at the first call (about 70 MiB resident in every process and a second; a run
 that trains with anything but AdamW, whose torch.optim imports it too, never needs it
 otherwise). The recompute runs under the forward's autocast and random state, with the same
-inputs (detached, requires_grad as they came) and so saves the same tensors.
+inputs (detached, requires_grad as they came) and so saves the same tensors; it stops at
+the last of them (the block's tail, its output among it, is not made again: on a 2x2 rank,
+125m, LOMO's peak read about 30 MiB more, and its tokens/s 4% less, without the stop).
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+class _StopRecompute(Exception):
+    """Raised where the recompute has saved all the forward's tensors: the block's output and
+    whatever follows the last saved tensor are never made again (as torch's early stop)."""
 
 
 class _Block:
@@ -60,6 +67,8 @@ class _Block:
 
         def keep(t: torch.Tensor) -> int:
             saved.append(t)
+            if len(saved) == self.saved_count:  # the rest of the block is not needed
+                raise _StopRecompute
             return len(saved) - 1
 
         args = tuple(_detached(a) for a in self.args)
@@ -74,7 +83,10 @@ class _Block:
                     torch.autocast("cpu", dtype=self.cpu_autocast[1],
                                    enabled=self.cpu_autocast[0]), \
                     torch.autograd.graph.saved_tensors_hooks(keep, saved.__getitem__):
-                self.fn(*args)
+                try:
+                    self.fn(*args)
+                except _StopRecompute:
+                    pass
         if len(saved) != self.saved_count:
             raise RuntimeError(f"activation checkpointing: the recompute saved {len(saved)} "
                                f"tensors, the forward {self.saved_count}; the block must save "
