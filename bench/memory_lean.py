@@ -34,17 +34,17 @@ at the largest heap in use that a named call began with, how much of that heap i
 Python reaches (the rest: the runtime's, torch's and gloo's own allocations, and tensors only
 C++ holds, such as autograd's saved inputs): whether a grid splits a method's tensors.
 Measured 125m, --steps 4 --tuned-malloc --grid 2x2 (MiB above the import, ratio to AdamW,
-planner error), one process / 2x2 per rank, stop 42 (bench/memory_lean.md has earlier runs,
+planner error), one process / 2x2 per rank, stop 43 (bench/memory_lean.md has earlier runs,
 the figures from before the blocked loss and what GaLore's ranks hold):
 
     method     one process              2x2 per rank                       2x2 - one process
-    adamw      2,275  1.00  -5.9%       574-577  1.00       -1.0%
-    lomo         776  0.34  -10.0%      213-217  0.37-0.38  -2.5%          +0.03
-    adalomo      774  0.34  -9.6%       217-224  0.38-0.39  -5.3%          +0.05
-    mezo         624  0.27  +3.5%       173-176  0.30-0.31  +10.9%         +0.03
-    es           627  0.28  +3.0%       179-181  0.31-0.31  +6.9%          +0.04
-    blockllm     951  0.42  -7.7%       265-268  0.46-0.47  -4.5%          +0.05
-    galore     1,176  0.52  -3.8%       321-325  0.56-0.56  -1.6%          +0.05
+    adamw      2,272  1.00  -2.7%       640-647  1.00       -0.8%
+    lomo         709  0.31  -1.4%       245-250  0.38-0.39  -15.5%         +0.08
+    adalomo      714  0.31  -1.9%       252-257  0.39-0.40  -17.7%         +0.09
+    mezo         561  0.25  +0.1%       214-220  0.33-0.34  -21.5%         +0.10
+    es           564  0.25  -0.3%       213-225  0.33-0.35  -22.9%         +0.10
+    blockllm     869  0.38  +1.0%       298-304  0.46-0.47  -15.7%         +0.09
+    galore     1,117  0.49  +1.3%       364-370  0.56-0.57  -13.6%         +0.08
 
 The issue's table uses --preset 125m (about 2 GiB with AdamW); keep to small presets on a
 shared machine.
