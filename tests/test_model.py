@@ -310,7 +310,11 @@ def test_a_meta_build_and_a_checkpointed_step_leave_torch_dynamo_unimported() ->
             "    pmodel(tokens[:, :-1], tokens[:, 1:]).mean().backward()\n"
             "    assert all(p.grad is not None for p in pmodel.parameters())\n"
             "    assert tuned == ('Linear3D' in str(pmodel.module))\n"
-            "    print('torch._dynamo' in sys.modules)\n")
+            "    print('torch._dynamo' in sys.modules)\n"
+            "from fourfold.config import Config\n"
+            "from fourfold.train.trainer import count_parameters\n"
+            "assert count_parameters(Config()) > 0  # the trainer's own meta build\n"
+            "print('torch._dynamo' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["False", "False"], out.stdout
+    assert out.stdout.split() == ["False"] * 3, out.stdout

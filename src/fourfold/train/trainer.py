@@ -22,7 +22,7 @@ from fourfold.config import Config
 from fourfold.data import Tokenizer
 from fourfold.errors import EXIT_FAILED, FourfoldError
 from fourfold.models.adapter import write_adapter_run
-from fourfold.models.llama import Llama, flops_per_token
+from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, Layout, ParallelModel
 from fourfold.parallel.grid import check_shared_directory
 from fourfold.plan.perf import hardware_flops_per_token
@@ -730,9 +730,7 @@ class Trainer:
 
 def count_parameters(cfg: Config) -> int:
     """Parameters of the whole (unsplit) model in cfg; no weights are allocated."""
-    with torch.device("meta"):
-        model = Llama(cfg.model)
-    return model.num_params()
+    return build_model(cfg.model, device="meta").num_params()
 
 
 def train(cfg: Config, run_dir: Path, *, progress: bool | None = None) -> TrainResult:
