@@ -25,8 +25,9 @@ against them: -1.1%, +2.6%, -4.0%, -1.5%; the README has the table.
 --grid XxY: the same methods on x * y gloo ranks (torchrun, data = z = 1), per rank, beside
 the one-process ratios; each rank's peak above the same baseline, a process that only imports
 fourfold (until stop 43: above the rank's own imports, which held torch._dynamo then).
---tuned-malloc: glibc tuned as `fourfold train` tunes CPU runs (and ranks); without it freed blocks that glibc keeps read as resident memory (up to ~200 MiB on
-125m, more on gloo ranks, which get an arena per thread), which the planner does not model.
+--tuned-malloc: glibc tuned as `fourfold train` tunes CPU runs (and ranks); without it freed
+blocks that glibc keeps read as resident memory (up to ~200 MiB on 125m, more on gloo ranks,
+which get an arena per thread), which the planner does not model.
 --output-loss: parallel.output_loss of every run (auto: blocks for lomo, adalomo, mezo, es,
 blockllm and galore, whole logits for adamw).
 --phases: where each run's heap peaks (its 5 largest phases), the library code it paged in, and

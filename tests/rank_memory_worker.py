@@ -11,7 +11,8 @@ Modes (FOURFOLD_RANK_MEM_MODE):
           checkpoint and the final export)
   steps   for each case of FOURFOLD_RANK_MEM_MODEL's "cases" (model, train, batch): build
           on the grid and run its "steps" (2) steps of train.optimizer (run_method_steps);
-          the number: the heap in use at its peak (HeapPeak), from before the build
+          the number: the heap in use at its peak (HeapPeak), from before the build, in
+          the second of two identical runs
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class HeapPeak(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def run_method_steps(model_cfg: ModelConfig, grid: Grid, cfg: TrainConfig, batch: int,
-                     steps: int = 2, runs: int = 2) -> int:
+                     steps: int = 2) -> int:
     """Build `model_cfg` on `grid` (on the meta device, then each rank's shards), run `steps`
     steps of cfg.optimizer on one random batch of cfg.seq_len tokens (the forward under
     autocast where cfg.dtype is bfloat16, as the trainer runs it), and return the heap's peak
@@ -113,7 +114,7 @@ def run_method_steps(model_cfg: ModelConfig, grid: Grid, cfg: TrainConfig, batch
     from fourfold.train.methods import StepData, build_method
 
     shape, seq = grid.shape, cfg.seq_len
-    for _ in range(runs):  # the same run twice, both under HeapPeak (whose mode counts)
+    for _ in range(2):  # the same run twice, both under HeapPeak (whose mode counts)
         with HeapPeak() as heap:
             model = build_model(model_cfg, seed=0, device="meta")
             model.activation_checkpointing = True
@@ -218,7 +219,7 @@ def main() -> None:
         grid = Grid.build(shape, device)
         record["heap_peaks"] = [
             run_method_steps(ModelConfig(**case["model"]), grid, TrainConfig(**case["train"]),
-                             case["batch"], steps=spec.get("steps", 2), runs=spec.get("runs", 2))
+                             case["batch"], steps=spec.get("steps", 2))
             for case in spec["cases"]]
         record["grid"] = str(shape)
     else:

@@ -33,7 +33,6 @@ class _Block:
         self.args = args
         device = next((a.device for a in args if isinstance(a, torch.Tensor)),
                       torch.device("cpu"))
-        self.device_type = device.type
         self.autocast = (torch.is_autocast_enabled(device.type),
                          torch.get_autocast_dtype(device.type))
         self.cpu_autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
@@ -73,12 +72,12 @@ class _Block:
 
         args = tuple(_detached(a) for a in self.args)
         devices = [self.device] if self.device_rng is not None else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device_type):
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
             torch.set_rng_state(self.cpu_rng)
             if self.device_rng is not None:
                 torch.cuda.set_rng_state(self.device_rng, self.device)
             with torch.enable_grad(), \
-                    torch.autocast(self.device_type, dtype=self.autocast[1],
+                    torch.autocast(self.device.type, dtype=self.autocast[1],
                                    enabled=self.autocast[0]), \
                     torch.autocast("cpu", dtype=self.cpu_autocast[1],
                                    enabled=self.cpu_autocast[0]), \
