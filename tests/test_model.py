@@ -290,10 +290,11 @@ def test_recompute_replays_the_forwards_random_draws() -> None:
 
 
 def test_a_meta_build_and_a_checkpointed_step_leave_torch_dynamo_unimported() -> None:
-    """torch._dynamo costs about 70 MiB resident in every process: building a model on the
-    meta device, parallelizing it and a checkpointed forward and backward must not import it
-    (torch's own checkpoint, nn.init on meta tensors and torch.compiler.disable on Linear3D's
-    forward would)."""
+    """torch._dynamo costs about 70 MiB resident in every process, sympy (with torch's
+    symbolic shapes) about 30: building a model on the meta device, parallelizing it and a
+    checkpointed forward and backward must import neither (torch's own checkpoint, nn.init
+    on meta tensors and torch.compiler.disable on Linear3D's forward would import dynamo;
+    cloning a meta tensor's block would import sympy)."""
     import subprocess
     import sys
 
@@ -310,11 +311,17 @@ def test_a_meta_build_and_a_checkpointed_step_leave_torch_dynamo_unimported() ->
             "    pmodel(tokens[:, :-1], tokens[:, 1:]).mean().backward()\n"
             "    assert all(p.grad is not None for p in pmodel.parameters())\n"
             "    assert tuned == ('Linear3D' in str(pmodel.module))\n"
-            "    print('torch._dynamo' in sys.modules)\n"
+            "    print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)\n"
+            "from fourfold.parallel.grid import GridShape\n"
+            "from fourfold.parallel.layout import Layout\n"
+            "shape = GridShape(x=2, y=2)  # a rank's block of a meta table: a strided view\n"
+            "block = Layout((('y', 'z'), ('x',))).shard(torch.empty(10, 6, device='meta'),\n"
+            "                                           shape, shape.coords(3))\n"
+            "assert block.is_meta and block.shape == (5, 3) and block.is_contiguous()\n"
             "from fourfold.config import Config\n"
             "from fourfold.train.trainer import count_parameters\n"
             "assert count_parameters(Config()) > 0  # the trainer's own meta build\n"
-            "print('torch._dynamo' in sys.modules)\n")
+            "print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["False"] * 3, out.stdout
+    assert out.stdout.split() == ["False"] * 6, out.stdout

@@ -81,8 +81,13 @@ class Layout:
         return tuple(slice(o, o + n) for o, n in zip(offs, local))
 
     def shard(self, full: torch.Tensor, shape: GridShape, coords: dict[Axis, int]) -> torch.Tensor:
-        """This rank's block of a full tensor (a copy, contiguous)."""
-        return full[self.block_index(tuple(full.shape), shape, coords)].clone().contiguous()
+        """This rank's block of a full tensor (a copy, contiguous). Of a meta tensor, an
+        empty meta tensor of the block's shape: cloning a meta view runs torch's Python meta
+        kernel, which imports sympy and torch's symbolic shapes (about 30 MiB a process)."""
+        block = full[self.block_index(tuple(full.shape), shape, coords)]
+        if block.is_meta:
+            return torch.empty(block.shape, dtype=block.dtype, device="meta")
+        return block.clone().contiguous()
 
 
 REPLICATED = Layout(())
