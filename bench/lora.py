@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -22,12 +21,14 @@ MODES = ("full", "lora", "norm")
 
 
 def one(mode: str, preset: str, steps: int, batch: int, seq: int, device: str) -> dict:
+    import torch
 
     from fourfold.config import AdapterConfig, TrainConfig, model_config
     from fourfold.data import BatchLoader, resolve_data_path
     from fourfold.models import build_model
     from fourfold.models.adapter import apply_adapter
     from fourfold.parallel import Grid, parallelize
+    from fourfold.train.metrics import peak_memory_bytes  # this process's own peak
     from fourfold.train.optim import build_optimizer
 
     cfg = model_config(preset, vocab_size=max(257, model_config(preset).vocab_size))
@@ -55,7 +56,7 @@ def one(mode: str, preset: str, steps: int, batch: int, seq: int, device: str) -
     median = sorted(times)[len(times) // 2]
     tail = losses[-max(1, steps // 10):]
     return {"mode": mode, "trainable": trainable, "total": total,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mib": peak_memory_bytes(torch.device("cpu")) / 2**20,
             "tokens_per_s": batch * seq / median, "final_loss": sum(tail) / len(tail)}
 
 

@@ -57,7 +57,6 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -72,14 +71,14 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
           grid: tuple[int, int] = (1, 1), phases: bool = False, tuned: bool = False,
           sets: tuple[str, ...] = (), output_loss: str = "auto", device: str = "cpu") -> dict:
     """Train `method` for `steps` steps on this process (on a grid: this rank of an x by y
-    grid, under torchrun) and report its peak RSS (ru_maxrss, KiB) and the rest of a row.
+    grid, under torchrun) and report its peak RSS (VmHWM, KiB) and the rest of a row.
     `sets`: this method's extra `train.KEY=VALUE` keys (--set). On `device` "cuda" the peak
     is the GPU's instead: torch.cuda.max_memory_allocated (`gpu_bytes`), from zero."""
     import torch
 
     import fourfold  # noqa: F401  (the baseline process imports this much)
     if method == "none":
-        return {"rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+        return {"rss_kib": peak_kib()}
     from fourfold.config import ParallelConfig, model_config
     from fourfold.models import build_model
     from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
@@ -90,7 +89,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
 
         keep_freed_host_memory()
     # what the process holds after the imports, before it joins the job (--phases prints it)
-    base_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base_kib = peak_kib()
     torch.set_num_threads(1)
     x, y = grid
     shape = GridShape(data=1, z=1, y=y, x=x)
@@ -128,7 +127,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    out = {"rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "base_kib": base_kib,
+    out = {"rss_kib": peak_kib(), "base_kib": base_kib,
            "tokens_per_s": batch * seq * (len(times) - 1) / sum(times[1:]),
            "first_step_s": times[0], "peak_grad_bytes": trainer.peak_grad_bytes,
            "predicted": predicted_bytes(model.cfg, cfg, batch * seq, shape, output_loss,
@@ -141,6 +140,16 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
         out["files_bytes"] = sampler.files
         out["census"] = sampler.census
     return out
+
+
+def peak_kib() -> int:
+    """This process's own peak RSS in KiB (the trainer's peak_memory_bytes: VmHWM on Linux;
+    getrusage's ru_maxrss would read this script's own peak in a child it started)."""
+    import torch
+
+    from fourfold.train.metrics import peak_memory_bytes
+
+    return peak_memory_bytes(torch.device("cpu")) // 1024
 
 
 class PeakSampler:

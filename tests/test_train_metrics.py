@@ -4,6 +4,7 @@ agreeing with planned MFU."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,21 @@ def test_peak_memory_on_cpu_is_the_resident_set() -> None:
     peak = peak_memory_bytes(torch.device("cpu"))
     # Bytes, not KiB: the interpreter and torch alone take more than 50 MiB, less than 64 GiB.
     assert 50 * 2**20 < peak < 64 * 2**30
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_peak_memory_on_cpu_is_the_process_own_not_its_launchers() -> None:
+    """A process started by one that holds far more (as a launcher starts its ranks) reports
+    its own peak: getrusage's ru_maxrss, which fork and exec keep, read the parent's."""
+    import subprocess
+
+    held = bytearray(1 << 30)
+    for i in range(0, len(held), 4096):  # touch every page: resident
+        held[i] = 1
+    code = ("import torch\n"
+            "from fourfold.train.metrics import peak_memory_bytes\n"
+            "print(peak_memory_bytes(torch.device('cpu')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    child = int(out.stdout.split()[-1])
+    assert 50 * 2**20 < child < len(held), child
