@@ -39,7 +39,11 @@ checkpoint, the streamed export):
   one process, 6.5 on a 2 x 2 rank, small preset; none in float32, whose GEMMs are MKL's),
   which bench/heap_peak.py's heap reads beside the tensors. AdamW's runs (torch.optim) and
   compiled ones add torch._dynamo's import, 70 MiB (TORCH_DYNAMO_BYTES), which the other
-  methods never load.
+  methods load only on a grid that writes checkpoints (a DTensor imports it). A run that
+  writes checkpoints adds the checkpoint library's import (library_bytes): 45 MiB, 2 once
+  torch._dynamo is in. `fourfold train` on 2x2, 15m, 8 x 128 tokens, rank 0's peak with
+  checkpoints every 2 steps against none: AdamW 246 against 247 MiB, LOMO 136 against 189,
+  MeZO 63 against 139, GaLore 145 against 222.
 On CPU the allocator keeps freed blocks for reuse (train/host_memory.py) and, so tuned, its
 resident memory stays within a few percent of the heap in use. Measured with it, 350m preset,
 8 ranks (x2 y2 z2): 1,019-1,042 MiB per rank with a sync checkpoint (predicted 1,010),
@@ -255,6 +259,30 @@ HOST_RUNTIME_BYTES = 40 * 2**20  # measured: see the module docstring (runtime)
 # MiB resident (a process that imported fourfold, then torch._dynamo); no other part of a run
 # imports it (models/recompute.py, build_model on the meta device)
 TORCH_DYNAMO_BYTES = 70 * 2**20
+# torch.distributed.checkpoint (with DTensor, sympy and torch.fx), imported at a run's first
+# checkpoint: 44.5 MiB resident above `import fourfold`, 1.7 MiB where torch._dynamo is in
+# already (they share sympy and torch.fx); torch._dynamo after it adds 28 MiB, not 70.
+CHECKPOINT_LIBRARY_BYTES = 45 * 2**20
+CHECKPOINT_LIBRARY_AFTER_DYNAMO_BYTES = 2 * 2**20
+
+
+def library_bytes(dynamo: bool, checkpoints: bool) -> int:
+    """Resident bytes of the libraries a host run imports beyond `import fourfold`:
+    torch._dynamo (`dynamo`: AdamW's torch.optim, train.compile, a checkpoint's DTensors on a
+    grid) and the checkpoint library (`checkpoints`: the run writes them)."""
+    if not checkpoints:
+        return TORCH_DYNAMO_BYTES if dynamo else 0
+    if dynamo:
+        return TORCH_DYNAMO_BYTES + CHECKPOINT_LIBRARY_AFTER_DYNAMO_BYTES
+    return CHECKPOINT_LIBRARY_BYTES
+
+
+def loads_dynamo(train: "TrainConfig", shape: GridShape, checkpoints: bool) -> bool:
+    """Whether a run imports torch._dynamo: AdamW (torch.optim), train.compile, or a grid's
+    checkpoint (DTensor.from_local); nothing else in a run does (models/recompute.py,
+    build_model on the meta device)."""
+    return (train.optimizer == "adamw" or train.compile
+            or (checkpoints and shape.size > 1))
 INIT_TILE_BYTES = 1024 * 1024 * 4  # fourfold.models.init: one float32 tile drawn at a time
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb
 GALORE_CHUNK_BYTES = 4 * 2**20  # train/methods/galore.py: gathered columns per Gram chunk
@@ -312,7 +340,8 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
                    activation_checkpointing: bool, precision: Precision, *,
                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, on_host: bool = False,
                    writer: bool = False, async_checkpoint: bool = False,
-                   output_loss: str = "auto", grad_accum: int = 1) -> MemoryBreakdown:
+                   checkpoints: bool = False, output_loss: str = "auto",
+                   grad_accum: int = 1) -> MemoryBreakdown:
     """Peak bytes per rank: of one training step, of building the model in shards, and of
     streaming it out at the end, whichever is largest, on top of the model state.
 
@@ -320,7 +349,8 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     the export writer's (`writer`) full copy of each tensor in turn, and the snapshot an
     asynchronous checkpoint copies the shards into while training goes on, and the runtime's
     own growth (HOST_RUNTIME_BYTES, and AdamW's import of torch._dynamo: predict_method_memory
-    takes it off for the other methods). `output_loss`: parallel.output_loss as the run resolves
+    takes it off for the other methods where they never load it), with the checkpoint
+    library's import where the run writes checkpoints (`checkpoints`). `output_loss`: parallel.output_loss as the run resolves
     it (the logits whole, or a block of the vocabulary at a time). `grad_accum`: micro-steps
     per step (above 1 the gradients live through the later micro-steps' losses). Each term
     and the measurement it rests on: see the module docstring."""
@@ -383,7 +413,8 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
                            optimizer=states["optimizer"], activations=activations,
                            gathered_weights=gathered, logits=logits, comm_buffers=comm_buffers,
                            startup=startup, export=export, checkpoint=checkpoint,
-                           runtime=HOST_RUNTIME_BYTES + TORCH_DYNAMO_BYTES if on_host else 0,
+                           runtime=(HOST_RUNTIME_BYTES + library_bytes(True, checkpoints)
+                                    if on_host else 0),
                            recompute=recompute,
                            loss_grads=states["grads"] if grad_accum > 1 else 0, tokens=n,
                            cast_weights=cast_weights, loss_forward=loss_forward,
@@ -522,11 +553,13 @@ def galore_update_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfi
 
 def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape: GridShape,
                           train: "TrainConfig", precision: Precision | None = None,
-                          output_loss: str = "auto") -> MemoryBreakdown:
+                          output_loss: str = "auto", checkpoints: bool = False
+                          ) -> MemoryBreakdown:
     """`breakdown` (predict_memory's, which counts AdamW) with train.optimizer's gradients and
     state; mezo and es run forwards only: no saved activations, no dW or gradient buckets.
     galore: its update's temporaries (`update`, galore_update_bytes), after backward.
-    `output_loss`: parallel.output_loss, as predict_memory had it.
+    `output_loss`, `checkpoints`: as predict_memory had them (on a host the runtime counts the
+    libraries this run imports: library_bytes).
 
     Checked with bench/memory_lean.py (125m, 2 x 128 tokens; --phases gives the heap in use at
     each method's peak): the live tensors at each peak are these terms. Resident memory under
@@ -537,9 +570,9 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
     states = method_state_bytes(model, shape, train, p)
     out = dataclasses.replace(breakdown, grads=states["grads"], optimizer=states["optimizer"],
                               loss_grads=states["grads"] if train.grad_accum > 1 else 0)
-    if out.runtime and train.optimizer != "adamw" and not train.compile:
-        # no torch.optim, nothing compiled: the run never imports torch._dynamo
-        out = dataclasses.replace(out, runtime=out.runtime - TORCH_DYNAMO_BYTES)
+    if out.runtime:  # predict_memory counted AdamW's libraries
+        out = dataclasses.replace(out, runtime=HOST_RUNTIME_BYTES + library_bytes(
+            loads_dynamo(train, shape, checkpoints), checkpoints))
     if train.optimizer == "galore":
         out = dataclasses.replace(out, update=galore_update_bytes(model, shape, train))
     if train.optimizer in ("mezo", "es"):

@@ -398,6 +398,7 @@ def check_grid_fits(cfg: "Config", shape: GridShape, device: "torch.device",
                               on_host=device.type == "cpu", writer=True,
                               async_checkpoint=cfg.checkpoint.is_async(device.type == "cpu")
                               and cfg.checkpoint.every > 0,
+                              checkpoints=cfg.checkpoint.every > 0,
                               output_loss=resolve_output_loss(p.output_loss, t.optimizer),
                               grad_accum=t.grad_accum)
 

@@ -162,12 +162,13 @@ def predicted_memory(cfg: Config, shape: GridShape, on_host: bool) -> MemoryBrea
     precision = Precision.of(t.dtype)
     micro_tokens = t.batch_size // (shape.data * shape.z) // t.grad_accum * t.seq_len
     output_loss = resolve_output_loss(p.output_loss, t.optimizer)
+    checkpoints = cfg.checkpoint.every > 0
     mem = predict_memory(cfg.model, shape, micro_tokens, t.activation_checkpointing, precision,
                          bucket_bytes=int(p.bucket_mb * 2**20), on_host=on_host, writer=True,
-                         async_checkpoint=cfg.checkpoint.is_async(on_host)
-                         and cfg.checkpoint.every > 0, output_loss=output_loss,
+                         async_checkpoint=cfg.checkpoint.is_async(on_host) and checkpoints,
+                         checkpoints=checkpoints, output_loss=output_loss,
                          grad_accum=t.grad_accum)
-    return predict_method_memory(mem, cfg.model, shape, t, precision, output_loss)
+    return predict_method_memory(mem, cfg.model, shape, t, precision, output_loss, checkpoints)
 
 
 def check_method_fits(cfg: Config, shape: GridShape, on_host: bool, capacity: int) -> None:
