@@ -6,9 +6,9 @@ fresh process; its peak RSS above a process that only imports fourfold and build
 given as a ratio to AdamW's, and its tokens/s (steps after the first) beside AdamW's. A
 training step of MeZO is two forwards, of ES `--population` forwards: tokens/s counts the
 tokens of the batch once per step, so it compares steps, not forwards. BlockLLM runs at its
-default sparsity (0.9), its blocks rows of the full tensors; its first step selects, the middle ones train that selection and the
-last one (of 3 or more) reselects, as block_patience steps without a better loss would make it
-(every selection's backward keeps only the gradients of the selection so far, freeing the
+default sparsity (0.9), its blocks rows of the full tensors; its first step selects, the
+middle ones train that selection and the last one (of 3 or more) reselects, as
+block_patience steps without a better loss would make it (every selection's backward keeps only the gradients of the selection so far, freeing the
 others as their norms are taken; a reselection's also holds the old selection's moments: the
 method's largest step, which the planner predicts); GaLore at rank dim/4 with its projection
 refresh in the first, untimed step (one refresh per 200 steps by default: `first_step_s` shows
@@ -35,17 +35,17 @@ at the largest heap in use that a named call began with, how much of that heap i
 Python reaches (the rest: the runtime's, torch's and gloo's own allocations, and tensors only
 C++ holds, such as autograd's saved inputs): whether a grid splits a method's tensors.
 Measured 125m, --steps 4 --tuned-malloc --grid 2x2 (MiB above the import, ratio to AdamW,
-planner error), one process / 2x2 per rank, stop 43 (bench/memory_lean.md has earlier runs,
+planner error), one process / 2x2 per rank, stop 44 (bench/memory_lean.md has earlier runs,
 the figures from before the blocked loss and what GaLore's ranks hold):
 
     method     one process              2x2 per rank                       2x2 - one process
-    adamw      2,272  1.00  -2.7%       640-647  1.00       -0.8%
-    lomo         709  0.31  -1.4%       245-250  0.38-0.39  -15.5%         +0.08
-    adalomo      714  0.31  -1.9%       252-257  0.39-0.40  -17.7%         +0.09
-    mezo         561  0.25  +0.1%       214-220  0.33-0.34  -21.5%         +0.10
-    es           564  0.25  -0.3%       213-225  0.33-0.35  -22.9%         +0.10
-    blockllm     869  0.38  +1.0%       298-304  0.46-0.47  -15.7%         +0.09
-    galore     1,117  0.49  +1.3%       364-370  0.56-0.57  -13.6%         +0.08
+    adamw      2,270  1.00  -2.6%       641-647  1.00       -0.9%
+    lomo         708  0.31  -1.3%       208-212  0.32-0.33  +1.8%          +0.02
+    adalomo      700  0.31  -0.0%       216-222  0.33-0.34  -4.7%          +0.03
+    mezo         559  0.25  +0.5%       174-176  0.27       -1.8%          +0.03
+    es           559  0.25  +0.5%       180-182  0.28       -5.0%          +0.04
+    blockllm     898  0.40  -2.2%       262-270  0.41-0.42  -5.2%          +0.03
+    galore     1,108  0.49  +2.0%       326-329  0.51       -2.9%          +0.02
 
 The issue's table uses --preset 125m (about 2 GiB with AdamW); keep to small presets on a
 shared machine.
@@ -432,8 +432,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--grid", default=None, metavar="XxY",
                     help="also run every method on x * y gloo ranks (data = z = 1), per rank")
     ap.add_argument("--phases", action="store_true",
-                    help="the 5 phases of each run with the most heap in use (the largest over the "
-                         "steps; a method's per-tensor work named by its tensor), with RSS "
+                    help="the 5 phases of each run with the most heap in use (the largest over "
+                         "the steps; a method's per-tensor work named by its tensor), with RSS "
                          "(on a grid: each rank's), the resident pages of mapped files (library "
                          "code) the run added, and the tensors' share of the heap at its peak")
     ap.add_argument("--grid-only", action="store_true",

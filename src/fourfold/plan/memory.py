@@ -350,8 +350,9 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     asynchronous checkpoint copies the shards into while training goes on, and the runtime's
     own growth (HOST_RUNTIME_BYTES, and AdamW's import of torch._dynamo: predict_method_memory
     takes it off for the other methods where they never load it), with the checkpoint
-    library's import where the run writes checkpoints (`checkpoints`). `output_loss`: parallel.output_loss as the run resolves
-    it (the logits whole, or a block of the vocabulary at a time). `grad_accum`: micro-steps
+    library's import where the run writes checkpoints (`checkpoints`). `output_loss`:
+    parallel.output_loss as the run resolves it (the logits whole, or a block of the
+    vocabulary at a time). `grad_accum`: micro-steps
     per step (above 1 the gradients live through the later micro-steps' losses). Each term
     and the measurement it rests on: see the module docstring."""
     gx, gy = shape.x, shape.y
