@@ -1,18 +1,18 @@
 """Peak resident memory and speed of each training method against AdamW, on one process.
 
-Each method trains the same model (float32 unless --dtype bfloat16, which runs the forward under
-bfloat16 autocast as the trainer does; activation checkpointing on) for a few steps in a
+Each method trains the same model (float32 unless --dtype bfloat16, which runs the forward
+under bfloat16 autocast as the trainer does; activation checkpointing on) for a few steps in a
 fresh process; its peak RSS above a process that only imports fourfold and builds nothing is
 given as a ratio to AdamW's, and its tokens/s (steps after the first) beside AdamW's. A
 training step of MeZO is two forwards, of ES `--population` forwards: tokens/s counts the
 tokens of the batch once per step, so it compares steps, not forwards. BlockLLM runs at its
-default sparsity (0.9), its blocks rows of the full tensors; its first step selects, the
-middle ones train that selection and the last one (of 3 or more) reselects, as
-block_patience steps without a better loss would make it (every selection's backward keeps only the gradients of the selection so far, freeing the
-others as their norms are taken; a reselection's also holds the old selection's moments: the
-method's largest step, which the planner predicts); GaLore at rank dim/4 with its projection
-refresh in the first, untimed step (one refresh per 200 steps by default: `first_step_s` shows
-its cost).
+default sparsity (0.9), its blocks rows of the full tensors; its first step selects, the middle
+ones train that selection and the last one (of 3 or more) reselects, as block_patience steps
+without a better loss would make it (every selection's backward keeps only the gradients of the
+selection so far, freeing the others as their norms are taken; a reselection's also holds the
+old selection's moments: the method's largest step, which the planner predicts); GaLore at rank
+dim/4 with its projection refresh in the first, untimed step (one refresh per 200 steps by
+default: `first_step_s` shows its cost).
 
     python bench/memory_lean.py [--preset small] [--steps 4] [--batch 2] [--seq 128]
         [--grid 2x2 [--grid-only]] [--tuned-malloc] [--phases] [--set METHOD:train.KEY=VALUE]
