@@ -28,8 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# the baseline: a process that has imported fourfold, the trainer and what it loads (the
-# checkpoint writer pulls in torch.distributed.checkpoint: some 75 MiB)
+# the baseline: a process that has imported fourfold, the trainer and what it loads at import
+# (torch.distributed.checkpoint only at a run's first checkpoint: the planner's library_bytes)
 import fourfold.cli  # noqa: F401
 import fourfold.train.checkpoint  # noqa: F401
 import fourfold.train.trainer  # noqa: F401

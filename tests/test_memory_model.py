@@ -81,7 +81,7 @@ def test_a_training_rank_peak_is_what_the_rank_model_predicts(tmp_path: Path) ->
     shape = GridShape(data=1, z=2, y=1, x=1)
     for r in results:
         predicted = predict_memory(cfg.model, shape, 4 * 64, False, Precision.of("float32"),
-                                   on_host=True, writer=r["rank"] == 0).total
+                                   on_host=True, writer=r["rank"] == 0, checkpoints=True).total
         measured = r["peak"] - r["baseline"]
         phases = "; ".join(f"{name} rss {rss >> 20} heap {used >> 20} MiB"
                            for name, rss, _, used, *_ in r["phases"])

@@ -256,8 +256,8 @@ def block_transient_bytes_per_token(model: ModelConfig, shape: GridShape, precis
 
 HOST_RUNTIME_BYTES = 40 * 2**20  # measured: see the module docstring (runtime)
 # torch._dynamo, which torch.optim (AdamW) and train.compile import at their first use: 70.6
-# MiB resident (a process that imported fourfold, then torch._dynamo); no other part of a run
-# imports it (models/recompute.py, build_model on the meta device)
+# MiB resident (a process that imported fourfold, then torch._dynamo); so does a grid's
+# checkpoint (loads_dynamo), nothing else in a run (models/recompute.py, meta builds)
 TORCH_DYNAMO_BYTES = 70 * 2**20
 # torch.distributed.checkpoint (with DTensor, sympy and torch.fx), imported at a run's first
 # checkpoint: 44.5 MiB resident above `import fourfold`, 1.7 MiB where torch._dynamo is in
@@ -283,6 +283,8 @@ def loads_dynamo(train: "TrainConfig", shape: GridShape, checkpoints: bool) -> b
     build_model on the meta device)."""
     return (train.optimizer == "adamw" or train.compile
             or (checkpoints and shape.size > 1))
+
+
 INIT_TILE_BYTES = 1024 * 1024 * 4  # fourfold.models.init: one float32 tile drawn at a time
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb
 GALORE_CHUNK_BYTES = 4 * 2**20  # train/methods/galore.py: gathered columns per Gram chunk
@@ -352,9 +354,9 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     takes it off for the other methods where they never load it), with the checkpoint
     library's import where the run writes checkpoints (`checkpoints`). `output_loss`:
     parallel.output_loss as the run resolves it (the logits whole, or a block of the
-    vocabulary at a time). `grad_accum`: micro-steps
-    per step (above 1 the gradients live through the later micro-steps' losses). Each term
-    and the measurement it rests on: see the module docstring."""
+    vocabulary at a time). `grad_accum`: micro-steps per step (above 1 the gradients live
+    through the later micro-steps' losses). Each term and the measurement it rests on: see
+    the module docstring."""
     gx, gy = shape.x, shape.y
     states = predict_param_memory(model, shape, precision)
     n = micro_batch_tokens
