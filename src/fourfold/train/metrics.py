@@ -69,8 +69,8 @@ def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this process: allocated tensor memory on a GPU; on CPU the process's
     peak resident set, which also counts Python and library memory. On Linux that is VmHWM
     (/proc/self/status), this program's own: getrusage's ru_maxrss survives fork and exec, so
-    in a rank that a launcher started it read the launcher's peak when that was larger (a 2x2
-    LOMO rank of `fourfold train --nproc 4`, 15m: 564 MiB against its own 358)."""
+    in a process that another started it read the parent's peak when that was larger (a child
+    of a process holding 1 GiB: tests/test_train_metrics.py)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     try:
