@@ -59,6 +59,15 @@ def test_cpu_peak_is_the_planners_probe_measured_once_and_cached(
     cached = json.loads((tmp_path / "plan" / "cpu_probe.json").read_text())
     assert cached["peak_flops"] == 1.5e11
     assert not (tmp_path / "cpu_peak.json").exists()  # no second cache
+    # a rank runs one thread and a one-process run more: both read the same probe
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            assert job_peak_flops(cpu, "float32", 1) == 1.5e11
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [1.5e11]
     # a refresh that measures lower (a busy host) keeps the higher figure
     assert job_peak_flops(cpu, "float32", 1, refresh=True) == 1.5e11
     assert calls == [1.5e11, 1.0e11]

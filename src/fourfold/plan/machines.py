@@ -427,10 +427,13 @@ def cache_dir() -> Path:
 
 
 def _probe_key() -> str:
+    """What a cached probe belongs to: this host, its cores and torch. Not the caller's
+    thread count: the probe times its GEMMs on one thread and its copy on every core, so a
+    one-process run and a rank (one thread) read the same probe instead of overwriting each
+    other's."""
     import torch
 
-    return f"{platform.node()}|{platform.machine()}|{cores_available()}|" \
-           f"{torch.get_num_threads()}|{torch.__version__}"
+    return f"{platform.node()}|{platform.machine()}|{cores_available()}|{torch.__version__}"
 
 
 def _time_matmul(size: int, budget_s: float, device: Any = None, dtype: Any = None) -> float:
@@ -534,15 +537,18 @@ def _probe_cpu() -> dict[str, Any]:
 
     # One thread, scaled by the core count: ranks split the cores anyway, and a busy host
     # stalls multi-threaded small GEMMs on thread wake-ups, which is noise, not shape.
+    # The copy runs on every core: the host's bandwidth, which the ranks share.
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
+        torch.set_num_threads(1)
         rates = {size: _time_matmul(size, 0.2) for size in (128, 256, 512)}
+        torch.set_num_threads(cores_available())
+        copy_bytes_per_s = _time_copy(0.1)
     finally:
         torch.set_num_threads(threads)
     peak, half_dim = _fit_half_dim(rates)
     peak *= cores_available()
-    return {"peak_flops": peak, "gemm_half_dim": half_dim, "copy_bytes_per_s": _time_copy(0.1),
+    return {"peak_flops": peak, "gemm_half_dim": half_dim, "copy_bytes_per_s": copy_bytes_per_s,
             "rates": {str(k): v for k, v in rates.items()}}
 
 
