@@ -378,13 +378,14 @@ def rank_worker(spec: str) -> None:
     leave_job(0)
 
 
-def parse_grid(text: str) -> tuple[int, int]:
+def parse_grid(text: str, flag: str = "--grid") -> tuple[int, int]:
+    """An XxY grid given to `flag`, or exit with one line saying what is allowed."""
     try:
         x, y = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        sys.exit(f"error: --grid {text!r}: give it as XxY, for example 2x2")
+        sys.exit(f"error: {flag} {text!r}: give it as XxY, for example 2x2")
     if x < 1 or y < 1:
-        sys.exit(f"error: --grid {text!r}: x and y must be at least 1")
+        sys.exit(f"error: {flag} {text!r}: x and y must be at least 1")
     return x, y
 
 

@@ -30,20 +30,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from memory_lean import parse_grid  # XxY, one line on a bad value
+
 METHODS = ("adamw", "lomo", "adalomo", "mezo", "es", "blockllm", "galore")
 BASELINE = ("import torch, fourfold\n"
             "with open('/proc/self/status') as f:\n"
             "    print(next(int(l.split()[1]) for l in f if l.startswith('VmHWM:')) * 1024)")
-
-
-def parse_grid(text: str) -> tuple[int, int]:
-    try:
-        x, y = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        sys.exit(f"error: --grids {text!r}: give each as XxY, for example 2x2")
-    if x < 1 or y < 1:
-        sys.exit(f"error: --grids {text!r}: x and y must be at least 1")
-    return x, y
 
 
 def baseline_bytes(ranks: bool) -> int:
@@ -102,7 +94,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = parser().parse_args()
-    grids = [parse_grid(g) for g in args.grids]
+    grids = [parse_grid(g, "--grids") for g in args.grids]
     if args.steps < 1:
         sys.exit(f"error: --steps {args.steps}: must be at least 1")
     if any(e < 0 for e in args.every):
