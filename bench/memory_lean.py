@@ -100,11 +100,11 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
         the_grid = Grid.single(device)
     sampler = PeakSampler() if phases else None
     # on the meta device, as build_run does: parallelize makes this rank's shard of each tensor
+    cfg = train_config(method, seq, population, sets)
     model = build_model(model_config(preset), seed=0, device="meta")
-    model.activation_checkpointing = True
+    model.activation_checkpointing = cfg.activation_checkpointing
     pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y, output_loss=output_loss),
                          optimizer=method)
-    cfg = train_config(method, seq, population, sets)
     trainer = build_method(pmodel, cfg)
     if sampler is not None:
         sampler.label("built")
@@ -272,11 +272,13 @@ class PeakSampler:
 
 
 def train_config(method: str, seq: int, population: int, sets: tuple[str, ...] | list[str] = ()):
-    """The run's [train] section: the method, lr 1e-4, `seq`, ES's population, then `sets`
-    (train.KEY=VALUE strings, typed and checked as `fourfold train --set` checks them)."""
+    """The run's [train] section: the method, lr 1e-4, `seq`, activation checkpointing on,
+    ES's population, then `sets` (train.KEY=VALUE strings, typed and checked as `fourfold
+    train --set` checks them: train.activation_checkpointing=false turns it off)."""
     from fourfold.config import load_config
 
-    keys = [f"train.optimizer={method}", "train.lr=1e-4", f"train.seq_len={seq}"]
+    keys = [f"train.optimizer={method}", "train.lr=1e-4", f"train.seq_len={seq}",
+            "train.activation_checkpointing=true"]
     if method == "es":
         keys.append(f"train.es_population={population}")
     return load_config(overrides=[*keys, *sets]).train
@@ -316,8 +318,8 @@ def predicted_bytes(model_cfg, train_cfg, tokens: int, shape, output_loss: str =
 
     precision = Precision.of(train_cfg.dtype)
     output_loss = resolve_output_loss(output_loss, train_cfg.optimizer)
-    mem = predict_memory(model_cfg, shape, tokens, True, precision, on_host=on_host,
-                         output_loss=output_loss)
+    mem = predict_memory(model_cfg, shape, tokens, train_cfg.activation_checkpointing,
+                         precision, on_host=on_host, output_loss=output_loss)
     mem = dataclasses.replace(mem, export=0)
     return predict_method_memory(mem, model_cfg, shape, train_cfg, precision,
                                  output_loss).total
@@ -496,7 +498,7 @@ def one_process_table(args: argparse.Namespace) -> dict[str, float]:
              f"one process; baseline (import fourfold) {base / 1024:.0f} MiB; "
              f"malloc {'tuned' if args.tuned_malloc else 'glibc defaults'}")
     print(f"preset {args.preset}, {args.dtype}, batch {args.batch} x {args.seq}, activation "
-          f"checkpointing, {where}")
+          f"checkpointing (unless --set), {where}")
     print(f"| method | {'peak GPU' if on_gpu else 'peak RSS - base'} | ratio | planner | error "
           "| state | peak grads | tokens/s | vs adamw | first step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
