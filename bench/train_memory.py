@@ -5,9 +5,9 @@ script runs the command line itself, `fourfold train CONFIG [--nproc N]`, on one
 grids (examples/grid_2x2.toml's data and model unless told, with --set overrides), with and
 without periodic checkpoints, and reads rank 0's peak resident memory from the run's
 summary.json (`peak_mem_bytes`: VmHWM) less that of a process that only runs `import torch,
-fourfold` under the same malloc settings (a rank's: the tunables `fourfold train --nproc` gives
-it). Beside it: `fourfold.train.build.predicted_memory` of the run's own config.toml, which is
-what `train.memory_report` and `fourfold plan` predict for a CPU rank.
+fourfold` under the malloc tunables `fourfold train` runs its CPU processes with. Beside it:
+`fourfold.train.build.predicted_memory` of the run's own config.toml, the planner's total
+for a CPU rank (what `fourfold plan` and the run's fits-check use).
 
     python bench/train_memory.py [--preset 15m] [--methods adamw lomo mezo]
         [--grids 1x1 2x2] [--every 0 2] [--steps 4] [--config examples/grid_2x2.toml]
@@ -38,12 +38,12 @@ BASELINE = ("import torch, fourfold\n"
             "    print(next(int(l.split()[1]) for l in f if l.startswith('VmHWM:')) * 1024)")
 
 
-def baseline_bytes(ranks: bool) -> int:
-    """VmHWM of a process that only imports torch and fourfold (with a rank's malloc tunables
-    when `ranks`: `fourfold train --nproc` starts its ranks with them)."""
+def baseline_bytes() -> int:
+    """VmHWM of a process that only imports torch and fourfold, with the malloc tunables
+    `fourfold train` runs its CPU processes under (its ranks and one process alike)."""
     from fourfold.host import rank_malloc_environment
 
-    env = dict(os.environ, **(rank_malloc_environment() if ranks else {}))
+    env = dict(os.environ, **rank_malloc_environment())
     out = subprocess.run([sys.executable, "-c", BASELINE], env=env, check=True,
                          capture_output=True, text=True).stdout
     return int(out.split()[-1])
@@ -101,10 +101,8 @@ def main() -> None:
         sys.exit(f"error: --every {args.every}: each must be 0 (no checkpoints) or more")
     if not Path(args.config).is_file():
         sys.exit(f"error: --config {args.config!r}: no such file")
-    base = {ranks: baseline_bytes(ranks) for ranks in {x * y > 1 for x, y in grids}}
-    for ranks, value in sorted(base.items()):
-        print(f"baseline ({'a rank' if ranks else 'one process'}: import torch, fourfold): "
-              f"{value / 2**20:.0f} MiB")
+    base = baseline_bytes()
+    print(f"baseline (import torch, fourfold): {base / 2**20:.0f} MiB")
     print(f"{args.preset}, {args.steps} steps; rank 0's peak above the baseline (MiB)")
     print(f"{'method':9s} {'grid':5s} {'every':>5s} {'measured':>9s} {'planner':>8s} "
           f"{'error':>7s}")
@@ -115,7 +113,7 @@ def main() -> None:
                 for every in args.every:
                     out = root / f"{method}_{x}x{y}_every{every}"
                     peak, planned = run(args, method, (x, y), every, out)
-                    measured = peak - base[x * y > 1]
+                    measured = peak - base
                     print(f"{method:9s} {x}x{y:<3d} {every:5d} {measured / 2**20:9.1f} "
                           f"{planned / 2**20:8.1f} {100 * (planned - measured) / measured:+6.1f}%",
                           flush=True)

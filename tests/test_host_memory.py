@@ -92,7 +92,7 @@ def test_user_malloc_settings_are_left_alone(monkeypatch):
     assert host_memory.keep_freed_host_memory() is False
 
 
-def _reexec_target(monkeypatch, argv, env):
+def _reexec_target(monkeypatch, argv, env, gpus=False):
     """What `fourfold` would exec into for this argv and environment (None: it goes on)."""
     from fourfold import cli, host
 
@@ -102,14 +102,16 @@ def _reexec_target(monkeypatch, argv, env):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", argv)
-    monkeypatch.setattr(host, "has_accelerator_devices", lambda: False)
+    monkeypatch.setattr(host, "has_accelerator_devices", lambda: gpus)
     calls = []
     monkeypatch.setattr(os, "execve", lambda path, args, environ: calls.append((args, environ)))
-    cli._retune_malloc_of_a_cpu_rank()
+    cli._retune_malloc_for_cpu_training()
     return calls[0] if calls else None
 
 
-def test_a_cpu_rank_of_torchrun_or_srun_restarts_once_with_the_rank_heap(monkeypatch):
+def test_cpu_training_restarts_once_with_the_rank_heap(monkeypatch):
+    """A CPU rank that torchrun or srun started, and one process without a launcher, restart
+    `fourfold train` with RANK_TUNABLES; once, and only for `train` without user tuning."""
     from fourfold.host import RANK_TUNABLES
 
     if not sys.platform.startswith("linux"):
@@ -120,10 +122,19 @@ def test_a_cpu_rank_of_torchrun_or_srun_restarts_once_with_the_rank_heap(monkeyp
     assert environ["GLIBC_TUNABLES"] == RANK_TUNABLES
     assert _reexec_target(monkeypatch, ["fourfold", "train"],
                           {"SLURM_STEP_NUM_TASKS": "2"}) is not None
+    assert _reexec_target(monkeypatch, ["fourfold", "train"], {"WORLD_SIZE": "1"}) is not None
+    args, environ = _reexec_target(monkeypatch, ["fourfold", "train", "x.toml"], {})
+    assert args[1:] == ["-m", "fourfold", "train", "x.toml"]
+    assert environ["GLIBC_TUNABLES"] == RANK_TUNABLES
     # once only (the restarted process has the tunables), and never for what is not asked for
     assert _reexec_target(monkeypatch, ["fourfold", "train"],
                           {"WORLD_SIZE": "4", "GLIBC_TUNABLES": RANK_TUNABLES}) is None
     assert _reexec_target(monkeypatch, ["fourfold", "train"],
+                          {"GLIBC_TUNABLES": RANK_TUNABLES}) is None
+    assert _reexec_target(monkeypatch, ["fourfold", "train"],
                           {"WORLD_SIZE": "4", "MALLOC_ARENA_MAX": "2"}) is None
-    assert _reexec_target(monkeypatch, ["fourfold", "train"], {"WORLD_SIZE": "1"}) is None
+    assert _reexec_target(monkeypatch, ["fourfold", "train"],
+                          {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) is None
     assert _reexec_target(monkeypatch, ["fourfold", "plan"], {"WORLD_SIZE": "4"}) is None
+    assert _reexec_target(monkeypatch, ["fourfold", "plan"], {}) is None
+    assert _reexec_target(monkeypatch, ["fourfold", "train"], {}, gpus=True) is None

@@ -28,7 +28,8 @@ _TOP_PAD = 1 << 30  # grow the heap 1 GiB at a time (virtual: untouched pages co
 _TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: the largest, i.e. never trim in practice
 
 # The same tuning as glibc tunables, read once at a process's start: what the local launcher
-# (fourfold train --nproc) gives its CPU ranks, since the tcache (a per-thread cache of small
+# (fourfold train --nproc) gives its CPU ranks, and what any other CPU process of `fourfold
+# train` restarts itself with (fourfold.cli), since the tcache (a per-thread cache of small
 # chunks) can only be switched off this way.
 RANK_TUNABLES = ":".join([
     "glibc.malloc.mmap_max=0", f"glibc.malloc.trim_threshold={_TRIM_THRESHOLD}",
@@ -52,10 +53,3 @@ def rank_malloc_environment() -> dict[str, str]:
 def has_accelerator_devices() -> bool:
     """Whether this host shows GPU device files (NVIDIA or AMD), read without importing torch."""
     return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd"))
-
-
-def rank_of_outside_launcher() -> bool:
-    """Whether this process is a rank that torchrun or srun started (not fourfold's launcher,
-    which sets the tuning itself) in a job of more than one rank."""
-    world = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_STEP_NUM_TASKS") or "1"
-    return world.isdigit() and int(world) > 1
