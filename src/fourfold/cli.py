@@ -388,7 +388,8 @@ def _retune_malloc_for_cpu_training() -> None:
     at a process's start): a rank that torchrun or srun started, and one process as well.
     Without it a 350m rank on 8 ranks held 1.1-1.4x the model's weights instead of 0.8x (see
     train/host_memory.py), and one process of 15m at 8 x 128 tokens peaked 16-52 MiB higher
-    (LOMO 262 MiB against 210). The restart comes before torch is imported (milliseconds).
+    (LOMO 262 MiB without, 210 with). The restart comes before torch is imported (the
+    command line's own imports take milliseconds).
     Nothing happens when the user tunes malloc, off Linux, on a host with GPUs, or for any
     other command."""
     from fourfold import host

@@ -29,8 +29,8 @@ within a few percent of what it holds, without page faults (bench/memory.py --ph
 tcache matters most: with the in-process part alone the 350m ranks still read 1.1-1.4x, so
 any other CPU process of `fourfold train` (a rank that torchrun or srun started, or one
 process without a launcher) restarts itself once with RANK_TUNABLES (fourfold.cli); one
-process of 15m at 8 x 128 tokens peaked 16-52 MiB lower so (AdamW 488 MiB against 472, LOMO
-262 against 210, MeZO 125 against 112, GaLore 301 against 254, above the import).
+process of 15m at 8 x 128 tokens peaked 16-52 MiB lower so (MiB above the import, without ->
+with: AdamW 488 -> 472, LOMO 262 -> 210, MeZO 125 -> 112, GaLore 301 -> 254).
 
 It only changes glibc's tuning (`mallopt`); on other C libraries, or when the user tunes malloc
 through the environment (MALLOC_* variables or GLIBC_TUNABLES), it does nothing.
