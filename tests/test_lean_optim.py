@@ -1065,6 +1065,16 @@ def test_memory_report_in_summary(tmp_path: Path, optimizer: str) -> None:
             label
     else:
         assert 0.5 < measured["activations"] / predicted["activations"] < 2.0, label
+    # the process's whole peak (this pytest process's VmHWM: the imports and more) beside the
+    # planner's total for the run
+    from fourfold.parallel import GridShape
+    from fourfold.train.build import predicted_memory
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    (peak,) = report["peak_bytes_per_rank"]
+    assert sum(measured.values()) < peak <= summary["peak_mem_bytes"], label
+    assert report["predicted_total_bytes"] == \
+        predicted_memory(cfg, GridShape(1, 1, 1, 1), on_host=True).total, label
 
 
 def test_adalomo_row_blocks_change_nothing_but_rounding(monkeypatch: pytest.MonkeyPatch) -> None:

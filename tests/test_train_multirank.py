@@ -121,10 +121,12 @@ def test_lean_method_through_fourfold_train_on_a_grid_matches_one_process(
     # train.memory_report on a grid: one row per rank; what can be counted exactly, is
     report = json.loads((tmp_path / "grid" / "summary.json").read_text())["memory_report"]
     predicted = report["predicted_per_rank"]
-    assert len(report["measured_per_rank"]) == 2
-    for row in report["measured_per_rank"]:
+    assert len(report["measured_per_rank"]) == len(report["peak_bytes_per_rank"]) == 2
+    for row, peak in zip(report["measured_per_rank"], report["peak_bytes_per_rank"]):
         assert row["parameters"] == predicted["parameters"], report
         assert row["optimizer_state"] == predicted["optimizer_state"] == 0, report
+        assert peak > sum(row.values()), report  # each rank's own VmHWM: imports and all
+    assert report["predicted_total_bytes"] > sum(predicted.values()), report
     monkeypatch.setenv("FOURFOLD_CACHE", env["FOURFOLD_CACHE"])
     single = train(load_config(None, items), tmp_path / "single", progress=False)
     losses = [r["loss"] for r in read_metrics(tmp_path / "grid" / "metrics.jsonl") if "loss" in r]

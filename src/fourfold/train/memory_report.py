@@ -133,16 +133,19 @@ def _element_size(module: Any) -> int:
     return weight.element_size()
 
 
-def gather_reports(meter: MemoryMeter, comm: Any) -> list[dict[str, int]]:
-    """Every rank's peaks, in rank order (collective over the whole grid)."""
+def gather_reports(meter: MemoryMeter, comm: Any,
+                   peak_bytes: int) -> tuple[list[dict[str, int]], list[int]]:
+    """Every rank's peaks by category and its `peak_bytes` (the process's peak as its system
+    sees it: metrics.peak_memory_bytes), in rank order (collective over the whole grid)."""
     keys = list(meter.peak)
-    mine = torch.tensor([float(meter.peak[k]) for k in keys], dtype=torch.float64,
-                        device=comm.grid.device)
+    mine = torch.tensor([float(meter.peak[k]) for k in keys] + [float(peak_bytes)],
+                        dtype=torch.float64, device=comm.grid.device)
     if comm.grid.world_size == 1:
         rows = mine.view(1, -1)
     else:
-        rows = comm.all_gather(mine.view(1, -1), "all").wait().view(-1, len(keys))
-    return [{k: int(v) for k, v in zip(keys, row.tolist())} for row in rows]
+        rows = comm.all_gather(mine.view(1, -1), "all").wait().view(-1, len(keys) + 1)
+    values = [[int(v) for v in row.tolist()] for row in rows]
+    return [dict(zip(keys, row)) for row in values], [row[-1] for row in values]
 
 
 def predicted_report(breakdown: Any, z: int) -> dict[str, int]:

@@ -544,15 +544,18 @@ class Trainer:
 
     def _memory_report(self) -> dict[str, Any] | None:
         """train.memory_report: every rank's measured peaks beside the planner's prediction
-        (collective on a grid)."""
+        (collective on a grid), and every rank's whole peak (peak_mem_bytes: on the host its
+        resident memory, the imports included) beside the planner's total for a rank (on the
+        host above `import fourfold`)."""
         if self.memory_meter is None:
             return None
         self.memory_meter.close()
-        measured = gather_reports(self.memory_meter, self.pmodel.comm)
-        predicted = predicted_report(predicted_memory(self.cfg, self.grid.shape,
-                                                      self.device.type == "cpu"),
-                                     self.grid.size("z"))
-        return {"measured_per_rank": measured, "predicted_per_rank": predicted}
+        measured, peaks = gather_reports(self.memory_meter, self.pmodel.comm,
+                                         peak_memory_bytes(self.device))
+        planned = predicted_memory(self.cfg, self.grid.shape, self.device.type == "cpu")
+        return {"measured_per_rank": measured,
+                "predicted_per_rank": predicted_report(planned, self.grid.size("z")),
+                "peak_bytes_per_rank": peaks, "predicted_total_bytes": planned.total}
 
     def _validate(self, metrics: MetricsLog | None, progress: Progress) -> None:
         val = self.evaluate()
