@@ -1077,6 +1077,31 @@ def test_memory_report_in_summary(tmp_path: Path, optimizer: str) -> None:
         predicted_memory(cfg, GridShape(1, 1, 1, 1), on_host=True).total, label
 
 
+@pytest.mark.usefixtures("fourfold_cache")
+def test_memory_report_of_a_resumed_run_counts_the_checkpoint_library(tmp_path: Path) -> None:
+    """A run that resumes loads torch.distributed.checkpoint even when it writes no
+    checkpoints: the report's planned total counts the library then."""
+    from fourfold.config import load_config
+    from fourfold.parallel import GridShape
+    from fourfold.plan.memory import CHECKPOINT_LIBRARY_BYTES
+    from fourfold.train import Trainer
+    from fourfold.train.build import predicted_memory
+
+    common = ["model.preset=debug", "train.batch_size=4", "train.seq_len=32",
+              "train.eval_every=0", "train.eval_batches=0", "train.sample_tokens=0",
+              "train.optimizer=lomo", "train.memory_report=true"]
+    Trainer(load_config(None, [*common, "train.steps=2", "checkpoint.every=2"]), tmp_path,
+            progress=False).fit()
+    cfg = load_config(None, [*common, "train.steps=3", "checkpoint.every=0"])
+    trainer = Trainer(cfg, tmp_path, progress=False)
+    assert trainer.resumed_from is not None
+    trainer.fit()
+    report = json.loads((tmp_path / "summary.json").read_text())["memory_report"]
+    one = GridShape(1, 1, 1, 1)
+    fresh = predicted_memory(cfg, one, on_host=True).total
+    assert report["predicted_total_bytes"] == fresh + CHECKPOINT_LIBRARY_BYTES
+
+
 def test_adalomo_row_blocks_change_nothing_but_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
     """AdaLomo works on a matrix a row block at a time (no temporary as large as it): tiny
     blocks train as whole matrices do."""

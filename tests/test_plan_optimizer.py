@@ -264,16 +264,21 @@ def test_host_runtime_counts_the_libraries_each_run_imports():
 
     mib = 2**20
 
-    def runtime(optimizer: str, shape: GridShape, every: int) -> int:
+    def runtime(optimizer: str, shape: GridShape, every: int, resumed: bool = False) -> int:
         cfg = Config()
         cfg.model = model_config("15m")
         cfg.train.optimizer, cfg.checkpoint.every = optimizer, every
         cfg.parallel.x, cfg.parallel.y = shape.x, shape.y
-        return (predicted_memory(cfg, shape, on_host=True).runtime - HOST_RUNTIME_BYTES) // mib
+        mem = predicted_memory(cfg, shape, on_host=True, resumed=resumed)
+        return (mem.runtime - HOST_RUNTIME_BYTES) // mib
 
     one, grid = GridShape(), GridShape(x=2, y=2)
     assert [runtime("lomo", one, 0), runtime("lomo", one, 2)] == [0, 45]
     assert [runtime("lomo", grid, 0), runtime("lomo", grid, 2)] == [0, 72]
+    # a resumed run loads a checkpoint, which imports the same library (15m LOMO, one
+    # process, writing none: 474-476 MiB fresh, 513-519 resumed)
+    assert [runtime("lomo", one, 0, resumed=True), runtime("lomo", grid, 0, resumed=True)] \
+        == [45, 72]
     assert [runtime("adamw", one, 0), runtime("adamw", grid, 2)] == [70, 72]
     assert library_bytes(dynamo=False, checkpoints=False) == 0
     assert predicted_memory(Config(), one, on_host=False).runtime == 0  # a GPU: none

@@ -269,7 +269,7 @@ CHECKPOINT_LIBRARY_AFTER_DYNAMO_BYTES = 2 * 2**20
 def library_bytes(dynamo: bool, checkpoints: bool) -> int:
     """Resident bytes of the libraries a host run imports beyond `import fourfold`:
     torch._dynamo (`dynamo`: AdamW's torch.optim, train.compile, a checkpoint's DTensors on a
-    grid) and the checkpoint library (`checkpoints`: the run writes them)."""
+    grid) and the checkpoint library (`checkpoints`: the run writes or loads them)."""
     if not checkpoints:
         return TORCH_DYNAMO_BYTES if dynamo else 0
     if dynamo:
@@ -352,7 +352,7 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     asynchronous checkpoint copies the shards into while training goes on, and the runtime's
     own growth (HOST_RUNTIME_BYTES, and AdamW's import of torch._dynamo: predict_method_memory
     takes it off for the other methods where they never load it), with the checkpoint
-    library's import where the run writes checkpoints (`checkpoints`). `output_loss`:
+    library's import where the run writes or loads checkpoints (`checkpoints`). `output_loss`:
     parallel.output_loss as the run resolves it (the logits whole, or a block of the
     vocabulary at a time). `grad_accum`: micro-steps per step (above 1 the gradients live
     through the later micro-steps' losses). Each term and the measurement it rests on: see

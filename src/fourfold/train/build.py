@@ -155,17 +155,21 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
                guard=LossGuard(t.spike_threshold))
 
 
-def predicted_memory(cfg: Config, shape: GridShape, on_host: bool) -> MemoryBreakdown:
+def predicted_memory(cfg: Config, shape: GridShape, on_host: bool,
+                     resumed: bool = False) -> MemoryBreakdown:
     """The planner's peak bytes per rank for cfg's run on `shape`, with train.optimizer's own
-    gradients and optimizer state (plan/memory.py)."""
+    gradients and optimizer state (plan/memory.py). `resumed`: the run loaded a checkpoint,
+    which imports the checkpoint library as writing one does (15m, LOMO, one process, writing
+    none: 474-476 MiB fresh, 513-519 resumed)."""
     t, p = cfg.train, cfg.parallel
     precision = Precision.of(t.dtype)
     micro_tokens = t.batch_size // (shape.data * shape.z) // t.grad_accum * t.seq_len
     output_loss = resolve_output_loss(p.output_loss, t.optimizer)
-    checkpoints = cfg.checkpoint.every > 0
+    writes = cfg.checkpoint.every > 0
+    checkpoints = writes or resumed  # the checkpoint library is in
     mem = predict_memory(cfg.model, shape, micro_tokens, t.activation_checkpointing, precision,
                          bucket_bytes=int(p.bucket_mb * 2**20), on_host=on_host, writer=True,
-                         async_checkpoint=cfg.checkpoint.is_async(on_host) and checkpoints,
+                         async_checkpoint=cfg.checkpoint.is_async(on_host) and writes,
                          checkpoints=checkpoints, output_loss=output_loss,
                          grad_accum=t.grad_accum)
     return predict_method_memory(mem, cfg.model, shape, t, precision, output_loss, checkpoints)

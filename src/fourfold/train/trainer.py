@@ -552,7 +552,8 @@ class Trainer:
         self.memory_meter.close()
         measured, peaks = gather_reports(self.memory_meter, self.pmodel.comm,
                                          peak_memory_bytes(self.device))
-        planned = predicted_memory(self.cfg, self.grid.shape, self.device.type == "cpu")
+        planned = predicted_memory(self.cfg, self.grid.shape, self.device.type == "cpu",
+                                   resumed=self.resumed_from is not None)
         return {"measured_per_rank": measured,
                 "predicted_per_rank": predicted_report(planned, self.grid.size("z")),
                 "peak_bytes_per_rank": peaks, "predicted_total_bytes": planned.total}
