@@ -33,9 +33,10 @@ from pathlib import Path
 from memory_lean import parse_grid  # XxY, one line on a bad value
 
 METHODS = ("adamw", "lomo", "adalomo", "mezo", "es", "blockllm", "galore")
+# the baseline reads its peak as the run's summary does (and bench/memory_lean.py's baseline)
 BASELINE = ("import torch, fourfold\n"
-            "with open('/proc/self/status') as f:\n"
-            "    print(next(int(l.split()[1]) for l in f if l.startswith('VmHWM:')) * 1024)")
+            "from fourfold.train.metrics import peak_memory_bytes\n"
+            "print(peak_memory_bytes(torch.device('cpu')))")
 
 
 def baseline_bytes() -> int:
