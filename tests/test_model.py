@@ -325,3 +325,53 @@ def test_a_meta_build_and_a_checkpointed_step_leave_torch_dynamo_unimported() ->
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False"] * 6, out.stdout
+
+
+def test_a_block_forward_leaves_few_residual_sized_temporaries() -> None:
+    """A block's forward with autograd on makes few tensors of the residual stream's size or
+    larger that its backward does not keep: each is freed within the forward and, on a CPU
+    process, leaves a hole in the heap between the kept ones that no later tensor of its size
+    fits. Three are left: the query and key projections' outputs (RoPE writes new tensors) and
+    the down projection's input (recomputed in backward). RoPE's chains, the norms' squares
+    and products, SwiGLU's silu and the residual adds made thirteen more. RoPE's values and
+    gradients are still HF's rotate-half expression's (to rounding: its products are fused
+    now). float32, as a CPU run trains by default (under autocast the casts make their own)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fourfold.models.llama import apply_rope
+
+    cfg = model_config("debug", n_kv_heads=4)  # keys the size of queries
+    model = build_model(cfg, seed=0)
+    B, T = 4, cfg.max_seq_len  # a block's activations larger than its weights
+    x = torch.randn(B, T, cfg.dim, requires_grad=True)
+    made: dict[int, str] = {}  # storage -> the op that made it
+    outputs: list[torch.Tensor] = []  # kept alive, so that no address is reused
+    saved: set[int] = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() >= x.nbytes:
+                    made.setdefault(t.untyped_storage().data_ptr(), str(func))
+                    outputs.append(t)
+            return out
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Record():
+        y = model.layers[0](x, model.rope_cos[:T], model.rope_sin[:T])
+    temporaries = sorted(op for ptr, op in made.items()
+                         if ptr not in saved and ptr != y.untyped_storage().data_ptr())
+    assert temporaries == ["aten.mm.default"] * 2 + ["aten.silu.default"], temporaries
+
+    q = torch.randn(1, 2, 5, cfg.head_dim, dtype=torch.float64, requires_grad=True)
+    cos, sin = model.rope_cos[:5].double(), model.rope_sin[:5].double()
+    half = cfg.head_dim // 2
+    rotated = torch.cat([-q[..., half:], q[..., :half]], dim=-1)  # HF's rotate_half
+    sign = torch.cat([-torch.ones(half), torch.ones(half)]).double()
+    ref = q * cos + rotated * (sin * sign)  # rope_tables folds rotate_half's sign into sin
+    assert torch.allclose(apply_rope(q, cos, sin), ref, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda t: apply_rope(t, cos, sin), (q,))

@@ -51,12 +51,48 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
     return emb.cos().float(), (emb.sin() * sign).float()
 
 
+class _Rope(torch.autograd.Function):
+    """x * cos + rotate_half(x) * sin (sin signed, see rope_tables) into one new tensor,
+    written half by half in place: autograd's chain of the expression made three x-sized
+    temporaries besides its output (the swapped halves and both products), freed before the
+    block's next tensors, so that in a forward that keeps activations each of them left a
+    hole in a CPU process's heap that no later tensor of that size fits (glibc's aligned
+    allocation asks for a little more than the block it frees). Saves nothing beyond the
+    tables; the backward is the transposed rotation, again one tensor."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor,  # type: ignore[override]
+                sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.x_dtype = x.dtype
+        return _rotate(x, cos, sin, transpose=False).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        cos, sin = ctx.saved_tensors
+        return _rotate(dy, cos, sin, transpose=True).to(ctx.x_dtype), None, None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            transpose: bool) -> torch.Tensor:
+    """x * cos + swap(x) * sin, where swap exchanges the halves of the last dimension; with
+    `transpose`, its transpose x * cos + swap(x * sin) (the rotation's backward)."""
+    h = x.shape[-1] // 2
+    out = x * cos
+    lo, hi = out[..., :h], out[..., h:]
+    if transpose:
+        lo.addcmul_(x[..., h:], sin[..., h:])
+        hi.addcmul_(x[..., :h], sin[..., :h])
+    else:
+        lo.addcmul_(x[..., h:], sin[..., :h])
+        hi.addcmul_(x[..., :h], sin[..., h:])
+    return out
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, n_head, T, head_dim); cos/sin: (T, head_dim), sin signed (see rope_tables).
-    # HF's rotate_half(x) = cat(-x2, x1) is the halves swapped (a flip of a (2, half) view)
-    # times that sign; a flip's backward is a flip, where slicing and cat would zero-fill.
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-    return (x * cos + swapped * sin).to(x.dtype)
+    # x: (B, n_head, T, head_dim); cos/sin: (T, head_dim), sin signed (see rope_tables): HF's
+    # rotate_half(x) = cat(-x2, x1) is the halves swapped times that sign
+    return _Rope.apply(x, cos, sin)
 
 
 @dataclass
@@ -116,8 +152,12 @@ class Attention(nn.Module):
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's value; the one expression its forward and any recomputation of it use, so a
-    recomputed value is the forward's bit for bit."""
-    return F.silu(gate) * up
+    recomputed value is the forward's bit for bit. The product is written into silu's output
+    (the same bits as `silu(gate) * up`): one ffn-wide temporary less (see _Rope)."""
+    s = F.silu(gate)
+    if s.shape == up.shape and s.dtype == torch.result_type(s, up):
+        return s.mul_(up)
+    return s * up
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -221,8 +261,20 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
-        return x + self.ffn(self.ffn_norm(x))
+        x = residual_add(x, self.attn(self.attn_norm(x), cos, sin, cache, layer))
+        return residual_add(x, self.ffn(self.ffn_norm(x)))
+
+
+def residual_add(x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    """x + branch, written into `branch` where that gives the same tensor (its dtype and shape,
+    and nothing saved it for backward: autograd's version check refuses the step otherwise),
+    so that the branch's output is not one more freed x-sized block per residual add (see
+    _Rope)."""
+    if (branch.shape == x.shape and branch.dtype == torch.result_type(branch, x)
+            and branch._base is None and not (branch.is_leaf and branch.requires_grad)
+            and branch.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()):
+        return branch.add_(x)
+    return x + branch
 
 
 class Llama(nn.Module):

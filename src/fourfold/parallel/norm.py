@@ -31,13 +31,18 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float,  # type: ignore[override]
                 full_dim: int, reduce: Reduce | None) -> torch.Tensor:
         xf = x.float()
-        sumsq = xf.pow(2).sum(-1, keepdim=True)
+        # the sum of squares as a reduction and the product in place: no x-sized temporary
+        # (see models/llama.py's _Rope: each would be a hole in a CPU process's heap)
+        sumsq = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square()
         if reduce is not None:
             sumsq = reduce(sumsq)
         rstd = torch.rsqrt(sumsq / full_dim + eps)
         ctx.save_for_backward(x, weight, rstd)
         ctx.full_dim, ctx.reduce = full_dim, reduce
-        return weight * (xf * rstd).to(x.dtype)
+        normed = (xf * rstd).to(x.dtype)
+        if normed.dtype == torch.result_type(weight, normed):
+            return normed.mul_(weight)
+        return weight * normed
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
