@@ -84,6 +84,45 @@ def test_trim_hands_a_freed_block_inside_the_heap_back():
     assert int(out) > 100_000, out  # KiB: the freed 117 MiB stayed resident until the trim
 
 
+MKL_PROGRAM = r"""
+import ctypes, torch
+
+class Info(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                "usmblks", "fsmblks", "uordblks", "fordblks",
+                                                "keepcost")]
+
+mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+mallinfo2.restype = Info
+torch.set_num_threads(1)
+before = mallinfo2().uordblks
+g = torch.randn(288, 3640, dtype=torch.float64)
+g = g @ g.T  # a GaLore refresh's Gram, and its eigenvectors
+values, vectors = torch.linalg.eigh(g)
+del g, values, vectors
+print(mallinfo2().uordblks - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallinfo2")
+def test_mkl_hands_its_buffers_back_in_the_ranks_environment():
+    """MKL keeps its calls' work buffers in the heap for good unless MKL_DISABLE_FAST_MM is
+    set at the start, as fourfold.host.rank_malloc_environment sets it for every CPU rank of
+    `fourfold train` (torch's x86 wheels do their GEMMs and eigh in MKL)."""
+    from fourfold.host import rank_malloc_environment
+
+    base = {k: v for k, v in os.environ.items()
+            if not (k.startswith(("MALLOC_", "MKL_")) or k == "GLIBC_TUNABLES")}
+    env = dict(base, **rank_malloc_environment())
+    assert env["MKL_DISABLE_FAST_MM"] == "1"
+    kept = {}
+    cached = {k: v for k, v in env.items() if k != "MKL_DISABLE_FAST_MM"}  # MKL reads "is set"
+    for name, environ in (("ranks", env), ("cached", cached)):
+        kept[name] = int(subprocess.run([sys.executable, "-c", MKL_PROGRAM], env=environ,
+                                        check=True, capture_output=True, text=True).stdout)
+    assert kept["ranks"] < 2**20 < 4 * 2**20 < kept["cached"], kept  # 0 and about 23 MiB
+
+
 def test_user_malloc_settings_are_left_alone(monkeypatch):
     from fourfold.train import host_memory
 
@@ -97,7 +136,7 @@ def _reexec_target(monkeypatch, argv, env, gpus=False):
     from fourfold import cli, host
 
     for name in list(os.environ):
-        if name.startswith(("MALLOC_", "GLIBC_", "WORLD_SIZE", "SLURM_")):
+        if name.startswith(("MALLOC_", "GLIBC_", "MKL_", "WORLD_SIZE", "SLURM_")):
             monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -126,6 +165,9 @@ def test_cpu_training_restarts_once_with_the_rank_heap(monkeypatch):
     args, environ = _reexec_target(monkeypatch, ["fourfold", "train", "x.toml"], {})
     assert args[1:] == ["-m", "fourfold", "train", "x.toml"]
     assert environ["GLIBC_TUNABLES"] == RANK_TUNABLES
+    assert environ["MKL_DISABLE_FAST_MM"] == "1"  # MKL's buffer cache off too
+    _, environ = _reexec_target(monkeypatch, ["fourfold", "train"], {"MKL_DISABLE_FAST_MM": "2"})
+    assert environ["MKL_DISABLE_FAST_MM"] == "2"  # the user's own setting stays
     # once only (the restarted process has the tunables), and never for what is not asked for
     assert _reexec_target(monkeypatch, ["fourfold", "train"],
                           {"WORLD_SIZE": "4", "GLIBC_TUNABLES": RANK_TUNABLES}) is None

@@ -385,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
 def _retune_malloc_for_cpu_training() -> None:
     """`fourfold train` on a host without GPUs restarts itself once with the heap tuning that
     fourfold's own launcher gives its ranks (fourfold.host.RANK_TUNABLES: glibc reads it only
-    at a process's start): a rank that torchrun or srun started, and one process as well.
+    at a process's start; and MKL's buffer cache off, MKL_ENVIRONMENT, read as MKL starts):
+    a rank that torchrun or srun started, and one process as well.
     Without it a 350m rank on 8 ranks held 1.1-1.4x the model's weights instead of 0.8x (see
     train/host_memory.py), and one process of 15m at 8 x 128 tokens peaked 16-52 MiB higher
     (LOMO 262 MiB without, 210 with). The restart comes before torch is imported (the

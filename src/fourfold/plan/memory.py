@@ -37,7 +37,9 @@ checkpoint, the streamed export):
   (15m: 37-59 MiB above the other terms on 1-8 ranks). Under bfloat16 it includes oneDNN's
   primitive cache (each bfloat16 GEMM's kernel, kept from its first call: 5 MiB of heap on
   one process, 6.5 on a 2 x 2 rank, small preset; none in float32, whose GEMMs are MKL's),
-  which bench/heap_peak.py's heap reads beside the tensors. AdamW's runs (torch.optim) and
+  which bench/heap_peak.py's heap reads beside the tensors. Not MKL's buffers: CPU ranks run
+  with its cache off (fourfold.host.MKL_ENVIRONMENT; it kept up to 23 MiB of heap on a GaLore
+  rank, 5 after one float64 GEMM). AdamW's runs (torch.optim) and
   compiled ones add torch._dynamo's import, 70 MiB (TORCH_DYNAMO_BYTES), which the other
   methods load only on a grid that writes checkpoints (a DTensor imports it). A run that
   writes checkpoints adds the checkpoint library's import (library_bytes): 45 MiB, 2 once

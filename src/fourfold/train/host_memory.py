@@ -32,6 +32,12 @@ process without a launcher) restarts itself once with RANK_TUNABLES (fourfold.cl
 process of 15m at 8 x 128 tokens peaked 16-52 MiB lower so (MiB above the import, without ->
 with: AdamW 488 -> 472, LOMO 262 -> 210, MeZO 125 -> 112, GaLore 301 -> 254).
 
+The same environment turns MKL's buffer cache off (fourfold.host.MKL_ENVIRONMENT): MKL, which
+does torch's GEMMs and eigh on x86 CPUs, otherwise keeps each call's work buffers in the heap
+for good, 23 MiB after one GaLore refresh of a 288-row matrix. At 15m, 8 x 128 tokens
+(bench/train_memory.py, one run each, MiB above the import, without -> with): GaLore one
+process 245 -> 223, 2x2 rank 0 138 -> 126; AdamW one process 417 -> 401; LOMO 2x2 115 -> 109.
+
 It only changes glibc's tuning (`mallopt`); on other C libraries, or when the user tunes malloc
 through the environment (MALLOC_* variables or GLIBC_TUNABLES), it does nothing.
 """
