@@ -48,7 +48,7 @@ def _user_tunes_malloc() -> bool:
 # process, 8 x 128 tokens) than without. Its variable MKL_DISABLE_FAST_MM, read when MKL
 # starts, makes it free them after each call; under RANK_TUNABLES the next call's malloc takes
 # the same heap pages again, so nothing is faulted in anew (the 15m forward and backward: no
-# slower, 0.87-0.97 of the time in 5 alternated runs).
+# slower, a median 0.87 of the time with the cache over 5 alternated runs, on a busy host).
 MKL_ENVIRONMENT = {"MKL_DISABLE_FAST_MM": "1"}
 
 
