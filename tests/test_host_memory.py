@@ -85,22 +85,17 @@ def test_trim_hands_a_freed_block_inside_the_heap_back():
 
 
 MKL_PROGRAM = r"""
-import ctypes, torch
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from rank_memory_worker import _heap  # glibc's heap in use
 
-class Info(ctypes.Structure):  # glibc's struct mallinfo2
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
-                                                "usmblks", "fsmblks", "uordblks", "fordblks",
-                                                "keepcost")]
-
-mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-mallinfo2.restype = Info
 torch.set_num_threads(1)
-before = mallinfo2().uordblks
+before = _heap()[0]
 g = torch.randn(288, 3640, dtype=torch.float64)
 g = g @ g.T  # a GaLore refresh's Gram, and its eigenvectors
 values, vectors = torch.linalg.eigh(g)
 del g, values, vectors
-print(mallinfo2().uordblks - before)
+print(_heap()[0] - before)
 """
 
 
@@ -118,8 +113,9 @@ def test_mkl_hands_its_buffers_back_in_the_ranks_environment():
     kept = {}
     cached = {k: v for k, v in env.items() if k != "MKL_DISABLE_FAST_MM"}  # MKL reads "is set"
     for name, environ in (("ranks", env), ("cached", cached)):
-        kept[name] = int(subprocess.run([sys.executable, "-c", MKL_PROGRAM], env=environ,
-                                        check=True, capture_output=True, text=True).stdout)
+        kept[name] = int(subprocess.run(
+            [sys.executable, "-c", MKL_PROGRAM, os.path.dirname(os.path.abspath(__file__))],
+            env=environ, check=True, capture_output=True, text=True).stdout)
     assert kept["ranks"] < 2**20 < 4 * 2**20 < kept["cached"], kept  # 0 and about 23 MiB
 
 
