@@ -57,3 +57,26 @@ def test_trainer_leaves_the_callers_config_alone(tmp_path: Path) -> None:
     trainer.fit()
     assert cfg == before
     assert trainer.cfg.parallel.data == 1 and cfg.parallel.data == "auto"
+
+
+def test_the_fits_check_counts_the_checkpoint_library_where_the_run_will_resume(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run directory holding a checkpoint (and checkpoint.resume on) makes build_run's
+    fits-check predict a resumed run, whose loading imports the checkpoint library: here the
+    difference between fitting and not."""
+    import fourfold.train.build as build
+    from fourfold.parallel import GridShape
+    from fourfold.plan.errors import PlanError
+    from fourfold.train.checkpoint import checkpoint_root
+
+    cfg = load_config(None, [*OVERRIDES, "train.optimizer=mezo", "checkpoint.every=0"])
+    fresh, resumed = (build.predicted_memory(cfg, GridShape(1, 1, 1, 1), True, r).total
+                      for r in (False, True))
+    assert resumed > fresh
+    monkeypatch.setattr(build, "rank_memory_capacity", lambda device, ranks: fresh)
+    build_run(cfg, tmp_path)  # fits: nothing to resume
+    (checkpoint_root(tmp_path) / "step_00000001").mkdir(parents=True)
+    with pytest.raises(PlanError, match="under train.optimizer = 'mezo': a rank needs"):
+        build_run(cfg, tmp_path)
+    build_run(load_config(None, [*OVERRIDES, "train.optimizer=mezo", "checkpoint.every=0",
+                                 "checkpoint.resume=false"]), tmp_path)

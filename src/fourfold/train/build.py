@@ -32,6 +32,7 @@ from fourfold.plan.errors import PlanError
 from fourfold.plan.memory import (GIB, MemoryBreakdown, Precision, predict_memory,
                                   predict_method_memory)
 from fourfold.plan.search import check_grid_fits, rank_memory_capacity
+from fourfold.train.checkpoint import list_checkpoints
 from fourfold.train.compile import BlockCompiler
 from fourfold.train.host_memory import keep_freed_host_memory
 from fourfold.train.methods import TrainingMethod, batch_shard, build_method, method_batch_axes
@@ -105,8 +106,10 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
     if t.optimizer == "adamw":
         check_grid_fits(cfg, grid.shape, device, local_ranks)
     else:  # the method's own gradients and state, not AdamW's
+        # a run that will resume loads a checkpoint, which imports the checkpoint library
+        resumes = cfg.checkpoint.resume and bool(list_checkpoints(run_dir))
         check_method_fits(cfg, grid.shape, device.type == "cpu",
-                          rank_memory_capacity(device, local_ranks))
+                          rank_memory_capacity(device, local_ranks), resumed=resumes)
 
     data_dir = resolve_data_path(cfg.data.path, cfg.data.tokenizer)
     tokenizer = load_tokenizer(data_dir)
@@ -175,10 +178,12 @@ def predicted_memory(cfg: Config, shape: GridShape, on_host: bool,
     return predict_method_memory(mem, cfg.model, shape, t, precision, output_loss, checkpoints)
 
 
-def check_method_fits(cfg: Config, shape: GridShape, on_host: bool, capacity: int) -> None:
+def check_method_fits(cfg: Config, shape: GridShape, on_host: bool, capacity: int,
+                      resumed: bool = False) -> None:
     """A one-line PlanError when a rank of `shape` cannot hold cfg's run under its
-    train.optimizer (the AdamW check, check_grid_fits, also suggests a grid)."""
-    mem = predicted_memory(cfg, shape, on_host)
+    train.optimizer (the AdamW check, check_grid_fits, also suggests a grid); `resumed` as
+    predicted_memory takes it."""
+    mem = predicted_memory(cfg, shape, on_host, resumed)
     if mem.total <= capacity:
         return
     state = mem.params + mem.grads + mem.optimizer
