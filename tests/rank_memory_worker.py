@@ -40,6 +40,7 @@ import torch.utils._python_dispatch
 from fourfold.config import ModelConfig, ParallelConfig, TrainConfig, load_config
 from fourfold.models import build_model
 from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
+from fourfold.train.metrics import peak_memory_bytes
 
 
 def _status(field: str) -> int:
@@ -50,8 +51,9 @@ def _status(field: str) -> int:
 
 
 def vm_hwm() -> int:
-    """Peak resident set of this process so far, in bytes (Linux /proc)."""
-    return _status("VmHWM")
+    """Peak resident set of this process so far, in bytes: VmHWM, read as a run's summary
+    reads it (fourfold.train.metrics)."""
+    return peak_memory_bytes(torch.device("cpu"))
 
 
 class _Mallinfo2(ctypes.Structure):

@@ -1019,16 +1019,19 @@ def test_preflight_check_uses_the_methods_memory() -> None:
                           shape, True, need["blockllm"] - 1)
 
 
+# a small run that writes its memory report (train.memory_report)
+REPORT_RUN = ["model.preset=debug", "train.batch_size=4", "train.seq_len=32",
+              "train.eval_every=0", "train.eval_batches=0", "train.sample_tokens=0",
+              "train.memory_report=true"]
+
+
 @pytest.mark.usefixtures("fourfold_cache")
 @pytest.mark.parametrize("optimizer", ["adamw", "lomo", "galore", "mezo"])
 def test_memory_report_in_summary(tmp_path: Path, optimizer: str) -> None:
     from fourfold.config import load_config
     from fourfold.train import Trainer
 
-    cfg = load_config(None, ["model.preset=debug", "train.batch_size=4", "train.seq_len=32",
-                             "train.steps=3", "train.eval_every=0", "train.eval_batches=0",
-                             "train.sample_tokens=0", "train.memory_report=true",
-                             f"train.optimizer={optimizer}",
+    cfg = load_config(None, [*REPORT_RUN, "train.steps=3", f"train.optimizer={optimizer}",
                              f"train.activation_checkpointing={optimizer == 'galore'}".lower()])
     Trainer(cfg, tmp_path, progress=False).fit()
     report = json.loads((tmp_path / "summary.json").read_text())["memory_report"]
@@ -1087,9 +1090,7 @@ def test_memory_report_of_a_resumed_run_counts_the_checkpoint_library(tmp_path: 
     from fourfold.train import Trainer
     from fourfold.train.build import predicted_memory
 
-    common = ["model.preset=debug", "train.batch_size=4", "train.seq_len=32",
-              "train.eval_every=0", "train.eval_batches=0", "train.sample_tokens=0",
-              "train.optimizer=lomo", "train.memory_report=true"]
+    common = [*REPORT_RUN, "train.optimizer=lomo"]
     Trainer(load_config(None, [*common, "train.steps=2", "checkpoint.every=2"]), tmp_path,
             progress=False).fit()
     cfg = load_config(None, [*common, "train.steps=3", "checkpoint.every=0"])
