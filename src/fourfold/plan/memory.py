@@ -32,20 +32,20 @@ checkpoint, the streamed export):
   alive through the next step: on a CPU rank it alone is 0.375x the model's float32 weights
   on 8 ranks, so an async checkpoint keeps such a rank above 0.5 + 0.375 = 0.875x;
 - runtime (on a host): what a rank touches beyond a process that imported fourfold, not as
-  tensors: library code and data first used by a step, gloo's and the checkpoint writer's
-  threads, the interpreter's objects; a constant ~40 MiB per rank on every preset measured
-  (15m: 37-59 MiB above the other terms on 1-8 ranks). Under bfloat16 it includes oneDNN's
-  primitive cache (each bfloat16 GEMM's kernel, kept from its first call: 5 MiB of heap on
-  one process, 6.5 on a 2 x 2 rank, small preset; none in float32, whose GEMMs are MKL's),
-  which bench/heap_peak.py's heap reads beside the tensors. Not MKL's buffers: CPU ranks run
-  with its cache off (fourfold.host.MKL_ENVIRONMENT; it kept up to 23 MiB of heap on a GaLore
-  rank, 5 after one float64 GEMM). AdamW's runs (torch.optim) and
-  compiled ones add torch._dynamo's import, 70 MiB (TORCH_DYNAMO_BYTES), which the other
-  methods load only on a grid that writes checkpoints (a DTensor imports it). A run that
-  writes checkpoints adds the checkpoint library's import (library_bytes): 45 MiB, 2 once
-  torch._dynamo is in. `fourfold train` on 2x2, 15m, 8 x 128 tokens, rank 0's peak with
-  checkpoints every 2 steps against none: AdamW 246 against 247 MiB, LOMO 136 against 189,
-  MeZO 63 against 139, GaLore 145 against 222.
+  tensors: library code and data first used by a step, gloo's and the checkpoint writer's threads,
+  the interpreter's objects; a constant ~40 MiB per rank on every preset measured (15m: 37-59 MiB
+  above the other terms on 1-8 ranks), 27 MiB for MeZO and ES in one process
+  (HOST_FORWARD_ONLY_RUNTIME_BYTES: no backward, no gloo threads). Under bfloat16 it includes
+  oneDNN's primitive cache (each bfloat16 GEMM's kernel, kept from its first call: 5 MiB of heap
+  on one process, 6.5 on a 2 x 2 rank, small preset; none in float32, whose GEMMs are MKL's),
+  which bench/heap_peak.py's heap reads beside the tensors. Not MKL's buffers: CPU ranks run with
+  its cache off (fourfold.host.MKL_ENVIRONMENT; it kept up to 23 MiB of heap on a GaLore rank, 5
+  after one float64 GEMM). AdamW's runs (torch.optim) and compiled ones add torch._dynamo's
+  import, 70 MiB (TORCH_DYNAMO_BYTES), which the other methods load only on a grid that writes
+  checkpoints (a DTensor imports it). A run that writes checkpoints adds the checkpoint library's
+  import (library_bytes): 45 MiB, 2 once torch._dynamo is in. `fourfold train` on 2x2, 15m, 8 x
+  128 tokens, rank 0's peak with checkpoints every 2 steps against none: AdamW 246 against 247
+  MiB, LOMO 136 against 189, MeZO 63 against 139, GaLore 145 against 222.
 On CPU the allocator keeps freed blocks for reuse (train/host_memory.py) and, so tuned, its
 resident memory stays within a few percent of the heap in use. Measured with it, 350m preset,
 8 ranks (x2 y2 z2): 1,019-1,042 MiB per rank with a sync checkpoint (predicted 1,010),
@@ -257,6 +257,10 @@ def block_transient_bytes_per_token(model: ModelConfig, shape: GridShape, precis
 
 
 HOST_RUNTIME_BYTES = 40 * 2**20  # measured: see the module docstring (runtime)
+# ... and for MeZO and ES in one process (no backward, no gloo threads): `fourfold train`, 8 x
+# 128 tokens, 4 steps, read 27-28 MiB above the other terms at the small and 15m presets
+# (the backward methods 32-39 there, and a rank about 40)
+HOST_FORWARD_ONLY_RUNTIME_BYTES = 27 * 2**20
 # torch._dynamo, which torch.optim (AdamW) and train.compile import at their first use: 70.6
 # MiB resident (a process that imported fourfold, then torch._dynamo); so does a grid's
 # checkpoint (loads_dynamo), nothing else in a run (models/recompute.py, meta builds)
@@ -576,7 +580,9 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
     out = dataclasses.replace(breakdown, grads=states["grads"], optimizer=states["optimizer"],
                               loss_grads=states["grads"] if train.grad_accum > 1 else 0)
     if out.runtime:  # predict_memory counted AdamW's libraries
-        out = dataclasses.replace(out, runtime=HOST_RUNTIME_BYTES + library_bytes(
+        own = (HOST_FORWARD_ONLY_RUNTIME_BYTES
+               if train.optimizer in ("mezo", "es") and shape.size == 1 else HOST_RUNTIME_BYTES)
+        out = dataclasses.replace(out, runtime=own + library_bytes(
             loads_dynamo(train, shape, checkpoints), checkpoints))
     if train.optimizer == "galore":
         out = dataclasses.replace(out, update=galore_update_bytes(model, shape, train))
