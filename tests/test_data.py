@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -278,6 +279,44 @@ def test_prepare_main_summary(tmp_path, corpus, capsys):
 
 # --------------------------------------------------------------------------------------------
 # Loader
+
+
+def _mapped_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping's first line
+            inside = len(fields) >= 6 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.parametrize("shard_tokens", [None, 100_000])
+def test_reading_windows_leaves_no_shard_pages_mapped(tmp_path, shard_tokens):
+    """The loader's shards are memory-mapped; the pages a read touches are unmapped after each
+    batch (they stay in the page cache), so a run's resident memory does not grow toward the
+    corpus's size as it draws random windows. One shard and several."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "big.txt").write_text("".join(_generated_texts(6000, seed=3)),
+                                                 encoding="utf-8")
+    out = tmp_path / "data"
+    extra = {} if shard_tokens is None else {"shard_tokens": shard_tokens}
+    prepare([tmp_path / "corpus"], out, tokenizer="byte", val_fraction=0.01, progress=False,
+            **extra)
+    files = sorted(out.glob("train_*.bin"))
+    assert sum(f.stat().st_size for f in files) > 1 << 20
+    assert (len(files) == 1) if shard_tokens is None else (len(files) > 3)
+    loader = BatchLoader(out, "train", batch_size=16, seq_len=64, seed=1)
+    shards = loader.dataset.shards
+    assert sum(int(s[::1024].sum()) for s in shards) > 0  # every page touched, and mapped:
+    assert sum(_mapped_kib(f) for f in files) > 512  # (what the reads below must not leave)
+    for _ in range(40):
+        loader.next_batch()
+    assert sum(_mapped_kib(f) for f in files) == 0
+    loader.dataset.window(100, 5000)
+    assert sum(_mapped_kib(f) for f in files) == 0
 
 
 def test_batches_are_deterministic_and_shifted(byte_dir):
