@@ -57,7 +57,8 @@ predicted 191) on another.
 What a rank holds that the model leaves out, and why:
 - the runtime's import itself (Python, torch's libraries, on a GPU the CUDA context): the
   search takes `reserved_gib` per rank off for it (`Machine.usable_memory_bytes`);
-- the token shards, which are memory-mapped and paged in and out by the kernel;
+- the token shards, which are memory-mapped, and unmapped after each batch's reads (they stay
+  in the page cache, outside the process's resident memory: data/loader.py);
 - the optimizer step's and the gradient norm's temporaries (a few tensors of one layer's size);
 - on a GPU, the caching allocator's slack (its fragmentation is not modelled).
 
