@@ -312,10 +312,15 @@ def test_reading_windows_leaves_no_shard_pages_mapped(tmp_path, shard_tokens):
     shards = loader.dataset.shards
     assert sum(int(s[::1024].sum()) for s in shards) > 0  # every page touched, and mapped:
     assert sum(_mapped_kib(f) for f in files) > 512  # (what the reads below must not leave)
+    whole = loader.dataset.window(0, len(loader.dataset))  # reads every shard
+    assert sum(_mapped_kib(f) for f in files) == 0
     for _ in range(40):
         loader.next_batch()
     assert sum(_mapped_kib(f) for f in files) == 0
-    loader.dataset.window(100, 5000)
+    starts = np.random.default_rng(0).integers(0, len(whole) - 65, size=32)
+    assert np.array_equal(loader.dataset.windows(starts, 65),
+                          np.stack([whole[s:s + 65] for s in starts]))
+    assert np.array_equal(loader.dataset.window(100, 5000), whole[100:5100])
     assert sum(_mapped_kib(f) for f in files) == 0
 
 

@@ -39,6 +39,7 @@ class TokenDataset:
         dtype = np.dtype(self.manifest.dtype)
         self.shards: list[np.ndarray] = []  # read-only views of self._maps
         self._maps: list[mmap.mmap] = []
+        self._touched: set[int] = set()  # shards read since the last _release
         for shard in info.shards:
             if shard.tokens == 0:
                 continue
@@ -82,8 +83,9 @@ class TokenDataset:
         each window (the kernel maps up to 64 KiB around a fault), toward the whole corpus
         (the 15m preset, 8 x 128 tokens a step: about 0.4 MiB a step)."""
         if _DONTNEED is not None:
-            for m in self._maps:
-                m.madvise(_DONTNEED)
+            for k in self._touched:
+                self._maps[k].madvise(_DONTNEED)
+        self._touched.clear()
 
     def _read(self, out: np.ndarray, start: int) -> None:
         length = len(out)
@@ -95,6 +97,7 @@ class TokenDataset:
             local = start + filled - int(self.starts[shard])
             take = min(length - filled, len(self.shards[shard]) - local)
             out[filled:filled + take] = self.shards[shard][local:local + take]
+            self._touched.add(shard)
             filled += take
             shard += 1
 
@@ -103,6 +106,7 @@ class TokenDataset:
         if len(self.shards) == 1:  # the common case: one gather, no Python loop per row
             index = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(length, dtype=np.int64)
             out = self.shards[0][index].astype(np.int64)
+            self._touched.add(0)
         else:
             out = np.empty((len(starts), length), dtype=np.int64)
             for row, start in enumerate(starts):
