@@ -262,6 +262,8 @@ HOST_RUNTIME_BYTES = 40 * 2**20  # measured: see the module docstring (runtime)
 # 128 tokens, 4 steps, read 27-28 MiB above the other terms at the small and 15m presets
 # (the backward methods 32-39 there, and a rank about 40)
 HOST_FORWARD_ONLY_RUNTIME_BYTES = 27 * 2**20
+# the methods that train from forward passes alone (train/methods/zeroth.py)
+FORWARD_ONLY_METHODS = ("mezo", "es")
 # torch._dynamo, which torch.optim (AdamW) and train.compile import at their first use: 70.6
 # MiB resident (a process that imported fourfold, then torch._dynamo); so does a grid's
 # checkpoint (loads_dynamo), nothing else in a run (models/recompute.py, meta builds)
@@ -499,7 +501,7 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
             return {"grads": grads, "optimizer": 0}
         factored = sum(rl + cl for _, _, rl, cl in matrices) + vectors
         return {"grads": grads, "optimizer": factored * state_bytes}
-    if name in ("mezo", "es"):
+    if name in FORWARD_ONLY_METHODS:
         return {"grads": 0, "optimizer": 0}
     if name == "blockllm":
         selected = int(numel * (1.0 - train.block_sparsity))
@@ -581,13 +583,13 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
     out = dataclasses.replace(breakdown, grads=states["grads"], optimizer=states["optimizer"],
                               loss_grads=states["grads"] if train.grad_accum > 1 else 0)
     if out.runtime:  # predict_memory counted AdamW's libraries
-        own = (HOST_FORWARD_ONLY_RUNTIME_BYTES
-               if train.optimizer in ("mezo", "es") and shape.size == 1 else HOST_RUNTIME_BYTES)
+        forward_only_process = train.optimizer in FORWARD_ONLY_METHODS and shape.size == 1
+        own = HOST_FORWARD_ONLY_RUNTIME_BYTES if forward_only_process else HOST_RUNTIME_BYTES
         out = dataclasses.replace(out, runtime=own + library_bytes(
             loads_dynamo(train, shape, checkpoints), checkpoints))
     if train.optimizer == "galore":
         out = dataclasses.replace(out, update=galore_update_bytes(model, shape, train))
-    if train.optimizer in ("mezo", "es"):
+    if train.optimizer in FORWARD_ONLY_METHODS:
         layer_block = sum(lin.out_features * lin.in_features for lin in block_linears(model))
         layer_block //= shape.x * shape.y
         gathered = 2 * layer_block * p.weight_bytes if shape.z > 1 else 0
