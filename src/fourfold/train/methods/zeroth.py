@@ -9,11 +9,13 @@ same global weights identically and the batch axes carry only scalar losses.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from fourfold.config import TrainConfig
+from fourfold.train.host_memory import trim_before_forward
 from fourfold.train.methods.base import (Guard, ParamView, StepData, StepResult, TrainingMethod,
                                          check_meta, param_views)
 from fourfold.train.methods.noise import noise_key
@@ -40,7 +42,9 @@ def add_noise(views: list[ParamView], seed: int, step: int, coefs: dict[int, flo
                 flat[start:stop].add_(delta.reshape(stop - start, -1).to(p.dtype))
 
 
-def _forward_loss(data: StepData) -> torch.Tensor:
+def _forward_loss(data: StepData, before: Callable[[], None] | None = None) -> torch.Tensor:
+    if before is not None:
+        before()
     with torch.no_grad():
         total = torch.zeros((), dtype=torch.float64)
         for loss in data.losses():
@@ -60,14 +64,15 @@ class MeZO(TrainingMethod):
         self.seed, self.eps = cfg.seed, cfg.mezo_eps
         self.weight_decay = cfg.effective_weight_decay()
         self.steps_done = 0
+        self._before_forward = trim_before_forward(pmodel.grid.device, pmodel.grid.world_size)
 
     def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
              ) -> StepResult:
         step, eps = self.steps_done, self.eps
         add_noise(self.views, self.seed, step, {0: eps})
-        plus = _forward_loss(data)
+        plus = _forward_loss(data, self._before_forward)
         add_noise(self.views, self.seed, step, {0: -2.0 * eps})
-        minus = _forward_loss(data)
+        minus = _forward_loss(data, self._before_forward)
         # two scalars cross the batch axes (data, z); x/y replicas already agree
         both = pmodel.reduce_over_batch(torch.stack([plus, minus]).to(pmodel.grid.device))
         plus_v, minus_v = float(both[0]), float(both[1])
@@ -120,6 +125,7 @@ class EvolutionStrategies(TrainingMethod):
         self.seed, self.sigma, self.population = cfg.seed, cfg.es_sigma, cfg.es_population
         self.weight_decay = cfg.effective_weight_decay()
         self.steps_done = 0
+        self._before_forward = trim_before_forward(pmodel.grid.device, pmodel.grid.world_size)
 
     def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
              ) -> StepResult:
@@ -129,7 +135,7 @@ class EvolutionStrategies(TrainingMethod):
         for m in range(n):
             add_noise(self.views, self.seed, step, {m: self.sigma})
             if m % replicas == replica:
-                losses[m] = _forward_loss(data)
+                losses[m] = _forward_loss(data, self._before_forward)
             add_noise(self.views, self.seed, step, {m: -self.sigma})
         # n floats over the whole grid: z sums the batch shards, data gathers the members;
         # x and y hold copies
