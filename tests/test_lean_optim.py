@@ -623,41 +623,45 @@ def test_bfloat16_on_one_host_process_trims_between_forward_and_backward(
     assert host_memory.trim_after_autocast_forward(torch.device("cuda"), 1, "bfloat16") is None
 
 
-@pytest.mark.parametrize("optimizer", ["mezo", "es"])
-def test_forward_only_methods_trim_before_each_forward_on_a_host_grid(
+@pytest.mark.parametrize("optimizer", ["mezo", "es", "blockllm"])
+def test_methods_without_their_own_trim_trim_on_a_host_grid(
         monkeypatch: pytest.MonkeyPatch, optimizer: str) -> None:
     """On a CPU rank of a grid MeZO and ES hand the heap's free pages back before each forward
     they evaluate (the weights already perturbed): MeZO twice a step, ES once per member of its
-    replica; skipped steps too. One process and an accelerator do not trim."""
+    replica; BlockLLM once at each step's start. Skipped steps too. One process and an
+    accelerator do not trim."""
+    import importlib
+
     import fourfold.train.host_memory as host_memory
-    import fourfold.train.methods.zeroth as zeroth
     from fourfold.config import TrainConfig, model_config
     from fourfold.models import build_model
     from fourfold.parallel import Grid, parallelize
     from fourfold.train.methods import StepData, build_method
 
     cpu = torch.device("cpu")
-    assert host_memory.trim_before_forward(cpu, 1) is None
-    assert host_memory.trim_before_forward(torch.device("cuda"), 4) is None
-    assert host_memory.trim_before_forward(cpu, 4) is not None
-    trims: list[bool] = []  # per trim: whether the weights were perturbed from the step's start
+    assert host_memory.trim_on_host_grid(cpu, 1) is None
+    assert host_memory.trim_on_host_grid(torch.device("cuda"), 4) is None
+    assert host_memory.trim_on_host_grid(cpu, 4) is not None
+    trims: list[bool] = []  # per trim: whether the weights were moved from the step's start
 
     def on_grid(device: torch.device, world_size: int):
         assert (device, world_size) == (cpu, 1)  # the method asks about its own grid
         return lambda: trims.append(
             not all(torch.equal(p, q) for p, q in zip(pmodel.parameters(), start)))
 
-    monkeypatch.setattr(zeroth, "trim_before_forward", on_grid)
+    module = "blockllm" if optimizer == "blockllm" else "zeroth"
+    monkeypatch.setattr(importlib.import_module(f"fourfold.train.methods.{module}"),
+                        "trim_on_host_grid", on_grid)
     cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
     pmodel = parallelize(build_model(cfg, seed=1), Grid.single())
     tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
     method = build_method(pmodel, TrainConfig(optimizer=optimizer, es_population=3))
-    per_step = 2 if optimizer == "mezo" else 3
-    for guard in (None, lambda loss, norm: "skipped"):
+    expected = {"mezo": [True] * 2, "es": [True] * 3, "blockllm": [False]}[optimizer]
+    for guard in (None, lambda loss, norm: "skipped", None):
         trims.clear()
         start = [p.detach().clone() for p in pmodel.parameters()]
         method.step(pmodel, StepData.one_batch(pmodel, tokens), lr=1e-3, guard=guard)
-        assert trims == [True] * per_step, (guard, trims)
+        assert trims == expected, (guard, trims)
 
 
 def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:

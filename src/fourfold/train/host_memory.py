@@ -135,16 +135,18 @@ def trim_after_autocast_forward(device: torch.device, world_size: int,
     return functools.partial(trim_host_memory, device)
 
 
-def trim_before_forward(device: torch.device, world_size: int) -> Callable[[], None] | None:
-    """What a forward-only method (MeZO, ES) runs before each forward: on a CPU rank of a grid,
-    the trim. Such a forward's transients (a 4 MiB logits block that gloo's worker thread
-    frees a moment after the next one is made, and with MKL's cache off a 4.6-4.8 MiB work
-    buffer per float32 GEMM) land in other holes each step, and a rank's resident heap grew
-    for about 5 steps. 15m preset, 2x2, 8 x 128 tokens, 12 steps (bench/train_memory.py
-    --grids 2x2 --steps 12): rank 0's peak ES 68-93 MiB without, 64-68 with (planned 61.5);
-    MeZO 67-78 against 62-64. The price is the faults of the pages the next forward touches
-    again: a step's time +4% (MeZO) to +6% (ES), alternated in one run. One process does not
-    grow so (ES and MeZO within 3% of the planner either way): no trim there."""
+def trim_on_host_grid(device: torch.device, world_size: int) -> Callable[[], None] | None:
+    """The trim for a CPU rank of a grid (else None), which the methods without a trim of their
+    own run: MeZO and ES before each forward, BlockLLM at each step's start. On such a rank the
+    step's transients (a 4 MiB logits block that gloo's worker thread frees a moment after the
+    next one is made, and with MKL's cache off a 4.6-4.8 MiB work buffer per float32 GEMM)
+    land in other holes each step, and its resident heap grew for 5-10 steps. 15m preset,
+    2x2, 8 x 128 tokens, 12 steps (bench/train_memory.py --grids 2x2 --steps 12), rank 0's
+    peak without -> with: ES 68-93 -> 64-68 MiB, MeZO 67-78 -> 62-64 (planned 61.5);
+    BlockLLM 132-136 -> 119 (planned 108). The price is the faults of the pages the next
+    forward touches again: a step's time +4% (MeZO, BlockLLM) to +6% (ES), alternated in one
+    run. One process does not grow so (each within 3% of the planner either way, and a
+    BlockLLM step there would pay +10%): no trim there."""
     if device.type != "cpu" or world_size == 1:
         return None
     return functools.partial(trim_host_memory, device)

@@ -51,6 +51,7 @@ from torch import nn
 from fourfold.config import TrainConfig
 from fourfold.parallel import Axis, Layout
 from fourfold.plan.memory import BLOCKLLM_HOLD_SLACK
+from fourfold.train.host_memory import trim_on_host_grid
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (CHUNK_ELEMENTS, Guard, ParamView, StepData, StepResult,
                                          TrainingMethod, arm_on_last_micro_step, check_meta,
@@ -173,6 +174,7 @@ class BlockLLM(TrainingMethod):
         # AdamW state: exp_avg, exp_avg_sq (local rows x local cols), step (local rows)
         self.grads: dict[int, torch.Tensor] = {}
         self.state: dict[int, dict[str, torch.Tensor]] = {}
+        self._trim = trim_on_host_grid(self.grid.device, self.grid.world_size)
         # what the last selection saw (tests read them): each tensor's row norms
         self.norms: dict[str, torch.Tensor] = {}
         self._seen: list[torch.Tensor | None] = []  # a selection's row norms so far
@@ -362,6 +364,8 @@ class BlockLLM(TrainingMethod):
 
     def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
              ) -> StepResult:
+        if self._trim is not None:  # the last step's freed blocks, before this step's
+            self._trim()
         if self.selecting_next:
             if self.best < math.inf:  # not the first selection
                 self.reselections += 1

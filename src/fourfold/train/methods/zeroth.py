@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fourfold.config import TrainConfig
-from fourfold.train.host_memory import trim_before_forward
+from fourfold.train.host_memory import trim_on_host_grid
 from fourfold.train.methods.base import (Guard, ParamView, StepData, StepResult, TrainingMethod,
                                          check_meta, param_views)
 from fourfold.train.methods.noise import noise_key
@@ -64,7 +64,7 @@ class MeZO(TrainingMethod):
         self.seed, self.eps = cfg.seed, cfg.mezo_eps
         self.weight_decay = cfg.effective_weight_decay()
         self.steps_done = 0
-        self._before_forward = trim_before_forward(pmodel.grid.device, pmodel.grid.world_size)
+        self._before_forward = trim_on_host_grid(pmodel.grid.device, pmodel.grid.world_size)
 
     def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
              ) -> StepResult:
@@ -125,7 +125,7 @@ class EvolutionStrategies(TrainingMethod):
         self.seed, self.sigma, self.population = cfg.seed, cfg.es_sigma, cfg.es_population
         self.weight_decay = cfg.effective_weight_decay()
         self.steps_done = 0
-        self._before_forward = trim_before_forward(pmodel.grid.device, pmodel.grid.world_size)
+        self._before_forward = trim_on_host_grid(pmodel.grid.device, pmodel.grid.world_size)
 
     def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
              ) -> StepResult:
