@@ -111,7 +111,8 @@ def trim_host_memory(device: torch.device) -> None:
     malloc tuning nothing else does. Called after the training steps, whose blocks the final
     export will not reuse, at a LOMO-family step's start and between the phases of a GaLore
     step (its refresh's large transient above all), which would otherwise land beside
-    resident holes. A no-op for an accelerator's memory and off glibc."""
+    resident holes, and on a CPU rank of a grid where trim_on_host_grid says. A no-op for an
+    accelerator's memory and off glibc."""
     if device.type != "cpu":
         return
     trim = _malloc_trim()
@@ -140,13 +141,14 @@ def trim_on_host_grid(device: torch.device, world_size: int) -> Callable[[], Non
     own run: MeZO and ES before each forward, BlockLLM at each step's start. On such a rank the
     step's transients (a 4 MiB logits block that gloo's worker thread frees a moment after the
     next one is made, and with MKL's cache off a 4.6-4.8 MiB work buffer per float32 GEMM)
-    land in other holes each step, and its resident heap grew for 5-10 steps. 15m preset,
-    2x2, 8 x 128 tokens, 12 steps (bench/train_memory.py --grids 2x2 --steps 12), rank 0's
-    peak without -> with: ES 68-93 -> 64-68 MiB, MeZO 67-78 -> 62-64 (planned 61.5);
-    BlockLLM 132-136 -> 119 (planned 108). The price is the faults of the pages the next
-    forward touches again: a step's time +4% (MeZO, BlockLLM) to +6% (ES), alternated in one
-    run. One process does not grow so (each within 3% of the planner either way, and a
-    BlockLLM step there would pay +10%): no trim there."""
+    land in other holes each step: the heap in use stays flat, but its blocks wander over a
+    growing extent and every page they touch stays resident. 15m preset, 2x2, 8 x 128
+    tokens, 12 steps (bench/train_memory.py --grids 2x2 --steps 12), rank 0's peak without ->
+    with (four runs against eight): ES 68-93 -> 64-85 MiB (median 67), MeZO 67-78 -> 62-71
+    (planned 61.5); BlockLLM 132-136 -> 116-124 (four, four; planned 108). The price is the
+    faults of the pages the next forward touches again: a step's time +4% (MeZO, BlockLLM)
+    to +6% (ES), alternated in one run. One process does not grow so (each within 3% of the
+    planner either way, and a BlockLLM step there would pay +10%): no trim there."""
     if device.type != "cpu" or world_size == 1:
         return None
     return functools.partial(trim_host_memory, device)
