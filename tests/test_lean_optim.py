@@ -54,7 +54,7 @@ def test_frozen_parameters_cost_nothing_on_grids(tmp_path: Path) -> None:
 
 
 MEZO = {"name": "mezo", "steps": 20, "accum": 2, "train": {"lr": 1e-3, "mezo_eps": 1e-3}}
-ES = {"name": "es", "steps": 12, "freeze": True,
+ES = {"name": "es", "steps": 20, "freeze": True,
       "train": {"lr": 1e-3, "es_sigma": 1e-3, "es_population": 4}}
 
 
