@@ -151,6 +151,7 @@ class BlockLLM(TrainingMethod):
     def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
         self.views = param_views(pmodel, tied_output)  # the candidates: trainable at the start
         self.grid, self.comm = pmodel.grid, pmodel.comm
+        self._trim = trim_on_host_grid(self.grid.device, self.grid.world_size)
         self.cands = candidates(self.views, self.grid)
         self._index = {id(c.view.param): i for i, c in enumerate(self.cands)}
         self._by_name = {c.view.name: c for c in self.cands}
@@ -174,7 +175,6 @@ class BlockLLM(TrainingMethod):
         # AdamW state: exp_avg, exp_avg_sq (local rows x local cols), step (local rows)
         self.grads: dict[int, torch.Tensor] = {}
         self.state: dict[int, dict[str, torch.Tensor]] = {}
-        self._trim = trim_on_host_grid(self.grid.device, self.grid.world_size)
         # what the last selection saw (tests read them): each tensor's row norms
         self.norms: dict[str, torch.Tensor] = {}
         self._seen: list[torch.Tensor | None] = []  # a selection's row norms so far
