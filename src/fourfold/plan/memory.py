@@ -60,7 +60,11 @@ What a rank holds that the model leaves out, and why:
 - the token shards, which are memory-mapped, and unmapped after each batch's reads (they stay
   in the page cache, outside the process's resident memory: data/loader.py);
 - the optimizer step's and the gradient norm's temporaries (a few tensors of one layer's size);
-- on a GPU, the caching allocator's slack (its fragmentation is not modelled).
+- on a GPU, the caching allocator's slack (its fragmentation is not modelled);
+- on a CPU rank of a grid, the heap pages that a step's blocks wander onto beyond the heap in
+  use (gloo's late frees, MKL's per-GEMM buffers: train/host_memory.py's trim_on_host_grid):
+  15m, 2x2, 8 x 128 tokens, after 12 steps rank 0 read 4-15% above the prediction and ES up
+  to 28% in one run of eight (within 10% at 4 steps); 125m's ranks stay within 7% at 10.
 
 The search compares the total with `Machine.usable_memory_bytes`, which divides a memory shared
 by several ranks (a host's) among them and takes `reserved_gib` per rank off for the runtime.
