@@ -1218,6 +1218,23 @@ def test_lean_step_time_bench_runs() -> None:
         assert all(c.endswith(" s") and float(c[:-2]) > 0 for c in cells), line
 
 
+def test_trim_cost_bench_runs() -> None:
+    """bench/trim_cost.py end to end at a tiny size, one process: each method's steps with and
+    without the trims, timed, and their page faults counted."""
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    proc = subprocess.run([sys.executable, str(bench / "trim_cost.py"), "--preset", "debug",
+                           "--steps", "4", "--warmup", "1", "--batch", "1", "--seq", "32",
+                           "--methods", "lomo", "mezo"], capture_output=True, text=True,
+                          timeout=300, env=outside_job_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:7]]
+            for line in proc.stdout.splitlines() if line.startswith(("| lomo", "| mezo"))}
+    assert set(rows) == {"lomo", "mezo"}, proc.stdout
+    for cells in rows.values():
+        assert all(c.endswith(" ms") and float(c[:-3]) > 0 for c in cells[:2]), cells
+        assert float(cells[2]) > 0 and all(float(c) >= 0 for c in cells[3:]), cells
+
+
 def test_memory_lean_phases_census_counts_the_tensors_in_the_heap() -> None:
     """bench/memory_lean.py --phases: at the largest heap a named call began with, the bytes
     of the tensors Python reaches hold at least the model's weights and the method's state,
