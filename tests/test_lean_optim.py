@@ -531,8 +531,9 @@ def test_galore_hands_free_host_pages_back_at_each_phase(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A refresh's Gram and eigh workspace (~4 s^2 float64), and each phase's temporaries,
     would otherwise sit above the heap's free holes, all resident under the ranks' malloc
-    tuning: on the host each matrix's refresh trims the heap first, and every step trims it at
-    its forward and at its update (a step the guard skips has no update)."""
+    tuning: on the host each matrix's refresh trims the heap first, and on a CPU rank of a grid
+    (here pretended) every step trims it at its forward and at its update (a step the guard
+    skips has no update)."""
     import fourfold.train.methods.galore as galore
     from fourfold.config import TrainConfig, model_config
     from fourfold.models import build_model
@@ -541,6 +542,7 @@ def test_galore_hands_free_host_pages_back_at_each_phase(
 
     trims: list[int] = []
     monkeypatch.setattr(galore, "trim_host_memory", lambda device: trims.append(1))
+    monkeypatch.setattr(galore, "trim_on_host_grid", lambda device, world: lambda: trims.append(1))
     cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
     pmodel = parallelize(build_model(cfg, seed=1), Grid.single())
     method = build_method(pmodel, TrainConfig(optimizer="galore", galore_gap=2))
@@ -561,8 +563,9 @@ def test_galore_hands_free_host_pages_back_at_each_phase(
 @pytest.mark.parametrize("optimizer", ["lomo", "adalomo"])
 def test_fused_methods_hand_free_host_pages_back_once_a_step(
         monkeypatch: pytest.MonkeyPatch, optimizer: str) -> None:
-    """LOMO and AdaLomo trim the heap at each step's start on the host: the last step's freed
-    blocks are not resident beside the next one's tensors (two_pass: still once a step)."""
+    """LOMO and AdaLomo trim the heap at each step's start on a CPU rank of a grid (here
+    pretended): the last step's freed blocks are not resident beside the next one's tensors
+    (two_pass: still once a step)."""
     import fourfold.train.methods.lomo as lomo
     from fourfold.config import TrainConfig, model_config
     from fourfold.models import build_model
@@ -570,7 +573,7 @@ def test_fused_methods_hand_free_host_pages_back_once_a_step(
     from fourfold.train.methods import StepData, build_method
 
     trims: list[int] = []
-    monkeypatch.setattr(lomo, "trim_host_memory", lambda device: trims.append(1))
+    monkeypatch.setattr(lomo, "trim_on_host_grid", lambda device, world: lambda: trims.append(1))
     cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
     pmodel = parallelize(build_model(cfg, seed=1), Grid.single())
     tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -593,8 +596,8 @@ def test_bfloat16_on_one_host_process_trims_between_forward_and_backward(
     from fourfold.models import build_model
     from fourfold.parallel import Grid, parallelize
     from fourfold.train.methods import StepData, build_method
-    from fourfold.train.methods import galore, lomo  # noqa: F401  before the patch: their own
-    # step-start and refresh trims keep the function they imported
+    from fourfold.train.methods import galore, lomo  # noqa: F401  before the patch: GaLore's
+    # refresh trims keep the function they imported
 
     trims: list[bool] = []  # per trim: whether the weights were still the step's first
 
@@ -624,7 +627,7 @@ def test_bfloat16_on_one_host_process_trims_between_forward_and_backward(
 
 
 @pytest.mark.parametrize("optimizer", ["mezo", "es", "blockllm"])
-def test_methods_without_their_own_trim_trim_on_a_host_grid(
+def test_mezo_es_and_blockllm_trim_on_a_host_grid(
         monkeypatch: pytest.MonkeyPatch, optimizer: str) -> None:
     """On a CPU rank of a grid MeZO and ES hand the heap's free pages back before each forward
     they evaluate (the weights already perturbed): MeZO twice a step, ES once per member of its

@@ -109,10 +109,9 @@ def trim_host_memory(device: torch.device) -> None:
     """When `device` is the host, hand the heap's free pages back to the kernel now (glibc's
     malloc_trim, which frees whole free pages in the middle of the heap too): under the ranks'
     malloc tuning nothing else does. Called after the training steps, whose blocks the final
-    export will not reuse, at a LOMO-family step's start and between the phases of a GaLore
-    step (its refresh's large transient above all), which would otherwise land beside
-    resident holes, and on a CPU rank of a grid where trim_on_host_grid says. A no-op for an
-    accelerator's memory and off glibc."""
+    export will not reuse, before a GaLore refresh's large transient, which would otherwise
+    land beside resident holes, and on a CPU rank of a grid at the points trim_on_host_grid
+    lists. A no-op for an accelerator's memory and off glibc."""
     if device.type != "cpu":
         return
     trim = _malloc_trim()
@@ -137,18 +136,20 @@ def trim_after_autocast_forward(device: torch.device, world_size: int,
 
 
 def trim_on_host_grid(device: torch.device, world_size: int) -> Callable[[], None] | None:
-    """The trim for a CPU rank of a grid (else None), which the methods without a trim of their
-    own run: MeZO and ES before each forward, BlockLLM at each step's start. On such a rank the
-    step's transients (a 4 MiB logits block that gloo's worker thread frees a moment after the
-    next one is made, and with MKL's cache off a 4.6-4.8 MiB work buffer per float32 GEMM)
-    land in other holes each step: the heap in use stays flat, but its blocks wander over a
-    growing extent and every page they touch stays resident. 15m preset, 2x2, 8 x 128
-    tokens, 12 steps (bench/train_memory.py --grids 2x2 --steps 12), rank 0's peak without ->
-    with (four runs against eight): ES 68-93 -> 64-85 MiB (median 67), MeZO 67-78 -> 62-71
-    (planned 61.5); BlockLLM 132-136 -> 116-124 (four, four; planned 108). The price is the
-    faults of the pages the next forward touches again: a step's time +4% (MeZO, BlockLLM)
-    to +6% (ES), alternated in one run. One process does not grow so (each within 3% of the
-    planner either way, and a BlockLLM step there would pay +10%): no trim there."""
+    """The methods' per-step trim, for a CPU rank of a grid (else None): LOMO and AdaLomo at
+    each step's start, GaLore at its forward and its update, MeZO and ES before each forward,
+    BlockLLM at each step's start. On such a rank a step's transients (a 4 MiB logits block
+    that gloo's worker thread frees a moment after the next one is made, and with MKL's cache
+    off a 4.6-4.8 MiB work buffer per float32 GEMM) land in other holes each step: the heap in
+    use stays flat, but its blocks wander over a growing extent and every page they touch
+    stays resident. 15m preset, 2x2, 8 x 128 tokens, 12 steps (bench/train_memory.py --grids
+    2x2 --steps 12), rank 0's peak without -> with (four runs against eight): ES 68-93 -> 64-85
+    MiB (median 67), MeZO 67-78 -> 62-71 (planned 61.5); BlockLLM 132-136 -> 116-124 (four,
+    four; planned 108). The price is the faults of the pages touched again: on that rank a
+    step +2% (AdaLomo, GaLore) to +7% (MeZO) (bench/trim_cost.py --grid 2x2). One process does
+    not grow so, and there the trims bought nothing and cost 9-13% of a step (LOMO, AdaLomo,
+    GaLore at 15m; LOMO 164 against 176 tokens/s at 125m, peak 690 against 688 MiB, one run
+    each): no trim there."""
     if device.type != "cpu" or world_size == 1:
         return None
     return functools.partial(trim_host_memory, device)

@@ -68,7 +68,8 @@ from fourfold.parallel import Layout
 from fourfold.parallel.comm import Comm
 from fourfold.parallel.grid import Axis
 from fourfold.plan.memory import GALORE_CHUNK_BYTES, galore_rank
-from fourfold.train.host_memory import trim_after_autocast_forward, trim_host_memory
+from fourfold.train.host_memory import (trim_after_autocast_forward, trim_host_memory,
+                                        trim_on_host_grid)
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
                                          StepResult, TrainingMethod, arm_on_last_micro_step,
@@ -144,6 +145,7 @@ class GaLore(PerParameterState, TrainingMethod):
         self._norm_sq = torch.zeros((), dtype=torch.float64, device=self.grid.device)
         self._after_forward = trim_after_autocast_forward(self.grid.device,
                                                           self.grid.world_size, cfg.dtype)
+        self._trim = trim_on_host_grid(self.grid.device, self.grid.world_size)
         self._armed = False  # on the last micro-step of a backward
         self._refresh = False
         # a refreshed basis replaces the old one at once, unless a step the guard rejects can
@@ -377,7 +379,8 @@ class GaLore(PerParameterState, TrainingMethod):
         for v in self.views:
             v.param.grad = None
         self._refresh = self.steps_done % self.gap == 0
-        trim_host_memory(self.grid.device)  # the last update's blocks, before the forward
+        if self._trim is not None:  # the last update's blocks, before the forward
+            self._trim()
         self._norm_sq.zero_()
         try:
             loss = reduce_loss(pmodel, backward_pass(pmodel, arm_on_last_micro_step(
@@ -389,7 +392,8 @@ class GaLore(PerParameterState, TrainingMethod):
         reason = guard(loss, norm) if guard is not None else None
         if reason is None:
             t = self.steps_done + 1
-            trim_host_memory(self.grid.device)  # backward's, before the update's temporaries
+            if self._trim is not None:  # backward's, before the update's temporaries
+                self._trim()
             for v in self.views:
                 if v.name in self._low or (v.param.dim() != 2 and v.param.grad is not None):
                     self._update(v, lr, t, coef)

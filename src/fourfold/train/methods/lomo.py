@@ -22,7 +22,7 @@ from torch import nn
 
 from fourfold.config import TrainConfig
 from fourfold.parallel import Layout
-from fourfold.train.host_memory import trim_after_autocast_forward, trim_host_memory
+from fourfold.train.host_memory import trim_after_autocast_forward, trim_on_host_grid
 from fourfold.train.methods.adamw import backward_pass
 from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
                                          StepResult, TrainingMethod, check_meta,
@@ -49,6 +49,7 @@ class FusedBackward(TrainingMethod):
         self._release = on_final_gradients(pmodel, self.views, self._on_grad_ready)
         self._after_forward = trim_after_autocast_forward(self.grid.device,
                                                           self.grid.world_size, cfg.dtype)
+        self._trim = trim_on_host_grid(self.grid.device, self.grid.world_size)
 
     @torch.no_grad()
     def _on_grad_ready(self, p: nn.Parameter) -> None:
@@ -78,7 +79,8 @@ class FusedBackward(TrainingMethod):
                              f"not {data.micro_steps}")
         self._lr, self._scale, norm = lr, 1.0, math.nan
         # the last step's freed blocks go back to the kernel: not resident beside this step's
-        trim_host_memory(self.grid.device)
+        if self._trim is not None:
+            self._trim()
         try:
             if self.clip_mode == "two_pass":
                 self._phase = "norm"
