@@ -3,9 +3,9 @@
 Where a method trims on the host (on a CPU rank of a grid: LOMO, AdaLomo and BlockLLM at each
 step's start, GaLore at its forward and update, MeZO and ES before each forward; GaLore before
 each refresh everywhere: fourfold.train.host_memory), the pages it hands back are faulted in
-again when the next tensors land on them. One run per method (one process, or with --grid an x by y grid of gloo
-ranks under torchrun, with the malloc tuning `fourfold train` gives CPU ranks): its steps
-alternate, two with the trims and two without (the trim made a no-op), after --warmup steps,
+again when the next tensors land on them. One run per method (one process, or with --grid
+an x by y grid of gloo ranks under torchrun, with the malloc tuning `fourfold train` gives CPU
+ranks): its steps alternate, two with the trims and two without (the trim made a no-op), after --warmup steps,
 so that both halves see the same load; rank 0's median step and minor page faults per step of
 each half. A method that does not trim where it runs reads the same in both halves.
 
