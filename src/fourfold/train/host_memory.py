@@ -141,15 +141,15 @@ def trim_on_host_grid(device: torch.device, world_size: int) -> Callable[[], Non
     BlockLLM at each step's start. On such a rank a step's transients (a 4 MiB logits block
     that gloo's worker thread frees a moment after the next one is made, and with MKL's cache
     off a 4.6-4.8 MiB work buffer per float32 GEMM) land in other holes each step: the heap in
-    use stays flat, but its blocks wander over a growing extent and every page they touch
-    stays resident. 15m preset, 2x2, 8 x 128 tokens, 12 steps (bench/train_memory.py --grids
-    2x2 --steps 12), rank 0's peak without -> with (four runs against eight): ES 68-93 -> 64-85
-    MiB (median 67), MeZO 67-78 -> 62-71 (planned 61.5); BlockLLM 132-136 -> 116-124 (four,
-    four; planned 108). The price is the faults of the pages touched again: on that rank a
-    step +2% (AdaLomo, GaLore) to +7% (MeZO) (bench/trim_cost.py --grid 2x2). One process does
-    not grow so, and there the trims bought nothing and cost 9-13% of a step (LOMO, AdaLomo,
-    GaLore at 15m; LOMO 164 against 176 tokens/s at 125m, peak 690 against 688 MiB, one run
-    each): no trim there."""
+    use stays flat, but its blocks wander over a growing extent and every page they touch stays
+    resident. 15m preset, 2x2, 8 x 128 tokens, 12 steps (bench/train_memory.py --grids 2x2
+    --steps 12), rank 0's peak without -> with (four runs against eight, ES fourteen): ES 68-93
+    -> 64-86 MiB (median 68.5), MeZO 67-78 -> 62-71 (planned 61.5); BlockLLM 132-136 -> 116-124
+    (four, four; planned 108). The price is the faults of the pages touched again: on that rank
+    a step +2% (AdaLomo, GaLore) to +7% (MeZO) (bench/trim_cost.py --grid 2x2). One process
+    does not grow so, and there the trims bought nothing and cost 9-13% of a step (LOMO,
+    AdaLomo, GaLore at 15m; LOMO 164 against 176 tokens/s at 125m, peak 690 against 688 MiB,
+    one run each): no trim there."""
     if device.type != "cpu" or world_size == 1:
         return None
     return functools.partial(trim_host_memory, device)
