@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -33,6 +34,58 @@ from lean_quality import parse_extra  # noqa: E402  METHOD:SECTION.KEY=VALUE
 from plan_check import combine  # noqa: E402  the probes of several runs as one
 from memory_lean import (METHODS, check_sets, method_sets, parse_grid,  # noqa: E402
                          train_config)
+
+
+def host_grid(shape: Any, folder: str) -> Any:
+    """This process's grid of `shape` (a GridShape) over gloo: under torchrun, this rank of it
+    with one thread, as the launcher gives each of several ranks on one host; alone, a one-rank
+    gloo group of its own (its store in `folder`), so that barriers and probes work alike."""
+    import torch
+    import torch.distributed as dist
+
+    from fourfold.parallel import Grid, init_distributed
+
+    if shape.size > 1:
+        torch.set_num_threads(1)
+        _, _, device = init_distributed("gloo", timeout_s=600)
+        return Grid.build(shape, device)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=0, world_size=1)
+    return Grid.single()
+
+
+def launch(script: str, spec: str, ranks: int, what: str,
+           env: dict[str, str] | None = None) -> dict:
+    """Run `script --rank-worker spec` in a fresh process, or under torchrun as `ranks` gloo
+    ranks (one thread each), with `env` added; the JSON row that rank 0 printed last."""
+    cmd = [sys.executable, script, "--rank-worker", spec]
+    if ranks > 1:
+        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                    str(ranks)]
+    env = {**os.environ, **(env or {}), **({"OMP_NUM_THREADS": "1"} if ranks > 1 else {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parent.parent)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        sys.exit(f"error: {what} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def report(row: dict) -> None:
+    """A rank worker's end: rank 0 (or the one process, its group gone) prints its row; a
+    grid's ranks then leave together."""
+    import torch.distributed as dist
+
+    from fourfold.parallel import leave_job
+
+    if not dist.is_initialized():
+        print(json.dumps(row), flush=True)
+        return
+    if dist.get_rank() == 0:
+        print(json.dumps(row), flush=True)
+    dist.barrier()
+    leave_job(0)
 
 
 def child(preset: str, method: str, steps: int, batch: int, seq: int, population: int,
@@ -46,7 +99,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
 
     from fourfold.config import ParallelConfig, model_config
     from fourfold.models import build_model
-    from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
+    from fourfold.parallel import GridShape, parallelize
     from fourfold.plan.machines import measure_host_costs, merge_rank_probes, probe_groups
     from fourfold.train.host_memory import keep_freed_host_memory
     from fourfold.train.methods import StepData, build_method
@@ -55,14 +108,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     x, y = grid
     shape = GridShape(y=y, x=x)
     tmp = tempfile.TemporaryDirectory()
-    if shape.size > 1:
-        torch.set_num_threads(1)  # as the launcher gives each of several ranks on one host
-        _, _, device = init_distributed("gloo", timeout_s=600)
-        the_grid = Grid.build(shape, device)
-    else:  # the probe times its loops between barriers: a one-rank gloo group of its own
-        dist.init_process_group("gloo", init_method=f"file://{tmp.name}/store", rank=0,
-                                world_size=1)
-        the_grid = Grid.single()
+    the_grid = host_grid(shape, tmp.name)
     model = build_model(model_config(preset), seed=0, device="meta")
     model.activation_checkpointing = True
     pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y), optimizer=method)
@@ -118,36 +164,12 @@ def measure(args: argparse.Namespace, method: str) -> dict:
     x, y = args.grid
     spec = json.dumps([args.preset, method, args.steps, args.batch, args.seq, args.population,
                        method_sets(args, method), [x, y]])
-    if x * y == 1:
-        cmd = [sys.executable, __file__, "--rank-worker", spec]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(x * y), __file__, "--rank-worker", spec]
-    env = dict(os.environ, OMP_NUM_THREADS="1") if x * y > 1 else dict(os.environ)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).resolve().parent.parent)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        sys.exit(f"error: {method} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    return launch(__file__, spec, x * y, method)
 
 
 def rank_worker(spec: str) -> None:
-    import torch.distributed as dist
-
-    from fourfold.parallel import leave_job
-
     preset, method, steps, batch, seq, population, sets, grid = json.loads(spec)
-    row = child(preset, method, steps, batch, seq, population, tuple(sets), tuple(grid))
-    if not dist.is_initialized():  # one process: its group is gone
-        print(json.dumps(row), flush=True)
-        return
-    if dist.get_rank() == 0:
-        print(json.dumps(row), flush=True)
-    dist.barrier()
-    leave_job(0)
+    report(child(preset, method, steps, batch, seq, population, tuple(sets), tuple(grid)))
 
 
 def main() -> None:

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from lean_step_time import host_grid, launch, report  # noqa: E402  rank jobs
 from memory_lean import METHODS, parse_grid  # noqa: E402
 
 
@@ -41,21 +40,14 @@ def child(preset: str, method: str, steps: int, warmup: int, batch: int, seq: in
     import fourfold.train.host_memory as host_memory
     from fourfold.config import ParallelConfig, TrainConfig, model_config
     from fourfold.models import build_model
-    from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
+    from fourfold.parallel import GridShape, parallelize
     from fourfold.train.methods import StepData, build_method
 
     host_memory.keep_freed_host_memory()
     x, y = grid
     shape = GridShape(y=y, x=x)
     tmp = tempfile.TemporaryDirectory()
-    if shape.size > 1:
-        torch.set_num_threads(1)  # as the launcher gives each of several ranks on one host
-        _, _, device = init_distributed("gloo", timeout_s=600)
-        the_grid = Grid.build(shape, device)
-    else:
-        dist.init_process_group("gloo", init_method=f"file://{tmp.name}/store", rank=0,
-                                world_size=1)
-        the_grid = Grid.single()
+    the_grid = host_grid(shape, tmp.name)
     model = build_model(model_config(preset), seed=0, device="meta")
     pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y), optimizer=method)
     cfg = TrainConfig(optimizer=method, lr=1e-4, seq_len=seq)
@@ -91,37 +83,12 @@ def measure(args: argparse.Namespace, method: str) -> dict:
     x, y = args.grid
     spec = json.dumps([args.preset, method, args.steps, args.warmup, args.batch, args.seq,
                        [x, y]])
-    cmd = [sys.executable, __file__, "--rank-worker", spec]
-    if x * y > 1:
-        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                    str(x * y)]
-    env = {**os.environ, **rank_malloc_environment()}
-    if x * y > 1:
-        env["OMP_NUM_THREADS"] = "1"
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).resolve().parent.parent)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        sys.exit(f"error: {method} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    return launch(__file__, spec, x * y, method, rank_malloc_environment())
 
 
 def rank_worker(spec: str) -> None:
-    import torch.distributed as dist
-
-    from fourfold.parallel import leave_job
-
     preset, method, steps, warmup, batch, seq, grid = json.loads(spec)
-    row = child(preset, method, steps, warmup, batch, seq, tuple(grid))
-    if not dist.is_initialized():  # one process: its group is gone
-        print(json.dumps(row), flush=True)
-        return
-    if dist.get_rank() == 0:
-        print(json.dumps(row), flush=True)
-    dist.barrier()
-    leave_job(0)
+    report(child(preset, method, steps, warmup, batch, seq, tuple(grid)))
 
 
 def main() -> None:
