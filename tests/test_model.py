@@ -375,3 +375,16 @@ def test_a_block_forward_leaves_few_residual_sized_temporaries() -> None:
     ref = q * cos + rotated * (sin * sign)  # rope_tables folds rotate_half's sign into sin
     assert torch.allclose(apply_rope(q, cos, sin), ref, rtol=0, atol=1e-12)
     assert torch.autograd.gradcheck(lambda t: apply_rope(t, cos, sin), (q,))
+
+
+def test_holds_result_allows_in_place_only_where_the_result_is_the_same_tensor() -> None:
+    """The guard of the forwards' in-place products and sums (SwiGLU, the norm's weight, the
+    residual add): the operand written must already have the result's dtype and shape."""
+    from fourfold.parallel.linear import holds_result
+
+    a = torch.ones(2, 3)
+    assert holds_result(a, torch.ones(3))  # the other operand broadcasts into a
+    assert holds_result(a, torch.ones(2, 3, dtype=torch.bfloat16))  # float32 wins
+    assert not holds_result(torch.ones(3), a)  # the result is larger than the operand
+    assert not holds_result(a.bfloat16(), a)  # the result is float32
+    assert not holds_result(torch.ones(2, 3, dtype=torch.int64), a)

@@ -21,7 +21,7 @@ from fourfold.config import ModelConfig
 from fourfold.models.init import normal_block
 from fourfold.models.recompute import recompute_in_backward
 from fourfold.parallel.embedding import CrossEntropy
-from fourfold.parallel.linear import compute_dtype
+from fourfold.parallel.linear import compute_dtype, holds_result
 from fourfold.parallel.norm import rms_norm
 
 
@@ -155,7 +155,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     recomputed value is the forward's bit for bit. The product is written into silu's output
     (the same bits as `silu(gate) * up`): one ffn-wide temporary less (see _Rope)."""
     s = F.silu(gate)
-    if s.shape == up.shape and s.dtype == torch.result_type(s, up):
+    if holds_result(s, up):
         return s.mul_(up)
     return s * up
 
@@ -270,8 +270,8 @@ def residual_add(x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
     and nothing saved it for backward: autograd's version check refuses the step otherwise),
     so that the branch's output is not one more freed x-sized block per residual add (see
     _Rope)."""
-    if (branch.shape == x.shape and branch.dtype == torch.result_type(branch, x)
-            and branch._base is None and not (branch.is_leaf and branch.requires_grad)
+    if (holds_result(branch, x) and branch._base is None
+            and not (branch.is_leaf and branch.requires_grad)
             and branch.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()):
         return branch.add_(x)
     return x + branch

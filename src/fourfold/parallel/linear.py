@@ -58,6 +58,14 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def holds_result(out: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether `out.op_(other)` gives the tensor `out op other` would (its dtype and shape, with
+    `other` broadcast): the memory-lean forwards write a product or sum into one operand where
+    it does, one activation-sized temporary less (see models/llama.py's _Rope)."""
+    return (out.dtype == torch.result_type(out, other)
+            and torch.broadcast_shapes(out.shape, other.shape) == out.shape)
+
+
 class _FanOut(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, engine: Engine, axis: str) -> torch.Tensor:  # type: ignore[override]

@@ -11,7 +11,7 @@ from torch import nn
 from fourfold.parallel.engine import Engine
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.layout import Layout
-from fourfold.parallel.linear import fan_out
+from fourfold.parallel.linear import fan_out, holds_result
 
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -40,7 +40,7 @@ class _RMSNorm(torch.autograd.Function):
         ctx.save_for_backward(x, weight, rstd)
         ctx.full_dim, ctx.reduce = full_dim, reduce
         normed = (xf * rstd).to(x.dtype)
-        if normed.dtype == torch.result_type(weight, normed):
+        if holds_result(normed, weight):
             return normed.mul_(weight)
         return weight * normed
 
