@@ -61,9 +61,12 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 def holds_result(out: torch.Tensor, other: torch.Tensor) -> bool:
     """Whether `out.op_(other)` gives the tensor `out op other` would (its dtype and shape, with
     `other` broadcast): the memory-lean forwards write a product or sum into one operand where
-    it does, one activation-sized temporary less (see models/llama.py's _Rope)."""
-    return (out.dtype == torch.result_type(out, other)
-            and torch.broadcast_shapes(out.shape, other.shape) == out.shape)
+    it does, one activation-sized temporary less (see models/llama.py's _Rope). The shapes
+    are compared here, not by torch.broadcast_shapes, which imports torch._refs and sympy
+    (30 MiB and more in every process)."""
+    if out.dtype != torch.result_type(out, other) or other.dim() > out.dim():
+        return False
+    return all(o in (1, n) for o, n in zip(reversed(other.shape), reversed(out.shape)))
 
 
 class _FanOut(torch.autograd.Function):
