@@ -232,6 +232,50 @@ def test_blocked_output_loss_equals_the_loss_over_whole_logits() -> None:
         parallelize(build_model(cfg, seed=0), Grid.single(), ParallelConfig(output_loss="rows"))
 
 
+def test_blocked_output_loss_writes_every_block_into_one_buffer_per_pass() -> None:
+    """float32 blocks of the blocked loss are written into one block's buffer that each pass
+    (forward, backward) makes once: a fresh block per GEMM is a fresh malloc on a host, and
+    where gloo sums the block over x it frees each a moment late, so the heap wandered by up to
+    a block each time (an ES rank on 2 x 2; tests/test_lean_optim.py checks the grids' losses).
+    Under bfloat16 autocast each block is made anew (its cast to float32 makes one anyway)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fourfold.config import ParallelConfig
+    from fourfold.parallel import Grid, parallelize
+    from fourfold.parallel.embedding import output_loss_columns
+
+    cfg = model_config("debug", vocab_size=8192)
+    tokens = torch.randint(0, cfg.vocab_size, (9, 65), generator=torch.Generator().manual_seed(1))
+    n = 9 * 64
+    block_bytes = n * output_loss_columns(n) * 4
+    blocks = -(-cfg.vocab_size // output_loss_columns(n))
+    assert blocks >= 4
+
+    def made(autocast: bool) -> int:
+        """Storages of a float32 block's size that a blocked forward and backward make."""
+        model = build_model(cfg, seed=0)
+        pmodel = parallelize(model, Grid.single(), ParallelConfig(output_loss="blocks"))
+        storages: set[int] = set()
+        kept: list[torch.Tensor] = []  # alive, so that no address is reused
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() == block_bytes:
+                        storages.add(t.untyped_storage().data_ptr())
+                        kept.append(t)
+                return out
+
+        h = model.norm(_hidden(model, tokens[:, :-1])).detach().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), Record():
+            model.output_loss(h, model.output, tokens[:, 1:]).sum().backward()
+        return len(storages)
+
+    assert made(autocast=False) == 2  # one buffer per pass
+    assert made(autocast=True) == 2 * (blocks - 1)  # each cast anew (the last is narrower)
+
+
 def _hidden(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
     """The residual stream before the final norm (the model's own forward, without a cache)."""
     T = tokens.shape[1]

@@ -217,9 +217,31 @@ def resolve_output_loss(mode: str, optimizer: str) -> str:
     return "blocks" if uses_blocked_loss(mode, optimizer) else "whole"
 
 
-def _block_logits(rows: torch.Tensor, w: torch.Tensor, output: nn.Module) -> torch.Tensor:
+def _block_space(rows: torch.Tensor, vocab: int, dtype: torch.dtype,
+                 output: nn.Module) -> torch.Tensor | None:
+    """One block's worth of float32 logits that every block of a pass is written into, or None
+    where blocks are made one by one (a compute dtype other than float32, or tuned GEMMs,
+    whose variants make their own). On a host a fresh block per GEMM is a fresh malloc: where
+    the output layer's input is split (x > 1) gloo's worker thread frees the block it summed a
+    moment after the next one is made, so two blocks' bytes take turns at the heap's top and
+    the heap grows by up to a block each time the race goes that way."""
+    engine: Engine | None = getattr(output, "engine", None)
+    if dtype != torch.float32 or (engine is not None and engine.tuner is not None):
+        return None
+    n = rows.shape[0]
+    return torch.empty(n * min(vocab, output_loss_columns(n)), dtype=dtype, device=rows.device)
+
+
+def _block_logits(rows: torch.Tensor, w: torch.Tensor, output: nn.Module,
+                  space: torch.Tensor | None = None) -> torch.Tensor:
     """float32 logits of rows against a block of the output layer's rows (summed over the
-    layer's input axis)."""
+    layer's input axis); written into the front of `space` where given (_block_space)."""
+    if space is not None:
+        out = torch.matmul(rows, w.t(), out=space[:rows.shape[0] * w.shape[0]].view(
+            rows.shape[0], w.shape[0]))
+        if isinstance(output, Linear3D):  # summed in place (float32 goes on the wire as is)
+            out = output.engine.comm.all_reduce(out, output.in_axis).wait()
+        return out
     if isinstance(output, Linear3D):
         engine = output.engine
         return engine.comm.all_reduce(engine.matmul("forward", rows, w),
@@ -255,8 +277,9 @@ class _OutputCrossEntropy(torch.autograd.Function):
             sum_exp = torch.zeros(n, dtype=torch.float32, device=h.device)
             target = torch.zeros(n, dtype=torch.float32, device=h.device)
             step = output_loss_columns(n)
+            space = _block_space(rows, vocab, dtype, output)
             for a in range(0, vocab, step):
-                lf = _block_logits(rows, w[a:a + step], output)  # (n, columns)
+                lf = _block_logits(rows, w[a:a + step], output, space)  # (n, columns)
                 here = owned & (local >= a) & (local < a + lf.shape[1])
                 index = (local - a).clamp_(0, lf.shape[1] - 1).unsqueeze(-1)
                 target += lf.gather(-1, index).squeeze(-1) * here
@@ -311,9 +334,10 @@ class _OutputCrossEntropy(torch.autograd.Function):
                 dw = (engine.grad_buffer(tuple(w.shape), dtype, h.device) if engine is not None
                       else torch.empty(w.shape, dtype=weight.dtype, device=h.device))
             step = output_loss_columns(n)
+            space = _block_space(rows, vocab, dtype, output)
             for a in range(0, vocab, step):
                 wb = w[a:a + step]
-                d = _block_logits(rows, wb, output)
+                d = _block_logits(rows, wb, output, space)
                 d.sub_(lse.unsqueeze(-1)).exp_()  # the softmax's block
                 here = owned & (local >= a) & (local < a + d.shape[1])
                 index = (local - a).clamp_(0, d.shape[1] - 1).unsqueeze(-1)
@@ -324,7 +348,9 @@ class _OutputCrossEntropy(torch.autograd.Function):
                         grad_h.addmm_(d, wb)
                     else:
                         grad_h += torch.matmul(d, wb)
-                if dw is not None:
+                if dw is not None and dw.dtype == d.dtype:
+                    torch.matmul(d.t(), rows, out=dw[a:a + step])  # rows of dW: contiguous
+                elif dw is not None:
                     dw[a:a + step] = torch.matmul(d.t(), rows)
                 del d
         grad_h = grad_h.to(h.dtype).view(h.shape) if grad_h is not None else None

@@ -138,13 +138,14 @@ def trim_after_autocast_forward(device: torch.device, world_size: int,
 def trim_on_host_grid(device: torch.device, world_size: int) -> Callable[[], None] | None:
     """The methods' per-step trim, for a CPU rank of a grid (else None): LOMO and AdaLomo at
     each step's start, GaLore at its forward and its update, MeZO and ES before each forward,
-    BlockLLM at each step's start. On such a rank a step's transients (a 4 MiB logits block
-    that gloo's worker thread frees a moment after the next one is made, and with MKL's cache
-    off a 4.6-4.8 MiB work buffer per float32 GEMM) land in other holes each step: the heap in
-    use stays flat, but its blocks wander over a growing extent and every page they touch stays
-    resident. 15m preset, 2x2, 8 x 128 tokens, 12 steps (bench/train_memory.py --grids 2x2
-    --steps 12), rank 0's peak without -> with (four runs against eight, ES fourteen): ES 68-93
-    -> 64-86 MiB (median 68.5), MeZO 67-78 -> 62-71 (planned 61.5); BlockLLM 132-136 -> 116-124
+    BlockLLM at each step's start. On such a rank a step's transients (with MKL's cache off a
+    4.6-4.8 MiB work buffer per float32 GEMM; until stop 49 also a 4 MiB logits block that
+    gloo's worker thread freed a moment after the next one was made, see embedding.py's
+    _block_space) land in other holes each step: the heap in use stays flat, but its blocks
+    wander over a growing extent and every page they touch stays resident. 15m preset, 2x2, 8 x
+    128 tokens, 12 steps (bench/train_memory.py --grids 2x2 --steps 12), rank 0's peak without
+    -> with (four runs against eight, ES fourteen): ES 68-93 -> 64-86 MiB (median 68.5; with
+    stop 49's logits buffer 60-79, median 64.6 over nineteen), MeZO 67-78 -> 62-71 (planned 61.5); BlockLLM 132-136 -> 116-124
     (four, four; planned 108). The price is the faults of the pages touched again: on that rank
     a step +2% (AdaLomo, GaLore) to +7% (MeZO) (bench/trim_cost.py --grid 2x2). One process
     does not grow so, and there the trims bought nothing and cost 9-13% of a step (LOMO,
