@@ -64,8 +64,9 @@ What a rank holds that the model leaves out, and why:
 - on a CPU rank of a grid, the heap pages that a step's blocks wander onto beyond the heap in
   use (gloo's late frees, MKL's per-GEMM buffers: train/host_memory.py's trim_on_host_grid):
   15m, 2x2, 8 x 128 tokens, after 12 steps rank 0 read up to 14.4% above the prediction
-  (stop 49: two runs of each method; AdaLomo and GaLore 12.7-14.4%) and ES up to 21.9% (five
-  runs of nineteen above 15%) (within 10% at 4 steps); 125m's ranks stay within 7% at 10.
+  (stop 49: two runs of each method; AdaLomo and GaLore 12.7-14.4%, GaLore 15.2% at 30) and
+  ES up to 21.9% (five runs of nineteen above 15%) (within 10% at 4 steps); 125m's ranks stay
+  within 7% at 10.
 
 The search compares the total with `Machine.usable_memory_bytes`, which divides a memory shared
 by several ranks (a host's) among them and takes `reserved_gib` per rank off for the runtime.
