@@ -244,7 +244,9 @@ def test_forward_only_methods_issue_only_forward_collectives():
 
     shape = GridShape(data=2, y=2, x=2)
     adamw, mezo = _step("adamw", shape, batch=8), _step("mezo", shape, batch=8)
-    schedule = collective_schedule(model_config("15m"), shape, 4 * 256, 1, True, 4, 4, 4,
+    # two forwards, each issuing the block's forward collectives once: no backward, so no
+    # recompute, though _step asks for activation checkpointing (which counts them twice)
+    schedule = collective_schedule(model_config("15m"), shape, 4 * 256, 1, False, 4, 4, 4,
                                    output_loss="whole")
     forward = {a: 0 for a in adamw.comm_bytes}
     for c in schedule:
@@ -252,6 +254,10 @@ def test_forward_only_methods_issue_only_forward_collectives():
             forward[c.axis] += c.nbytes * c.calls
     assert mezo.comm_bytes == {a: 2 * b for a, b in forward.items()}
     assert mezo.comm_bytes["data"] == 0 < adamw.comm_bytes["data"]
+    plain = predict_step(model_config("15m"), shape, 8, 256, 1, False,
+                         load_machine("perlmutter"), Precision.of("float32"),
+                         output_loss="whole", train=TrainConfig(optimizer="mezo"))
+    assert (plain.comm_bytes, plain.step_s) == (mezo.comm_bytes, mezo.step_s)
 
 
 def test_host_runtime_counts_the_libraries_each_run_imports():

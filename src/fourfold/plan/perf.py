@@ -570,11 +570,14 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     blocked = uses_blocked_loss(output_loss)
     comp = _compute_times(model, shape, n, seq_len, rates, precision, overlap.overlap_forward,
                           blocked)
-    schedule = collective_schedule(model, shape, n, grad_accum, activation_checkpointing,
+    cost = method_cost(model, shape, train, rates, precision)
+    # a forward-only method recomputes nothing, so its forwards issue each block's forward
+    # collectives once (with checkpointing the schedule counts them twice, for the recompute)
+    schedule = collective_schedule(model, shape, n, grad_accum,
+                                   activation_checkpointing and not cost.forwards,
                                    precision.act_bytes, precision.weight_bytes,
                                    precision.reduce_bytes, precision.residual_bytes,
                                    overlap.overlap_forward, output_loss=output_loss)
-    cost = method_cost(model, shape, train, rates, precision)
     schedule = schedule + method_collectives(model, shape, train)
 
     def runs(phase: str) -> int:
