@@ -5,9 +5,10 @@ step's start, GaLore at its forward and update, MeZO and ES before each forward;
 each refresh everywhere: fourfold.train.host_memory), the pages it hands back are faulted in
 again when the next tensors land on them. One run per method (one process, or with --grid
 an x by y grid of gloo ranks under torchrun, with the malloc tuning `fourfold train` gives CPU
-ranks): its steps alternate, two with the trims and two without (the trim made a no-op), after --warmup steps,
-so that both halves see the same load; rank 0's median step and minor page faults per step of
-each half. A method that does not trim where it runs reads the same in both halves.
+ranks): after --warmup steps its steps alternate, two with the trims and two without (the trim
+made a no-op), so that both halves see the same load; rank 0's median step and minor page
+faults per step of each half. A method that does not trim where it runs reads the same in
+both halves.
 
     python bench/trim_cost.py [--grid XxY] [--preset 15m] [--steps 20] [--warmup 4]
         [--batch 8] [--seq 128] [--methods mezo es blockllm ...]

@@ -218,14 +218,13 @@ def resolve_output_loss(mode: str, optimizer: str) -> str:
 
 
 def _block_space(rows: torch.Tensor, vocab: int, dtype: torch.dtype,
-                 output: nn.Module) -> torch.Tensor | None:
+                 engine: Engine | None) -> torch.Tensor | None:
     """One block's worth of float32 logits that every block of a pass is written into, or None
     where blocks are made one by one (a compute dtype other than float32, or tuned GEMMs,
     whose variants make their own). On a host a fresh block per GEMM is a fresh malloc: where
     the output layer's input is split (x > 1) gloo's worker thread frees the block it summed a
     moment after the next one is made, so two blocks' bytes take turns at the heap's top and
     the heap grows by up to a block each time the race goes that way."""
-    engine: Engine | None = getattr(output, "engine", None)
     if dtype != torch.float32 or (engine is not None and engine.tuner is not None):
         return None
     n = rows.shape[0]
@@ -277,7 +276,7 @@ class _OutputCrossEntropy(torch.autograd.Function):
             sum_exp = torch.zeros(n, dtype=torch.float32, device=h.device)
             target = torch.zeros(n, dtype=torch.float32, device=h.device)
             step = output_loss_columns(n)
-            space = _block_space(rows, vocab, dtype, output)
+            space = _block_space(rows, vocab, dtype, engine)
             for a in range(0, vocab, step):
                 lf = _block_logits(rows, w[a:a + step], output, space)  # (n, columns)
                 here = owned & (local >= a) & (local < a + lf.shape[1])
@@ -334,7 +333,7 @@ class _OutputCrossEntropy(torch.autograd.Function):
                 dw = (engine.grad_buffer(tuple(w.shape), dtype, h.device) if engine is not None
                       else torch.empty(w.shape, dtype=weight.dtype, device=h.device))
             step = output_loss_columns(n)
-            space = _block_space(rows, vocab, dtype, output)
+            space = _block_space(rows, vocab, dtype, engine)
             for a in range(0, vocab, step):
                 wb = w[a:a + step]
                 d = _block_logits(rows, wb, output, space)

@@ -148,10 +148,9 @@ def trim_on_host_grid(device: torch.device, world_size: int) -> Callable[[], Non
     stop 49's logits buffer 60-79, median 64.6 over nineteen), MeZO 67-78 -> 62-71 (planned
     61.5); BlockLLM 132-136 -> 116-124 (four, four; planned 108). The price is the faults of
     the pages touched again: on that rank a step +2% (AdaLomo, GaLore) to +7% (MeZO)
-    (bench/trim_cost.py --grid 2x2). One process
-    does not grow so, and there the trims bought nothing and cost 9-13% of a step (LOMO,
-    AdaLomo, GaLore at 15m; LOMO 164 against 176 tokens/s at 125m, peak 690 against 688 MiB,
-    one run each): no trim there."""
+    (bench/trim_cost.py --grid 2x2). One process does not grow so, and there the trims bought
+    nothing and cost 9-13% of a step (LOMO, AdaLomo, GaLore at 15m; LOMO 164 against 176
+    tokens/s at 125m, peak 690 against 688 MiB, one run each): no trim there."""
     if device.type != "cpu" or world_size == 1:
         return None
     return functools.partial(trim_host_memory, device)
