@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fourfold.config import PRESETS, model_config
@@ -238,8 +239,6 @@ def test_blocked_output_loss_writes_every_block_into_one_buffer_per_pass() -> No
     where gloo sums the block over x it frees each a moment late, so the heap wandered by up to
     a block each time (an ES rank on 2 x 2; tests/test_lean_optim.py checks the grids' losses).
     Under bfloat16 autocast each block is made anew (its cast to float32 makes one anyway)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from fourfold.config import ParallelConfig
     from fourfold.parallel import Grid, parallelize
     from fourfold.parallel.embedding import output_loss_columns
@@ -255,26 +254,36 @@ def test_blocked_output_loss_writes_every_block_into_one_buffer_per_pass() -> No
         """Storages of a float32 block's size that a blocked forward and backward make."""
         model = build_model(cfg, seed=0)
         pmodel = parallelize(model, Grid.single(), ParallelConfig(output_loss="blocks"))
-        storages: set[int] = set()
-        kept: list[torch.Tensor] = []  # alive, so that no address is reused
-
-        class Record(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                for t in out if isinstance(out, (tuple, list)) else [out]:
-                    if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() == block_bytes:
-                        storages.add(t.untyped_storage().data_ptr())
-                        kept.append(t)
-                return out
-
         h = model.norm(_hidden(model, tokens[:, :-1])).detach().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), Record():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+                _StoragesMade(lambda nbytes: nbytes == block_bytes) as made:
             model.output_loss(h, model.output, tokens[:, 1:]).sum().backward()
-        return len(storages)
+        return len(made)
 
     assert made(autocast=False) == 2  # one buffer per pass
     assert made(autocast=True) == 2 * (blocks - 1)  # each cast anew (the last is narrower)
 
+
+class _StoragesMade(TorchDispatchMode):
+    """While on, the storages that ops make whose size in bytes `keep` accepts: `with ... as
+    made` gives storage address -> the op that made it. Each such tensor is kept alive, so
+    that no address is reused."""
+
+    def __init__(self, keep) -> None:
+        super().__init__()
+        self.keep, self.made, self._alive = keep, {}, []
+
+    def __enter__(self) -> dict[int, str]:
+        super().__enter__()
+        return self.made
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and self.keep(t.untyped_storage().nbytes()):
+                self.made.setdefault(t.untyped_storage().data_ptr(), str(func))
+                self._alive.append(t)
+        return out
 
 def _hidden(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
     """The residual stream before the final norm (the model's own forward, without a cache)."""
@@ -380,32 +389,20 @@ def test_a_block_forward_leaves_few_residual_sized_temporaries() -> None:
     and products, SwiGLU's silu and the residual adds made thirteen more. RoPE's values and
     gradients are still HF's rotate-half expression's (to rounding: its products are fused
     now). float32, as a CPU run trains by default (under autocast the casts make their own)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from fourfold.models.llama import apply_rope
 
     cfg = model_config("debug", n_kv_heads=4)  # keys the size of queries
     model = build_model(cfg, seed=0)
     B, T = 4, cfg.max_seq_len  # a block's activations larger than its weights
     x = torch.randn(B, T, cfg.dim, requires_grad=True)
-    made: dict[int, str] = {}  # storage -> the op that made it
-    outputs: list[torch.Tensor] = []  # kept alive, so that no address is reused
     saved: set[int] = set()
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() >= x.nbytes:
-                    made.setdefault(t.untyped_storage().data_ptr(), str(func))
-                    outputs.append(t)
-            return out
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.add(t.untyped_storage().data_ptr())
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Record():
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            _StoragesMade(lambda nbytes: nbytes >= x.nbytes) as made:  # storage -> its op
         y = model.layers[0](x, model.rope_cos[:T], model.rope_sin[:T])
     temporaries = sorted(op for ptr, op in made.items()
                          if ptr not in saved and ptr != y.untyped_storage().data_ptr())
