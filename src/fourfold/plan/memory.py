@@ -62,7 +62,8 @@ What a rank holds that the model leaves out, and why:
 - the optimizer step's and the gradient norm's temporaries (a few tensors of one layer's size);
 - on a GPU, the caching allocator's slack (its fragmentation is not modelled);
 - on a CPU rank of a grid, the heap pages that a step's blocks wander onto beyond the heap in
-  use (gloo's late frees, MKL's per-GEMM buffers: train/host_memory.py's trim_on_host_grid):
+  use (where glibc places them, which gloo's late frees and MKL's per-GEMM buffers move: ES's
+  heap in use flat at 24 MiB, its extent 43-59; train/host_memory.py's trim_on_host_grid):
   15m, 2x2, 8 x 128 tokens, after 12 steps rank 0 read up to 14.4% above the prediction
   (stop 49: two runs of each method; AdaLomo and GaLore 12.7-14.4%, GaLore 15.2% at 30) and
   ES up to 21.9% (five runs of nineteen above 15%) (within 10% at 4 steps); 125m's ranks stay
