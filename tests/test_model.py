@@ -285,6 +285,7 @@ class _StoragesMade(TorchDispatchMode):
                 self._alive.append(t)
         return out
 
+
 def _hidden(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
     """The residual stream before the final norm (the model's own forward, without a cache)."""
     T = tokens.shape[1]
