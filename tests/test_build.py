@@ -63,11 +63,14 @@ def test_the_fits_check_counts_the_checkpoint_library_where_the_run_will_resume(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run directory holding a checkpoint (and checkpoint.resume on) makes build_run's
     fits-check predict a resumed run, whose loading imports the checkpoint library: here the
-    difference between fitting and not."""
+    difference between fitting and not. A damaged checkpoint (no manifest, a truncated file)
+    the run will skip, so it does not count."""
+    import json
+
     import fourfold.train.build as build
     from fourfold.parallel import GridShape
     from fourfold.plan.errors import PlanError
-    from fourfold.train.checkpoint import checkpoint_root
+    from fourfold.train.checkpoint import MANIFEST_FILE, checkpoint_root
 
     cfg = load_config(None, [*OVERRIDES, "train.optimizer=mezo", "checkpoint.every=0"])
     fresh, resumed = (build.predicted_memory(cfg, GridShape(1, 1, 1, 1), True, r).total
@@ -75,7 +78,14 @@ def test_the_fits_check_counts_the_checkpoint_library_where_the_run_will_resume(
     assert resumed > fresh
     monkeypatch.setattr(build, "rank_memory_capacity", lambda device, ranks: fresh)
     build_run(cfg, tmp_path)  # fits: nothing to resume
-    (checkpoint_root(tmp_path) / "step_00000001").mkdir(parents=True)
+    step = checkpoint_root(tmp_path) / "step_00000001"
+    step.mkdir(parents=True)
+    build_run(cfg, tmp_path)  # no manifest: damaged, skipped
+    (step / ".metadata").write_bytes(b"12345")
+    (step / MANIFEST_FILE).write_text(json.dumps(
+        {"files": {".metadata": {"bytes": 9, "sha256": "0" * 64}}}))
+    build_run(cfg, tmp_path)  # truncated: skipped
+    (step / ".metadata").write_bytes(b"123456789")  # sizes match: counted, unhashed
     with pytest.raises(PlanError, match="under train.optimizer = 'mezo': a rank needs"):
         build_run(cfg, tmp_path)
     build_run(load_config(None, [*OVERRIDES, "train.optimizer=mezo", "checkpoint.every=0",

@@ -32,7 +32,7 @@ from fourfold.plan.errors import PlanError
 from fourfold.plan.memory import (GIB, MemoryBreakdown, Precision, predict_memory,
                                   predict_method_memory)
 from fourfold.plan.search import check_grid_fits, rank_memory_capacity
-from fourfold.train.checkpoint import list_checkpoints
+from fourfold.train.checkpoint import list_checkpoints, verify_checkpoint
 from fourfold.train.compile import BlockCompiler
 from fourfold.train.host_memory import keep_freed_host_memory
 from fourfold.train.methods import TrainingMethod, batch_shard, build_method, method_batch_axes
@@ -106,8 +106,10 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
     if t.optimizer == "adamw":
         check_grid_fits(cfg, grid.shape, device, local_ranks)
     else:  # the method's own gradients and state, not AdamW's
-        # a run that will resume loads a checkpoint, which imports the checkpoint library
-        resumes = cfg.checkpoint.resume and bool(list_checkpoints(run_dir))
+        # a run that will resume loads a checkpoint, which imports the checkpoint library; a
+        # damaged one (missing or truncated files: checked without hashing) it will skip
+        resumes = cfg.checkpoint.resume and any(
+            verify_checkpoint(p, checksums=False) is None for p in list_checkpoints(run_dir))
         check_method_fits(cfg, grid.shape, device.type == "cpu",
                           rank_memory_capacity(device, local_ranks), resumed=resumes)
 
