@@ -64,11 +64,12 @@ What a rank holds that the model leaves out, and why:
 - on a CPU rank of a grid, the heap pages that a step's blocks wander onto beyond the heap in
   use (where glibc places them, which gloo's late frees and MKL's per-GEMM buffers move: ES's
   heap in use flat at 24 MiB, its extent 43-59; train/host_memory.py's trim_on_host_grid):
-  15m, 2x2, 8 x 128 tokens, after 12 steps rank 0 read up to 14.4% above the prediction
-  (stop 49: two runs of each method; AdaLomo and GaLore 12.7-14.4%; at 30 steps GaLore
-  14.7-16.1%, three runs) and ES up to 28.5% (above 15% in five runs of nineteen at stop 49,
-  up to 21.9%, and five of fifteen at stop 50) (within 10% at 4 steps); 125m's ranks stay
-  within 7% at 10.
+  15m, 2x2, 8 x 128 tokens, after 12 steps rank 0 read up to 15.4% above the prediction
+  (stop 49: two runs of each method, AdaLomo and GaLore 12.7-14.4%; at 30 steps GaLore
+  14.7-16.1%, three runs; stop 51: AdaLomo above 15% in one of ten runs, its statistics'
+  all-reduces during backward leaving it 9-14 MiB above LOMO) and ES up to 28.5% (above 15%
+  in five runs of nineteen at stop 49, up to 21.9%, and five of fifteen at stop 50) (within
+  10% at 4 steps); 125m's ranks stay within 7% at 10.
 
 The search compares the total with `Machine.usable_memory_bytes`, which divides a memory shared
 by several ranks (a host's) among them and takes `reserved_gib` per rank off for the runtime.
