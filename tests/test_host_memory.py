@@ -132,7 +132,7 @@ def _reexec_target(monkeypatch, argv, env, gpus=False):
     from fourfold import cli, host
 
     for name in list(os.environ):
-        if name.startswith(("MALLOC_", "GLIBC_", "MKL_", "WORLD_SIZE", "SLURM_")):
+        if name.startswith(("MALLOC_", "GLIBC_", "MKL_", "TORCH_FR_", "WORLD_SIZE", "SLURM_")):
             monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -162,8 +162,11 @@ def test_cpu_training_restarts_once_with_the_rank_heap(monkeypatch):
     assert args[1:] == ["-m", "fourfold", "train", "x.toml"]
     assert environ["GLIBC_TUNABLES"] == RANK_TUNABLES
     assert environ["MKL_DISABLE_FAST_MM"] == "1"  # MKL's buffer cache off too
-    _, environ = _reexec_target(monkeypatch, ["fourfold", "train"], {"MKL_DISABLE_FAST_MM": "2"})
-    assert environ["MKL_DISABLE_FAST_MM"] == "2"  # the user's own setting stays
+    assert environ["TORCH_FR_BUFFER_SIZE"] == "0"  # and torch's flight recorder
+    _, environ = _reexec_target(monkeypatch, ["fourfold", "train"],
+                                {"MKL_DISABLE_FAST_MM": "2", "TORCH_FR_BUFFER_SIZE": "100"})
+    # the user's own settings stay
+    assert environ["MKL_DISABLE_FAST_MM"] == "2" and environ["TORCH_FR_BUFFER_SIZE"] == "100"
     # once only (the restarted process has the tunables), and never for what is not asked for
     assert _reexec_target(monkeypatch, ["fourfold", "train"],
                           {"WORLD_SIZE": "4", "GLIBC_TUNABLES": RANK_TUNABLES}) is None
@@ -176,3 +179,48 @@ def test_cpu_training_restarts_once_with_the_rank_heap(monkeypatch):
     assert _reexec_target(monkeypatch, ["fourfold", "plan"], {"WORLD_SIZE": "4"}) is None
     assert _reexec_target(monkeypatch, ["fourfold", "plan"], {}) is None
     assert _reexec_target(monkeypatch, ["fourfold", "train"], {}, gpus=True) is None
+
+
+RECORDER_PROGRAM = r"""
+import ctypes, os, sys, torch, torch.distributed as dist
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks "
+                "uordblks fordblks keepcost".split()]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+dist.init_process_group("gloo")
+t = torch.ones(100)
+dist.all_reduce(t)
+before = libc.mallinfo2().uordblks
+for _ in range(2000):
+    dist.all_reduce(t)
+if dist.get_rank() == 0:
+    print(libc.mallinfo2().uordblks - before)
+sys.stdout.flush()
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallinfo2")
+def test_the_ranks_environment_turns_the_flight_recorder_off(tmp_path):
+    """torch's flight recorder keeps small blocks of the last 2,000 collectives in the heap; the
+    environment `fourfold train` gives CPU ranks turns it off (fourfold.host says what it cost a
+    rank). Two gloo ranks, 2,000 all-reduces of 100 floats each, heap growth on rank 0."""
+    from fourfold.host import rank_malloc_environment
+
+    script = tmp_path / "recorder.py"
+    script.write_text(RECORDER_PROGRAM)
+    base = {k: v for k, v in os.environ.items()
+            if not (k.startswith(("MALLOC_", "MKL_", "TORCH_FR_")) or k == "GLIBC_TUNABLES")}
+    grew = {}
+    for name, env in (("default", base), ("ranks", dict(base, **rank_malloc_environment()))):
+        assert ("TORCH_FR_BUFFER_SIZE" in env) == (name == "ranks")
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                              "2", "--standalone", str(script)], env=env, check=True,
+                             capture_output=True, text=True, timeout=120).stdout
+        grew[name] = int(out.split()[-1])
+    # about 680 KB with the recorder (about 340 bytes a collective), 0-100 KB without
+    assert grew["ranks"] < 250_000 < 400_000 < grew["default"], grew

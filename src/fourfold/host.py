@@ -55,15 +55,26 @@ def _user_tunes_malloc() -> bool:
 # 13 MiB more in use and its resident peak was no lower (16 steps, two runs against one).
 MKL_ENVIRONMENT = {"MKL_DISABLE_FAST_MM": "1"}
 
+# torch's flight recorder, on by default for gloo, keeps the last 2,000 collectives for
+# debugging hangs: each collective leaves a few small blocks (about 700 bytes) that live until
+# 2,000 more have run, carved out of the holes a step's tensors left. On a CPU rank of a grid
+# that scatters the heap: 15m, 2x2, 8 x 128 tokens, 12 steps (bench/train_memory.py), rank 0
+# read ES 62-67 MiB with it and 50 without, AdaLomo 121-122 against 106-107, GaLore 129-132
+# against 125, LOMO 109-110 against 107-108 (two runs each, alternated). Read at a process
+# group's creation; fourfold's own collective errors already name the axis and the ranks.
+FLIGHT_RECORDER_ENVIRONMENT = {"TORCH_FR_BUFFER_SIZE": "0"}
+
 
 def rank_malloc_environment() -> dict[str, str]:
-    """Environment for CPU ranks that a launcher starts: RANK_TUNABLES as GLIBC_TUNABLES and
-    MKL's buffer cache off (MKL_ENVIRONMENT, unless the user set its variable), unless the user
-    tunes malloc (then nothing)."""
+    """Environment for CPU ranks that a launcher starts: RANK_TUNABLES as GLIBC_TUNABLES, MKL's
+    buffer cache off (MKL_ENVIRONMENT) and torch's flight recorder off
+    (FLIGHT_RECORDER_ENVIRONMENT), each variable unless the user set it; nothing when the user
+    tunes malloc."""
     if not sys.platform.startswith("linux") or _user_tunes_malloc():
         return {}
-    mkl = {k: v for k, v in MKL_ENVIRONMENT.items() if k not in os.environ}
-    return {"GLIBC_TUNABLES": RANK_TUNABLES, **mkl}
+    rest = {**MKL_ENVIRONMENT, **FLIGHT_RECORDER_ENVIRONMENT}
+    return {"GLIBC_TUNABLES": RANK_TUNABLES,
+            **{k: v for k, v in rest.items() if k not in os.environ}}
 
 
 def has_accelerator_devices() -> bool:

@@ -34,8 +34,9 @@ checkpoint, the streamed export):
 - runtime (on a host): what a rank touches beyond a process that imported fourfold, not as
   tensors: library code and data first used by a step, gloo's and the checkpoint writer's threads,
   the interpreter's objects; a constant ~40 MiB per rank on every preset measured (15m: 37-59 MiB
-  above the other terms on 1-8 ranks), 27 MiB for MeZO and ES in one process
-  (HOST_FORWARD_ONLY_RUNTIME_BYTES: no backward, no gloo threads). Under bfloat16 it includes
+  above the other terms on 1-8 ranks), 27 MiB for MeZO and ES (HOST_FORWARD_ONLY_RUNTIME_BYTES:
+  no backward; on a grid rank with torch's flight recorder off, as `fourfold train` runs CPU
+  ranks, fourfold.host.FLIGHT_RECORDER_ENVIRONMENT). Under bfloat16 it includes
   oneDNN's primitive cache (each bfloat16 GEMM's kernel, kept from its first call: 5 MiB of heap
   on one process, 6.5 on a 2 x 2 rank, small preset; none in float32, whose GEMMs are MKL's),
   which bench/heap_peak.py's heap reads beside the tensors. Not MKL's buffers: CPU ranks run with
@@ -267,9 +268,10 @@ def block_transient_bytes_per_token(model: ModelConfig, shape: GridShape, precis
 
 
 HOST_RUNTIME_BYTES = 40 * 2**20  # measured: see the module docstring (runtime)
-# ... and for MeZO and ES in one process (no backward, no gloo threads): `fourfold train`, 8 x
-# 128 tokens, 4 steps, read 27-28 MiB above the other terms at the small and 15m presets
-# (the backward methods 32-39 there, and a rank about 40)
+# ... and for MeZO and ES (no backward): `fourfold train`, 8 x 128 tokens, 4 steps, read 27-28
+# MiB above the other terms in one process at the small and 15m presets (the backward methods
+# 32-39 there); on a CPU rank of a grid, since its flight recorder is off (fourfold.host), ES
+# and MeZO read 27-32 (15m 2x2, 12 steps; 125m 2x2, bench/memory_lean.py --steps 4)
 HOST_FORWARD_ONLY_RUNTIME_BYTES = 27 * 2**20
 # the methods that train from forward passes alone (train/methods/zeroth.py)
 FORWARD_ONLY_METHODS = ("mezo", "es")
@@ -592,8 +594,8 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
     out = dataclasses.replace(breakdown, grads=states["grads"], optimizer=states["optimizer"],
                               loss_grads=states["grads"] if train.grad_accum > 1 else 0)
     if out.runtime:  # predict_memory counted AdamW's libraries
-        forward_only_process = train.optimizer in FORWARD_ONLY_METHODS and shape.size == 1
-        own = HOST_FORWARD_ONLY_RUNTIME_BYTES if forward_only_process else HOST_RUNTIME_BYTES
+        own = (HOST_FORWARD_ONLY_RUNTIME_BYTES if train.optimizer in FORWARD_ONLY_METHODS
+               else HOST_RUNTIME_BYTES)
         out = dataclasses.replace(out, runtime=own + library_bytes(
             loads_dynamo(train, shape, checkpoints), checkpoints))
     if train.optimizer == "galore":
