@@ -63,8 +63,11 @@ What a rank holds that the model leaves out, and why:
 - the optimizer step's and the gradient norm's temporaries (a few tensors of one layer's size);
 - on a GPU, the caching allocator's slack (its fragmentation is not modelled);
 - on a CPU rank of a grid, the heap pages that a step's blocks wander onto beyond the heap in
-  use (where glibc places them, which gloo's late frees and MKL's per-GEMM buffers move: ES's
-  heap in use flat at 24 MiB, its extent 43-59; train/host_memory.py's trim_on_host_grid):
+  use. Since stop 51 the ranks run with torch's flight recorder off (fourfold.host), whose
+  per-collective blocks did most of the scattering: 15m, 2x2, 12 steps, every method within
+  8.5% (ES 49.4-51.5 MiB over seven runs, planned 48.5). Before it (where glibc places them,
+  which gloo's late frees and MKL's per-GEMM buffers move: ES's heap in use flat at 24 MiB,
+  its extent 43-59; train/host_memory.py's trim_on_host_grid):
   15m, 2x2, 8 x 128 tokens, after 12 steps rank 0 read up to 15.4% above the prediction
   (stop 49: two runs of each method, AdaLomo and GaLore 12.7-14.4%; at 30 steps GaLore
   14.7-16.1%, three runs; stop 51: AdaLomo above 15% in one of ten runs, its statistics'
