@@ -39,7 +39,7 @@ for good, 23 MiB after one GaLore refresh of a 288-row matrix. At 15m, 8 x 128 t
 process 245 -> 223, 2x2 rank 0 138 -> 126; AdamW one process 417 -> 401; LOMO 2x2 115 -> 109.
 
 And it turns torch's flight recorder off (fourfold.host.FLIGHT_RECORDER_ENVIRONMENT), whose
-small blocks, made and freed at every collective and kept for the next 2,000, landed in the
+small blocks, made at every collective and kept until its ring comes round, landed in the
 holes a step's tensors left on a CPU rank of a grid (15m 2x2: ES 62-67 -> 50 MiB, AdaLomo 121
 -> 106).
 
