@@ -44,7 +44,7 @@ def child(preset: str, steps: int, batch: int, seq: int, sparsity: float) -> dic
     from fourfold.models import build_model
     from fourfold.parallel import Grid, parallelize
     from fourfold.plan.machines import _time_copy
-    from fourfold.plan.perf import blockllm_choice_seconds, blockllm_choice_work
+    from fourfold.plan.methods.blockllm import blockllm_choice_seconds, blockllm_choice_work
     from fourfold.train.host_memory import keep_freed_host_memory
     from fourfold.train.methods import StepData, blockllm, build_method
 
@@ -77,10 +77,10 @@ def child(preset: str, steps: int, batch: int, seq: int, sparsity: float) -> dic
 
     model = build_model(model_config(preset), seed=0, device="meta")
     model.activation_checkpointing = True
-    pmodel = parallelize(model, Grid.single(), ParallelConfig(), optimizer="blockllm")
+    pmodel = parallelize(model, Grid.single(), ParallelConfig(), blocked_loss=True)
     cfg = load_config(overrides=["train.optimizer=blockllm", "train.lr=1e-4",
                                  f"train.seq_len={seq}",
-                                 f"train.block_sparsity={sparsity}"]).train
+                                 f"train.method.sparsity={sparsity}"]).train
     method = build_method(pmodel, cfg)
     g = torch.Generator().manual_seed(0)
     rows: dict[str, list[dict]] = {"select": [], "train": []}

@@ -98,6 +98,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     import torch.distributed as dist
 
     from fourfold.config import ParallelConfig, model_config
+    from fourfold.methods import method_spec
     from fourfold.models import build_model
     from fourfold.parallel import GridShape, parallelize
     from fourfold.plan.machines import measure_host_costs, merge_rank_probes, probe_groups
@@ -111,7 +112,8 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     the_grid = host_grid(shape, tmp.name)
     model = build_model(model_config(preset), seed=0, device="meta")
     model.activation_checkpointing = True
-    pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y), optimizer=method)
+    pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y),
+                         blocked_loss=method_spec(method).blocked_loss)
     cfg = train_config(method, seq, population, sets)
     trainer = build_method(pmodel, cfg)
     g = torch.Generator().manual_seed(0)
@@ -141,6 +143,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
 def predict(args: argparse.Namespace, method: str, probe: dict) -> float:
     """The planner's step for `method` on the cpu machine calibrated by `probe`."""
     from fourfold.config import model_config
+    from fourfold.methods import method_spec
     from fourfold.parallel import GridShape
     from fourfold.parallel.embedding import resolve_output_loss
     from fourfold.plan.machines import calibration_from_probe, load_machine
@@ -154,7 +157,8 @@ def predict(args: argparse.Namespace, method: str, probe: dict) -> float:
                                  cpu.device.gemm_half_dim)
     return predict_step(model_config(args.preset), GridShape(y=y, x=x), args.batch, args.seq, 1,
                         True, cpu.calibrated(cal), Precision.of("float32"),
-                        output_loss=resolve_output_loss("auto", method),
+                        output_loss=resolve_output_loss("auto",
+                                                        method_spec(method).blocked_loss),
                         train=train_config(method, args.seq, args.population,
                                            method_sets(args, method))).step_s
 

@@ -80,6 +80,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     if method == "none":
         return {"rss_kib": peak_kib()}
     from fourfold.config import ParallelConfig, model_config
+    from fourfold.methods import method_spec
     from fourfold.models import build_model
     from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
     from fourfold.train.methods import StepData, build_method
@@ -104,7 +105,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     model = build_model(model_config(preset), seed=0, device="meta")
     model.activation_checkpointing = cfg.activation_checkpointing
     pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y, output_loss=output_loss),
-                         optimizer=method)
+                         blocked_loss=method_spec(method).blocked_loss)
     trainer = build_method(pmodel, cfg)
     if sampler is not None:
         sampler.label("built")
@@ -280,7 +281,7 @@ def train_config(method: str, seq: int, population: int, sets: tuple[str, ...] |
     keys = [f"train.optimizer={method}", "train.lr=1e-4", f"train.seq_len={seq}",
             "train.activation_checkpointing=true"]
     if method == "es":
-        keys.append(f"train.es_population={population}")
+        keys.append(f"train.method.population={population}")
     return load_config(overrides=[*keys, *sets]).train
 
 
@@ -313,11 +314,13 @@ def predicted_bytes(model_cfg, train_cfg, tokens: int, shape, output_loss: str =
     train_cfg.dtype), without the final export's term: these runs train and stop, writing no
     model (a forward-only method's planned peak would be the export's block: MeZO's and ES's
     one process read +14.9% with it, 125m)."""
+    from fourfold.methods import method_spec
     from fourfold.parallel.embedding import resolve_output_loss
     from fourfold.plan.memory import Precision, predict_memory, predict_method_memory
 
     precision = Precision.of(train_cfg.dtype)
-    output_loss = resolve_output_loss(output_loss, train_cfg.optimizer)
+    output_loss = resolve_output_loss(output_loss,
+                                      method_spec(train_cfg.optimizer).blocked_loss)
     mem = predict_memory(model_cfg, shape, tokens, train_cfg.activation_checkpointing,
                          precision, on_host=on_host, output_loss=output_loss)
     mem = dataclasses.replace(mem, export=0)

@@ -40,6 +40,7 @@ def child(preset: str, method: str, steps: int, warmup: int, batch: int, seq: in
 
     import fourfold.train.host_memory as host_memory
     from fourfold.config import ParallelConfig, TrainConfig, model_config
+    from fourfold.methods import method_spec
     from fourfold.models import build_model
     from fourfold.parallel import GridShape, parallelize
     from fourfold.train.methods import StepData, build_method
@@ -50,7 +51,7 @@ def child(preset: str, method: str, steps: int, warmup: int, batch: int, seq: in
     tmp = tempfile.TemporaryDirectory()
     the_grid = host_grid(shape, tmp.name)
     model = build_model(model_config(preset), seed=0, device="meta")
-    pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y), optimizer=method)
+    pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y), blocked_loss=method_spec(method).blocked_loss)
     cfg = TrainConfig(optimizer=method, lr=1e-4, seq_len=seq)
     trainer = build_method(pmodel, cfg)
     trim = host_memory._malloc_trim

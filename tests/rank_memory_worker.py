@@ -113,6 +113,7 @@ def run_method_steps(model_cfg: ModelConfig, grid: Grid, cfg: TrainConfig, batch
     tokens/s), and torch._dynamo (about 44 MiB of heap) is imported by torch.optim (AdamW)
     and by HeapPeak's own dispatch mode through torch's Python meta kernels. The planner's
     host runtime term is where such memory counts in a run's resident memory."""
+    from fourfold.methods import method_spec
     from fourfold.train.methods import StepData, build_method
 
     shape, seq = grid.shape, cfg.seq_len
@@ -122,7 +123,7 @@ def run_method_steps(model_cfg: ModelConfig, grid: Grid, cfg: TrainConfig, batch
             model.activation_checkpointing = True
             pmodel = parallelize(model, grid, ParallelConfig(x=shape.x, y=shape.y, z=shape.z,
                                                              data=shape.data),
-                                 optimizer=cfg.optimizer)
+                                 blocked_loss=method_spec(cfg.optimizer).blocked_loss)
             method = build_method(pmodel, cfg)
             tokens = torch.randint(0, model_cfg.vocab_size, (batch, seq + 1),
                                    generator=torch.Generator().manual_seed(0))

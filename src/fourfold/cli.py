@@ -12,8 +12,10 @@ import argparse
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from fourfold.errors import EXIT_FAILED, EXIT_USAGE, FourfoldError, first_line
 from fourfold.parsing import ArgumentParser
@@ -407,7 +409,33 @@ def _retune_malloc_for_cpu_training() -> None:
               {**os.environ, **extra})
 
 
+def _notice(message: Warning | str) -> None:
+    """A ConfigNotice as one `warning: ...` line, once per job (a rank that fourfold's own
+    launcher started leaves it to the launcher, which loaded the same config)."""
+    from fourfold.launch import LAUNCHED_BY_FOURFOLD
+
+    main_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    if main_rank and os.environ.get(LAUNCHED_BY_FOURFOLD) != "1":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def _run(argv: list[str]) -> int:
+    from fourfold.errors import ConfigNotice
+
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message: Warning | str, category: type[Warning], *where: Any) -> None:
+            if issubclass(category, ConfigNotice):
+                _notice(message)
+            else:
+                shown(message, category, *where)
+
+        warnings.showwarning = show
+        return _run_command(argv)
+
+
+def _run_command(argv: list[str]) -> int:
     try:
         return _dispatch(argv)
     except SystemExit as exit_:  # argparse: --help, --version

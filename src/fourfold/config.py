@@ -8,17 +8,20 @@ into exit code 2.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
-from fourfold.errors import FourfoldError
+from fourfold.errors import ConfigError, ConfigNotice
 from fourfold.files import atomic_write_text, tomllib
 from fourfold.intmath import divisors
+from fourfold.methods import MethodOptions, MethodSpec, method_names, method_spec
 
 
 def cache_root() -> Path:
@@ -36,10 +39,6 @@ def write_cache_json(path: Path, obj: Any) -> None:
         atomic_write_text(path, json.dumps(obj, indent=1))
     except OSError:
         pass
-
-
-class ConfigError(FourfoldError, ValueError):
-    """A user mistake in the configuration; its message is one line meant for the user."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,7 +81,7 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
-    weight_decay: Union[float, str] = "auto"  # "auto": AUTO_WEIGHT_DECAY[optimizer]
+    weight_decay: Union[float, str] = "auto"  # "auto": the method's own (fourfold.methods)
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
@@ -104,32 +103,24 @@ class TrainConfig:
     nan_policy: str = "stop"  # stop | skip | rollback
     spike_threshold: float = 0.0  # 0 disables; else a loss above threshold x running mean is a spike
     max_restarts: int = 0
-    optimizer: str = "adamw"  # adamw, lomo, adalomo, mezo, es, blockllm, galore (train/methods)
-    clip_mode: str = "none"  # lomo, adalomo: value (clamp each element to grad_clip) | two_pass | none
-    mezo_eps: float = 1e-3  # mezo: size of the two-sided perturbation
-    es_population: int = 8  # es: perturbed members per step
-    es_sigma: float = 1e-3  # es: size of each member's perturbation
-    block_sparsity: float = 0.9  # blockllm: fraction of the parameters frozen at a time
-    block_patience: int = 1  # blockllm: steps without a better loss before reselecting
-    galore_rank: int = 0  # galore: projection rank; 0: a quarter of each matrix's smaller side
-    galore_gap: int = 200  # galore: steps between refreshes of the projection
+    optimizer: str = "adamw"  # the training method: adamw, lomo, adalomo, mezo, es, blockllm, galore
     memory_report: bool = False  # peak bytes per rank by category into summary.json
+    # [train.method]: train.optimizer's own options (fourfold.methods); None: its defaults
+    method: Optional[MethodOptions] = None
+
+    def options(self) -> MethodOptions:
+        """train.optimizer's options: `method` where it holds that method's, else its
+        defaults (as after dataclasses.replace(train, optimizer=another))."""
+        spec = method_spec(self.optimizer)
+        if isinstance(self.method, spec.options):
+            return self.method
+        return spec.options()
 
     def effective_weight_decay(self) -> float:
-        """train.weight_decay, with "auto" resolved for train.optimizer (AUTO_WEIGHT_DECAY)."""
+        """train.weight_decay, with "auto" resolved for train.optimizer (its method's)."""
         if isinstance(self.weight_decay, str):
-            return AUTO_WEIGHT_DECAY[self.optimizer]
+            return method_spec(self.optimizer).weight_decay
         return self.weight_decay
-
-
-# The decoupled weight decay (w <- (1 - lr wd) w) that weight_decay = "auto" gives each optimizer:
-# AdamW's 0.1 where the step is Adam's (learning rates ~1e-3); none where the method's paper
-# uses none: LOMO's SGD steps at learning rates 10-100x Adam's and AdaLomo's step is relative to
-# the weights' size (lr ~3e-2), so lr x 0.1 would shrink the weights that much faster (LOMO on
-# the 15m fine-tune of bench/lean_quality.py: L 4.468 at its best lr with it, 1e-2; 3.967
-# without, at 3e-1; AdamW's 3.864); MeZO's and ES's papers use none either.
-AUTO_WEIGHT_DECAY: dict[str, float] = {"adamw": 0.1, "blockllm": 0.1, "galore": 0.1, "lomo": 0.0,
-                                       "adalomo": 0.0, "mezo": 0.0, "es": 0.0}
 
 
 @dataclass
@@ -177,7 +168,6 @@ class CheckpointConfig:
 
 
 ADAPTER_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "output")
-SUBSET_OPTIMIZERS = ("adamw",)  # optimizers that can train a subset of the parameters
 
 
 @dataclass
@@ -194,6 +184,8 @@ class AdapterConfig:
 
 # TOML key -> field name where they differ (`async` is a Python keyword).
 _KEY_ALIASES = {("checkpoint", "async"): "async_save"}
+# fields that are a table of their own ([train.method]) rather than a key of the section
+_SUBTABLES = {("train", "method")}
 _FIELD_TO_KEY = {(s, f): k for (s, k), f in _KEY_ALIASES.items()}
 
 
@@ -207,13 +199,15 @@ class Config:
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Every section's keys; [train.method] as the dict under train's "method" key."""
         out: dict[str, dict[str, Any]] = {}
         for sec in fields(self):
             section = getattr(self, sec.name)
             out[sec.name] = {
                 _FIELD_TO_KEY.get((sec.name, f.name), f.name): getattr(section, f.name)
-                for f in fields(section)
+                for f in fields(section) if (sec.name, f.name) not in _SUBTABLES
             }
+        out["train"]["method"] = dataclasses.asdict(self.train.options())
         return out
 
     def to_toml(self) -> str:
@@ -263,8 +257,6 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("train", "loss"): ("cross_entropy", "goldfish"),
     ("train", "device"): ("auto", "cpu", "cuda"),
     ("train", "nan_policy"): ("stop", "skip", "rollback"),
-    ("train", "optimizer"): ("adamw", "lomo", "adalomo", "mezo", "es", "blockllm", "galore"),
-    ("train", "clip_mode"): ("none", "value", "two_pass"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
     ("parallel", "output_loss"): ("auto", "blocks", "whole"),
@@ -351,29 +343,41 @@ def _parse_override(item: str) -> tuple[str, str, str]:
     return section, key, value.strip()
 
 
+def _flat_keys(section: str) -> list[str]:
+    """The field names of a section's own keys (not its sub-tables)."""
+    return [f.name for f in fields(SECTIONS[section]) if (section, f.name) not in _SUBTABLES]
+
+
 def _check_key(section: str, key: str) -> str:
     if section not in SECTIONS:
         raise ConfigError(f"unknown section [{section}]{_suggest(section, list(SECTIONS))}; "
                           f"sections are {', '.join(SECTIONS)}")
     name = _KEY_ALIASES.get((section, key), key)
-    names = [f.name for f in fields(SECTIONS[section])]
-    if name not in names:
+    names = _flat_keys(section)
+    if name not in names and not (section == "train" and _renamed_owners(name)):
         keys = [_FIELD_TO_KEY.get((section, n), n) for n in names]
         raise ConfigError(f"unknown key {section}.{key}{_suggest(key, keys)}; "
                           f"[{section}] takes {', '.join(keys)}")
     return name
 
 
+def _renamed_owners(key: str) -> list[MethodSpec]:
+    """The methods whose option was train.`key` before [train.method]."""
+    return [spec for spec in map(method_spec, method_names()) if key in spec.renamed]
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 saved: bool = False) -> Config:
-    """Build a validated Config from an optional TOML file and `section.key=value` overrides.
+    """Build a validated Config from an optional TOML file and `section.key=value` overrides
+    (train.method.KEY=value for an option of train.optimizer's method).
 
     Precedence: defaults < preset (model.preset) < file < overrides. `saved`: the file is a
-    run's own config.toml, which records every key; its options for optimizers other than its
-    own are dropped (they are that version's defaults, not choices, and a later default must
-    not make them read as set).
+    run's own config.toml, which an older version wrote with every method's options as
+    [train] keys: those of other methods are dropped (they were that version's defaults, not
+    choices) and its own method's read without a notice.
     """
     raw: dict[str, dict[str, Any]] = {}
+    method_raw: dict[str, Any] = {}  # [train.method]
     if path is not None:
         p = Path(path)
         if p.is_dir() and (p / "config.toml").exists():
@@ -388,16 +392,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             if not isinstance(table, dict):
                 raise ConfigError(f"{p}: top-level key {section!r} must be a [section]")
             for key, value in table.items():
+                if (section, key) in _SUBTABLES:
+                    if not isinstance(value, dict):
+                        raise ConfigError(f"{p}: {section}.{key} must be a [{section}.{key}] "
+                                          "table (train.optimizer's options)")
+                    method_raw.update(value)
+                    continue
                 name = _check_key(section, key)
                 raw.setdefault(section, {})[name] = value
-        if saved:
-            train = raw.get("train", {})
-            optimizer = train.get("optimizer", TrainConfig().optimizer)
-            for key, users in OPTIMIZER_OPTIONS.items():
-                if optimizer not in users:
-                    train.pop(key, None)
     for item in overrides or []:
         section, key, value = _parse_override(item)
+        if section == "train" and key.startswith("method."):
+            method_raw[key[len("method."):]] = value  # a string; coerced below
+            continue
         name = _check_key(section, key)
         raw.setdefault(section, {})[name] = value  # a string; coerced below
 
@@ -411,14 +418,63 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                               f"{_suggest(preset, list(PRESETS))}; choose one of "
                               f"{', '.join(CHOICES[('model', 'preset')])}")
         cfg.model = model_config(preset)
+    renamed = {k: raw["train"].pop(k) for k in list(raw.get("train", {}))
+               if k not in _flat_keys("train")}
     for section, table in raw.items():
         cls = SECTIONS[section]
         obj = getattr(cfg, section)
         for name, value in table.items():
             key = _FIELD_TO_KEY.get((section, name), name)
             setattr(obj, name, _coerce(section, key, value, _expected_type(cls, name)))
+    cfg.train.method = _method_options(cfg.train.optimizer, method_raw, renamed, saved)
     validate(cfg)
     return cfg
+
+
+def _method_options(optimizer: str, given: dict[str, Any], renamed: dict[str, Any],
+                    saved: bool) -> MethodOptions:
+    """train.optimizer's options from [train.method] (`given`) and the old [train] keys
+    (`renamed`: train.OLD -> value), coerced to their types."""
+    spec = method_spec(optimizer)
+    hints = get_type_hints(spec.options)
+    values: dict[str, Any] = {}
+    for old, value in renamed.items():
+        owners = _renamed_owners(old)
+        if spec in owners:
+            new = spec.renamed[old]
+            if new in given:
+                raise ConfigError(f"train.{old} and train.method.{new} are both set; remove "
+                                  f"train.{old}")
+            if not saved:
+                warnings.warn(f"train.{old} is deprecated: write train.method.{new} (the "
+                              "[train.method] section)", ConfigNotice, stacklevel=3)
+            values[new] = _coerce("train", old, value, hints[new])
+            continue
+        owner = owners[0]
+        option = owner.renamed[old]
+        coerced = _coerce("train", old, value, get_type_hints(owner.options)[option])
+        if saved:
+            continue
+        if coerced != getattr(owner.options(), option):
+            raise ConfigError(f"train.{old} = {coerced!r} applies only to train.optimizer = "
+                              f"{' or '.join(repr(o.name) for o in owners)}, not "
+                              f"{optimizer!r}; remove it")
+        warnings.warn(f"train.{old} is deprecated: write train.method.{option} under "
+                      f"train.optimizer = {owner.name!r}", ConfigNotice, stacklevel=3)
+    names = spec.option_names()
+    for key, value in given.items():
+        if key not in names:
+            owners = [o.name for o in map(method_spec, method_names())
+                      if key in o.option_names()]
+            if owners:
+                raise ConfigError(f"train.method.{key} applies only to train.optimizer = "
+                                  f"{' or '.join(map(repr, owners))}, not {optimizer!r}; "
+                                  "remove it")
+            takes = f"takes {', '.join(names)}" if names else "has no options"
+            raise ConfigError(f"unknown key train.method.{key}{_suggest(key, names)}; "
+                              f"train.optimizer = {optimizer!r} {takes}")
+        values[key] = _coerce("train.method", key, value, hints[key])
+    return spec.options(**values)
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,9 +505,11 @@ def validate(cfg: Config) -> None:
     for section, key, value in positive:
         if value < 1:
             raise ConfigError(f"{section}.{key} = {value}: must be at least 1")
+    _validate_method(t)
     if isinstance(t.weight_decay, str) and t.weight_decay != "auto":
         raise ConfigError(f"train.weight_decay = {t.weight_decay!r}: expected a number or "
-                          "\"auto\" (0.1 for adamw, blockllm, galore; 0 for the others)")
+                          f"\"auto\" (the method's own: "
+                          f"{method_spec(t.optimizer).weight_decay:g} for {t.optimizer})")
     non_negative = [("train", "lr", t.lr), ("train", "warmup_steps", t.warmup_steps),
                     ("train", "weight_decay", t.effective_weight_decay()),
                     ("train", "grad_clip", t.grad_clip),
@@ -486,7 +544,6 @@ def validate(cfg: Config) -> None:
                           f"{_nearest_divisors(t.batch_size, t.grad_accum)}")
     if not math.isfinite(t.lr):
         raise ConfigError(f"train.lr = {t.lr}: must be a finite number")
-    _validate_optimizer(t)
     if isinstance(p.data, str) and p.data != "auto":
         raise ConfigError(f"parallel.data = {p.data!r}: expected a positive integer or \"auto\"")
     if isinstance(p.data, int) and p.data < 1:
@@ -509,11 +566,12 @@ def _validate_adapter(cfg: Config) -> None:
     if cfg.model.init_from and not Path(cfg.model.init_from).exists():
         raise ConfigError(f"model.init_from = {cfg.model.init_from!r} does not exist; an adapter "
                           "fine-tunes a checkpoint: give a Hugging Face checkpoint directory")
-    optimizer = getattr(cfg.train, "optimizer", "adamw")
-    if optimizer not in SUBSET_OPTIMIZERS:
+    optimizer = cfg.train.optimizer
+    if not method_spec(optimizer).trains_subsets:
+        able = [n for n in method_names() if method_spec(n).trains_subsets]
         raise ConfigError(f"train.optimizer = {optimizer!r} cannot train a subset of the "
                           f"parameters, as adapter.kind = {a.kind!r} needs; use "
-                          f"{' or '.join(SUBSET_OPTIMIZERS)}")
+                          f"{' or '.join(able)}")
     if a.kind != "lora":
         return
     unknown = [t for t in a.targets if t not in ADAPTER_TARGETS]
@@ -539,50 +597,17 @@ def _validate_adapter(cfg: Config) -> None:
         raise ConfigError(f"adapter.dropout = {a.dropout}: must be in [0, 1)")
 
 
-# train.<key> -> the optimizers it applies to; set to anything but its default under another
-# optimizer, it is refused rather than silently ignored
-OPTIMIZER_OPTIONS: dict[str, tuple[str, ...]] = {
-    "clip_mode": ("lomo", "adalomo"),
-    "mezo_eps": ("mezo",),
-    "es_population": ("es",),
-    "es_sigma": ("es",),
-    "block_sparsity": ("blockllm",),
-    "block_patience": ("blockllm",),
-    "galore_rank": ("galore",),
-    "galore_gap": ("galore",),
-}
-
-
-def _validate_optimizer(t: TrainConfig) -> None:
-    defaults = TrainConfig()
-    for key, users in OPTIMIZER_OPTIONS.items():
-        if t.optimizer not in users and getattr(t, key) != getattr(defaults, key):
-            raise ConfigError(f"train.{key} = {getattr(t, key)!r} applies only to "
-                              f"train.optimizer = {' or '.join(map(repr, users))}, not "
-                              f"{t.optimizer!r}; remove it")
-    if t.optimizer in ("lomo", "adalomo"):
-        if t.grad_accum > 1:
-            raise ConfigError(f"train.grad_accum = {t.grad_accum}: {t.optimizer} updates each "
-                              "weight during backward, so it cannot accumulate; use 1")
-        if t.nan_policy == "skip" and t.clip_mode != "two_pass":
-            raise ConfigError(f"train.nan_policy = \"skip\" needs train.clip_mode = \"two_pass\" "
-                              f"under {t.optimizer} (it updates before the step's norm is known); "
-                              "or use nan_policy = \"stop\" or \"rollback\"")
-    for key, value in (("mezo_eps", t.mezo_eps), ("es_sigma", t.es_sigma)):
-        if not value > 0 or not math.isfinite(value):
-            raise ConfigError(f"train.{key} = {value}: must be a positive number")
-    if not 0.0 <= t.block_sparsity < 1.0:
-        raise ConfigError(f"train.block_sparsity = {t.block_sparsity}: the fraction of the "
-                          "parameters frozen must be in [0, 1)")
-    for key, value in (("block_patience", t.block_patience), ("galore_gap", t.galore_gap)):
-        if value < 1:
-            raise ConfigError(f"train.{key} = {value}: must be at least 1")
-    if t.galore_rank < 0:
-        raise ConfigError(f"train.galore_rank = {t.galore_rank}: must be a positive rank, or 0 "
-                          "for a quarter of each matrix's smaller side")
-    if t.es_population < 2:
-        raise ConfigError(f"train.es_population = {t.es_population}: must be at least 2 (rewards "
-                          "are standardised over the population)")
+def _validate_method(t: TrainConfig) -> None:
+    """train.optimizer names a known method, train.method holds its options, and they and the
+    rest of [train] are what the method can run with."""
+    spec = method_spec(t.optimizer)
+    if t.method is not None and not isinstance(t.method, spec.options):
+        raise ConfigError(f"train.method holds {type(t.method).__name__}, not the options of "
+                          f"train.optimizer = {t.optimizer!r} ({spec.options.__name__})")
+    if t.grad_accum > 1 and not spec.accumulates:
+        raise ConfigError(f"train.grad_accum = {t.grad_accum}: {t.optimizer} updates each "
+                          "weight during backward, so it cannot accumulate; use 1")
+    t.options().check(t)
 
 
 # --------------------------------------------------------------------------------------------
@@ -602,10 +627,18 @@ def _toml_value(value: Any) -> str:
 
 
 def dump_toml(data: dict[str, dict[str, Any]]) -> str:
+    """TOML of sections of keys; a dict among a section's values is its sub-table
+    ([section.key]), written after the section's own keys."""
     lines: list[str] = []
     for section, table in data.items():
         lines.append(f"[{section}]")
         for key, value in table.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            if not isinstance(value, dict):
+                lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
+        for key, value in table.items():
+            if isinstance(value, dict):
+                lines.append(f"[{section}.{key}]")
+                lines.extend(f"{k} = {_toml_value(v)}" for k, v in value.items())
+                lines.append("")
     return "\n".join(lines)

@@ -250,7 +250,7 @@ def overlap_options(cfg: ParallelConfig | None) -> OverlapOptions:
 
 
 def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = None, *,
-                optimizer: str = "adamw") -> ParallelModel:
+                blocked_loss: bool = False) -> ParallelModel:
     """Parallelize `model` over `grid`: a model with its full weights, the same on every rank,
     or one declared on the meta device (`build_model(cfg, seed, device="meta")`), of which
     each rank materialises only its own shards, on grid.device, with the values a one-process
@@ -258,8 +258,9 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
 
     Modules are replaced in place. On a one-process grid with GEMM tuning off (the default)
     the model is left as it is; with tuning on its linears become fourfold's own, whose GEMMs
-    the tuner chooses. `optimizer` (train.optimizer) decides parallel.output_loss = "auto"
-    (embedding.uses_blocked_loss).
+    the tuner chooses. `blocked_loss`: parallel.output_loss = "auto" gives the output layer and
+    loss a block of the vocabulary at a time (embedding.uses_blocked_loss; the training
+    method's choice).
     """
     comm = Comm(grid)
     options = overlap_options(config)
@@ -271,7 +272,7 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
     if grid.world_size == 1 and not options.gemm_tuning:
         pmodel = ParallelModel(model, grid, comm, None, None)
         materialize(model, pmodel.layouts(), grid)
-        _set_output_loss(model, uses_blocked_loss(output_loss, optimizer), None, 0)
+        _set_output_loss(model, uses_blocked_loss(output_loss, blocked_loss), None, 0)
         return pmodel
     engine = Engine(comm, options)
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
@@ -286,7 +287,7 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
     if vocab_start is None or not hasattr(model, "criterion"):
         return pmodel
     model.criterion = pmodel.criterion  # the model's own loss path uses the split vocabulary too
-    _set_output_loss(model, uses_blocked_loss(output_loss, optimizer),
+    _set_output_loss(model, uses_blocked_loss(output_loss, blocked_loss),
                      comm if grid.size("y") > 1 else None, vocab_start)
     return pmodel
 

@@ -90,7 +90,9 @@ from fourfold.config import ModelConfig
 from fourfold.parallel.embedding import (NO_GRAD_LOSS_BLOCK_ELEMENTS, output_loss_columns,
                                          uses_blocked_loss)
 from fourfold.parallel.grid import GridShape
+from fourfold.methods import method_spec
 from fourfold.plan.errors import PlanError
+from fourfold.plan.methods.base import method_model
 from fourfold.plan.schedule import block_linears, local_param_numel
 
 if TYPE_CHECKING:
@@ -276,8 +278,6 @@ HOST_RUNTIME_BYTES = 40 * 2**20  # measured: see the module docstring (runtime)
 # 32-39 there); on a CPU rank of a grid, since its flight recorder is off (fourfold.host), ES
 # and MeZO read 27-32 (15m 2x2, 12 steps; 125m 2x2, bench/memory_lean.py --steps 4)
 HOST_FORWARD_ONLY_RUNTIME_BYTES = 27 * 2**20
-# the methods that train from forward passes alone (train/methods/zeroth.py)
-FORWARD_ONLY_METHODS = ("mezo", "es")
 # torch._dynamo, which torch.optim (AdamW) and train.compile import at their first use: 70.6
 # MiB resident (a process that imported fourfold, then torch._dynamo); so does a grid's
 # checkpoint (loads_dynamo), nothing else in a run (models/recompute.py, meta builds)
@@ -301,23 +301,15 @@ def library_bytes(dynamo: bool, checkpoints: bool) -> int:
 
 
 def loads_dynamo(train: "TrainConfig", shape: GridShape, checkpoints: bool) -> bool:
-    """Whether a run imports torch._dynamo: AdamW (torch.optim), train.compile, or a grid's
-    checkpoint (DTensor.from_local); nothing else in a run does (models/recompute.py,
-    build_model on the meta device)."""
-    return (train.optimizer == "adamw" or train.compile
+    """Whether a run imports torch._dynamo: its method (AdamW's torch.optim), train.compile,
+    or a grid's checkpoint (DTensor.from_local); nothing else in a run does
+    (models/recompute.py, build_model on the meta device)."""
+    return (method_model(train.optimizer).imports_dynamo or train.compile
             or (checkpoints and shape.size > 1))
 
 
 INIT_TILE_BYTES = 1024 * 1024 * 4  # fourfold.models.init: one float32 tile drawn at a time
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb
-GALORE_CHUNK_BYTES = 4 * 2**20  # train/methods/galore.py: gathered columns per Gram chunk
-# train/methods/blockllm.py: a selection's backward keeps each handed-off gradient whole (no
-# copy) until the rows it holds exceed the budget by this share of all elements, then ranks
-# them and keeps the budget's worth: at sparsity 0.9 about 18 rankings and compactions a
-# selection whatever the number of tensors (one per hand-off before: on 125m, one process,
-# the selection step's own work fell from 1.3 to 0.5 s), for up to this share of the
-# gradients' bytes more at its peak
-BLOCKLLM_HOLD_SLACK = 0.05
 
 
 def largest_tensor_numel(model: ModelConfig, shape: GridShape) -> tuple[int, int]:
@@ -477,113 +469,29 @@ def local_matrices(model: ModelConfig, shape: GridShape) -> list[tuple[int, int,
             for m, n, rows, cols in matrix_layouts(model)]
 
 
-def galore_rank(full_shape: tuple[int, ...], rank: int) -> int:
-    """GaLore's projection rank of a matrix: `rank` (0: a quarter of the smaller side), at most
-    the smaller side, at least 1 (train/methods/galore.py uses this rule)."""
-    small = min(full_shape)
-    return max(1, min(small, rank if rank > 0 else small // 4))
-
-
-def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig",
-                       precision: Precision | None = None) -> dict[str, int]:
-    """Per rank, the peak gradient bytes and the optimizer-state bytes of train.optimizer.
-
-    adamw: every gradient, two moments. lomo / adalomo: one tensor's gradient at a time (the
-    largest block; with data > 1 up to two buckets are in flight, not counted); adalomo keeps a
-    row and a column statistic per matrix, a second moment per vector. mezo / es: neither.
-    blockllm: moments and gradients of the selected (1 - block_sparsity) share of the rows, a
-    step count per row; a selection step's backward holds up to BLOCKLLM_HOLD_SLACK of the
-    elements more before it ranks them, and the tensor being handed off (the largest block)
-    and the vectors (with grad_accum > 1 every gradient lives until the last micro-step).
-    galore: R, the projected gradient of every matrix (the moments' size), the
-    vectors' gradients and the matrix being handed off (the largest block; with grad_accum > 1
-    every gradient, until the last micro-step); per matrix its projection (local rows of the
-    projected side x r, r split over the other side's axes where they divide it) and two
-    r-rank moments (r split over the projected side's axes where they divide it); vectors
-    plain AdamW."""
-    p = precision or Precision.of("float32")
+def local_vector_numel(model: ModelConfig, shape: GridShape) -> int:
+    """Elements of a rank's vector parameters (norm gains, biases): all but the matrices."""
     numel = sum(local_param_numel(model, shape).values())
-    matrices = local_matrices(model, shape)
-    vectors = numel - sum(rl * cl for _, _, rl, cl in matrices)
-    state_bytes = p.optimizer_bytes // 2  # one float32 state tensor per element
-    name = train.optimizer
-    if name == "adamw":
-        return {"grads": numel * p.grad_bytes, "optimizer": numel * p.optimizer_bytes}
-    if name in ("lomo", "adalomo"):
-        grads = largest_tensor_numel(model, shape)[1] * p.grad_bytes
-        if name == "lomo":
-            return {"grads": grads, "optimizer": 0}
-        factored = sum(rl + cl for _, _, rl, cl in matrices) + vectors
-        return {"grads": grads, "optimizer": factored * state_bytes}
-    if name in FORWARD_ONLY_METHODS:
-        return {"grads": 0, "optimizer": 0}
-    if name == "blockllm":
-        selected = int(numel * (1.0 - train.block_sparsity))
-        handed_off = largest_tensor_numel(model, shape)[1] + vectors
-        held = selected + int(numel * BLOCKLLM_HOLD_SLACK)  # held rows before a ranking
-        grads = numel if train.grad_accum > 1 else min(numel, held + handed_off)
-        # and a float32 step count per chosen row (rows are at least dim wide)
-        rows = math.ceil(selected / model.dim)
-        return {"grads": grads * p.grad_bytes,
-                "optimizer": selected * p.optimizer_bytes + 4 * rows}
-    if name == "galore":
-        state, projected = 2 * vectors, 0
-        for m, n, rl, cl in matrices:
-            r = galore_rank((m, n), train.galore_rank)
-            # m < n: P (local rows x r), moments r x local cols; else Q and m_local x r moments;
-            # the moments' r split as the projected side is, where that divides r
-            parts = m // rl if m < n else n // cl
-            rr = r // parts if r % parts == 0 else r
-            # P's (Q's) r columns split as the other side is, where that divides r
-            others = n // cl if m < n else m // rl
-            pr = r // others if r % others == 0 else r
-            state += rl * pr + 2 * rr * cl if m < n else cl * pr + 2 * rl * rr
-            projected += rr * cl if m < n else rl * rr
-        handed_off = largest_tensor_numel(model, shape)[1]
-        grads = numel if train.grad_accum > 1 else projected + vectors + handed_off
-        return {"grads": grads * p.grad_bytes, "optimizer": state * state_bytes}
-    raise PlanError(f"train.optimizer = {name!r}: no memory model for it")
+    return numel - sum(rl * cl for _, _, rl, cl in local_matrices(model, shape))
 
 
-def galore_update_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig") -> int:
-    """GaLore's largest transient after backward (every gradient and the moments still held),
-    the largest over the matrices of:
-    - a projection refresh (the first step and every galore_gap-th), s = min(m, n): the s x s
-      float64 Gram while a chunk of the shard is gathered to its full small side (float32,
-      GALORE_CHUNK_BYTES at most, and its float64 copy), then eigh's input, output and
-      workspace (syevd: about 2 s^2), 4 s^2 float64 in all, measured on CPU for s = 3072:
-      4.2 s^2 at eigh's peak;
-    - an update, a block of the other side at a time (w of its columns for P, rows for Q,
-      the update back in the shard's basis GALORE_CHUNK_BYTES at most): P (Q) gathered to
-      its r columns where they are split, and per block R (r x w) before its reduce-scatter,
-      this rank's share of it, Adam's step of the share (two temporaries) and the step
-      gathered back, and the update back in the shard's basis.
-    The refresh's is the larger but for tiny matrices; it does not shrink with the grid
-    (4 s^2 float64 on every rank: 128 MiB at s = 2048)."""
-    worst = 0
-    for m, n, rl, cl in local_matrices(model, shape):
-        s, r = min(m, n), galore_rank((m, n), train.galore_rank)
-        width = min(max(1, GALORE_CHUNK_BYTES // (4 * s)), cl if m < n else rl)
-        refresh = max(8 * s * s + 12 * s * width, 32 * s * s)
-        # P's side of the shard, the side the blocks cut; the axes' parts that split R's r
-        # (the projected side's) and P's r (the other side's)
-        side, other = (rl, cl) if m < n else (cl, rl)
-        parts, others = (m // rl, n // cl) if m < n else (n // cl, m // rl)
-        share = parts if r % parts == 0 else 1
-        gathered = side * r if others > 1 and r % others == 0 else 0
-        w = min(other, max(1, GALORE_CHUNK_BYTES // (4 * side)))
-        low = r * w
-        worst = max(worst, refresh, 4 * (gathered + side * w + low + 2 * (low // share)))
-    return worst
+def vector_layouts(model: ModelConfig) -> list[tuple[str, ...]]:
+    """The axes that split each vector parameter: norm weights over x, a bias where its
+    layer's output lives."""
+    out = [("x",)] * (2 * model.n_layers + 1)
+    if model.bias:
+        for lin in block_linears(model):
+            out += [("x",) if lin.transposed else ("y",)] * model.n_layers
+    return out
 
 
 def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape: GridShape,
                           train: "TrainConfig", precision: Precision | None = None,
                           output_loss: str = "auto", checkpoints: bool = False
                           ) -> MemoryBreakdown:
-    """`breakdown` (predict_memory's, which counts AdamW) with train.optimizer's gradients and
-    state; mezo and es run forwards only: no saved activations, no dW or gradient buckets.
-    galore: its update's temporaries (`update`, galore_update_bytes), after backward.
+    """`breakdown` (predict_memory's, which counts AdamW) with train.optimizer's gradients, state
+    and update transient (its planner model, plan/methods); a forward-only method (mezo, es)
+    has no saved activations, no dW or gradient buckets.
     `output_loss`, `checkpoints`: as predict_memory had them (on a host the runtime counts the
     libraries this run imports: library_bytes).
 
@@ -593,17 +501,17 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
     keeps: AdaLomo's row blocks, ES's noise chunks) and more on gloo ranks (an arena per
     thread); with the tuning `fourfold train` gives CPU ranks (--tuned-malloc) it does not."""
     p = precision or Precision.of("float32")
-    states = method_state_bytes(model, shape, train, p)
-    out = dataclasses.replace(breakdown, grads=states["grads"], optimizer=states["optimizer"],
-                              loss_grads=states["grads"] if train.grad_accum > 1 else 0)
+    model_of_method = method_model(train.optimizer)
+    forward_only = method_spec(train.optimizer).forward_only
+    state = model_of_method.state(model, shape, train, p)
+    out = dataclasses.replace(breakdown, grads=state.grads, optimizer=state.optimizer,
+                              loss_grads=state.grads if train.grad_accum > 1 else 0,
+                              update=model_of_method.update_bytes(model, shape, train))
     if out.runtime:  # predict_memory counted AdamW's libraries
-        own = (HOST_FORWARD_ONLY_RUNTIME_BYTES if train.optimizer in FORWARD_ONLY_METHODS
-               else HOST_RUNTIME_BYTES)
+        own = HOST_FORWARD_ONLY_RUNTIME_BYTES if forward_only else HOST_RUNTIME_BYTES
         out = dataclasses.replace(out, runtime=own + library_bytes(
             loads_dynamo(train, shape, checkpoints), checkpoints))
-    if train.optimizer == "galore":
-        out = dataclasses.replace(out, update=galore_update_bytes(model, shape, train))
-    if train.optimizer in FORWARD_ONLY_METHODS:
+    if forward_only:
         layer_block = sum(lin.out_features * lin.in_features for lin in block_linears(model))
         layer_block //= shape.x * shape.y
         gathered = 2 * layer_block * p.weight_bytes if shape.z > 1 else 0

@@ -8,14 +8,16 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fourfold.config import CHOICES, PRESETS, ModelConfig, model_config
+from fourfold.config import PRESETS, ModelConfig, model_config
 from fourfold.intmath import divisors
+from fourfold.methods import method_names, method_spec
 from fourfold.parallel.embedding import resolve_output_loss
 from fourfold.parallel.grid import AXES, RANK_ORDER, GridShape
 from fourfold.plan.errors import PlanError
 from fourfold.plan.machines import GIB, Machine
 from fourfold.plan.memory import (MemoryBreakdown, Precision, predict_memory,
                                   predict_method_memory)
+from fourfold.plan.methods.base import method_model, spec_of
 from fourfold.plan.perf import Overlap, StepPrediction, predict_step
 
 if TYPE_CHECKING:
@@ -85,38 +87,16 @@ class Plan:
     @property
     def time_note(self) -> str | None:
         """What the step-time column is for this optimizer (None for AdamW's own step)."""
-        return STEP_TIME_NOTES.get(self.optimizer)
+        return method_model(self.optimizer).time_note
 
 
-OPTIMIZERS: tuple[str, ...] = CHOICES[("train", "optimizer")]
-# train.optimizer -> the grid axes its step's batch is split over (train/methods: each
-# method's batch_axes; the planner never imports the trainer, tests hold the two equal)
-METHOD_BATCH_AXES: dict[str, tuple[str, ...]] = {"es": ("z",)}
-# methods that update each shard inside backward and so cannot accumulate micro-steps
-NO_ACCUMULATION = ("lomo", "adalomo")
-# Each method's step is modelled (perf.method_cost); what its time column stands for, and where
-# that is a bound or rests on a CPU-only measurement, the plan says with these notes.
-STEP_TIME_NOTES: dict[str, str] = {
-    "lomo": "step time: forward + backward with lomo's update inside it (twice with "
-            "clip_mode two_pass)",
-    "adalomo": "step time: forward + backward with adalomo's update inside it (twice with "
-               "clip_mode two_pass)",
-    "mezo": "step time: mezo's two forwards and three noise passes (the noise's cost is probed "
-            "on the cpu machine, modelled on GPUs)",
-    "es": "step time: es's forwards (population / data per replica) and 3 x population noise "
-          "passes (the noise's cost is probed on the cpu machine, modelled on GPUs)",
-    "blockllm": "step time: a selection every step, an upper bound: AdamW's backward with "
-                "every dW GEMM, every gradient's row norms (all-reduced over the tensor axes "
-                "at each hand-off), the streamed choice's rankings of held rows on the host "
-                "and gathers of the kept ones, and the selected rows' update",
-    "galore": "step time: forward + backward, galore's projections, and its refresh (Gram, "
-              "eigh and their collectives) spread over galore_gap steps",
-}
+# the training methods the planner knows (fourfold.methods), each with its planner model
+OPTIMIZERS: tuple[str, ...] = method_names()
 
 
 def batch_axes(optimizer: str = "adamw") -> tuple[str, ...]:
     """The grid axes a step's batch is split over under `optimizer`."""
-    return METHOD_BATCH_AXES.get(optimizer, ("data", "z"))
+    return method_spec(optimizer).batch_axes
 
 
 def batch_split(shape: GridShape, optimizer: str = "adamw") -> int:
@@ -193,9 +173,9 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
     its train.optimizer (predict_method_memory); None: AdamW's."""
     world = shape.size
     usable = machine.usable_memory_bytes(world)
-    optimizer = "adamw" if train is None else train.optimizer
-    local_batch = global_batch // batch_split(shape, optimizer)
-    if optimizer in NO_ACCUMULATION:
+    spec = spec_of(train)
+    local_batch = global_batch // batch_split(shape, spec.name)
+    if not spec.accumulates:
         grad_accum = 1
     micro_options = ([local_batch // grad_accum] if grad_accum else
                      divisors(local_batch)[::-1])
@@ -212,8 +192,7 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
     # replica runs: method_cost counts a replica's members).
     copies = local_batch * shape.data * shape.z // global_batch
     # parallel.output_loss at its default, as the method's run resolves it
-    loss_mode = resolve_output_loss("auto",
-                                    train.optimizer if train is not None else "adamw")
+    loss_mode = resolve_output_loss("auto", spec.blocked_loss)
 
     def step(accum: int, ac: bool, wire: Precision, split: Overlap) -> StepPrediction:
         p = predict_step(model, shape, global_batch * copies, seq_len, accum, ac, machine, wire,
@@ -271,9 +250,9 @@ def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: in
     `train`: plan the memory of its train.optimizer (with its block_sparsity, galore_rank),
     None: AdamW's."""
     optimizer = "adamw" if train is None else train.optimizer
-    if optimizer not in OPTIMIZERS:
-        raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-    if optimizer in NO_ACCUMULATION and grad_accum not in (None, 1):
+    if optimizer not in method_names():
+        raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(method_names())}")
+    if not method_spec(optimizer).accumulates and grad_accum not in (None, 1):
         raise PlanError(f"--grad-accum {grad_accum}: {optimizer} updates each weight during "
                         "backward, so it cannot accumulate; use 1")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -399,7 +378,8 @@ def check_grid_fits(cfg: "Config", shape: GridShape, device: "torch.device",
                               async_checkpoint=cfg.checkpoint.is_async(device.type == "cpu")
                               and cfg.checkpoint.every > 0,
                               checkpoints=cfg.checkpoint.every > 0,
-                              output_loss=resolve_output_loss(p.output_loss, t.optimizer),
+                              output_loss=resolve_output_loss(
+                                  p.output_loss, method_spec(t.optimizer).blocked_loss),
                               grad_accum=t.grad_accum)
 
     mem = need(shape)

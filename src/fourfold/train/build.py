@@ -35,7 +35,8 @@ from fourfold.plan.search import check_grid_fits, rank_memory_capacity
 from fourfold.train.checkpoint import list_checkpoints, verify_checkpoint
 from fourfold.train.compile import BlockCompiler
 from fourfold.train.host_memory import keep_freed_host_memory
-from fourfold.train.methods import TrainingMethod, batch_shard, build_method, method_batch_axes
+from fourfold.methods import method_spec
+from fourfold.train.methods import TrainingMethod, batch_shard, build_method
 from fourfold.train.optim import build_optimizer
 from fourfold.train.resilience import LossGuard
 
@@ -93,12 +94,13 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
     grid = Grid.build(shape, device, timeout_s=p.timeout_s)
     # the axes the method splits its batch over: es gives every data replica the whole batch
     # (its population members split the data axis instead)
-    shard_index, shard_count = batch_shard(grid, method_batch_axes(t.optimizer))
+    spec = method_spec(t.optimizer)
+    shard_index, shard_count = batch_shard(grid, spec.batch_axes)
     if t.batch_size % (t.grad_accum * shard_count):
         raise ConfigError(
             f"train.batch_size = {t.batch_size} does not split into train.grad_accum = "
             f"{t.grad_accum} micro-steps over {shard_count} batch shards "
-            f"({'*'.join(method_batch_axes(t.optimizer))}); use a "
+            f"({'*'.join(spec.batch_axes)}); use a "
             f"multiple of {t.grad_accum * shard_count}")
     torch.manual_seed(t.seed)
     # one line naming the memory needed and a grid that fits, not an OOM halfway through
@@ -130,7 +132,7 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
         model.to(device)
     # Set before parallelize, which converts the layers in place and keeps the flag.
     model.activation_checkpointing = t.activation_checkpointing
-    pmodel = parallelize(model, grid, p, optimizer=cfg.train.optimizer)
+    pmodel = parallelize(model, grid, p, blocked_loss=spec.blocked_loss)
     if init_from:
         from fourfold.models.hf import load_hf_into
 
@@ -169,7 +171,7 @@ def predicted_memory(cfg: Config, shape: GridShape, on_host: bool,
     t, p = cfg.train, cfg.parallel
     precision = Precision.of(t.dtype)
     micro_tokens = t.batch_size // (shape.data * shape.z) // t.grad_accum * t.seq_len
-    output_loss = resolve_output_loss(p.output_loss, t.optimizer)
+    output_loss = resolve_output_loss(p.output_loss, method_spec(t.optimizer).blocked_loss)
     writes = cfg.checkpoint.every > 0
     checkpoints = writes or resumed  # the checkpoint library is in
     mem = predict_memory(cfg.model, shape, micro_tokens, t.activation_checkpointing, precision,

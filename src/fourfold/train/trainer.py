@@ -289,7 +289,7 @@ class Trainer:
     def _count_over_batch(self, local: torch.Tensor) -> torch.Tensor:
         """A token count summed over the axes the step's batch is split over (es: z only; its
         data replicas see the same batch)."""
-        if self.method is None or self.method.batch_axes == ("data", "z"):
+        if self.method is None or tuple(self.method.batch_axes) == ("data", "z"):
             return self.pmodel.reduce_over_batch(local)
         total = local.detach().double().clone()
         for axis in self.method.batch_axes:

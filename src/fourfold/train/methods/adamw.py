@@ -33,7 +33,6 @@ def backward_pass(pmodel: Any, data: StepData,
 
 class AdamW(TrainingMethod):
     name = "adamw"
-    update_time = "after_backward"
 
     def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
         self.optimizer = build_optimizer(pmodel.named_parameters(), cfg, tied_output)

@@ -12,16 +12,16 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+from fourfold.methods import MethodSpec, method_spec
 from fourfold.parallel import Axis, Layout
 from fourfold.train.methods.noise import CHUNK_ELEMENTS, ShardNoise
 from fourfold.train.optim import uses_weight_decay
 
-UpdateTime = Literal["after_backward", "in_backward", "forward_only"]
 Guard = Callable[[float, float], "str | None"]  # (loss, grad_norm) -> reason to skip, or None
 
 
@@ -105,15 +105,20 @@ def batch_shard(grid: Any, batch_axes: tuple[Axis, ...]) -> tuple[int, int]:
 class TrainingMethod(ABC):
     """One way of turning a step's losses into an update of the trainable local shards.
 
-    `update_time` says when the weights change: after backward (AdamW, BlockLLM, GaLore), inside
-    backward as each shard's gradient becomes final (LOMO, AdaLomo), or from forwards alone
-    (MeZO, ES). `batch_axes` are the grid axes the step's batch is split over.
+    `name` is the key of its declaration (fourfold.methods), which says when the weights change
+    (`spec.update_time`) and the grid axes the step's batch is split over (`batch_axes`).
     """
 
     name: str = ""
-    update_time: UpdateTime = "after_backward"
-    batch_axes: tuple[Axis, ...] = ("data", "z")
     peak_grad_bytes: int = 0  # the most gradient bytes alive at once (train.memory_report)
+
+    @property
+    def spec(self) -> MethodSpec:
+        return method_spec(self.name)
+
+    @property
+    def batch_axes(self) -> tuple[Axis, ...]:
+        return self.spec.batch_axes  # type: ignore[return-value]
 
     def note_gradients(self, pmodel: Any) -> None:
         """Record the gradient bytes alive now (call where they peak: after backward)."""

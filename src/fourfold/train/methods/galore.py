@@ -5,7 +5,7 @@ For an m x n gradient G with m < n the projection is P = the top r left singular
 (m x r); the moments follow R = P^T G (r x n) and the step is P N(R), N being Adam's
 normalised step. With m >= n it is the right side: Q = top r right singular vectors (n x r),
 R = G Q (m x r), step N(R) Q^T. P (or Q) is recomputed from the step's gradient every
-train.galore_gap steps; the moments carry over, as in the paper. The rank is train.galore_rank,
+train.method.gap steps; the moments carry over, as in the paper. The rank is train.method.rank,
 or a quarter of the smaller side (0), and never above the smaller side.
 
 A matrix's full gradient lives only until it is final (LOMO's hand-off, base.on_final_gradients:
@@ -22,7 +22,7 @@ P (Q) is computed from the Gram matrix of the smaller side, s = min(m, n): the t
 eigenvectors of G G^T (G^T G), s x s, summed in float64 and solved with eigh (float64), the
 same subspace as the SVD's without a copy of G: a refresh's transient is the Gram, eigh's
 output and workspace (about 4 s^2 float64 in all), one chunk of G's columns (rows) gathered
-to their full small side (GALORE_CHUNK_BYTES, float32) and its float64 copy, and the basis.
+to their full small side (CHUNK_BYTES, float32) and its float64 copy, and the basis.
 It runs inside backward, when the later layers' gradients are already projected and freed; on
 the host the heap's free pages are handed back first, so that they are not resident beside it
 (and at every step's forward and update: under the ranks' malloc tuning nothing else does, so
@@ -67,7 +67,7 @@ from fourfold.config import TrainConfig
 from fourfold.parallel import Layout
 from fourfold.parallel.comm import Comm
 from fourfold.parallel.grid import Axis
-from fourfold.plan.memory import GALORE_CHUNK_BYTES, galore_rank
+from fourfold.methods.galore import CHUNK_BYTES, GaLoreOptions, projection_rank
 from fourfold.train.host_memory import (trim_after_autocast_forward, trim_host_memory,
                                         trim_on_host_grid)
 from fourfold.train.methods.adamw import backward_pass
@@ -82,7 +82,7 @@ EPS = 1e-8
 @torch.no_grad()
 def small_side_gram(pieces: torch.Tensor, small_axes: tuple[Axis, ...],
                     long_axes: tuple[Axis, ...], comm: Comm,
-                    chunk_bytes: int = GALORE_CHUNK_BYTES) -> torch.Tensor:
+                    chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
     """A A^T (s x s, float64, the same on every rank) of the global matrix A whose shard
     `pieces` is (its dim 0, the small side s, split over `small_axes`; dim 1, the long side,
     over `long_axes`). A few columns of the shard at a time are all-gathered over the small
@@ -120,15 +120,16 @@ def top_eigenvectors(gram: torch.Tensor, r: int) -> torch.Tensor:
 
 class GaLore(PerParameterState, TrainingMethod):
     name = "galore"
-    update_time = "after_backward"
 
     def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+        options = cfg.options()
+        assert isinstance(options, GaLoreOptions)
         self.views = param_views(pmodel, tied_output)
         self._view = {id(v.param): v for v in self.views}
         self.grid, self.comm = pmodel.grid, pmodel.comm
         self.beta1, self.beta2 = cfg.beta1, cfg.beta2
         self.weight_decay, self.grad_clip = cfg.effective_weight_decay(), cfg.grad_clip
-        self.rank, self.gap = cfg.galore_rank, cfg.galore_gap
+        self.rank, self.gap = options.rank, options.gap
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.steps_done = 0
         # the state is made up front, before any gradient: it then lies below them in the
@@ -162,7 +163,7 @@ class GaLore(PerParameterState, TrainingMethod):
         if p.dim() != 2:
             return {"m": torch.zeros(p.shape, **zeros), "v": torch.zeros(p.shape, **zeros)}
         m, n = view.full_shape
-        r = galore_rank(view.full_shape, self.rank)
+        r = projection_rank(view.full_shape, self.rank)
         rr = r // math.prod(self.grid.size(a) for a in self._rank_axes(view, r))
         pr = r // math.prod(self.grid.size(a) for a in self._proj_axes(view, r))
         moments = (rr, p.shape[1]) if m < n else (p.shape[0], rr)
@@ -183,7 +184,7 @@ class GaLore(PerParameterState, TrainingMethod):
         # over. Q and R = G Q the other way round.
         m, n = view.full_shape
         rows, cols = padded_dims(view)
-        r = galore_rank(view.full_shape, self.rank)
+        r = projection_rank(view.full_shape, self.rank)
         if field == "proj":
             return Layout((rows, self._proj_axes(view, r)) if m < n
                           else (cols, self._proj_axes(view, r)))
@@ -256,7 +257,7 @@ class GaLore(PerParameterState, TrainingMethod):
         g = p.grad.float()
         self._norm_sq += shard_norm_sq(view, g, self.grid.shape)
         m, n = view.full_shape
-        left, r = m < n, galore_rank(view.full_shape, self.rank)
+        left, r = m < n, projection_rank(view.full_shape, self.rank)
         state = self.state.setdefault(view.name, {})
         if "m" not in state:  # a checkpoint from before the first step had none
             state.update(self._new_state(view))
@@ -281,10 +282,10 @@ class GaLore(PerParameterState, TrainingMethod):
 
     def _blocks(self, view: ParamView, left: bool) -> list[slice]:
         """The blocks of G's other side (its columns for P, its rows for Q) a step works on
-        one at a time: GALORE_CHUNK_BYTES of G (and of the update) each."""
+        one at a time: CHUNK_BYTES of G (and of the update) each."""
         p = view.param
         other = p.shape[1] if left else p.shape[0]
-        width = max(1, GALORE_CHUNK_BYTES // (4 * p.shape[0 if left else 1]))
+        width = max(1, CHUNK_BYTES // (4 * p.shape[0 if left else 1]))
         return [slice(a, min(a + width, other)) for a in range(0, other, width)]
 
     def _project(self, view: ParamView, g: torch.Tensor, basis: torch.Tensor, left: bool,
@@ -323,7 +324,7 @@ class GaLore(PerParameterState, TrainingMethod):
             p.add_(self._adam(state["m"], state["v"], g, t).to(p.dtype), alpha=-lr)
             return
         m, n = view.full_shape
-        left, r = m < n, galore_rank(view.full_shape, self.rank)
+        left, r = m < n, projection_rank(view.full_shape, self.rank)
         if view.name in self._new_proj:  # a refresh: the new basis replaces the old
             state["proj"].copy_(self._new_proj.pop(view.name))
         low = self._low.pop(view.name)

@@ -7,7 +7,7 @@ grad-ready hook, Engine.set_grad_ready_hook); on one process, when autograd has 
 done (at most two buckets in flight); norms and biases, summed over z at the end of backward,
 are updated last.
 
-Clipping (train.clip_mode): "value" clamps each element to +-train.grad_clip (local, exact on
+Clipping (train.method.clip_mode): "value" clamps each element to +-train.grad_clip (local, exact on
 every grid); "two_pass" runs backward twice, the first only to compute the global norm (the
 paper's way), then clips by train.grad_clip; "none".
 """
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fourfold.config import TrainConfig
+from fourfold.methods.lomo import FusedBackwardOptions
 from fourfold.parallel import Layout
 from fourfold.train.host_memory import trim_after_autocast_forward, trim_on_host_grid
 from fourfold.train.methods.adamw import backward_pass
@@ -34,13 +35,13 @@ from fourfold.train.methods.noise import CHUNK_ELEMENTS
 class FusedBackward(TrainingMethod):
     """The machinery of a method that updates each shard inside backward."""
 
-    update_time = "in_backward"
-
     def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+        options = cfg.options()
+        assert isinstance(options, FusedBackwardOptions)
         self.views = param_views(pmodel, tied_output)
         self._view = {id(v.param): v for v in self.views}
         self.grid, self.comm = pmodel.grid, pmodel.comm
-        self.clip_mode, self.grad_clip = cfg.clip_mode, cfg.grad_clip
+        self.clip_mode, self.grad_clip = options.clip_mode, cfg.grad_clip
         self.weight_decay = cfg.effective_weight_decay()
         self._phase = ""  # "norm": first pass of two_pass; "update"; "": not in a step
         self._lr, self._scale = 0.0, 1.0

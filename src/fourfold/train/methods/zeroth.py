@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fourfold.config import TrainConfig
+from fourfold.methods.zeroth import ESOptions, MeZOOptions
 from fourfold.train.host_memory import trim_on_host_grid
 from fourfold.train.methods.base import (Guard, ParamView, StepData, StepResult, TrainingMethod,
                                          check_meta, param_views)
@@ -57,11 +58,12 @@ class MeZO(TrainingMethod):
     along one seeded direction z per step, and w <- w - lr * g * z. No state but a step count."""
 
     name = "mezo"
-    update_time = "forward_only"
 
     def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+        options = cfg.options()
+        assert isinstance(options, MeZOOptions)
         self.views = param_views(pmodel, tied_output)
-        self.seed, self.eps = cfg.seed, cfg.mezo_eps
+        self.seed, self.eps = cfg.seed, options.eps
         self.weight_decay = cfg.effective_weight_decay()
         self.steps_done = 0
         self._before_forward = trim_on_host_grid(pmodel.grid.device, pmodel.grid.world_size)
@@ -105,7 +107,7 @@ class MeZO(TrainingMethod):
 
 
 class EvolutionStrategies(TrainingMethod):
-    """Evolution strategies (after EA4LLM / OpenAI-ES): `es_population` members w + sigma z_m,
+    """Evolution strategies (after EA4LLM / OpenAI-ES): train.method.population members w + sigma z_m,
     each evaluated on the same batch; w <- w + lr / N *
     sum_m r_m z_m with r_m = -(L_m - mean L) / sigma (the mean as baseline), rebuilt from the seeds
     on every rank.
@@ -117,12 +119,12 @@ class EvolutionStrategies(TrainingMethod):
     never drift apart."""
 
     name = "es"
-    update_time = "forward_only"
-    batch_axes = ("z",)
 
     def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+        options = cfg.options()
+        assert isinstance(options, ESOptions)
         self.views = param_views(pmodel, tied_output)
-        self.seed, self.sigma, self.population = cfg.seed, cfg.es_sigma, cfg.es_population
+        self.seed, self.sigma, self.population = cfg.seed, options.sigma, options.population
         self.weight_decay = cfg.effective_weight_decay()
         self.steps_done = 0
         self._before_forward = trim_on_host_grid(pmodel.grid.device, pmodel.grid.world_size)
