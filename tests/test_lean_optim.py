@@ -21,6 +21,16 @@ from fourfold.methods import method_options, method_spec
 WORKER = Path(__file__).with_name("lean_worker.py")
 
 
+class Refuse:
+    """A StepGuard (train/methods/base.py) that rejects every step."""
+
+    def check(self, loss: float, grad_norm: float) -> str:
+        return "skipped"
+
+    def allow(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.bool, device=loss.device)
+
+
 def run_worker(nproc: int, grids: list, checks: list, tmp_path: Path) -> list[dict]:
     out = tmp_path / f"lean_{nproc}.jsonl"
     env = outside_job_env(FOURFOLD_TEST_SHAPES=json.dumps(grids),
@@ -618,7 +628,7 @@ def test_galore_hands_free_host_pages_back_at_each_phase(
         per_step.append(len(trims) - before)
     before = len(trims)
     method.step(pmodel, StepData.one_batch(pmodel, tokens), lr=1e-3,
-                guard=lambda loss, norm: "skipped")
+                guard=Refuse())
     per_step.append(len(trims) - before)
     assert per_step == [matrices + 2, 2, matrices + 2, 1], (per_step, matrices)
 
@@ -727,7 +737,7 @@ def test_mezo_es_and_blockllm_trim_on_a_host_grid(
                                               method=method_options(optimizer, **(
                                                   {"population": 3} if optimizer == "es" else {}))))
     expected = {"mezo": [True] * 2, "es": [True] * 3, "blockllm": [False]}[optimizer]
-    for guard in (None, lambda loss, norm: "skipped", None):
+    for guard in (None, Refuse(), None):
         trims.clear()
         start = [p.detach().clone() for p in pmodel.parameters()]
         method.step(pmodel, StepData.one_batch(pmodel, tokens), lr=1e-3, guard=guard)

@@ -206,6 +206,8 @@ class ParallelModel:
         return stream_full(self.module, self.layouts(), self.grid, dst)
 
     def memory_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes of this rank's parameters, of the gradients alive now and of a torch
+        optimizer's state tensors."""
         params = list(self.module.parameters())
         out = {"params": sum(p.numel() * p.element_size() for p in params),
                "grads": sum(p.grad.numel() * p.grad.element_size()

@@ -37,7 +37,6 @@ from fourfold.train.compile import BlockCompiler
 from fourfold.train.host_memory import keep_freed_host_memory
 from fourfold.methods import method_spec
 from fourfold.train.methods import TrainingMethod, batch_shard, build_method
-from fourfold.train.optim import build_optimizer
 from fourfold.train.resilience import LossGuard
 
 
@@ -55,8 +54,7 @@ class Run:
     tokenizer: Tokenizer
     pmodel: ParallelModel
     compiler: BlockCompiler
-    optimizer: torch.optim.Optimizer | None  # AdamW; None when `method` trains instead
-    method: TrainingMethod | None  # train.optimizer other than adamw (train/methods)
+    method: TrainingMethod  # train.optimizer's (train/methods)
     loader: BatchLoader  # whole steps; the trainer slices them into micro-batches
     val_loader: BatchLoader
     guard: LossGuard
@@ -141,12 +139,7 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
     # optimizer, which then see only the adapter as trainable.
     apply_adapter(pmodel, cfg.adapter, t.seed)
     compiler = BlockCompiler(pmodel.module, t.compile)
-    optimizer, method = None, None
-    if t.optimizer == "adamw":
-        optimizer = build_optimizer(pmodel.named_parameters(), t,
-                                    tied_output=cfg.model.tie_embeddings)
-    else:
-        method = build_method(pmodel, t, tied_output=cfg.model.tie_embeddings)
+    method = build_method(pmodel, t, tied_output=cfg.model.tie_embeddings)
 
     # The loader hands out whole steps; micro-batches are slices of them, so the data a step
     # sees does not depend on grad_accum. Validation batches are whole steps too (evaluated in
@@ -157,7 +150,7 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
                              shard_index=shard_index, num_shards=shard_count)
     return Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world_size=world_size, device=device,
                grid=grid, data_dir=data_dir, tokenizer=tokenizer, pmodel=pmodel,
-               compiler=compiler, optimizer=optimizer, method=method, loader=loader,
+               compiler=compiler, method=method, loader=loader,
                val_loader=val_loader,
                guard=LossGuard(t.spike_threshold))
 

@@ -34,8 +34,9 @@ from fourfold.train.methods import StepData, TrainingMethod
 from fourfold.train.metrics import MetricsLog, job_peak_flops, peak_memory_bytes
 from fourfold.train.optim import LRSchedule
 from fourfold.train.progress import Progress
-from fourfold.train.resilience import (LossGuard, Verdict, gather_step_times, restart_count,
-                                       resume_record, straggler_report)
+from fourfold.train.resilience import (DeviceJudgement, LossGuard, UpdateGate,
+                                       gather_step_times, restart_count, resume_record,
+                                       straggler_report)
 from fourfold.train.runs import (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, WEIGHTS_FILE,
                                  save_weights_streamed,
                                  write_summary)
@@ -58,10 +59,16 @@ class TrainingError(FourfoldError, RuntimeError):
         self.step = step
 
 
+def stop_error(step: int, reason: str) -> TrainingError:
+    """What ends a run under train.nan_policy = "stop"."""
+    return TrainingError(f"step {step}: {reason}; stopped (train.nan_policy = \"stop\"); try a "
+                         "lower train.lr or train.nan_policy = \"skip\"", step)
+
+
 class StepStats:
-    """One step's numbers. The loss, gradient norm and verdict of an AdamW step stay on the
-    device until first read (`read_steps` reads several steps in one transfer), so that a step
-    that is not logged never waits for the device."""
+    """One step's numbers. Those a method judged on the device (AdamW's loss, gradient norm and
+    verdict) stay there until first read (`read_steps` reads several steps in one transfer),
+    so that a step that is not logged never waits for the device."""
 
     def __init__(self, step: int, lr: float, seconds: float, *,
                  device_values: torch.Tensor | None = None,
@@ -167,14 +174,12 @@ class Trainer:
         self.tokenizer: Tokenizer = run.tokenizer
         self.pmodel: ParallelModel = run.pmodel
         self.compiler = run.compiler
-        self.optimizer = run.optimizer  # AdamW, or None when a training method runs the update
-        self.method = run.method
+        self.method: TrainingMethod = run.method
         self.loader, self.val_loader = run.loader, run.val_loader
         self.guard = run.guard
-        # nan_policy = "stop": set on the device by a bad step, holds every later update
-        self._stopped = torch.zeros((), dtype=torch.bool, device=self.device)
+        self.gate = UpdateGate(self.guard, hold_after_bad=self.cfg.train.nan_policy == "stop")
         self.schedule = LRSchedule(self.cfg.train)
-        self.memory_meter = (MemoryMeter(self.pmodel, self.optimizer, self.method,
+        self.memory_meter = (MemoryMeter(self.pmodel, self.method,
                                          self.cfg.train.activation_checkpointing)
                              if self.cfg.train.memory_report else None)
         t = self.cfg.train
@@ -201,7 +206,8 @@ class Trainer:
             self.run_dir, self.cfg.checkpoint, self.grid,
             states={"trainer": self, "loader": self.loader, "guard": self.guard,
                     "schedule": self.schedule, **self._adapter_base()},
-            sharded_states={"method": _MethodState(self.method)} if self.method else None,
+            sharded_states=({"method": _MethodState(self.method)}
+                            if self.method.torch_optimizer is None else None),
             trainable_only=self.cfg.adapter.kind != "none")
         self.resumed_from: Path | None = None
         self._rollbacks: tuple[Path | None, int] = (None, 0)  # (checkpoint, rollbacks to it)
@@ -258,12 +264,38 @@ class Trainer:
             return self._train_step()
 
     def _train_step(self) -> StepStats:
-        t = self.cfg.train
         start = time.perf_counter()
         step = self.step + 1
-        lr = self.schedule.apply(self.optimizer, step)
+        lr = self.schedule.lr(step)
         self.pmodel.ledger.reset()
+        data, global_count = self._step_data()
+        self.gate.begin_step()
+        result = self.method.step(self.pmodel, data, lr, self.gate)
+        judged = self.gate.judgement
+        if judged is None:  # a method that did not ask: judged after its update
+            self.gate.check(float(result.loss), float(result.grad_norm))
+            judged = self.gate.judgement
+        fraction = global_count.double() / self.tokens_per_step
+        if isinstance(judged, DeviceJudgement):
+            v = judged.verdict
+            self.step = step
+            values = torch.stack([v.loss, v.grad_norm, v.code.double(), v.mean,
+                                  judged.applied.double(), fraction])
+            return StepStats(step, lr, time.perf_counter() - start, device_values=values,
+                             guard=self.guard)
+        assert judged is not None
+        reason = judged.reason or (result.reason if result.skipped else None)
+        if reason is not None and self.cfg.train.nan_policy == "stop":
+            raise stop_error(step, reason)
+        self.step = step
+        return StepStats(step, lr, time.perf_counter() - start, host_values=(
+            judged.loss, judged.grad_norm, reason is not None, reason or "", float(fraction)))
 
+    def _step_data(self) -> tuple[StepData, torch.Tensor]:
+        """This rank's share of the next step's batch, as the training method runs it: its
+        micro-batches' losses, each normalized by the counted tokens of the whole job's step
+        (returned too, on the device)."""
+        t = self.cfg.train
         inputs, targets = self.loader.next_batch()  # (B / shards, T)
         inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         micro = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
@@ -271,105 +303,24 @@ class Trainer:
         local_count = torch.stack([m.sum() for m in masks]).sum()
         global_count = self._count_over_batch(local_count).clamp(min=1.0)
 
-        if self.method is not None:  # the methods read their loss on the host anyway
-            loss_value, grad_norm, what = self._method_update(step, lr, micro, masks,
-                                                              global_count)
-            self.step = step
-            return StepStats(step, lr, time.perf_counter() - start, host_values=(
-                loss_value, grad_norm, what is not None, what or "",
-                float(global_count) / self.tokens_per_step))
-        verdict, applied = self._update(step, micro, masks, global_count)
-        self.step = step
-        values = torch.stack([verdict.loss, verdict.grad_norm, verdict.code.double(),
-                              verdict.mean, applied.double(),
-                              global_count.double() / self.tokens_per_step])
-        return StepStats(step, lr, time.perf_counter() - start, device_values=values,
-                         guard=self.guard)
+        def losses() -> Iterator[torch.Tensor]:
+            for (x, y), mask in zip(micro, masks):
+                with self._autocast():
+                    per_token = self.pmodel(x, y)  # (b, T)
+                yield (per_token.float() * mask).sum() / global_count
+
+        return StepData(len(micro), losses), global_count
 
     def _count_over_batch(self, local: torch.Tensor) -> torch.Tensor:
         """A token count summed over the axes the step's batch is split over (es: z only; its
         data replicas see the same batch)."""
-        if self.method is None or tuple(self.method.batch_axes) == ("data", "z"):
+        if tuple(self.method.batch_axes) == ("data", "z"):
             return self.pmodel.reduce_over_batch(local)
         total = local.detach().double().clone()
         for axis in self.method.batch_axes:
             if self.grid.size(axis) > 1:
                 total = self.pmodel.comm.all_reduce(total, axis).wait()
         return total.to(local.dtype)
-
-    def _update(self, step: int, micro: list[tuple[torch.Tensor, torch.Tensor]],
-                masks: list[torch.Tensor], global_count: torch.Tensor
-                ) -> tuple[Verdict, torch.Tensor]:
-        """Forward and backward over the micro-batches, then the update: the one place where
-        gradients are made and the optimizer steps. Returns the loss guard's verdict on the
-        step (loss and gradient norm reduced over the grid) and whether the update was applied,
-        as device tensors: the skip is decided on the device (nan_policy is acted on when the
-        host reads the verdict, see fit)."""
-        t = self.cfg.train
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=self.device)
-        for i, ((x, y), mask) in enumerate(zip(micro, masks)):
-            self.pmodel.set_requires_gradient_sync(i == len(micro) - 1)
-            with self._autocast():
-                per_token = self.pmodel(x, y)  # (b, T)
-            loss = (per_token.float() * mask).sum() / global_count
-            loss.backward()
-            self.pmodel.finish_backward()
-            loss_sum += loss.detach()
-        loss_value = self.pmodel.reduce_over_batch(loss_sum)
-        max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
-        grad_norm = self.pmodel.clip_grad_norm_(max_norm)
-
-        # loss_value and grad_norm are reduced over the grid: every rank judges alike.
-        verdict = self.guard.judge(loss_value, grad_norm)
-        applied = ~verdict.bad
-        if t.nan_policy == "stop":  # after a bad step, nothing moves until fit() stops
-            applied = applied & ~self._stopped
-            self._stopped = ~applied
-        self._optimizer_step_if(applied)
-        self.guard.record(loss_value, applied)
-        return verdict, applied
-
-    def _optimizer_step_if(self, applied: torch.Tensor) -> None:
-        """optimizer.step() where the device says so (a bool tensor), without asking the host:
-        the fused AdamW kernel leaves parameters, moments and step count as they were when its
-        found_inf is 1 (as for a mixed-precision step with an overflow)."""
-        if not self.optimizer.defaults.get("fused"):
-            if bool(applied):  # a host read: the foreach AdamW has no skip on the device
-                self.optimizer.step()
-            return
-        self.optimizer.found_inf = (~applied).float()  # type: ignore[attr-defined]
-        try:
-            self.optimizer.step()
-        finally:
-            del self.optimizer.found_inf  # type: ignore[attr-defined]
-
-    def _method_update(self, step: int, lr: float, micro: list[tuple[torch.Tensor, torch.Tensor]],
-                       masks: list[torch.Tensor], global_count: torch.Tensor
-                       ) -> tuple[float, float, str | None]:
-        """The update of train.optimizer other than adamw (train/methods): the method runs
-        the forwards (and backwards) itself from the micro-batch losses given here, and asks
-        the loss guard before it updates."""
-        assert self.method is not None
-
-        def losses() -> Iterator[torch.Tensor]:
-            for i, ((x, y), mask) in enumerate(zip(micro, masks)):
-                self.pmodel.set_requires_gradient_sync(i == len(micro) - 1)
-                with self._autocast():
-                    per_token = self.pmodel(x, y)  # (b, T)
-                yield (per_token.float() * mask).sum() / global_count
-
-        result = self.method.step(self.pmodel, StepData(len(micro), losses), lr,
-                                  guard=self.guard.check)
-        if result.skipped:
-            if self.cfg.train.nan_policy == "stop":
-                raise TrainingError(
-                    f"step {step}: {result.reason}; stopped (train.nan_policy = "
-                    f"{self.cfg.train.nan_policy!r}); try a lower train.lr or "
-                    "train.nan_policy = \"skip\"", step)
-            return result.loss, result.grad_norm, result.reason or "skipped"
-        self.guard.accept(result.loss)
-        return result.loss, result.grad_norm, None
 
     # ---- evaluation and samples -----------------------------------------------------------
 
@@ -474,10 +425,7 @@ class Trainer:
                 rolled_back = False
                 for done in pending:
                     if done.skipped and t.nan_policy == "stop":
-                        raise TrainingError(
-                            f"step {done.step}: {done.reason}; stopped (train.nan_policy = "
-                            f"{t.nan_policy!r}); try a lower train.lr or train.nan_policy = "
-                            "\"skip\"", done.step)
+                        raise stop_error(done.step, done.reason)
                     if done.skipped and t.nan_policy == "rollback":
                         self._rollback(done, metrics, progress)
                         rolled_back = True
@@ -594,7 +542,7 @@ class Trainer:
         # Every rank reads its own ledger, but only the main rank writes: its numbers stand for
         # the per-rank traffic (all ranks of one grid shape move the same bytes per axis).
         comm = self.pmodel.ledger.snapshot()
-        memory = self.pmodel.memory_bytes(self.optimizer)
+        params = self.pmodel.memory_bytes()["params"]
         if metrics is None:
             return
         record: dict[str, Any] = {
@@ -603,8 +551,8 @@ class Trainer:
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "comm_bytes_x": comm.get("x", 0), "comm_bytes_y": comm.get("y", 0),
             "comm_bytes_z": comm.get("z", 0), "comm_bytes_data": comm.get("data", 0),
-            "param_bytes": memory.get("params", 0), "grad_bytes": memory.get("grads", 0),
-            "optimizer_bytes": memory.get("optimizer", 0), "step_seconds": stats.seconds,
+            "param_bytes": params, "grad_bytes": self.method.peak_grad_bytes,
+            "optimizer_bytes": self.method.state_bytes(), "step_seconds": stats.seconds,
         }
         if self.cfg.train.activation_checkpointing and mfu is not None:
             # hardware FLOPs: the recomputed forward counted too, as the planner's HFU
@@ -622,7 +570,7 @@ class Trainer:
         """Checkpoint the state after the current step (collective on a grid; written in the
         background with checkpoint.async). Raises TrainingError for a failed write."""
         try:
-            self.checkpoints.save(self.step, self.pmodel, self.optimizer)
+            self.checkpoints.save(self.step, self.pmodel, self.method.torch_optimizer)
         except CheckpointError as e:
             raise TrainingError(str(e), self.step) from None
 
@@ -649,7 +597,7 @@ class Trainer:
         """Load a checkpoint (from any grid) into this trainer and its parts. Collective on a
         grid."""
         try:
-            self.checkpoints.load(path, self.pmodel, self.optimizer)
+            self.checkpoints.load(path, self.pmodel, self.method.torch_optimizer)
         except CheckpointError as e:
             raise TrainingError(str(e), self.step) from None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -22,7 +22,21 @@ from fourfold.parallel import Axis, Layout
 from fourfold.train.methods.noise import CHUNK_ELEMENTS, ShardNoise
 from fourfold.train.optim import uses_weight_decay
 
-Guard = Callable[[float, float], "str | None"]  # (loss, grad_norm) -> reason to skip, or None
+
+
+class StepGuard(Protocol):
+    """What a training method asks before it applies a step's update (the trainer's is
+    resilience.UpdateGate: the loss guard and train.nan_policy). A method asks once a step,
+    with the step's loss and gradient norm (or its gradient estimate's size), reduced over the
+    grid so that every rank is answered alike."""
+
+    def check(self, loss: float, grad_norm: float | None) -> str | None:
+        """Why the update must not be applied (one phrase), or None. `grad_norm` None: the
+        method never knows it (LOMO without two_pass clipping): only the loss is judged."""
+
+    def allow(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """`check` on the device, for a method that never reads its loss on the host: a bool
+        tensor, true where the update may be applied."""
 
 
 @dataclass(frozen=True)
@@ -48,9 +62,12 @@ class StepData:
 
 @dataclass(frozen=True)
 class StepResult:
-    loss: float  # the step's mean loss, the same on every rank
-    grad_norm: float  # the norm the method clipped by, or its gradient estimate's size
-    skipped: bool = False
+    """A step's numbers, the same on every rank: floats, or 0-d device tensors for a method
+    that never reads them on the host (AdamW; its guard decided on the device)."""
+
+    loss: float | torch.Tensor  # the step's mean loss
+    grad_norm: float | torch.Tensor  # the norm the method clipped by, or its estimate's size
+    skipped: bool = False  # the update was not applied (the guard's reason, or the method's)
     reason: str = ""
 
 
@@ -113,6 +130,12 @@ class TrainingMethod(ABC):
     peak_grad_bytes: int = 0  # the most gradient bytes alive at once (train.memory_report)
 
     @property
+    def torch_optimizer(self) -> torch.optim.Optimizer | None:
+        """A torch optimizer whose state a checkpoint keeps by parameter, in place of
+        state_dict()'s (AdamW's); None for the others."""
+        return None
+
+    @property
     def spec(self) -> MethodSpec:
         return method_spec(self.name)
 
@@ -127,11 +150,11 @@ class TrainingMethod(ABC):
         self.peak_grad_bytes = max(self.peak_grad_bytes, live)
 
     @abstractmethod
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+    def step(self, pmodel: Any, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         """One training step. Collective: every rank calls it with its own shard of the batch.
-        `guard` sees the step's loss and gradient norm before an update that can still be
-        skipped and returns a reason to skip it (or None)."""
+        `guard` is asked once, with the step's loss and gradient norm, before an update that
+        can still be skipped where the method can skip it (else after it)."""
 
     @abstractmethod
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -256,6 +279,25 @@ class PerParameterState:
         devices = {v.name: v.param.device for v in self.views}
         self.state = {name: {field: t.to(devices.get(name, t.device)) for field, t in s.items()}
                       for name, s in unflatten_state(tensors).items()}
+
+
+def backward_pass(pmodel: Any, data: StepData,
+                  after_forward: Callable[[], None] | None = None) -> torch.Tensor:
+    """Forward and backward over the step's micro-batches, the data all-reduce on the last one
+    only: the one micro-batch loop of every method with a backward. Returns this rank's summed
+    loss (float64, on the device: nothing waits for the host). `after_forward` runs between
+    each micro-step's forward and its backward."""
+    total: torch.Tensor | None = None
+    for i, loss in enumerate(data.losses()):
+        pmodel.set_requires_gradient_sync(i == data.micro_steps - 1)
+        if after_forward is not None:
+            after_forward()
+        loss.backward()
+        pmodel.finish_backward()
+        value = loss.detach().double()
+        total = value if total is None else total + value
+    assert total is not None, "a step of no micro-batches"
+    return total
 
 
 def reduce_loss(pmodel: Any, local: torch.Tensor) -> float:

@@ -52,11 +52,10 @@ from fourfold.config import TrainConfig
 from fourfold.parallel import Axis, Layout
 from fourfold.methods.blockllm import HOLD_SLACK, BlockLLMOptions
 from fourfold.train.host_memory import trim_on_host_grid
-from fourfold.train.methods.adamw import backward_pass
-from fourfold.train.methods.base import (CHUNK_ELEMENTS, Guard, ParamView, StepData, StepResult,
-                                         TrainingMethod, arm_on_last_micro_step, check_meta,
-                                         live_grad_bytes, on_final_gradients, padded_dims,
-                                         param_views, reduce_loss)
+from fourfold.train.methods.base import (CHUNK_ELEMENTS, ParamView, StepData, StepGuard,
+                                         StepResult, TrainingMethod, arm_on_last_micro_step,
+                                         backward_pass, check_meta, live_grad_bytes,
+                                         on_final_gradients, padded_dims, param_views, reduce_loss)
 from fourfold.train.methods.noise import chunk_elements
 
 EPS = 1e-8  # AdamW's, as train/optim.build_optimizer
@@ -363,7 +362,7 @@ class BlockLLM(TrainingMethod):
                 w.sub_(m / denom * (lr / (1 - b1 ** t)))
                 weights.index_copy_(0, rows, w)
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+    def step(self, pmodel: Any, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         if self._trim is not None:  # the last step's freed blocks, before this step's
             self._trim()
@@ -375,7 +374,7 @@ class BlockLLM(TrainingMethod):
         else:
             loss = self._backward(pmodel, data, selecting=False)
         norm = self._clip()
-        reason = guard(loss, norm) if guard is not None else None
+        reason = guard.check(loss, norm) if guard is not None else None
         if reason is None:
             self._update(lr)
             if loss < self.best:

@@ -70,11 +70,10 @@ from fourfold.parallel.grid import Axis
 from fourfold.methods.galore import CHUNK_BYTES, GaLoreOptions, projection_rank
 from fourfold.train.host_memory import (trim_after_autocast_forward, trim_host_memory,
                                         trim_on_host_grid)
-from fourfold.train.methods.adamw import backward_pass
-from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
+from fourfold.train.methods.base import (ParamView, PerParameterState, StepData, StepGuard,
                                          StepResult, TrainingMethod, arm_on_last_micro_step,
-                                         on_final_gradients,
-                                         padded_dims, param_views, reduce_loss, shard_norm_sq)
+                                         backward_pass, on_final_gradients, padded_dims,
+                                         param_views, reduce_loss, shard_norm_sq)
 
 EPS = 1e-8
 
@@ -375,7 +374,7 @@ class GaLore(PerParameterState, TrainingMethod):
             coef = min(1.0, self.grad_clip / (norm + 1e-6))
         return norm, coef
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+    def step(self, pmodel: Any, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         for v in self.views:
             v.param.grad = None
@@ -390,7 +389,7 @@ class GaLore(PerParameterState, TrainingMethod):
             self._armed = False
         self.peak_grad_bytes = max(self.peak_grad_bytes, self._live_grad_bytes())
         norm, coef = self._clip_coef()
-        reason = guard(loss, norm) if guard is not None else None
+        reason = guard.check(loss, norm) if guard is not None else None
         if reason is None:
             t = self.steps_done + 1
             if self._trim is not None:  # backward's, before the update's temporaries

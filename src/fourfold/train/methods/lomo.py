@@ -24,9 +24,8 @@ from fourfold.config import TrainConfig
 from fourfold.methods.lomo import FusedBackwardOptions
 from fourfold.parallel import Layout
 from fourfold.train.host_memory import trim_after_autocast_forward, trim_on_host_grid
-from fourfold.train.methods.adamw import backward_pass
-from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
-                                         StepResult, TrainingMethod, check_meta,
+from fourfold.train.methods.base import (ParamView, PerParameterState, StepData, StepGuard,
+                                         StepResult, TrainingMethod, backward_pass, check_meta,
                                          live_grad_bytes, on_final_gradients, padded_dims,
                                          param_views, reduce_loss, shard_norm_sq)
 from fourfold.train.methods.noise import CHUNK_ELEMENTS
@@ -73,7 +72,7 @@ class FusedBackward(TrainingMethod):
     def update(self, view: Any, grad: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+    def step(self, pmodel: Any, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         if data.micro_steps != 1:
             raise ValueError(f"{self.name} updates during backward: one micro-step per step, "
@@ -92,7 +91,7 @@ class FusedBackward(TrainingMethod):
                     total = self.comm.all_reduce(total, "tensor").wait()
                 norm = float(total.sqrt())
                 # nothing has moved yet: a guard (nan_policy = "skip") can still skip the step
-                reason = guard(loss, norm) if guard is not None else None
+                reason = guard.check(loss, norm) if guard is not None else None
                 if reason is not None or not math.isfinite(norm):
                     return StepResult(loss, norm, True, reason or "non-finite gradient norm")
                 if self.grad_clip > 0 and norm > self.grad_clip:
@@ -103,8 +102,9 @@ class FusedBackward(TrainingMethod):
             self._phase = ""
         if self.clip_mode == "two_pass":
             return StepResult(loss, norm)
-        # the update is done: a guard can only report (hence nan_policy "skip" needs two_pass)
-        reason = guard(loss, norm) if guard is not None else None
+        # the update is done, its norm never known: a guard can only judge the loss, and only
+        # report it (hence nan_policy "skip" needs two_pass)
+        reason = guard.check(loss, None) if guard is not None else None
         return StepResult(loss, norm, False, reason or "")
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -148,7 +148,7 @@ class AdaLomo(PerParameterState, FusedBackward):
         self.steps_done = 0
         self._t = 1  # the step being taken, for the bias correction of beta2
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+    def step(self, pmodel: Any, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         self._t = self.steps_done + 1
         result = super().step(pmodel, data, lr, guard)

@@ -17,8 +17,8 @@ import torch
 from fourfold.config import TrainConfig
 from fourfold.methods.zeroth import ESOptions, MeZOOptions
 from fourfold.train.host_memory import trim_on_host_grid
-from fourfold.train.methods.base import (Guard, ParamView, StepData, StepResult, TrainingMethod,
-                                         check_meta, param_views)
+from fourfold.train.methods.base import (ParamView, StepData, StepGuard, StepResult,
+                                         TrainingMethod, check_meta, param_views)
 from fourfold.train.methods.noise import noise_key
 
 
@@ -68,7 +68,7 @@ class MeZO(TrainingMethod):
         self.steps_done = 0
         self._before_forward = trim_on_host_grid(pmodel.grid.device, pmodel.grid.world_size)
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+    def step(self, pmodel: Any, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         step, eps = self.steps_done, self.eps
         add_noise(self.views, self.seed, step, {0: eps})
@@ -80,7 +80,7 @@ class MeZO(TrainingMethod):
         plus_v, minus_v = float(both[0]), float(both[1])
         grad = (plus_v - minus_v) / (2.0 * eps)
         loss = 0.5 * (plus_v + minus_v)
-        reason = guard(loss, abs(grad)) if guard is not None else None
+        reason = guard.check(loss, abs(grad)) if guard is not None else None
         if reason is not None or not math.isfinite(grad):
             add_noise(self.views, self.seed, step, {0: eps})  # back to w
             self.steps_done += 1
@@ -129,7 +129,7 @@ class EvolutionStrategies(TrainingMethod):
         self.steps_done = 0
         self._before_forward = trim_on_host_grid(pmodel.grid.device, pmodel.grid.world_size)
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+    def step(self, pmodel: Any, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         grid, step, n = pmodel.grid, self.steps_done, self.population
         replica, replicas = grid.coord("data"), grid.size("data")
@@ -149,7 +149,7 @@ class EvolutionStrategies(TrainingMethod):
         # unbiased, and on the same scale as a gradient (lr means what it means for SGD)
         weights = [(float(losses[m]) - loss) / (n * self.sigma) for m in range(n)]
         size = math.sqrt(sum(w * w for w in weights))
-        reason = guard(loss, size) if guard is not None else None
+        reason = guard.check(loss, size) if guard is not None else None
         self.steps_done += 1
         if reason is not None or not math.isfinite(loss):
             return StepResult(loss, size, True, reason or "non-finite loss")
