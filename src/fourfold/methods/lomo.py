@@ -2,9 +2,12 @@
 Resources") and AdaLomo (Lv et al. 2023, "AdaLomo: Low-memory Optimization with Adaptive
 Learning Rate"): the update fused into backward, each shard as its gradient becomes final.
 
-Neither decays the weights by default: LOMO's SGD steps at learning rates 10-100x Adam's and
-AdaLomo's step is relative to the weights' size, so lr x 0.1 would shrink the weights that
-much faster (bench/lean_quality.py compares)."""
+Neither decays the weights by default (nor do their papers): LOMO's SGD steps at learning
+rates 10-100x Adam's, and AdaLomo's decay, like its step, is scaled by RMS(w). Given a
+train.weight_decay, both decay as lomo-optim does (LOMO: w <- (1 - lr wd) w; AdaLomo:
+w <- (1 - lr max(eps_param_rms, RMS(w)) wd) w, before the step) but, as every fourfold method,
+never the norm gains, biases or embeddings (lomo-optim decays every parameter it trains:
+decaying a gain pulls the model towards a zero scale rather than regularising a map)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fourfold.errors import ConfigError
-from fourfold.methods.base import MethodOptions, MethodSpec
+from fourfold.methods.base import MethodOptions, MethodSpec, positive
 
 if TYPE_CHECKING:
     from fourfold.config import TrainConfig
@@ -45,7 +48,29 @@ class LOMOOptions(FusedBackwardOptions):
 
 @dataclass
 class AdaLomoOptions(FusedBackwardOptions):
-    """AdaLomo: a factored second moment (train.beta2) and a step relative to the weights."""
+    """AdaLomo: Adafactor's factored second moment and a step relative to the weights' RMS,
+    with the paper's (and lomo-optim's) defaults."""
+
+    # the second moment's decay: beta2_t = 1 - t^decay_rate at step t (Adafactor's schedule:
+    # 0 at the first step, then rising towards 1), not a constant train.beta2
+    decay_rate: float = -0.8
+    # added to each squared gradient element before its row and column means (Adafactor's
+    # epsilon1; lomo-optim's eps[0])
+    eps_grad_sq: float = 1e-30
+    # the floor of RMS(w) that scales the step (and the weight decay): lr * max(this, RMS(w))
+    # (Adafactor's epsilon2; lomo-optim's eps[1])
+    eps_param_rms: float = 1e-3
+    # the update u = g / sqrt(v) is divided by max(1, RMS(u) / clip_threshold)
+    clip_threshold: float = 1.0
+
+    def check(self, train: TrainConfig) -> None:
+        super().check(train)
+        if not self.decay_rate < 0:
+            raise ConfigError(f"train.method.decay_rate = {self.decay_rate}: must be negative "
+                              "(beta2_t = 1 - t^decay_rate; Adafactor's and AdaLomo's -0.8)")
+        positive("eps_grad_sq", self.eps_grad_sq)
+        positive("eps_param_rms", self.eps_param_rms)
+        positive("clip_threshold", self.clip_threshold)
 
 
 _COMMON = dict(update_time="in_backward", weight_decay=0.0, blocked_loss=True,

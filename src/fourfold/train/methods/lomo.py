@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fourfold.config import TrainConfig
-from fourfold.methods.lomo import FusedBackwardOptions
+from fourfold.methods.lomo import AdaLomoOptions, FusedBackwardOptions
 from fourfold.parallel import Layout
 from fourfold.train.host_memory import trim_after_autocast_forward, trim_on_host_grid
 from fourfold.train.methods.base import (ParamView, PerParameterState, StepData, StepGuard,
@@ -127,34 +127,55 @@ class LOMO(FusedBackward):
 
 
 class AdaLomo(PerParameterState, FusedBackward):
-    """AdaLomo (Lv et al. 2023): LOMO with an Adafactor-style factored second moment and a
-    relative, normalised step, fused into backward like LOMO.
+    """AdaLomo (Lv et al. 2023): LOMO with Adafactor's factored second moment and a relative,
+    normalised step, fused into backward like LOMO; lomo-optim's AdaLomo step for step.
 
-    For a matrix gradient g (m x n): row means r and column means c of g^2 are averaged with
-    beta2; v = r c^T / mean(r); u = g / sqrt(v), divided by max(1, RMS(u)); the step is
-    lr * max(1e-3, RMS(w)). A vector keeps an unfactored v. On a grid every statistic is over
-    the full matrix: row sums are reduced over the axes that split the columns, column sums
-    over those that split the rows, RMS sums over all splitting axes (a few floats per row or
-    column, a scalar per tensor). State: m + n floats per matrix, each shard its own part of the
-    global row and column means (checkpoints reshard them to any grid).
+    For a matrix gradient g (m x n) at step t: row means r and column means c of
+    g^2 + eps_grad_sq are averaged with beta2_t = 1 - t^decay_rate (0 at the first step: no
+    bias correction is needed); v = r c^T / mean(r); u = g / sqrt(v), divided by
+    max(1, RMS(u) / clip_threshold); the step is lr * max(eps_param_rms, RMS(w)), and so is the
+    weight decay's rate. A vector keeps an unfactored v. On a grid every statistic is over the
+    full matrix: row sums are reduced over the axes that split the columns, column sums over
+    those that split the rows, RMS sums over all splitting axes (a few floats per row or column,
+    a scalar per tensor). State: m + n floats per matrix, each shard its own part of the global
+    row and column means (checkpoints reshard them to any grid).
     """
 
     name = "adalomo"
+    # the state's meaning, in its facts: averages with Adafactor's schedule. A checkpoint
+    # without it averaged with a constant train.beta2 and no bias correction: loading divides
+    # by (1 - beta2^t), the same estimate of E[g^2]
+    SECOND_MOMENT = "adafactor"
 
     def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
         super().__init__(pmodel, cfg, tied_output)
-        self.beta2 = cfg.beta2
+        options = cfg.options()
+        assert isinstance(options, AdaLomoOptions)
+        self.options = options
+        self.old_beta2 = cfg.beta2  # what a checkpoint from before the schedule averaged with
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.steps_done = 0
-        self._t = 1  # the step being taken, for the bias correction of beta2
+        self._beta2 = 0.0  # beta2_t of the step being taken
 
     def step(self, pmodel: Any, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
-        self._t = self.steps_done + 1
+        self._beta2 = 1.0 - (self.steps_done + 1) ** self.options.decay_rate
         result = super().step(pmodel, data, lr, guard)
         if not result.skipped:
             self.steps_done += 1
         return result
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors, meta = super().state_dict()
+        return tensors, {**meta, "second_moment": self.SECOND_MOMENT}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        super().load_state_dict(tensors, meta)
+        if meta.get("second_moment") != self.SECOND_MOMENT and self.steps_done > 0:
+            correction = 1.0 - self.old_beta2 ** self.steps_done
+            for fields in self.state.values():
+                for t in fields.values():
+                    t.div_(correction)
 
     def _sum(self, t: torch.Tensor, axes: tuple) -> torch.Tensor:
         for axis in axes:
@@ -169,21 +190,19 @@ class AdaLomo(PerParameterState, FusedBackward):
         return view.layout if field == "v" else None
 
     def update(self, view: Any, grad: torch.Tensor) -> None:
-        p, b2 = view.param, self.beta2
+        p, b2, eps = view.param, self._beta2, self.options.eps_grad_sq
         g = grad.float()
         state = self.state.setdefault(view.name, {})
         dims = view.layout.dims + ((),) * (p.dim() - len(view.layout.dims))
-        correction = 1.0 - b2 ** self._t
         if p.dim() == 2:
             (m, n), (row_axes, col_axes) = view.full_shape, dims
             # row blocks of ~1 MiB: no temporary as large as the matrix (the embedding's would
-            # be as large as its gradient). 16 MiB blocks on a GPU (the noise's) were tried:
-            # 31 MiB more on 125m at batch 2 x 128, no clear gain in step time
+            # be as large as its gradient)
             block = max(1, CHUNK_ELEMENTS // g.shape[1])
             chunks = [(r, min(r + block, g.shape[0])) for r in range(0, g.shape[0], block)]
             row_sums, col_sums = [], torch.zeros(g.shape[1], dtype=g.dtype, device=g.device)
             for a, b in chunks:
-                g2 = g[a:b].pow(2).add_(1e-30)
+                g2 = g[a:b].pow(2).add_(eps)
                 row_sums.append(g2.sum(1))
                 col_sums += g2.sum(0)
             rows = self._sum(torch.cat(row_sums), col_axes) / n  # (m_local,) full-row means
@@ -194,15 +213,15 @@ class AdaLomo(PerParameterState, FusedBackward):
             state["col"].mul_(b2).add_(cols, alpha=1.0 - b2)
             mean_row = self._sum(state["row"].sum(), row_axes) / m
             for a, b in chunks:  # u = g / sqrt(v), v = r c^T / mean(r), a row block at a time
-                v = torch.outer(state["row"][a:b], state["col"]).div_(mean_row * correction)
+                v = torch.outer(state["row"][a:b], state["col"]).div_(mean_row)
                 g[a:b].div_(v.sqrt_())
             u = g
         else:
-            g2 = g.pow(2).add_(1e-30)
+            g2 = g.pow(2).add_(eps)
             if not state:
                 state["v"] = torch.zeros_like(g2)
             state["v"].mul_(b2).add_(g2, alpha=1.0 - b2)
-            u = g.div_((state["v"] / correction).sqrt_())
+            u = g.div_(state["v"].sqrt())
         numel = math.prod(view.full_shape)
         flat_u, flat_p = u.reshape(-1), p.detach().float().reshape(-1)
         # dot products: sums of squares without a full-size temporary; the RMS stay on the
@@ -210,7 +229,9 @@ class AdaLomo(PerParameterState, FusedBackward):
         sums = self._sum(torch.stack([torch.dot(flat_u, flat_u), torch.dot(flat_p, flat_p)]),
                          view.layout.split_axes)
         rms_u, rms_p = sums.div_(numel).sqrt_().unbind()
-        u.div_(rms_u.clamp_(min=1.0))
+        u.div_(rms_u.div_(self.options.clip_threshold).clamp_(min=1.0))
+        # the step's (and the decay's) rate: lr relative to the weights' size
+        rate = rms_p.clamp_(min=self.options.eps_param_rms).mul_(self._lr)
         if view.decay and self.weight_decay:
-            p.mul_(1.0 - self._lr * self.weight_decay)
-        p.add_(u.mul_(rms_p.clamp_(min=1e-3).mul_(-self._lr)).to(p.dtype))
+            p.mul_((1.0 - rate * self.weight_decay).to(p.dtype))
+        p.add_(u.mul_(-rate).to(p.dtype))
