@@ -369,19 +369,19 @@ def galore_refreshes(method, ref_method, pmodel) -> list[dict]:
 
     refs = {v.name: v for v in ref_method.views}
     out = []
-    for i, view in enumerate(v for v in method.views if v.param.dim() == 2):
+    for i, view in enumerate(v for v in method.views if method.sides[v.name]):
         (m, n), (rows, cols) = view.full_shape, view.param.shape
         left, r, dim = m < n, galore_rank(view.full_shape, 0), 0 if m < n else 1
         full = torch.randn(m, n, generator=torch.Generator().manual_seed(i))
         r0, c0 = view.offsets
         pmodel.ledger.reset()
-        basis = method._projection(view, full[r0:r0 + rows, c0:c0 + cols], left, r, None)
+        basis = method._projection(view, full[r0:r0 + rows, c0:c0 + cols], None)["proj"]
         moved = sum(pmodel.ledger.snapshot().values())
         split = padded_dims(view)
         # its rows over this side's axes, its r columns over the other side's
         gathered = _gather_full(basis, method.field_layout(view, "proj"), method.comm)
         gathered = gathered.double()
-        one = ref_method._projection(refs[view.name], full, left, r, None).double()
+        one = ref_method._projection(refs[view.name], full, None)["proj"].double()
         u, _, vh = torch.linalg.svd(full.double(), full_matrices=False)
         svd = u[:, :r] if left else vh[:r].T
         parts = [math.prod(pmodel.grid.size(a) for a in axes) for axes in split]

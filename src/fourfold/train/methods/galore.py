@@ -1,45 +1,58 @@
-"""GaLore (Zhao et al. 2024): AdamW whose moments live in a rank-r projection of each matrix's
-gradient; vectors (norms, biases) get plain AdamW.
+"""GaLore (Zhao et al. 2024): AdamW whose moments live in a rank-r projection of the gradient
+of each target matrix (train.method.targets: the attention and MLP matrices by default); the
+other parameters (vectors, and matrices not targeted) get the same AdamW unprojected. Each
+step follows galore-torch's GaLoreAdamW: Adam's eps added to sqrt(v) before the bias
+correction, the projected update scaled by train.method.scale, the weight decay after the step.
 
-For an m x n gradient G with m < n the projection is P = the top r left singular vectors of G
-(m x r); the moments follow R = P^T G (r x n) and the step is P N(R), N being Adam's
-normalised step. With m >= n it is the right side: Q = top r right singular vectors (n x r),
-R = G Q (m x r), step N(R) Q^T. P (or Q) is recomputed from the step's gradient every
-train.method.gap steps; the moments carry over, as in the paper. The rank is train.method.rank,
-or a quarter of the smaller side (0), and never above the smaller side.
+For an m x n gradient G the projection (train.method.proj_type, fourfold.methods.galore) takes
+the left side, P = the top r left singular vectors of G (m x r), the moments following
+R = P^T G (r x n) and the step P N(R), N being Adam's normalised step; or the right side,
+Q = the top r right singular vectors (n x r), R = G Q (m x r), step N(R) Q^T; or both ("full"),
+R = P^T G Q (r x r), step P N(R) Q^T. "std" (the default) takes the smaller side. P (Q) is
+recomputed from the step's gradient every train.method.gap steps; the moments carry over, as
+in the paper. The rank is train.method.rank, or a quarter of the smaller side (0), and never
+above the smaller side.
 
-A matrix's full gradient lives only until it is final (LOMO's hand-off, base.on_final_gradients:
-after its z reduce-scatter and data all-reduce): there it adds its squared norm to the step's,
-refreshes P (Q) when the step is a refresh step, is projected to R, and is freed. So what a
-step holds until its update is R, r/s of the gradient, not G; clipping by the global norm
-scales R, which is linear in G (the same update as clipping G first). Adam and the step back
-to the weights run after backward, when the norm is known and a guard can still skip the step
-(under nan_policy "skip" a refreshed basis waits beside the old one until then; a gradient that
-is not finite refreshes nothing). With grad_accum > 1 the gradients accumulate whole until the
-last micro-step's hand-off.
+A refreshed singular vector takes the sign that agrees with the one it replaces. A singular
+vector's sign is arbitrary (eigh's, as an SVD's), and the moments carried over were kept in
+the old basis: a flipped direction would meet a first moment of the opposite sign, and the
+next steps would move against the gradient there until the moment decays (galore-torch does
+not align them). The first basis meets zero moments, where the sign is moot.
 
-P (Q) is computed from the Gram matrix of the smaller side, s = min(m, n): the top r
+A target matrix's full gradient lives only until it is final (LOMO's hand-off,
+base.on_final_gradients: after its z reduce-scatter and data all-reduce): there it adds its
+squared norm to the step's, refreshes P (Q) when the step is a refresh step, is projected to R,
+and is freed. So what a step holds until its update is R, r/s of the gradient, not G; clipping
+by the global norm scales R, which is linear in G (the same update as clipping G first). Adam
+and the step back to the weights run after backward, when the norm is known and a guard can
+still skip the step (under nan_policy "skip" a refreshed basis waits beside the old one until
+then; a gradient that is not finite refreshes nothing). With grad_accum > 1 the gradients
+accumulate whole until the last micro-step's hand-off.
+
+The basis of the smaller side, s = min(m, n), is computed from its Gram matrix: the top r
 eigenvectors of G G^T (G^T G), s x s, summed in float64 and solved with eigh (float64), the
 same subspace as the SVD's without a copy of G: a refresh's transient is the Gram, eigh's
-output and workspace (about 4 s^2 float64 in all), one chunk of G's columns (rows) gathered
-to their full small side (CHUNK_BYTES, float32) and its float64 copy, and the basis.
-It runs inside backward, when the later layers' gradients are already projected and freed; on
-the host the heap's free pages are handed back first, so that they are not resident beside it
-(and at every step's forward and update: under the ranks' malloc tuning nothing else does, so
-each phase would land its temporaries in holes the one before left resident beside it;
-measured on a 2 x 2 rank of 125m, the peak fell by 6-10 MiB, the step time within the runs'
-scatter).
+output and workspace (about 4 s^2 float64 in all), one chunk of G's columns (rows) gathered to
+their full small side (CHUNK_BYTES, float32) and its float64 copy, and the basis. The larger
+side's (proj_type "reverse_std", "full", or "left"/"right" on that side) follows from it as
+the SVD's does, U = G V / sigma (V = G^T U / sigma), in float64, a direction whose singular
+value is zero to working precision left at zero (its partner is arbitrary in an SVD too). It
+runs inside backward, when the later layers' gradients are already projected and freed; on the
+host the heap's free pages are handed back first, so that they are not resident beside it (and
+at every step's forward and update: under the ranks' malloc tuning nothing else does, so each
+phase would land its temporaries in holes the one before left resident beside it).
 Eigenvalues that tie at the r-th leave the basis of their eigenspace to eigh (as to an SVD);
 zero rows or columns (vocab padding) add nothing to the Gram.
 
-On a grid this is the projection of the global gradient, so it trains as one process does
-(up to the order of the Gram's float64 sums, which the float32 basis rarely sees). At a
-refresh each matrix's shard is all-gathered a chunk at a time over the axes that split the
-small side (a rank receives (p_small - 1) times its shard, and none of the long side), each
-chunk's product is added to the s x s Gram, which is all-reduced over the axes that split the
-long side (8 s^2 bytes); every rank then solves the same eigh and keeps only the rows of P
-(or Q) that its shard needs, and its block of their r columns (below). On one process the same
-chunks, without collectives.
+On a grid this is the projection of the global gradient, so it trains as one process does (up
+to the order of the Gram's float64 sums, which the float32 basis rarely sees). At a refresh
+each matrix's shard is all-gathered a chunk at a time over the axes that split the small side
+(a rank receives (p_small - 1) times its shard, and none of the long side), each chunk's
+product is added to the s x s Gram, which is all-reduced over the axes that split the long side
+(8 s^2 bytes); every rank then solves the same eigh and keeps only the rows of P (or Q) that
+its shard needs, and its block of their r columns (below); a larger side's rows are this
+shard's G times the small side's basis, all-reduced over the axes that split the small side.
+On one process the same chunks, without collectives.
 R is made a block of G's other side at a time (w of its columns for P, of its rows for Q: R's,
 the moments' and the update's entries there depend on those alone, so no temporary outgrows a
 block): per block its local part is reduce-scattered over the axes that split the projected
@@ -50,10 +63,9 @@ replicated over them. P's (Q's) r columns are split over the axes that split the
 where they divide r (every rank along them needs the same rows of P): the projection and the
 update each all-gather them (local rows x r, float32) once per matrix. So the state and R per
 rank are a quarter of P (or Q), of R and of its two moments on 2 x 2 (parts of global tensors,
-which checkpoints save as such: a run resumes on any grid). A refreshed singular vector takes
-the sign that agrees with the one it replaces (eigh's signs are arbitrary, and a near-equal
-gradient on another grid could flip them; the first ones meet zero moments, where sign is
-moot).
+which checkpoints save as such: a run resumes on any grid). With both sides ("full") R is
+r x r, all-reduced over every axis that splits G, and its moments are replicated; P and Q keep
+all r columns.
 """
 
 from __future__ import annotations
@@ -64,18 +76,29 @@ from typing import Any
 import torch
 
 from fourfold.config import TrainConfig
+from fourfold.errors import ConfigError
+from fourfold.methods.galore import (CHUNK_BYTES, GaLoreOptions, is_target, projected_sides,
+                                     projection_rank)
 from fourfold.parallel import Layout
 from fourfold.parallel.comm import Comm
 from fourfold.parallel.grid import Axis
-from fourfold.methods.galore import CHUNK_BYTES, GaLoreOptions, projection_rank
 from fourfold.train.host_memory import (trim_after_autocast_forward, trim_host_memory,
                                         trim_on_host_grid)
 from fourfold.train.methods.base import (ParamView, PerParameterState, StepData, StepGuard,
                                          StepResult, TrainingMethod, arm_on_last_micro_step,
-                                         backward_pass, on_final_gradients, padded_dims,
-                                         param_views, reduce_loss, shard_norm_sq)
+                                         backward_pass, check_meta, on_final_gradients,
+                                         padded_dims, param_views, reduce_loss, shard_norm_sq)
 
-EPS = 1e-8
+# a singular value at most this share of the largest has no partner on the larger side to
+# working precision (float64 eigenvalues of a Gram summed from float32): that direction of
+# the larger side's basis is left at zero
+SINGULAR_FLOOR = 1e-6
+
+
+def basis_field(side: str, sides: tuple[str, ...]) -> str:
+    """The state field of a side's basis: "proj" for the one side projected, and with both
+    ("full") "proj" for P and "proj_right" for Q."""
+    return "proj_right" if side == "right" and len(sides) == 2 else "proj"
 
 
 @torch.no_grad()
@@ -110,11 +133,17 @@ def small_side_gram(pieces: torch.Tensor, small_axes: tuple[Axis, ...],
     return gram
 
 
+def top_eigenpairs(gram: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The r largest eigenvalues of a symmetric matrix and their eigenvectors, largest first,
+    float64 ((r,), (s, r))."""
+    values, vectors = torch.linalg.eigh(gram)  # ascending; reads the lower triangle
+    return values[-r:].flip(0), vectors[:, -r:].flip(1)
+
+
 def top_eigenvectors(gram: torch.Tensor, r: int) -> torch.Tensor:
     """The eigenvectors of the r largest eigenvalues of a symmetric matrix, largest first,
     float32 (s x r)."""
-    _, vectors = torch.linalg.eigh(gram)  # ascending; reads the lower triangle
-    return vectors[:, -r:].flip(1).float()
+    return top_eigenpairs(gram, r)[1].float()
 
 
 class GaLore(PerParameterState, TrainingMethod):
@@ -123,25 +152,28 @@ class GaLore(PerParameterState, TrainingMethod):
     def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
         options = cfg.options()
         assert isinstance(options, GaLoreOptions)
+        self.options = options
         self.views = param_views(pmodel, tied_output)
         self._view = {id(v.param): v for v in self.views}
         self.grid, self.comm = pmodel.grid, pmodel.comm
         self.beta1, self.beta2 = cfg.beta1, cfg.beta2
         self.weight_decay, self.grad_clip = cfg.effective_weight_decay(), cfg.grad_clip
         self.rank, self.gap = options.rank, options.gap
+        # per view the sides its gradient is projected on; () for AdamW unprojected
+        self.sides = {v.name: self._projected_sides(v) for v in self.views}
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.steps_done = 0
         # the state is made up front, before any gradient: it then lies below them in the
         # heap, and the blocks every step's gradients and temporaries free are reused by the
         # next step's (made at the first update, between the freed gradients, it left holes
-        # the later, differently sized tensors could not fill: ~50 MiB a rank on 2 x 2)
+        # the later, differently sized tensors could not fill)
         for v in self.views:
             if v.param.requires_grad:
                 self.state[v.name] = self._new_state(v)
-        # a step's hand-offs: each matrix's share of R, its refreshed basis (when it waits for
-        # the update) and the squared norm of the gradients they came from
+        # a step's hand-offs: each matrix's share of R, its refreshed bases (when they wait
+        # for the update) and the squared norm of the gradients they came from
         self._low: dict[str, torch.Tensor] = {}
-        self._new_proj: dict[str, torch.Tensor] = {}
+        self._new_bases: dict[str, dict[str, torch.Tensor]] = {}
         self._norm_sq = torch.zeros((), dtype=torch.float64, device=self.grid.device)
         self._after_forward = trim_after_autocast_forward(self.grid.device,
                                                           self.grid.world_size, cfg.dtype)
@@ -155,18 +187,27 @@ class GaLore(PerParameterState, TrainingMethod):
         self._keep_old_basis = cfg.nan_policy == "skip"
         self._release = on_final_gradients(pmodel, self.views, self._on_grad_ready)
 
+    def _projected_sides(self, view: ParamView) -> tuple[str, ...]:
+        if view.param.dim() != 2 or not is_target(view.name, self.options.targets):
+            return ()
+        return projected_sides(view.full_shape, self.options.proj_type)
+
     def _new_state(self, view: ParamView) -> dict[str, torch.Tensor]:
-        """Zero moments (and a zero projection, which the first step's refresh replaces)."""
-        p = view.param
+        """Zero moments (and zero bases, which the first step's refresh replaces)."""
+        p, sides = view.param, self.sides[view.name]
         zeros = dict(dtype=torch.float32, device=p.device)
-        if p.dim() != 2:
+        if not sides:
             return {"m": torch.zeros(p.shape, **zeros), "v": torch.zeros(p.shape, **zeros)}
-        m, n = view.full_shape
         r = projection_rank(view.full_shape, self.rank)
+        if len(sides) == 2:
+            return {"proj": torch.zeros(p.shape[0], r, **zeros),
+                    "proj_right": torch.zeros(p.shape[1], r, **zeros),
+                    "m": torch.zeros(r, r, **zeros), "v": torch.zeros(r, r, **zeros)}
+        left = sides == ("left",)
         rr = r // math.prod(self.grid.size(a) for a in self._rank_axes(view, r))
         pr = r // math.prod(self.grid.size(a) for a in self._proj_axes(view, r))
-        moments = (rr, p.shape[1]) if m < n else (p.shape[0], rr)
-        return {"proj": torch.zeros(p.shape[0 if m < n else 1], pr, **zeros),
+        moments = (rr, p.shape[1]) if left else (p.shape[0], rr)
+        return {"proj": torch.zeros(p.shape[0 if left else 1], pr, **zeros),
                 "m": torch.zeros(moments, **zeros), "v": torch.zeros(moments, **zeros)}
 
     def _sum(self, t: torch.Tensor, axes: tuple) -> torch.Tensor:
@@ -176,20 +217,23 @@ class GaLore(PerParameterState, TrainingMethod):
         return t
 
     def field_layout(self, view: ParamView, field: str) -> Layout | None:
-        if view.param.dim() != 2:
+        sides = self.sides[view.name]
+        if not sides:
             return view.layout if field in ("m", "v") else None
-        # P (left, m < n): the shard's rows, its r columns split over the axes that split G's
+        rows, cols = padded_dims(view)
+        if len(sides) == 2:  # P and Q with all r columns; R's r x r moments replicated
+            return {"proj": Layout((rows, ())), "proj_right": Layout((cols, ())),
+                    "m": Layout(((), ())), "v": Layout(((), ()))}.get(field)
+        # P (left): the shard's rows, its r columns split over the axes that split G's
         # columns; R = P^T G (r x the shard's columns), r split over the row axes it is summed
         # over. Q and R = G Q the other way round.
-        m, n = view.full_shape
-        rows, cols = padded_dims(view)
+        left = sides == ("left",)
         r = projection_rank(view.full_shape, self.rank)
         if field == "proj":
-            return Layout((rows, self._proj_axes(view, r)) if m < n
-                          else (cols, self._proj_axes(view, r)))
+            return Layout((rows if left else cols, self._proj_axes(view, r)))
         if field in ("m", "v"):
             split = self._rank_axes(view, r)
-            return Layout((split, cols)) if m < n else Layout((rows, split))
+            return Layout((split, cols)) if left else Layout((rows, split))
         return None
 
     def _dividing(self, axes: tuple[Axis, ...], r: int) -> tuple[Axis, ...]:
@@ -198,15 +242,15 @@ class GaLore(PerParameterState, TrainingMethod):
     def _rank_axes(self, view: ParamView, r: int) -> tuple[Axis, ...]:
         """The axes that split R's rank dim (and its moments'): those R is summed over (the
         ones that split the projected side) where they divide r, else none (R replicated)."""
-        m, n = view.full_shape
-        return self._dividing(padded_dims(view)[0 if m < n else 1], r)
+        left = self.sides[view.name] == ("left",)
+        return self._dividing(padded_dims(view)[0 if left else 1], r)
 
     def _proj_axes(self, view: ParamView, r: int) -> tuple[Axis, ...]:
         """The axes that split P's (Q's) r columns: those that split the other side of the
         matrix (every rank along them holds the same rows of P) where they divide r, else
         none (P replicated over them). A step all-gathers the r columns (side_local x r)."""
-        m, n = view.full_shape
-        return self._dividing(padded_dims(view)[1 if m < n else 0], r)
+        left = self.sides[view.name] == ("left",)
+        return self._dividing(padded_dims(view)[1 if left else 0], r)
 
     def _scatter(self, t: torch.Tensor, axes: tuple[Axis, ...]) -> torch.Tensor:
         for axis in axes:  # outer first: this rank's block of dim 0, in the offsets' order
@@ -219,55 +263,85 @@ class GaLore(PerParameterState, TrainingMethod):
         return t
 
     @torch.no_grad()
-    def _projection(self, view: ParamView, grad: torch.Tensor, left: bool, r: int,
-                    previous: torch.Tensor | None) -> torch.Tensor | None:
-        """This shard's rows of P (left) or Q (right), this rank's block of their r columns:
-        the top eigenvectors of the global gradient's small-side Gram matrix; None for a
-        gradient that is not finite (the same on every rank: the Gram is)."""
-        dim = 0 if left else 1
-        split = padded_dims(view)
+    def _projection(self, view: ParamView, grad: torch.Tensor,
+                    previous: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+        """The refreshed basis of each projected side, by its field ("proj", "proj_right"):
+        this shard's rows of P or Q, this rank's block of their r columns, each direction
+        signed as in `previous` (None: as eigh gives it). None for a gradient that is not
+        finite (the same on every rank: the Gram is)."""
+        (m, n), split = view.full_shape, padded_dims(view)
+        r = projection_rank(view.full_shape, self.rank)
+        small = 0 if m < n else 1  # the side the Gram is made of (std's for a square)
         # the refresh's transient (Gram, chunks, eigh's workspace: ~4 s^2 float64) would
         # land above the heap's free holes: handed back first, they are not resident beside it
         trim_host_memory(self.grid.device)
-        # the small side first: G's shard for P (G G^T), its transpose for Q (G^T G)
-        gram = small_side_gram(grad if left else grad.T, split[dim], split[1 - dim], self.comm)
+        # the small side first: G's shard for G G^T, its transpose for G^T G
+        gram = small_side_gram(grad if small == 0 else grad.T, split[small], split[1 - small],
+                               self.comm)
         if not bool(torch.isfinite(gram).all()):  # eigh would fail; the guard skips the step
             return None
-        basis = top_eigenvectors(gram, r)  # (m, r) or (n, r)
+        values, vectors = top_eigenpairs(gram, r)  # (r,), (s, r) float64
         del gram
-        # this rank's rows and block of the r columns, as the field's layout places them
-        basis = self.field_layout(view, "proj").shard(
-            basis, self.grid.shape, self.grid.shape.coords(self.grid.rank))
-        if previous is not None:
-            # the moments were kept in the old basis: each new direction takes the sign that
-            # agrees with the old one (dot products over the full vectors: summed over the
-            # axes that split this side). Before the first step's moments the sign is moot.
-            dots = self._sum((basis * previous).sum(0), split[dim])
-            basis = basis * torch.where(dots < 0, -1.0, 1.0)
-        return basis
+        coords = self.grid.shape.coords(self.grid.rank)
+        out = {}
+        sides = self.sides[view.name]
+        for side in sides:
+            dim, field = (0 if side == "left" else 1), basis_field(side, sides)
+            layout = self.field_layout(view, field)
+            assert layout is not None
+            if dim == small:  # the global basis: this rank's rows and block of columns
+                basis = layout.shard(vectors.float(), self.grid.shape, coords)
+            else:  # this shard's rows of the larger side's: its block of columns
+                rows = self._larger_side(view, grad, values, vectors, small)
+                basis = Layout(((), layout.dims[1])).shard(rows, self.grid.shape, coords)
+            if previous is not None:
+                # the moments were kept in the old basis: each new direction takes the sign
+                # that agrees with the old one (dot products over the full vectors: summed over
+                # the axes that split this side). Before the first step's moments (a zero old
+                # basis) the sign is moot.
+                dots = self._sum((basis * previous[field]).sum(0), split[dim])
+                basis = basis * torch.where(dots < 0, -1.0, 1.0)
+            out[field] = basis
+        return out
+
+    def _larger_side(self, view: ParamView, grad: torch.Tensor, values: torch.Tensor,
+                     vectors: torch.Tensor, small: int) -> torch.Tensor:
+        """This shard's rows of the larger side's top r singular vectors (float32, all r
+        columns): G W / sigma for the left side (W the right side's), G^T W / sigma for the
+        right, the products summed over the axes that split the small side."""
+        first, count = view.offsets[small], grad.shape[small]
+        w = vectors[first:first + count]  # (local small side, r)
+        g = grad if small == 1 else grad.T  # (local large side, local small side)
+        rows = max(1, CHUNK_BYTES // (8 * max(1, g.shape[1])))
+        out = torch.empty(g.shape[0], w.shape[1], dtype=torch.float64, device=grad.device)
+        for a in range(0, g.shape[0], rows):
+            out[a:a + rows] = g[a:a + rows].double() @ w
+        out = self._sum(out, padded_dims(view)[small])
+        sigma = values.clamp(min=0).sqrt()
+        kept = sigma > SINGULAR_FLOOR * sigma.max()
+        return torch.where(kept, out / torch.where(kept, sigma, 1.0), 0.0).float()
 
     # ---- the hand-off: inside backward -------------------------------------------------
 
     @torch.no_grad()
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         view = self._view.get(id(p))
-        if not self._armed or view is None or p.grad is None or p.dim() != 2:
-            return  # a vector's gradient (small) waits for the update
+        if not self._armed or view is None or p.grad is None or not self.sides[view.name]:
+            return  # an unprojected gradient waits for the update
         g = p.grad.float()
         self._norm_sq += shard_norm_sq(view, g, self.grid.shape)
-        m, n = view.full_shape
-        left, r = m < n, projection_rank(view.full_shape, self.rank)
         state = self.state.setdefault(view.name, {})
         if "m" not in state:  # a checkpoint from before the first step had none
             state.update(self._new_state(view))
-        basis = state["proj"]
-        new = self._projection(view, g, left, r, basis) if self._refresh else None
+        new = self._projection(view, g, state) if self._refresh else None
+        bases = state
         if new is not None and self._keep_old_basis:  # until the update commits it
-            basis = self._new_proj[view.name] = new
+            bases = self._new_bases[view.name] = new
         elif new is not None:
-            basis.copy_(new)
+            for field, basis in new.items():
+                state[field].copy_(basis)
             del new
-        self._low[view.name] = self._project(view, g, basis, left, r)
+        self._low[view.name] = self._project(view, g, bases)
         # the most alive at once: this gradient and its R, beside the R's before them
         self.peak_grad_bytes = max(self.peak_grad_bytes, self._live_grad_bytes())
         del g
@@ -287,17 +361,26 @@ class GaLore(PerParameterState, TrainingMethod):
         width = max(1, CHUNK_BYTES // (4 * p.shape[0 if left else 1]))
         return [slice(a, min(a + width, other)) for a in range(0, other, width)]
 
-    def _project(self, view: ParamView, g: torch.Tensor, basis: torch.Tensor, left: bool,
-                 r: int) -> torch.Tensor:
+    def _project(self, view: ParamView, g: torch.Tensor, bases: dict[str, torch.Tensor]
+                 ) -> torch.Tensor:
         """This rank's share of R, shaped as the moments: P^T G (r, n_local) summed over the
         axes that split G's rows, or (G Q)^T = Q^T G^T (r, m_local) over those that split its
         columns, reduce-scattered over them (this rank keeps its r / p rows; all-reduced
-        where they do not divide r); a block of G's other side at a time."""
+        where they do not divide r); a block of G's other side at a time. Both sides: P^T G Q
+        (r x r), all-reduced over every axis that splits G."""
         row_axes, col_axes = padded_dims(view)
+        if len(self.sides[view.name]) == 2:
+            proj, proj_right = bases["proj"], bases["proj_right"]
+            low = torch.zeros_like(self.state[view.name]["m"])
+            for cut in self._blocks(view, True):
+                low.addmm_(proj.T @ g[:, cut], proj_right[cut])
+            return self._sum(low, row_axes + col_axes)
+        left = self.sides[view.name] == ("left",)
+        r = projection_rank(view.full_shape, self.rank)
         split = self._rank_axes(view, r)
         rest = tuple(a for a in (row_axes if left else col_axes) if a not in split)
         # P (Q) with all r columns, (side_local, r): gathered over the axes that split them
-        proj = self._gather(basis.T, self._proj_axes(view, r)).T
+        proj = self._gather(bases["proj"].T, self._proj_axes(view, r)).T
         out = torch.empty_like(self.state[view.name]["m"])
         for cut in self._blocks(view, left):
             low = proj.T @ (g[:, cut] if left else g[cut].T)  # (r, block)
@@ -313,22 +396,32 @@ class GaLore(PerParameterState, TrainingMethod):
 
     @torch.no_grad()
     def _update(self, view: ParamView, lr: float, t: int, coef: float) -> None:
-        p, state = view.param, self.state[view.name]
-        if view.decay and self.weight_decay:
-            p.mul_(1.0 - lr * self.weight_decay)
-        if p.dim() != 2:  # plain AdamW
+        p, state, sides = view.param, self.state[view.name], self.sides[view.name]
+        if not sides:  # AdamW unprojected
             g = p.grad.float()
             if coef != 1.0:
                 g = g * coef
             p.add_(self._adam(state["m"], state["v"], g, t).to(p.dtype), alpha=-lr)
-            return
-        m, n = view.full_shape
-        left, r = m < n, projection_rank(view.full_shape, self.rank)
-        if view.name in self._new_proj:  # a refresh: the new basis replaces the old
-            state["proj"].copy_(self._new_proj.pop(view.name))
-        low = self._low.pop(view.name)
-        if coef != 1.0:
-            low.mul_(coef)
+        else:
+            for field, basis in self._new_bases.pop(view.name, {}).items():
+                state[field].copy_(basis)  # a refresh: the new basis replaces the old
+            low = self._low.pop(view.name)
+            if coef != 1.0:
+                low.mul_(coef)
+            step_lr = lr * self.options.scale
+            if len(sides) == 2:
+                self._update_both_sides(view, low, step_lr, t)
+            else:
+                self._update_one_side(view, low, step_lr, t)
+            del low
+        # decoupled weight decay after the step, as galore-torch's AdamW makes it
+        if view.decay and self.weight_decay:
+            p.add_(p, alpha=-lr * self.weight_decay)
+
+    def _update_one_side(self, view: ParamView, low: torch.Tensor, lr: float, t: int) -> None:
+        p, state = view.param, self.state[view.name]
+        left = self.sides[view.name] == ("left",)
+        r = projection_rank(view.full_shape, self.rank)
         proj = self._gather(state["proj"].T, self._proj_axes(view, r)).T
         split = self._rank_axes(view, r)
         for cut in self._blocks(view, left):
@@ -348,23 +441,37 @@ class GaLore(PerParameterState, TrainingMethod):
             else:
                 block.add_((a @ b).to(p.dtype), alpha=-lr)
             del step
-        del low
+
+    def _update_both_sides(self, view: ParamView, low: torch.Tensor, lr: float, t: int
+                           ) -> None:
+        """P N(R) Q^T, a block of G's columns at a time (R's moments are whole on every
+        rank, so no collective)."""
+        p, state = view.param, self.state[view.name]
+        step = state["proj"] @ self._adam(state["m"], state["v"], low, t)  # (rows, r)
+        for cut in self._blocks(view, True):
+            block = p[:, cut]
+            if p.dtype == step.dtype:
+                block.addmm_(step, state["proj_right"][cut].T, alpha=-lr)
+            else:
+                block.add_((step @ state["proj_right"][cut].T).to(p.dtype), alpha=-lr)
 
     def _adam(self, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, t: int
               ) -> torch.Tensor:
         """Adam's moments of `grad` updated in place (m, v may be views), and its normalised
-        step (bias-corrected, step t)."""
+        step at step t as galore-torch's AdamW makes it: m / (sqrt(v) + eps) times
+        sqrt(1 - beta2^t) / (1 - beta1^t) (eps before the bias correction)."""
         m.mul_(self.beta1).add_(grad, alpha=1.0 - self.beta1)
         v.mul_(self.beta2).addcmul_(grad, grad, value=1.0 - self.beta2)
-        return (m / (1.0 - self.beta1 ** t)).div_(
-            (v / (1.0 - self.beta2 ** t)).sqrt_().add_(EPS))
+        correction = math.sqrt(1.0 - self.beta2 ** t) / (1.0 - self.beta1 ** t)
+        return (m / v.sqrt().add_(self.options.eps)).mul_(correction)
 
     def _clip_coef(self) -> tuple[float, float]:
-        """The global gradient norm (matrices' at their hand-off, vectors' now: each element
-        counted once over the grid) and the factor that clips it to train.grad_clip."""
+        """The global gradient norm (projected matrices' at their hand-off, the rest now:
+        each element counted once over the grid) and the factor that clips it to
+        train.grad_clip."""
         total = self._norm_sq.clone()
         for v in self.views:
-            if v.param.grad is not None and v.param.dim() != 2:
+            if v.param.grad is not None and not self.sides[v.name]:
                 total += shard_norm_sq(v, v.param.grad, self.grid.shape)
         if self.grid.world_size > 1:  # data replicas hold the same gradients
             total = self.comm.all_reduce(total, "tensor").wait()
@@ -395,13 +502,40 @@ class GaLore(PerParameterState, TrainingMethod):
             if self._trim is not None:  # backward's, before the update's temporaries
                 self._trim()
             for v in self.views:
-                if v.name in self._low or (v.param.dim() != 2 and v.param.grad is not None):
+                if v.name in self._low or (not self.sides[v.name] and v.param.grad is not None):
                     self._update(v, lr, t, coef)
                     # its gradient goes now: the next tensor's temporaries reuse its block
                     v.param.grad = None
             self.steps_done += 1
         self._low.clear()
-        self._new_proj.clear()
+        self._new_bases.clear()
         for v in self.views:
             v.param.grad = None
         return StepResult(loss, norm, reason is not None, reason or "")
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors, meta = super().state_dict()
+        return tensors, {**meta, "targets": list(self.options.targets),
+                         "proj_type": self.options.proj_type}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """The saved state, refused in one line where it was made with other targets or
+        another proj_type: its tensors would not be this run's (a checkpoint from before those
+        options projected every matrix, "std")."""
+        check_meta(meta, self.name)
+        saved = (meta.get("targets", ["every matrix"]), meta.get("proj_type", "std"))
+        hint = (f"the checkpoint's galore state was made with train.method.targets = "
+                f"{saved[0]} and proj_type = {saved[1]!r}; resume with those")
+        if "targets" in meta and (sorted(saved[0]) != sorted(self.options.targets)
+                                  or saved[1] != self.options.proj_type):
+            raise ConfigError(hint)
+        super().load_state_dict(tensors, meta)
+        for v in self.views:
+            loaded = self.state.get(v.name)
+            if loaded is None:
+                continue
+            expected = {f: tuple(t.shape) for f, t in self._new_state(v).items()}
+            if {f: tuple(t.shape) for f, t in loaded.items()} != expected:
+                raise ConfigError(f"{v.name}: {hint}")
