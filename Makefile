@@ -8,12 +8,15 @@ STAMP := $(VENV)/.fourfold-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of PyTorch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# galore-torch without its requirement bitsandbytes (CUDA libraries, 129 MB installed), which
+	# only its 8-bit optimizer imports; the tests load its AdamW alone (pyproject.toml)
+	$(PY) -m pip install -q --no-deps galore-torch==1.0
 	touch $(STAMP)
 
 demo: $(STAMP)

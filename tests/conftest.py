@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +26,27 @@ def outside_job_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in JOB_VARIABLES}
     env.update(extra)
     return env
+
+
+def run_grid_worker(worker: Path, nproc: int, grids: list, cases: list, cases_env: str,
+                    out: Path) -> list[dict]:
+    """`worker` under torchrun on `nproc` ranks, each of `grids` with each of `cases` (handed
+    over in FOURFOLD_TEST_SHAPES and `cases_env`): its JSON lines from `out`, one per grid and
+    case, each checked to have run."""
+    env = outside_job_env(FOURFOLD_TEST_SHAPES=json.dumps(grids), FOURFOLD_TEST_OUT=str(out),
+                          OMP_NUM_THREADS="1", PYTHONPATH=str(worker.parent),
+                          **{cases_env: json.dumps(cases)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+         "--standalone", str(worker)],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(results) == len(grids) * len(cases)
+    for r in results:
+        case = r.get("check", r.get("case"))
+        assert r["ok"], f"grid {r['shape']} case {case}:\n{r.get('error')}"
+    return results
 
 
 @pytest.fixture(scope="module")
