@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import sys
 import types
 from contextlib import contextmanager
@@ -183,20 +184,97 @@ def galore_reference(case: dict) -> list[State]:
     return states
 
 
+def blockllm_transcription(case: dict, chosen: list[list[str]] | None = None
+                           ) -> list[State]:
+    """BlockLLM's selection as its paper and its authors' code (blockllm_torch/blockllm.py)
+    make it, written out on one process with whole tensors: the embedding and output layer
+    frozen; a first choice in a random order (fourfold's seeded order: one uniform draw per
+    candidate, in name order); each choice takes the tensors by score, gradient norm over
+    exp(visit share / t), and stops at the first that brings the elements to (1 - sparsity) of
+    the candidates'; after a step the choice is made again (from every candidate's gradient at
+    the next step) when the average loss since the last choice is below the last `patience`
+    losses'; a new choice starts a fresh Adam (torch's AdamW, fourfold's decay exemptions), the
+    chosen gradients clipped by their norm. The weights after each step; each step's choice
+    appended to `chosen`."""
+    cfg = train_config(case)
+    options = cfg.options()
+    model = fresh_model(case)
+    named = dict(model.named_parameters())
+    cands = sorted(n for n, p in named.items() if p.requires_grad
+                   and n not in ("embed.weight", "output.weight"))
+    for n in ("embed.weight", "output.weight"):
+        named[n].requires_grad_(False)
+    budget = (1 - options.sparsity) * sum(named[n].numel() for n in cands)
+    visits = {n: 1.0 for n in cands}
+
+    def take(scores: dict[str, float]) -> list[str]:
+        order = sorted(cands, key=lambda n: -scores[n])  # stable: ties in name order
+        out, total = [], 0
+        for n in order:
+            total += named[n].numel()
+            if total >= budget and out:
+                break
+            out.append(n)
+        return out
+
+    g = torch.Generator().manual_seed(cfg.seed)
+    current = take({n: float(torch.rand(1, generator=g, dtype=torch.float64)) for n in cands})
+    selecting, t, history, opt = False, 0, [], None
+    wd = cfg.effective_weight_decay()
+    states = []
+    for inputs, targets in batches(case["steps"]):
+        for n in cands:
+            named[n].requires_grad_(selecting or n in current)
+        loss = model(inputs, targets).mean()
+        loss.backward()
+        if selecting or opt is None:
+            if selecting:
+                total = sum(visits.values())
+                current = take({n: float(named[n].grad.double().norm())
+                                / math.exp(visits[n] / total / (t + 1)) for n in cands})
+                for n in current:
+                    visits[n] += 1
+            groups = [{"params": [named[n] for n in current if uses_weight_decay(n)],
+                       "weight_decay": wd},
+                      {"params": [named[n] for n in current if not uses_weight_decay(n)],
+                       "weight_decay": 0.0}]
+            opt = torch.optim.AdamW([gr for gr in groups if gr["params"]], lr=cfg.lr,
+                                    betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+        params = [named[n] for n in current]
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        model.zero_grad(set_to_none=True)
+        t += 1
+        history.append(float(loss.detach()))
+        if chosen is not None:
+            chosen.append(sorted(current))
+        p = options.patience
+        selecting = len(history) > p and sum(history) / len(history) < sum(history[-p:]) / p
+        if selecting:
+            history = []
+        states.append(snapshot(model))
+    return states
+
+
 def reference(case: dict) -> list[State]:
     if case["name"] in ("lomo", "adalomo"):
         return lomo_reference(case)
     if case["name"] == "galore":
         return galore_reference(case)
+    if case["name"] == "blockllm":
+        return blockllm_transcription(case)
     raise ValueError(f"no reference for {case['name']!r}")
 
 
 # ---- fourfold's method, on one process or a grid ---------------------------------------------
 
 
-def fourfold_run(case: dict, grid: Grid, shape: GridShape | None = None) -> list[State]:
+def fourfold_run(case: dict, grid: Grid, shape: GridShape | None = None,
+                 chosen: list[list[str]] | None = None) -> list[State]:
     """fourfold's method on `grid` from the same weights and batches (each rank its slice of
-    the batch); the full weights after each step (gathered on a grid)."""
+    the batch); the full weights after each step (gathered on a grid); BlockLLM's tensors
+    chosen at each step appended to `chosen`."""
     from fourfold.train.methods import StepData, batch_shard, build_method
 
     cfg = train_config(case)
@@ -216,6 +294,8 @@ def fourfold_run(case: dict, grid: Grid, shape: GridShape | None = None) -> list
 
         result = method.step(pmodel, StepData(1, losses), cfg.lr)
         assert not result.skipped, result.reason
+        if chosen is not None:
+            chosen.append(sorted(method.selected))
         # copies: a full state dict holds the parameters themselves where no rank splits them
         full = pmodel.full_state_dict() if shape is not None else model.state_dict()
         states.append({k: v.detach().clone() for k, v in full.items()})

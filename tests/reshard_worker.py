@@ -31,7 +31,8 @@ BASE = ["model.preset=debug", "model.dim=64", "model.n_heads=4", "model.n_kv_hea
 METHODS = {"lomo": ["train.method.clip_mode=none"], "adalomo": [],
            "mezo": ["train.lr=1e-4", "train.grad_clip=0"],
            "es": ["train.lr=1e-4", "train.grad_clip=0", "train.method.population=4"],
-           "blockllm": ["train.method.sparsity=0.5", "train.method.patience=1"],
+           "blockllm": ["train.method.sparsity=0.5", "train.method.patience=1",
+                        "train.method.reselect=best"],
            "galore": ["train.method.gap=2"]}
 STEPS, SAVE_AT = 6, 3
 

@@ -88,7 +88,8 @@ def test_stop_and_resume_logs_the_same_losses(tmp_path: Path) -> None:
 @pytest.mark.parametrize("optimizer, extra", [
     ("lomo", ["train.method.clip_mode=none"]), ("adalomo", []),
     ("mezo", ["train.lr=1e-4", "train.grad_clip=0"]),
-    ("blockllm", ["train.method.sparsity=0.5", "train.method.patience=1"]),
+    ("blockllm", ["train.method.sparsity=0.5", "train.method.patience=1",
+                  "train.method.reselect=best"]),
     ("galore", ["train.method.gap=2"]),
     ("es", ["train.lr=1e-4", "train.grad_clip=0", "train.method.population=4"])])
 def test_memory_lean_methods_train_and_resume_exactly(tmp_path: Path, optimizer: str,

@@ -202,11 +202,12 @@ def test_method_options_section_round_trips(tmp_path: Path) -> None:
 
 def test_weight_decay_auto_follows_the_optimizer(tmp_path: Path) -> None:
     """weight_decay = "auto" (the default) is each method's paper's: AdamW's 0.1, none for
-    GaLore (its paper's runs and galore-torch) and the methods without an Adam step; a number given is used as it is, and a run's
+    GaLore and BlockLLM (their papers' runs and code) and the methods without an Adam step;
+    a number given is used as it is, and a run's
     config.toml keeps "auto" (a run of it repeats the run)."""
     from fourfold.config import load_config
 
-    for optimizer, decay in (("adamw", 0.1), ("blockllm", 0.1), ("galore", 0.0), ("lomo", 0.0),
+    for optimizer, decay in (("adamw", 0.1), ("blockllm", 0.0), ("galore", 0.0), ("lomo", 0.0),
                              ("adalomo", 0.0), ("mezo", 0.0), ("es", 0.0)):
         cfg = load_config(None, [f"train.optimizer={optimizer}"])
         assert cfg.train.weight_decay == "auto"
@@ -274,7 +275,7 @@ def test_state_dict_resumes_exactly(optimizer: str) -> None:
     from fourfold.train.methods import StepData, build_method
 
     # blockllm reselects and galore refreshes its projection across the resume
-    extra = {"es": {"population": 4}, "blockllm": {"sparsity": 0.5, "patience": 1},
+    extra = {"es": {"population": 4}, "blockllm": {"sparsity": 0.5, "patience": 1, "reselect": "best"},
              "galore": {"gap": 3}}.get(optimizer, {})
     cfg = TrainConfig(optimizer=optimizer, lr=1e-3, method=method_options(optimizer, **extra))
     tokens = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -318,9 +319,15 @@ ADALOMO_CHECKS = [{"name": "adalomo", "steps": 20, "train": {"lr": 1e-2}},
 # patience 1: the alternating batches make every other step a reselection. The key bias has
 # no gradient but rounding noise (softmax ignores it), which an Adam step turns into +-lr
 # whatever the noise's size: it stays frozen, as its grid-vs-one-process noise is no test
+# BlockLLM as fourfold first made it (rows as blocks, the best-loss rule, moments kept, the
+# first choice by gradient, every parameter a candidate, no visit penalty): the tests of its
+# streamed row choice
+ROW_BLOCKS = {"block_unit": "row", "reselect": "best", "keep_moments": True,
+              "first_choice": "gradient", "train_embed_output": True, "visit_penalty": False}
 SUBSET_LR = 3e-3
 BLOCKLLM = {"name": "blockllm", "steps": 20, "freeze": ["k_proj.bias"],
-            "train": {"lr": SUBSET_LR}, "method": {"sparsity": 0.8, "patience": 1}}
+            "train": {"lr": SUBSET_LR},
+            "method": {"sparsity": 0.8, "patience": 1, **ROW_BLOCKS}}
 # every matrix projected, the embedding and output layer too: their shards are the largest
 GALORE = {"name": "galore", "steps": 20, "freeze": ["k_proj.bias"],
           "train": {"lr": SUBSET_LR},
@@ -479,7 +486,8 @@ def test_blockllm_selection_streams_gradient_norms() -> None:
     cfg = model_config("debug", bias=True, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
     for sparsity, accum in ((0.9, 1), (0.6, 2)):
         tcfg = TrainConfig(optimizer="blockllm", lr=SUBSET_LR, grad_accum=accum,
-                           method=method_options("blockllm", sparsity=sparsity, patience=1))
+                           method=method_options("blockllm", sparsity=sparsity, patience=1,
+                                                 **ROW_BLOCKS))
         data = batches(cfg.vocab_size, 2, accum) * 4
         runs = {}
         for kind, cls in (("streamed", None), ("full", full_backward_blockllm())):
@@ -849,8 +857,11 @@ def test_planner_state_bytes_follow_the_method() -> None:
     numel = build_model(mcfg, seed=0).num_params()
     predicted = {}
     for name in ("adamw", "lomo", "adalomo", "mezo", "es", "blockllm", "galore"):
-        cfg = TrainConfig(optimizer=name, method=method_options(
-            name, **({"population": 2} if name == "es" else {})))
+        # galore: every matrix projected (the tiny model's embedding and output layer are
+        # half its weights)
+        extra = {"es": {"population": 2}, "blockllm": ROW_BLOCKS,
+                 "galore": {"targets": GALORE["method"]["targets"]}}.get(name, {})
+        cfg = TrainConfig(optimizer=name, method=method_options(name, **extra))
         predicted[name] = method_state_bytes(mcfg, one, cfg)
         pmodel = parallelize(build_model(mcfg, seed=0), Grid.single())
         method = build_method(pmodel, cfg)
@@ -872,6 +883,16 @@ def test_planner_state_bytes_follow_the_method() -> None:
     assert predicted["lomo"]["optimizer"] == 0 < predicted["lomo"]["grads"] < numel
     assert 0 < predicted["adalomo"]["optimizer"] < 0.1 * predicted["adamw"]["optimizer"]
     assert predicted["blockllm"]["optimizer"] == pytest.approx(0.1 * 8 * numel, rel=1e-2)
+    # the paper's whole tensors, the embedding and output layer frozen: within the planned
+    cfg = TrainConfig(optimizer="blockllm", method=method_options("blockllm",
+                                                                  first_choice="gradient"))
+    paper = method_state_bytes(mcfg, one, cfg)
+    pmodel = parallelize(build_model(mcfg, seed=0), Grid.single())
+    method = build_method(pmodel, cfg)
+    method.step(pmodel, StepData.one_batch(pmodel, tokens), lr=1e-3)
+    assert 0.5 * paper["optimizer"] < method.state_bytes() <= paper["optimizer"]
+    assert 0 < method.peak_grad_bytes <= paper["grads"]
+    assert paper["optimizer"] < 0.7 * predicted["blockllm"]["optimizer"]
     # a selection holds 10% of the gradients, the vectors and the tensor being handed off
     assert predicted["blockllm"]["grads"] < 0.5 * predicted["adamw"]["grads"]
     accum = method_state_bytes(mcfg, one, TrainConfig(optimizer="blockllm", grad_accum=2))
@@ -886,7 +907,9 @@ def test_planner_state_bytes_follow_the_method() -> None:
         optimizer="blockllm", method=method_options("blockllm", sparsity=0.95)))
     assert sparse["optimizer"] < predicted["blockllm"]["optimizer"]
     low = method_state_bytes(mcfg, one, TrainConfig(optimizer="galore",
-                                                    method=method_options("galore", rank=4)))
+                                                    method=method_options(
+                                                        "galore", rank=4,
+                                                        targets=GALORE["method"]["targets"])))
     assert low["optimizer"] < predicted["galore"]["optimizer"]
     split = method_state_bytes(mcfg, GridShape(1, 2, 2, 1), TrainConfig(optimizer="adalomo"))
     assert split["optimizer"] < predicted["adalomo"]["optimizer"]

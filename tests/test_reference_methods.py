@@ -101,3 +101,35 @@ def test_method_on_a_grid_steps_as_the_reference_on_one_process(tmp_path: Path) 
         except AssertionError as e:
             failed.append(str(e).splitlines()[0])
     assert not failed, "\n".join(failed)
+
+
+# patience 2 at a rate that makes the loss stall twice in 12 steps: the random first choice,
+# then choices by gradient at steps 3 and 11 (0-based) with the visit penalty and Adam reset
+BLOCKLLM = {"name": "blockllm", "steps": 12, "train": {"lr": 0.02},
+            "method": {"sparsity": 0.5, "patience": 2}}
+
+
+@pytest.mark.slow
+def test_blockllm_chooses_as_the_papers_rule() -> None:
+    """BlockLLM at its paper's defaults against a transcription of the paper's selection (its
+    authors' code's rules: reference_worker.blockllm_transcription) on one process: the same
+    tensors chosen at every step, choices by gradient among them. The weights: a fresh Adam's
+    first step is lr g / (|g| + eps) per element, so an element whose gradient is near eps
+    (1e-10 here) steps by its rounding noise (measured: 4 of 8,192 elements of one matrix,
+    0.3 of a step; 1.5e-3 of the weights' norm); every other weight is as the reference's."""
+    from reference_worker import blockllm_transcription, fourfold_run
+
+    from fourfold.parallel import Grid
+
+    ref_chosen: list = []
+    ours_chosen: list = []
+    ref = blockllm_transcription(BLOCKLLM, ref_chosen)
+    ours = fourfold_run(BLOCKLLM, Grid.single(), chosen=ours_chosen)
+    assert ours_chosen == ref_chosen
+    changes = [i for i in range(1, len(ref_chosen)) if ref_chosen[i] != ref_chosen[i - 1]]
+    assert len(changes) >= 2, ref_chosen
+    assert not any(n.startswith(("embed", "output")) for c in ref_chosen for n in c)
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        for name, w in b.items():
+            off = (a[name] - w).abs() > 1e-3 * BLOCKLLM["train"]["lr"]
+            assert int(off.sum()) <= max(1, w.numel() // 1000), f"step {step} {name}"

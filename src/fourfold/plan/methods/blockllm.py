@@ -1,5 +1,5 @@
 """BlockLLM's planner model: AdamW's gradients and moments of the selected rows, and a step
-that selects (an upper bound: at patience 1, the default, most steps select)."""
+that selects (an upper bound: the paper's rule reselects once the loss stalls)."""
 
 from __future__ import annotations
 
@@ -115,15 +115,20 @@ class BlockLLMModel(MethodModel):
 
     def state(self, model: ModelConfig, shape: GridShape, train: TrainConfig,
               precision: Precision) -> MethodState:
-        """Moments and gradients of the selected (1 - sparsity) share of the rows, a step
-        count per row; a selection step's backward holds up to HOLD_SLACK of the elements more
+        """Moments and gradients of the selected (1 - sparsity) share of the candidates' rows
+        (whole tensors fill it to within a tensor: an upper bound), a step count per row; a selection step's backward holds up to HOLD_SLACK of the elements more
         before it ranks them, and the tensor being handed off (the largest block) and the
         vectors (with grad_accum > 1 every gradient lives until the last micro-step)."""
         numel = sum(local_param_numel(model, shape).values())
-        sparsity = cast(BlockLLMOptions, train.options()).sparsity
-        selected = int(numel * (1.0 - sparsity))
+        options = cast(BlockLLMOptions, train.options())
+        # the candidates: all but the embedding and output layer, unless train_embed_output
+        ends = 0 if options.train_embed_output else (
+            (1 if model.tie_embeddings else 2) * model.vocab_size * model.dim
+            // (shape.x * shape.y * shape.z))
+        candidates = numel - ends
+        selected = int(candidates * (1.0 - options.sparsity))
         handed_off = largest_tensor_numel(model, shape)[1] + local_vector_numel(model, shape)
-        held = selected + int(numel * HOLD_SLACK)  # held rows before a ranking
+        held = selected + int(candidates * HOLD_SLACK)  # held blocks before a ranking
         grads = numel if train.grad_accum > 1 else min(numel, held + handed_off)
         rows = math.ceil(selected / model.dim)  # a float32 step count per chosen row
         return MethodState(grads * precision.grad_bytes,

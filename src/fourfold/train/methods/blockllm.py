@@ -50,7 +50,7 @@ from torch import nn
 
 from fourfold.config import TrainConfig
 from fourfold.parallel import Axis, Layout
-from fourfold.methods.blockllm import HOLD_SLACK, BlockLLMOptions
+from fourfold.methods.blockllm import EMBED_OUTPUT, HOLD_SLACK, BlockLLMOptions
 from fourfold.train.host_memory import trim_on_host_grid
 from fourfold.train.methods.base import (CHUNK_ELEMENTS, ParamView, StepData, StepGuard,
                                          StepResult, TrainingMethod, arm_on_last_micro_step,
@@ -112,10 +112,12 @@ def row_norms_sq(rows: torch.Tensor, replicas: int) -> torch.Tensor:
 
 
 def choose_rows(norms: list[torch.Tensor | None], sizes: list[int], budget: float,
-                rows: list[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:
+                rows: list[torch.Tensor | None] | None = None, prefix: bool = False
+                ) -> list[torch.Tensor | None]:
     """The blocks by descending norm (ties: tensor, then row, in order), taken while their
     elements fit in `budget`; a block larger than the budget on its own is passed over, and if
-    every block is, the steepest is taken. norms[i]: tensor i's rows' norms (None: not seen
+    every block is, the steepest is taken. With `prefix` (the BlockLLM authors' rule) the
+    taking stops at the first block that brings the elements to the budget. norms[i]: tensor i's rows' norms (None: not seen
     yet), for its rows rows[i] (sorted; default: all of them, in order). Per tensor: its chosen
     rows (sorted), or None for a tensor not seen."""
     seen = [i for i, n in enumerate(norms) if n is not None]
@@ -129,7 +131,9 @@ def choose_rows(norms: list[torch.Tensor | None], sizes: list[int], budget: floa
     size = torch.repeat_interleave(size, torch.tensor(numels))
     order = torch.sort(flat, descending=True, stable=True).indices
     fits = size[order] <= budget
-    if fits.any():
+    if prefix:
+        order = order[:max(1, int((torch.cumsum(size[order], 0) < budget).sum()))]
+    elif fits.any():
         order = order[fits]
         order = order[torch.cumsum(size[order], 0) <= budget]
     else:
@@ -149,7 +153,15 @@ class BlockLLM(TrainingMethod):
     def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
         options = cfg.options()
         assert isinstance(options, BlockLLMOptions)
-        self.views = param_views(pmodel, tied_output)  # the candidates: trainable at the start
+        self.options = options
+        # the candidates: trainable at the start, but for the embedding and output layer
+        # unless train_embed_output (they stay frozen)
+        self.views = []
+        for v in param_views(pmodel, tied_output):
+            if options.train_embed_output or v.name not in EMBED_OUTPUT:
+                self.views.append(v)
+            else:
+                v.param.requires_grad_(False)
         self.grid, self.comm = pmodel.grid, pmodel.comm
         self._trim = trim_on_host_grid(self.grid.device, self.grid.world_size)
         self.cands = candidates(self.views, self.grid)
@@ -161,7 +173,18 @@ class BlockLLM(TrainingMethod):
         self.grad_clip = cfg.grad_clip
         self.sizes = {c.view.name: math.prod(c.view.full_shape) for c in self.cands}
         self.row_sizes = [c.row_size for c in self.cands]
+        self.tensor_unit = options.block_unit == "tensor"
+        # each candidate's block size: a whole tensor's elements, or a row's
+        self.block_sizes = ([self.sizes[c.view.name] for c in self.cands] if self.tensor_unit
+                            else self.row_sizes)
         self.budget = (1.0 - self.sparsity) * sum(self.sizes.values())
+        # the visits of each candidate tensor: one each at the start, one more at each choice
+        # by gradient that takes any of its blocks (its penalty: exp(share of visits / t))
+        self.visits = torch.ones(len(self.cands), dtype=torch.float64)
+        self.seed = cfg.seed
+        # the losses since the last choice (their sum and count) and the last `patience`
+        self.loss_sum, self.loss_count, self.recent_losses = 0.0, 0, []
+        self.steps_taken = 0
         # a selection's backward ranks the rows it holds only when they outgrow this: a
         # HOLD_SLACK share of the elements beyond the budget
         self.hold_limit = self.budget + HOLD_SLACK * sum(self.sizes.values())
@@ -202,6 +225,30 @@ class BlockLLM(TrainingMethod):
         return 0 if self.rows is None else sum(
             r.numel() * c.row_size for c, r in zip(self.cands, self.rows))
 
+    def _rows_of(self, i: int, blocks: torch.Tensor | None) -> torch.Tensor | None:
+        """Candidate i's global rows of its chosen `blocks` (a tensor's one block: every row)."""
+        if blocks is None or not self.tensor_unit:
+            return blocks
+        return torch.arange(self.cands[i].rows) if blocks.numel() else blocks
+
+    def _block_scores(self, i: int, row_sq: torch.Tensor) -> torch.Tensor:
+        """Candidate i's blocks' scores from its rows' squared norms: the norm of each block
+        (of the whole tensor, or of each row), over the visit penalty exp(f / t)."""
+        sq = row_sq.sum().reshape(1) if self.tensor_unit else row_sq
+        norms = sq.sqrt()
+        if self.options.visit_penalty:
+            share = float(self.visits[i] / self.visits.sum())
+            norms = norms / math.exp(share / (self.steps_taken + 1))
+        return norms
+
+    def _random_choice(self) -> list[torch.Tensor | None]:
+        """The first choice of the paper: blocks in a random order (train.seed, the same on
+        every rank) while they fit, as a choice by gradient takes them."""
+        g = torch.Generator().manual_seed(self.seed)
+        scores = [torch.rand(1 if self.tensor_unit else c.rows, generator=g,
+                             dtype=torch.float64) for c in self.cands]
+        return choose_rows(scores, self.block_sizes, self.budget, prefix=self.tensor_unit)
+
     def _set_trainable(self, every: bool) -> None:
         for c, r in zip(self.cands, self.rows or [None] * len(self.cands)):
             c.view.param.requires_grad_(every or (r is not None and r.numel() > 0))
@@ -220,15 +267,16 @@ class BlockLLM(TrainingMethod):
             full[c.first:c.first + c.count] = row_norms_sq(c.matrix(p.grad), c.replicas)
             if self.grid.world_size > 1:  # data replicas hold the same (all-reduced) gradients
                 full = self.comm.all_reduce(full, "tensor").wait()
-            norms = self._seen[i] = full.sqrt().cpu()
-            # the rows not below the floor are held (a gather of them, or the whole gradient,
-            # no copy) until the held rows outgrow the hold limit
-            every = torch.arange(c.rows)
+            norms = self._seen[i] = self._block_scores(i, full.cpu())
+            # the blocks not below the floor are held (a gather of their rows, or the whole
+            # gradient, no copy) until the held blocks outgrow the hold limit
+            every = torch.arange(norms.numel())
             keep = every if self._floor is None else torch.nonzero(norms >= self._floor)[:, 0]
-            self.dropped_at_hand_off += c.rows - keep.numel()
-            self.grads[i] = self._subset(i, every, keep, c.matrix(p.grad))
+            self.dropped_at_hand_off += norms.numel() - keep.numel()
+            self.grads[i] = self._subset(i, self._rows_of(i, every), self._rows_of(i, keep),
+                                         c.matrix(p.grad))
             self._held[i] = keep
-            self._held_elements += keep.numel() * c.row_size
+            self._held_elements += keep.numel() * self.block_sizes[i]
             if self._held_elements > self.hold_limit:
                 self._compact()
             p.grad = None  # it may be held whole (no copy): its buffer is not let go of
@@ -246,16 +294,20 @@ class BlockLLM(TrainingMethod):
         self.rankings += 1
         held = [self._held.get(j) for j in range(len(self.cands))]
         tentative = choose_rows([None if h is None else self._seen[j][h]
-                                 for j, h in enumerate(held)], self.row_sizes, self.budget, held)
+                                 for j, h in enumerate(held)], self.block_sizes, self.budget,
+                                held, prefix=self.tensor_unit)
         for j, g in list(self.grads.items()):
-            if self.row_sizes[j] <= self.budget:
+            # under the prefix rule every block that left bounds the choice; else those that
+            # fit the budget on their own
+            if self.tensor_unit or self.block_sizes[j] <= self.budget:
                 left = self._held[j][~torch.isin(self._held[j], tentative[j])]
                 if left.numel():
                     steepest = float(self._seen[j][left].max())
                     self._floor = steepest if self._floor is None else max(self._floor, steepest)
-            self.grads[j] = self._subset(j, self._held[j], tentative[j], g)
+            self.grads[j] = self._subset(j, self._rows_of(j, self._held[j]),
+                                         self._rows_of(j, tentative[j]), g)
         self._held = {j: tentative[j] for j in self.grads}
-        self._held_elements = sum(r.numel() * self.cands[j].row_size
+        self._held_elements = sum(r.numel() * self.block_sizes[j]
                                   for j, r in self._held.items())
 
     def _subset(self, i: int, held: torch.Tensor, keep: torch.Tensor, g: torch.Tensor
@@ -289,19 +341,29 @@ class BlockLLM(TrainingMethod):
         loss = self._backward(pmodel, data, selecting=True)
         for i, c in enumerate(self.cands):  # a tensor without a gradient ranks as a zero one
             if self._seen[i] is None:
-                self._seen[i] = torch.zeros(c.rows, dtype=torch.float64)
-        new = choose_rows(self._seen, self.row_sizes, self.budget)
+                self._seen[i] = torch.zeros(1 if self.tensor_unit else c.rows,
+                                            dtype=torch.float64)
+        blocks = choose_rows(self._seen, self.block_sizes, self.budget, prefix=self.tensor_unit)
+        new = [self._rows_of(i, b) for i, b in enumerate(blocks)]
         for i in list(self.grads):
-            self.grads[i] = self._subset(i, self._held[i], new[i], self.grads[i])
+            self.grads[i] = self._subset(i, self._rows_of(i, self._held[i]), new[i],
+                                         self.grads[i])
         self.norms = {c.view.name: n for c, n in zip(self.cands, self._seen)}
+        self._choose(new)
+        self.visits += torch.tensor([float(r.numel() > 0) for r in new], dtype=torch.float64)
+        return loss
+
+    def _choose(self, new: list[torch.Tensor]) -> None:
+        """The new selection (global rows per candidate) in place: the state carried over or
+        reset, the chosen tensors trainable."""
         self._keep_state(new)
         self.rows = new  # every entry is set now
         self._set_trainable(False)
-        return loss
 
     def _keep_state(self, new: list[torch.Tensor | None]) -> None:
-        """Carry each row's moments and step count over to the new selection (zeros for a row
-        new to it), one tensor at a time."""
+        """The new selection's moments and step counts, zeros (the paper resets Adam at each
+        choice) or with keep_moments each row's carried over (zeros for a row new to it), one
+        tensor at a time."""
         for i, c in enumerate(self.cands):
             old = self.state.pop(i, None)
             local_new = c.local_rows(new[i])
@@ -311,7 +373,7 @@ class BlockLLM(TrainingMethod):
             fresh = {"exp_avg": torch.zeros(local_new.numel(), cols, device=device),
                      "exp_avg_sq": torch.zeros(local_new.numel(), cols, device=device),
                      "step": torch.zeros(local_new.numel(), device=device)}
-            if old is not None:
+            if old is not None and self.options.keep_moments:
                 local_old = c.local_rows(self.rows[i])
                 stays = torch.isin(local_new, local_old)
                 where = torch.searchsorted(local_old, local_new[stays])
@@ -366,8 +428,11 @@ class BlockLLM(TrainingMethod):
              ) -> StepResult:
         if self._trim is not None:  # the last step's freed blocks, before this step's
             self._trim()
+        if self.rows is None and self.options.first_choice == "random":
+            self._choose([self._rows_of(i, b) for i, b in enumerate(self._random_choice())])
+            self.selecting_next = False
         if self.selecting_next:
-            if self.best < math.inf:  # not the first selection
+            if self.rows is not None:  # not the first selection
                 self.reselections += 1
             loss = self._select(pmodel, data)
             self.selecting_next = False
@@ -377,14 +442,30 @@ class BlockLLM(TrainingMethod):
         reason = guard.check(loss, norm) if guard is not None else None
         if reason is None:
             self._update(lr)
-            if loss < self.best:
-                self.best, self.since_best = loss, 0
-            else:
-                self.since_best += 1
-                if self.since_best >= self.patience:
-                    self.selecting_next, self.since_best = True, 0
+            self.steps_taken += 1
+            self.selecting_next = self._loss_stalled(loss)
         self.grads = {}
         return StepResult(loss, norm, reason is not None, reason or "")
+
+    def _loss_stalled(self, loss: float) -> bool:
+        """Whether the blocks are to be chosen again after a step of `loss` (train.method.
+        reselect); the loss record starts again when they are."""
+        if self.options.reselect == "best":
+            if loss < self.best:
+                self.best, self.since_best = loss, 0
+                return False
+            self.since_best += 1
+            if self.since_best < self.patience:
+                return False
+            self.since_best = 0
+            return True
+        self.loss_sum, self.loss_count = self.loss_sum + loss, self.loss_count + 1
+        self.recent_losses = (self.recent_losses + [loss])[-self.patience:]
+        if self.loss_count <= self.patience or (
+                self.loss_sum / self.loss_count >= sum(self.recent_losses) / self.patience):
+            return False
+        self.loss_sum, self.loss_count, self.recent_losses = 0.0, 0, []
+        return True
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -430,7 +511,10 @@ class BlockLLM(TrainingMethod):
         return tensors, {"kind": self.name, "selected": self.selected,
                          "selecting_next": self.selecting_next,
                          "best": None if math.isinf(self.best) else self.best,
-                         "since_best": self.since_best, "reselections": self.reselections}
+                         "since_best": self.since_best, "reselections": self.reselections,
+                         "visits": self.visits.tolist(), "steps_taken": self.steps_taken,
+                         "loss_sum": self.loss_sum, "loss_count": self.loss_count,
+                         "recent_losses": list(self.recent_losses)}
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values())
@@ -446,6 +530,13 @@ class BlockLLM(TrainingMethod):
         self.selecting_next = bool(meta["selecting_next"])
         self.best = math.inf if meta["best"] is None else float(meta["best"])
         self.since_best, self.reselections = int(meta["since_best"]), int(meta["reselections"])
+        # a checkpoint from before the paper's rule has no visits nor loss record: they start
+        if len(meta.get("visits", ())) == len(self.cands):
+            self.visits = torch.tensor(meta["visits"], dtype=torch.float64)
+        self.steps_taken = int(meta.get("steps_taken", 0))
+        self.loss_sum, self.loss_count = float(meta.get("loss_sum", 0.0)), int(
+            meta.get("loss_count", 0))
+        self.recent_losses = [float(x) for x in meta.get("recent_losses", [])]
         self.state = {}
         for i, c in enumerate(self.cands):  # this rank's rows of each tensor's chosen rows
             rows = None if self.rows is None else self.rows[i]
