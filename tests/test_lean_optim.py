@@ -275,7 +275,8 @@ def test_state_dict_resumes_exactly(optimizer: str) -> None:
     from fourfold.train.methods import StepData, build_method
 
     # blockllm reselects and galore refreshes its projection across the resume
-    extra = {"es": {"population": 4}, "blockllm": {"sparsity": 0.5, "patience": 1, "reselect": "best"},
+    extra = {"es": {"population": 4},
+             "blockllm": {"sparsity": 0.5, "patience": 1, "reselect": "best"},
              "galore": {"gap": 3}}.get(optimizer, {})
     cfg = TrainConfig(optimizer=optimizer, lr=1e-3, method=method_options(optimizer, **extra))
     tokens = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))

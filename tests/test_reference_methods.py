@@ -26,8 +26,9 @@ TOLERANCE = 1e-6  # of the tensor's largest weight, after every step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# weight decay only where the reference decays as fourfold does: lomo-optim decays every
-# parameter it trains, fourfold never the norm gains, biases or embeddings, so those are frozen
+# lomo-optim decays every parameter it trains, fourfold by default never the norm gains, biases
+# or embeddings: those are frozen in the cases with weight decay, but where
+# decay_every_parameter makes fourfold decay as lomo-optim does
 EXEMPT = ["norm.weight", "embed.weight"]
 LOMO = [{"name": "lomo", "steps": 4, "train": {"lr": 0.1, "grad_clip": 0.0}},
         {"name": "lomo", "steps": 4, "train": {"lr": 0.1, "grad_clip": 0.002},
@@ -35,14 +36,19 @@ LOMO = [{"name": "lomo", "steps": 4, "train": {"lr": 0.1, "grad_clip": 0.0}},
         {"name": "lomo", "steps": 4, "train": {"lr": 0.1, "grad_clip": 0.5},
          "method": {"clip_mode": "two_pass"}},
         {"name": "lomo", "steps": 4, "train": {"lr": 0.1, "grad_clip": 0.0, "weight_decay": 0.1},
-         "freeze": EXEMPT}]
+         "freeze": EXEMPT},
+        {"name": "lomo", "steps": 4, "train": {"lr": 0.1, "grad_clip": 0.0, "weight_decay": 0.1},
+         "method": {"decay_every_parameter": True}}]
 ADALOMO = [{"name": "adalomo", "steps": 4, "train": {"lr": 1e-2, "grad_clip": 0.0}},
            {"name": "adalomo", "steps": 4, "train": {"lr": 1e-2, "grad_clip": 0.002},
             "method": {"clip_mode": "value", "decay_rate": -0.5, "clip_threshold": 0.5,
                        "eps_grad_sq": 1e-20, "eps_param_rms": 0.05}},
            {"name": "adalomo", "steps": 4, "train": {"lr": 1e-2, "grad_clip": 0.3,
                                                      "weight_decay": 0.1},
-            "method": {"clip_mode": "two_pass"}, "freeze": EXEMPT}]
+            "method": {"clip_mode": "two_pass"}, "freeze": EXEMPT},
+           {"name": "adalomo", "steps": 4, "train": {"lr": 1e-2, "grad_clip": 0.0,
+                                                     "weight_decay": 0.1},
+            "method": {"decay_every_parameter": True}}]
 # gap 2 over 6 steps: refreshes at steps 1, 3 and 5, the later ones with moments to carry.
 # The embedding (not a target: AdamW unprojected) is frozen: AdamW's per-element
 # normalisation turns the rounding of a rare token's small gradient into weight noise

@@ -6,8 +6,9 @@ Neither decays the weights by default (nor do their papers): LOMO's SGD steps at
 rates 10-100x Adam's, and AdaLomo's decay, like its step, is scaled by RMS(w). Given a
 train.weight_decay, both decay as lomo-optim does (LOMO: w <- (1 - lr wd) w; AdaLomo:
 w <- (1 - lr max(eps_param_rms, RMS(w)) wd) w, before the step) but, as every fourfold method,
-never the norm gains, biases or embeddings (lomo-optim decays every parameter it trains:
-decaying a gain pulls the model towards a zero scale rather than regularising a map)."""
+never the norm gains, biases or embeddings unless decay_every_parameter (lomo-optim decays
+every parameter it trains: decaying a gain pulls the model towards a zero scale rather than
+regularising a map)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class FusedBackwardOptions(MethodOptions):
     # (local, exact on every grid); "two_pass", by the global norm, from a first backward
     # that only computes it (the LOMO paper's way, twice the backward)
     clip_mode: str = "none"
+    # train.weight_decay on every parameter, the norms' gains, biases and embeddings too
+    # (lomo-optim's); false: on the others only, as every fourfold method
+    decay_every_parameter: bool = False
 
     def check(self, train: TrainConfig) -> None:
         if self.clip_mode not in CLIP_MODES:

@@ -116,8 +116,9 @@ class BlockLLMModel(MethodModel):
     def state(self, model: ModelConfig, shape: GridShape, train: TrainConfig,
               precision: Precision) -> MethodState:
         """Moments and gradients of the selected (1 - sparsity) share of the candidates' rows
-        (whole tensors fill it to within a tensor: an upper bound), a step count per row; a selection step's backward holds up to HOLD_SLACK of the elements more
-        before it ranks them, and the tensor being handed off (the largest block) and the
+        (whole tensors fill it to within a tensor: an upper bound), a step count per row; a
+        selection step's backward holds up to HOLD_SLACK of the elements more before it ranks
+        them, and the tensor being handed off (the largest block) and the
         vectors (with grad_accum > 1 every gradient lives until the last micro-step)."""
         numel = sum(local_param_numel(model, shape).values())
         options = cast(BlockLLMOptions, train.options())

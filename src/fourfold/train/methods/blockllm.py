@@ -1,34 +1,37 @@
 """BlockLLM (Ramesh et al. 2024): AdamW on a selected fraction of the coordinate blocks only.
 
-A block is one row of a parameter tensor (of its full, global tensor: an output neuron's
-weights, one token's embedding) or a whole vector (a norm's gain, a bias). At a selection step
-every candidate tensor is trainable for one backward; the blocks are ranked by the norm of
-their gradient (each shard's per-row sums of squares, reduced over the tensor axes, so every
-rank ranks alike) and taken in that order while their elements fit in (1 - train.method.sparsity)
-of the total. Rows, not whole tensors: in a small model the embedding and the output layer are
-close to half the weights, so a tenth of the elements never fits one of them whole, and they
-are where fine-tuning moves the loss most (the rows of the frequent tokens).
+A block is a whole parameter tensor (train.method.block_unit = "tensor", the paper's) or one
+row of one (its full, global tensor: an output neuron's weights, one token's embedding; a
+vector is one row, the whole of it). The candidates are every trainable tensor but the
+embedding and the output layer (frozen, as the paper's code freezes them, unless
+train_embed_output). The first choice is random (train.seed: the same on every rank), or by
+gradient. At a selection step every candidate tensor is trainable for one backward; the
+blocks are ranked by the norm of their gradient (each shard's per-row sums of squares, reduced
+over the tensor axes, so every rank ranks alike) over the visit penalty exp(f / t) (f: the
+tensor's share of the visits, t: the step) and taken in that order: whole tensors until one
+brings the elements to (1 - train.method.sparsity) of the candidates' (the authors' rule), rows
+while they fit in it.
 
 A tensor none of whose blocks is selected is frozen (requires_grad False: no saved input for
 dW, no dW GEMM, no reduce-scatter, no data all-reduce). A tensor with selected rows computes
 its shard's whole gradient; the moment that gradient is final (LOMO's hand-off,
 base.on_final_gradients) its selected rows are copied out and the gradient is freed, so only
 the selected rows' gradients live until the update. AdamW's moments and step count are kept
-per selected row; rows that stay selected across a reselection keep theirs.
+per selected row.
 
-The selection is redone when the step's loss has not beaten the best so far for
-train.method.patience steps (default 1: a batch loss is noisy, so after most steps. On the
-15m fine-tune of bench/lean_quality.py from its 2000-step base, R was 0.926, 0.909 and 0.960
-at seeds 0-2 with 1, 0.918, 0.859 and 0.939 with 3, and 0.770 at seed 1 with 10: the rows
-with the steepest gradient change from batch to batch). Its backward streams too: at each
-hand-off the tensor's row norms join those seen so far and its gradient is held whole; once
-the held rows exceed the budget by HOLD_SLACK (fourfold.methods.blockllm) of all elements, the tentative choice
-(the steepest held blocks, while they fit) is made and only the rows in it keep their
-gradient. A block that leaves the tentative choice never comes back into it (blocks seen
-later only add to the elements ranked above it), so the final choice's gradients are all at
-hand without a second backward; and a later tensor's rows below the steepest block that left
-are dropped at its hand-off (at sparsity 0.9 about 8 rankings a selection on 125m, against
-one per tensor, 112, when every hand-off ranked).
+The selection is redone when the loss has stalled: under reselect = "average" (the paper's)
+when the average loss since the last choice is below the average of the last
+train.method.patience (100) losses; under "best" when the loss has not beaten its best for
+`patience` steps. Adam starts afresh at each choice (the paper's), or with keep_moments the rows
+that stay keep their moments and step counts. A selection's backward streams: at each hand-off
+the tensor's block scores join those seen so far and its gradient is held whole; once the
+held blocks exceed the budget by HOLD_SLACK (fourfold.methods.blockllm) of all elements, the
+tentative choice (the steepest held blocks, as the final choice takes them) is made and only
+the rows in it keep their gradient. A block that leaves the tentative choice never comes back
+into it (blocks seen later only add to the elements ranked above it), so the final choice's
+gradients are all at hand without a second backward; and a later tensor's blocks below the
+steepest block that left are dropped at its hand-off (at sparsity 0.9 with row blocks about 8
+rankings a selection on 125m, against one per tensor, 112, when every hand-off ranked).
 
 Checkpoints: the selection (global rows per tensor) is in the state's facts; each tensor's
 moments and step counts are saved as (its chosen rows, the shard's columns), the rows gathered
@@ -117,9 +120,9 @@ def choose_rows(norms: list[torch.Tensor | None], sizes: list[int], budget: floa
     """The blocks by descending norm (ties: tensor, then row, in order), taken while their
     elements fit in `budget`; a block larger than the budget on its own is passed over, and if
     every block is, the steepest is taken. With `prefix` (the BlockLLM authors' rule) the
-    taking stops at the first block that brings the elements to the budget. norms[i]: tensor i's rows' norms (None: not seen
-    yet), for its rows rows[i] (sorted; default: all of them, in order). Per tensor: its chosen
-    rows (sorted), or None for a tensor not seen."""
+    taking stops at the first block that brings the elements to the budget. norms[i]: tensor
+    i's blocks' norms (None: not seen yet), for its blocks rows[i] (sorted; default: all of
+    them, in order). Per tensor: its chosen blocks (sorted), or None for a tensor not seen."""
     seen = [i for i, n in enumerate(norms) if n is not None]
     if not seen:
         return [None] * len(norms)

@@ -42,6 +42,8 @@ class FusedBackward(TrainingMethod):
         self.grid, self.comm = pmodel.grid, pmodel.comm
         self.clip_mode, self.grad_clip = options.clip_mode, cfg.grad_clip
         self.weight_decay = cfg.effective_weight_decay()
+        # which parameters train.weight_decay decays: all (lomo-optim's) or fourfold's share
+        self.decays = {v.name: v.decay or options.decay_every_parameter for v in self.views}
         self._phase = ""  # "norm": first pass of two_pass; "update"; "": not in a step
         self._lr, self._scale = 0.0, 1.0
         self._norm_sq = torch.zeros((), dtype=torch.float64)
@@ -121,7 +123,7 @@ class LOMO(FusedBackward):
 
     def update(self, view: Any, grad: torch.Tensor) -> None:
         p = view.param
-        if view.decay and self.weight_decay:
+        if self.decays[view.name] and self.weight_decay:
             p.mul_(1.0 - self._lr * self.weight_decay)
         p.add_(grad, alpha=-self._lr)
 
@@ -232,6 +234,6 @@ class AdaLomo(PerParameterState, FusedBackward):
         u.div_(rms_u.div_(self.options.clip_threshold).clamp_(min=1.0))
         # the step's (and the decay's) rate: lr relative to the weights' size
         rate = rms_p.clamp_(min=self.options.eps_param_rms).mul_(self._lr)
-        if view.decay and self.weight_decay:
+        if self.decays[view.name] and self.weight_decay:
             p.mul_((1.0 - rate * self.weight_decay).to(p.dtype))
         p.add_(u.mul_(-rate).to(p.dtype))
