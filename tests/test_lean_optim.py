@@ -135,6 +135,18 @@ def test_optimizer_keys_are_checked() -> None:
            ("train.optimizer=galore", "train.method.rank=x"): "train.method.rank = 'x': "
                                                               "expected an integer",
            ("train.optimizer=galore", "adapter.kind=norm"): "cannot train a subset",
+           ("train.optimizer=galore", "train.method.targets=q,lm_head"):
+               "train.method.targets: 'lm_head' is not a matrix of the model; choose from q",
+           ("train.optimizer=galore", "train.method.proj_type=side"):
+               "train.method.proj_type = 'side': choose one of std, reverse_std",
+           ("train.optimizer=blockllm", "train.method.block_unit=column"):
+               "train.method.block_unit = 'column': choose one of tensor, row",
+           ("train.optimizer=blockllm", "train.method.reselect=never"):
+               "train.method.reselect = 'never': choose one of average, best",
+           ("train.optimizer=adalomo", "train.method.decay_rate=0.8"):
+               "train.method.decay_rate = 0.8: must be negative",
+           ("train.optimizer=adalomo", "train.method.clip_threshold=0"):
+               "train.method.clip_threshold = 0.0: must be a positive number",
            ("train.weight_decay=heavy",): 'train.weight_decay = \'heavy\': expected a number or '
                                           '"auto"',
            ("train.optimizer=lomo", "train.weight_decay=-0.1"): "train.weight_decay = -0.1: "
