@@ -181,7 +181,12 @@ class GaLoreModel(MethodModel):
         # the largest target matrix's gradient, alive until its hand-off
         handed_off = max((rl * cl for rl, cl in (mat.local(shape) for mat in
                                                  projected_matrices(model, train))), default=0)
-        grads = numel if train.grad_accum > 1 else projected + unprojected + handed_off
+        # an untied embedding's gradient comes last in backward, after every target's
+        # hand-off: where it is not a target, the largest hand-off overlaps only the rest
+        embed = 0 if "embed" in options(train).targets or model.tie_embeddings else (
+            model.vocab_size * model.dim // (shape.x * shape.y * shape.z))
+        grads = numel if train.grad_accum > 1 else (
+            projected + unprojected + max(0, handed_off - embed))
         return MethodState(grads * precision.grad_bytes,
                            (state + 2 * unprojected) * (precision.optimizer_bytes // 2))
 
