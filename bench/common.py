@@ -4,7 +4,7 @@ Every bench prints the same shape of output, so that a run can be pasted into
 docs/results.md as it is:
 
     ## <the question the bench answers>
-    date 2026-01-31 · machine AMD EPYC, 2 cores, 23 GiB · torch 2.13.0 · commit 1a2b3c4
+    date YYYY-MM-DD · machine (CPU or GPU, cores, memory) · torch VERSION · commit SHORT-HASH
     command: python bench/comm.py --nproc 4
 
     | grid | x MiB | ... |

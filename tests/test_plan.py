@@ -657,6 +657,7 @@ def test_cpu_probe_times_compute_by_each_rank_and_feeds_the_calibration():
         load_machine("perlmutter").calibrated(cal)
 
 
+@pytest.mark.slow
 def test_elementwise_counts_are_the_engines() -> None:
     """The performance model's element-wise elements per token (plan/perf.py) against what
     torch.profiler counts in the engine's own ops (bench/elementwise_count.py, one process): a
