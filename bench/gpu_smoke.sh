@@ -28,16 +28,23 @@ table() {  # table RUN_DIR... : one row per run (reads summary.json, metrics.jso
 import json, statistics, sys
 from pathlib import Path
 
+sys.path.insert(0, "bench")
+from common import Table, header
+
 from fourfold.config import load_config
 from fourfold.parallel import GridShape
 from fourfold.train.build import predicted_memory
 
-print(f"{'run':<16} {'grid':<24} {'tokens/s':>10} {'MFU %':>6} {'alloc GiB':>9} {'plan GiB':>8}"
-      "  GPU GiB (per GPU)")
+header("GPU smoke: the presets in bfloat16 on one GPU and on all of them",
+       command="bash bench/gpu_smoke.sh",
+       notes="tokens/s and MFU: the median of the steps after the first two; alloc: rank 0's "
+             "torch.cuda.max_memory_allocated; planner: its peak per rank; GPU: what "
+             "nvidia-smi saw")
+table = Table("run", "grid", "tokens/s", "MFU", "alloc GiB", "planner GiB", "GPU GiB (per GPU)")
 for run in map(Path, sys.argv[1:]):
     summary = run / "summary.json"
     if not summary.is_file():
-        print(f"{run.name:<16} failed (no summary.json; see {run}.log)")
+        table.row(run.name, f"failed (no summary.json; see {run}.log)", *["-"] * 5)
         continue
     s = json.loads(summary.read_text())
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -45,7 +52,7 @@ for run in map(Path, sys.argv[1:]):
     warm = steps[2:] or steps
     tps = statistics.median(m["tokens_per_s"] for m in warm)
     mfus = [m["mfu"] for m in warm if m.get("mfu") is not None]
-    mfu = f"{100 * statistics.median(mfus):6.1f}" if mfus else f"{'-':>6}"
+    mfu = f"{100 * statistics.median(mfus):.1f}%" if mfus else "-"
     per_gpu = {}
     mem = run.parent / f"{run.name}.gpu_mem.csv"
     if mem.is_file():
@@ -57,8 +64,8 @@ for run in map(Path, sys.argv[1:]):
     # the planner's peak for this run's config and grid, as on a GPU (no host runtime)
     shape = GridShape(**{k: int(v) for k, v in (kv.split("=") for kv in s["grid"].split())})
     plan = predicted_memory(load_config(run / "config.toml"), shape, on_host=False).total
-    print(f"{run.name:<16} {s['grid']:<24} {tps:>10.0f} {mfu} "
-          f"{s['peak_mem_bytes'] / 2**30:>9.2f} {plan / 2**30:>8.2f}  {gpus}")
+    table.row(run.name, s["grid"], f"{tps:,.0f}", mfu, f"{s['peak_mem_bytes'] / 2**30:.2f}",
+              f"{plan / 2**30:.2f}", gpus)
 EOF
 }
 

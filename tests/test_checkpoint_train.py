@@ -52,6 +52,7 @@ def _poison_once(trainer: Trainer, bad_step: int) -> None:
     trainer.pmodel.module.norm.register_forward_hook(hook)
 
 
+@pytest.mark.slow
 def test_stop_and_resume_logs_the_same_losses(tmp_path: Path) -> None:
     cfg = small_config("checkpoint.every=3", "train.eval_every=3", "train.eval_batches=1")
     whole = Trainer(cfg, tmp_path / "whole", progress=False).fit()
@@ -85,6 +86,7 @@ def test_stop_and_resume_logs_the_same_losses(tmp_path: Path) -> None:
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer, extra", [
     ("lomo", ["train.clip_mode=none"]), ("adalomo", []),
     ("mezo", ["train.lr=1e-4", "train.grad_clip=0"]),

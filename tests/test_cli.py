@@ -258,6 +258,7 @@ def test_prepare_mistakes(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert_one_line_error(err, "wordpiece")
 
 
+@pytest.mark.slow
 def test_train_prints_where_the_run_is(trained: tuple[Path, str, str]) -> None:
     run, out, err = trained
     for name in ("config.toml", "metrics.jsonl", "model.safetensors", "summary.json"):
@@ -269,6 +270,7 @@ def test_train_prints_where_the_run_is(trained: tuple[Path, str, str]) -> None:
     assert "sample" in out + err  # the trainer shows the final sample
 
 
+@pytest.mark.slow
 def test_generate(trained_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["generate", str(trained_run), "--prompt", "def f(", "--max-new-tokens", "12",
             "--seed", "3"]
@@ -289,6 +291,7 @@ def test_generate(trained_run: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert_one_line_error(err, "nope")
 
 
+@pytest.mark.slow
 def test_eval_memorization(trained_run: Path, data_dir: Path,
                            capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_main(capsys, "eval", "memorization", str(trained_run), "--data",
@@ -303,6 +306,7 @@ def test_eval_memorization(trained_run: Path, data_dir: Path,
     assert_one_line_error(err, "--docs 0")
 
 
+@pytest.mark.slow
 def test_report_on_a_trained_run(trained_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_main(capsys, "report", str(trained_run))
     assert code == 0, err
@@ -340,6 +344,7 @@ def _hand_written_run(run: Path, overrides: list[str]) -> torch.nn.Module:
     return model.eval()
 
 
+@pytest.mark.slow
 def test_convert_trained_run_to_hf(trained_run: Path, tmp_path: Path,
                                    capsys: pytest.CaptureFixture[str]) -> None:
     from fourfold.train.runs import load_trained

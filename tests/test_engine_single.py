@@ -134,6 +134,7 @@ def test_gemm_tuner_ignores_a_stale_cache(tmp_path) -> None:
     assert list(tuner.choices) == ["forward:(32, 16)x(8, 16):torch.float32"]
 
 
+@pytest.mark.slow
 def test_tuned_single_process_model_trains_like_the_plain_one(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("FOURFOLD_CACHE", str(tmp_path))
     cfg = model_config("debug")

@@ -135,6 +135,7 @@ sys.stdout.write("".join("1" if v else "0" for v in m.flatten().tolist()))
 """
 
 
+@pytest.mark.slow
 def test_same_mask_in_a_separate_process():
     x = torch.randint(0, 1000, (4, 301), generator=torch.Generator().manual_seed(11))
     here = "".join("1" if v else "0" for v in

@@ -75,6 +75,7 @@ print(kept - rss_kib())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim")
 def test_trim_hands_a_freed_block_inside_the_heap_back():
     env = {k: v for k, v in os.environ.items()
@@ -99,6 +100,7 @@ print(_heap()[0] - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallinfo2")
 def test_mkl_hands_its_buffers_back_in_the_ranks_environment():
     """MKL keeps its calls' work buffers in the heap for good unless MKL_DISABLE_FAST_MM is
@@ -200,6 +202,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.ranks
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallinfo2")
 def test_the_ranks_environment_turns_the_flight_recorder_off(tmp_path):
     """torch's flight recorder keeps small blocks of recent collectives in the heap; the

@@ -47,6 +47,7 @@ def check_frozen(r: dict) -> None:
     assert frozen < full, f"{label}: saved {frozen} bytes frozen vs {full}"
 
 
+@pytest.mark.ranks
 def test_frozen_parameters_cost_nothing_on_grids(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     for r in run_worker(2, grids, [{"name": "frozen"}], tmp_path):
@@ -68,6 +69,7 @@ def check_trains_as_one_process(r: dict) -> None:
     assert last < first, f"{label}: did not learn {r['ref_losses']}"
 
 
+@pytest.mark.ranks
 def test_zeroth_order_methods_train_as_one_process(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     for r in run_worker(2, grids, [MEZO, ES], tmp_path):
@@ -207,6 +209,7 @@ def test_frozen_parameters_have_no_optimizer_state() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["mezo", "es", "adalomo", "adamw", "blockllm", "galore"])
 def test_state_dict_resumes_exactly(optimizer: str) -> None:
     from fourfold.config import TrainConfig, model_config
@@ -402,6 +405,7 @@ def test_blockllm_choose_rows() -> None:
             [None if c is None else c.tolist() for c in chosen], k
 
 
+@pytest.mark.slow
 def test_blockllm_selection_streams_gradient_norms() -> None:
     """One process, at the default sparsity and with two micro-steps per step (the hand-off
     waits for their sum): the streamed selection picks the rows the full backward picks, from
@@ -455,6 +459,7 @@ def test_blockllm_selection_streams_gradient_norms() -> None:
         assert kept[0] != kept[1], label
 
 
+@pytest.mark.slow
 def test_galore_basis_spans_the_svds_subspace() -> None:
     """GaLore's projection from the small side's float64 Gram: the subspace of the top r
     singular vectors (projectors against a float64 SVD's), on either side, in chunks of the
@@ -495,6 +500,7 @@ def test_galore_basis_spans_the_svds_subspace() -> None:
         assert (basis @ basis.T - ref @ ref.T).abs().max() < 1e-6, view.name
 
 
+@pytest.mark.slow
 def test_galore_updates_bfloat16_weights_as_float32_ones() -> None:
     """A library user's model cast to bfloat16: GaLore's float32 step is added through the
     weight's own dtype (the GEMM cannot write float32 into bfloat16), and each matrix moves
@@ -527,6 +533,7 @@ def test_galore_updates_bfloat16_weights_as_float32_ones() -> None:
         assert cosine > 0.9, f"{name}: {float(cosine):.3f}"
 
 
+@pytest.mark.slow
 def test_galore_hands_free_host_pages_back_at_each_phase(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A refresh's Gram and eigh workspace (~4 s^2 float64), and each phase's temporaries,
@@ -560,6 +567,7 @@ def test_galore_hands_free_host_pages_back_at_each_phase(
     assert per_step == [matrices + 2, 2, matrices + 2, 1], (per_step, matrices)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["lomo", "adalomo"])
 def test_fused_methods_hand_free_host_pages_back_once_a_step(
         monkeypatch: pytest.MonkeyPatch, optimizer: str) -> None:
@@ -626,6 +634,7 @@ def test_bfloat16_on_one_host_process_trims_between_forward_and_backward(
     assert host_memory.trim_after_autocast_forward(torch.device("cuda"), 1, "bfloat16") is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["mezo", "es", "blockllm"])
 def test_mezo_es_and_blockllm_trim_on_a_host_grid(
         monkeypatch: pytest.MonkeyPatch, optimizer: str) -> None:
@@ -667,6 +676,7 @@ def test_mezo_es_and_blockllm_trim_on_a_host_grid(
         assert trims == expected, (guard, trims)
 
 
+@pytest.mark.ranks
 def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     for r in run_worker(2, grids, LOMO_CHECKS + ADALOMO_CHECKS + [BLOCKLLM, GALORE], tmp_path):
@@ -723,6 +733,7 @@ def test_lomo_refuses_what_it_cannot_do() -> None:
     load_config(None, ["train.optimizer=lomo", "train.nan_policy=skip", "train.clip_mode=two_pass"])
 
 
+@pytest.mark.ranks
 def test_every_method_on_four_rank_grids(tmp_path: Path) -> None:
     """Several axes at once: z and y split the same matrices' rows, data with x."""
     checks = [{"name": "frozen"}, MEZO, ES, LOMO_CHECKS[0], ADALOMO_CHECKS[1], BLOCKLLM, GALORE]
@@ -739,6 +750,7 @@ def test_every_method_on_four_rank_grids(tmp_path: Path) -> None:
 # ---- the planner's memory per method, and train.memory_report ----------------------------------
 
 
+@pytest.mark.slow
 def test_planner_state_bytes_follow_the_method() -> None:
     """plan/memory.method_state_bytes: each method's gradients and state, against what the
     method itself holds after a step (one process, the tiny model)."""
@@ -903,6 +915,7 @@ def test_a_step_peak_is_the_larger_of_the_loss_and_a_block_backward() -> None:
         assert zo.step == max(zo.logits, zo.block_transient)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
 @pytest.mark.parametrize("optimizer,vocab,batch,dtype", [
     ("adamw", 512, 4, "float32"), ("adamw", 32000, 1, "float32"), ("lomo", 512, 4, "float32"),
@@ -940,6 +953,7 @@ def test_planner_peak_matches_the_heap_at_many_tokens(optimizer: str, vocab: int
     assert abs(predicted / measured - 1) < 0.10, (optimizer, vocab, dtype, predicted, measured)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
 def test_planner_lets_autocast_copies_go_before_the_loss_backward() -> None:
     """125m at 2 x 128 tokens, LOMO, bfloat16, one process: autocast's cached weight copies
@@ -962,6 +976,7 @@ def test_planner_lets_autocast_copies_go_before_the_loss_backward() -> None:
     assert abs(predicted / measured - 1) < 0.06, (predicted, measured)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_blocks_saved_bytes_are_the_planners_on_one_process(dtype: str) -> None:
@@ -1176,6 +1191,7 @@ def test_adalomo_row_blocks_change_nothing_but_rounding(monkeypatch: pytest.Monk
     assert any(not torch.equal(blocks[n], whole[n]) for n in whole)  # the blocks did differ
 
 
+@pytest.mark.slow
 def test_memory_lean_bench_runs_and_predicts_at_its_dtype() -> None:
     """bench/memory_lean.py --dtype: a run's train.dtype reaches the step (its forward under
     bfloat16 autocast) and the planner's prediction (it asked for float32 whatever the run's
@@ -1203,41 +1219,7 @@ def test_memory_lean_bench_runs_and_predicts_at_its_dtype() -> None:
     assert f32["loss"] != row["loss"] and abs(f32["loss"] - row["loss"]) < 0.1
 
 
-def test_lean_step_time_bench_runs() -> None:
-    """bench/lean_step_time.py end to end at a tiny size: its float32 runs, probes and the
-    planner's step for each method (its share of memory_lean's helpers once failed here:
-    method_sets read a --dtype that only memory_lean's parser had)."""
-    bench = Path(__file__).resolve().parent.parent / "bench"
-    proc = subprocess.run([sys.executable, str(bench / "lean_step_time.py"), "--preset", "debug",
-                           "--steps", "2", "--batch", "1", "--seq", "32", "--methods", "lomo",
-                           "--repeat", "1"], capture_output=True, text=True, timeout=300,
-                          env=outside_job_env())
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines()
-            if line.startswith("| adamw") or line.startswith("| lomo")}
-    assert set(rows) == {"adamw", "lomo"}, proc.stdout
-    for line in rows.values():  # measured and planned seconds, both positive
-        cells = [c.strip() for c in line.split("|")[2:4]]
-        assert all(c.endswith(" s") and float(c[:-2]) > 0 for c in cells), line
-
-
-def test_trim_cost_bench_runs() -> None:
-    """bench/trim_cost.py end to end at a tiny size, one process: each method's steps with and
-    without the trims, timed, and their page faults counted."""
-    bench = Path(__file__).resolve().parent.parent / "bench"
-    proc = subprocess.run([sys.executable, str(bench / "trim_cost.py"), "--preset", "debug",
-                           "--steps", "4", "--warmup", "1", "--batch", "1", "--seq", "32",
-                           "--methods", "lomo", "mezo"], capture_output=True, text=True,
-                          timeout=300, env=outside_job_env())
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:7]]
-            for line in proc.stdout.splitlines() if line.startswith(("| lomo", "| mezo"))}
-    assert set(rows) == {"lomo", "mezo"}, proc.stdout
-    for cells in rows.values():
-        assert all(c.endswith(" ms") and float(c[:-3]) > 0 for c in cells[:2]), cells
-        assert float(cells[2]) > 0 and all(float(c) >= 0 for c in cells[3:]), cells
-
-
+@pytest.mark.slow
 def test_memory_lean_phases_census_counts_the_tensors_in_the_heap() -> None:
     """bench/memory_lean.py --phases: at the largest heap a named call began with, the bytes
     of the tensors Python reaches hold at least the model's weights and the method's state,

@@ -657,6 +657,7 @@ def test_cpu_probe_times_compute_by_each_rank_and_feeds_the_calibration():
         load_machine("perlmutter").calibrated(cal)
 
 
+@pytest.mark.slow
 def test_elementwise_counts_are_the_engines() -> None:
     """The performance model's element-wise elements per token (plan/perf.py) against what
     torch.profiler counts in the engine's own ops (bench/elementwise_count.py, one process): a
@@ -667,13 +668,15 @@ def test_elementwise_counts_are_the_engines() -> None:
 
     from fourfold.plan.perf import ELEMENTWISE_PER_TOKEN
 
-    script = Path(__file__).resolve().parent.parent / "bench" / "elementwise_count.py"
-    out = subprocess.run([sys.executable, str(script), "--dim", "128", "--ffn", "384,768",
-                          "--batch", "4", "--seq", "64"], capture_output=True, text=True,
-                         timeout=300, check=True).stdout
-    measured = {name: tuple(float(v) for v in m.groups()) for name, m in (
-        (line.split()[0], re.search(r"([\d.]+) dim \+ ([\d.]+) ffn", line))
-        for line in out.splitlines() if line.startswith("forward"))}
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    sys.path.insert(0, str(bench))
+    from common import parse_table
+
+    out = subprocess.run([sys.executable, str(bench / "elementwise_count.py"), "--dim", "128",
+                          "--ffn", "384,768", "--batch", "4", "--seq", "64"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    measured = {row["pass"]: tuple(float(v) for v in re.fullmatch(
+        r"([\d.]+) dim \+ ([\d.]+) ffn", row["measured"]).groups()) for row in parse_table(out)}
     fwd, bwd = ELEMENTWISE_PER_TOKEN["forward"], ELEMENTWISE_PER_TOKEN["backward"]
     # with kv = dim (n_kv_heads = n_heads), q + k + v is 3 dim wide
     model_fwd = (fwd["dim"] + 3 * fwd["qkv"], fwd["ffn"])

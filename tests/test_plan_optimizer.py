@@ -182,6 +182,7 @@ def _step(optimizer: str, shape=None, machine: str = "perlmutter", batch: int = 
                         train=TrainConfig(optimizer=optimizer, **train))
 
 
+@pytest.mark.slow
 def test_step_time_is_each_methods_own():
     from fourfold.parallel import GridShape
     from fourfold.train.methods.noise import ACCELERATOR_CHUNK_ELEMENTS

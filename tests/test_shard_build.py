@@ -66,6 +66,7 @@ def _gathered_on_every_rank(cfg: ModelConfig, shape: GridShape) -> dict[str, tor
     return full
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grid", sorted(GRIDS))
 @pytest.mark.parametrize("variant", [{}, {"bias": True, "tie_embeddings": True}])
 def test_every_grid_starts_from_the_one_process_weights(grid: str, variant: dict,

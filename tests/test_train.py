@@ -248,6 +248,7 @@ def test_batch_that_does_not_split_into_micro_steps(tmp_path: Path) -> None:
         Trainer(cfg, tmp_path)
 
 
+@pytest.mark.slow
 def test_goldfish_bfloat16_and_checkpointing_run(tmp_path: Path) -> None:
     cfg = small_config("train.loss=goldfish", "train.goldfish_k=4", "train.dtype=bfloat16",
                        "train.activation_checkpointing=true", "train.grad_accum=2",

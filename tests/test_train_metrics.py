@@ -124,6 +124,7 @@ def test_peak_memory_on_cpu_is_the_resident_set() -> None:
     assert 50 * 2**20 < peak < 64 * 2**30
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 def test_peak_memory_on_cpu_is_the_process_own_not_its_launchers() -> None:
     """A process started by one that holds far more (as a launcher starts its ranks) reports
