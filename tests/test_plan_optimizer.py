@@ -14,7 +14,7 @@ from fourfold.parallel.embedding import resolve_output_loss
 from fourfold.plan import PlanError, Precision, choose_grid, load_machine, plan, predict_memory
 from fourfold.plan.cli import plan_main
 from fourfold.plan.memory import predict_method_memory
-from fourfold.plan.perf import NOISE_GPU_CHUNK_ELEMENTS, blockllm_choice_seconds, predict_step
+from fourfold.plan.perf import blockllm_choice_seconds, predict_step
 from fourfold.plan.search import METHOD_BATCH_AXES, NO_ACCUMULATION, OPTIMIZERS
 
 # 8b on two A100-40GB: AdamW's 16 bytes per parameter do not fit on any grid, LOMO's do
@@ -184,9 +184,7 @@ def _step(optimizer: str, shape=None, machine: str = "perlmutter", batch: int = 
 
 def test_step_time_is_each_methods_own():
     from fourfold.parallel import GridShape
-    from fourfold.train.methods.noise import ACCELERATOR_CHUNK_ELEMENTS
 
-    assert NOISE_GPU_CHUNK_ELEMENTS == ACCELERATOR_CHUNK_ELEMENTS
     adamw = _step("adamw")
     assert _step("adamw").step_s == predict_step(
         model_config("15m"), GridShape(), 4, 256, 1, True, load_machine("perlmutter"),

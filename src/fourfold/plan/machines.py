@@ -683,9 +683,8 @@ def measure_host_costs(groups: dict[int, Any]) -> dict[str, Any]:
     # the seeded noise mezo and es perturb the weights with, added into a weight: its integer
     # hash and Box-Muller are ~45 element-wise ops on int32 and float32, whose CPU speed does
     # not follow silu's (measured here at 1 and 2 threads: 30 to 210 silu-bytes an element),
-    # so the probe times the generator itself (imported here only: the planner never imports
-    # the trainer otherwise)
-    from fourfold.train.methods.noise import CHUNK_ELEMENTS, ShardNoise
+    # so the probe times the generator itself
+    from fourfold.noise import CHUNK_ELEMENTS, ShardNoise
 
     # (a 16 MiB weight, past the caches, a chunk at a time as add_noise makes it)
     rows = 16 * CHUNK_ELEMENTS // 256

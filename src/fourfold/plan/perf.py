@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from fourfold.config import ModelConfig, TrainConfig
 from fourfold.models.llama import flops_per_token
+from fourfold.noise import ACCELERATOR_CHUNK_ELEMENTS as NOISE_GPU_CHUNK_ELEMENTS
 from fourfold.parallel.embedding import uses_blocked_loss
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.parallel.linear import split_rows
@@ -233,13 +234,12 @@ def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, r
                     forward_gemm=L * fwd + out_fwd, recompute_gemm=L * fwd)
 
 
-# MeZO's and ES's seeded noise (train/methods/noise.py) is made in chunks by about
+# MeZO's and ES's seeded noise (fourfold/noise.py) is made in chunks by about
 # NOISE_OPS_PER_CHUNK element-wise ops (the int32 hash of each coordinate, Box-Muller, the
 # scale and the add into the weight). The cpu machine's probe times the generator itself
 # (`noise_s_per_element`); on a GPU (chunks of NOISE_GPU_CHUNK_ELEMENTS) each op reads and
 # writes 4-byte elements at memory bandwidth or costs its launch, whichever is more: a model,
 # never measured on a GPU.
-NOISE_GPU_CHUNK_ELEMENTS = 1 << 22  # noise.py ACCELERATOR_CHUNK_ELEMENTS (tests hold them equal)
 NOISE_OPS_PER_CHUNK = 45
 NOISE_BYTES_PER_ELEMENT = 8 * NOISE_OPS_PER_CHUNK
 # GaLore's refresh: eigh of an s x s float64 Gram matrix, about 9 s^3 FLOPs, ran at 0.36 of the
