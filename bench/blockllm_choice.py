@@ -43,7 +43,7 @@ def child(preset: str, steps: int, batch: int, seq: int, sparsity: float) -> dic
     from fourfold.config import ParallelConfig, load_config, model_config
     from fourfold.models import build_model
     from fourfold.parallel import Grid, parallelize
-    from fourfold.plan.machines import _time_copy
+    from fourfold.plan.host_probe import time_copy
     from fourfold.plan.perf import blockllm_choice_seconds, blockllm_choice_work
     from fourfold.train.host_memory import keep_freed_host_memory
     from fourfold.train.methods import StepData, blockllm, build_method
@@ -94,7 +94,7 @@ def child(preset: str, steps: int, batch: int, seq: int, sparsity: float) -> dic
         method.step(pmodel, StepData.one_batch(pmodel, tokens), 1e-4)
         if i > 0:  # the first step pages the heap in
             rows[kind].append(dict(acc, step_s=time.perf_counter() - start))
-    copy = _time_copy(0.3)
+    copy = time_copy(0.3)
     work = blockllm_choice_work(model.cfg, sparsity)
     med = {kind: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
            for kind, rs in rows.items() if rs}

@@ -100,7 +100,7 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     from fourfold.config import ParallelConfig, model_config
     from fourfold.models import build_model
     from fourfold.parallel import GridShape, parallelize
-    from fourfold.plan.machines import measure_host_costs, merge_rank_probes, probe_groups
+    from fourfold.plan.host_probe import measure_host_costs, merge_rank_probes, probe_groups
     from fourfold.train.host_memory import keep_freed_host_memory
     from fourfold.train.methods import StepData, build_method
 
@@ -143,7 +143,8 @@ def predict(args: argparse.Namespace, method: str, probe: dict) -> float:
     from fourfold.config import model_config
     from fourfold.parallel import GridShape
     from fourfold.parallel.embedding import resolve_output_loss
-    from fourfold.plan.machines import calibration_from_probe, load_machine
+    from fourfold.plan.host_probe import calibration_from_probe
+    from fourfold.plan.machine_file import load_machine
     from fourfold.plan.memory import Precision
     from fourfold.plan.perf import predict_step
 

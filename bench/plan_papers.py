@@ -23,7 +23,7 @@ import dataclasses
 import time
 
 from fourfold.config import ModelConfig
-from fourfold.plan.machines import load_machine
+from fourfold.plan.machine_file import load_machine
 from fourfold.plan.memory import Precision
 from fourfold.plan.search import plan
 

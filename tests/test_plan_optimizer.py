@@ -17,6 +17,8 @@ from fourfold.plan.memory import predict_method_memory
 from fourfold.plan.perf import blockllm_choice_seconds, predict_step
 from fourfold.plan.search import METHOD_BATCH_AXES, NO_ACCUMULATION, OPTIMIZERS
 
+from fake_host import use_fake_probes
+
 # 8b on two A100-40GB: AdamW's 16 bytes per parameter do not fit on any grid, LOMO's do
 LEAN_JOB = ["--model", "8b", "--gpus", "2", "--machine", "perlmutter", "--global-batch", "8",
             "--seq", "1024", "--json", "--top", "0"]
@@ -25,6 +27,7 @@ LEAN_JOB = ["--model", "8b", "--gpus", "2", "--machine", "perlmutter", "--global
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FOURFOLD_CACHE", str(tmp_path / "cache"))
+    use_fake_probes(monkeypatch)  # the `cpu` machine without timing this CPU
 
 
 def _plan_json(capsys, *extra: str) -> dict:

@@ -24,7 +24,8 @@ from fourfold.errors import FourfoldError
 from fourfold.parsing import ArgumentParser
 from fourfold.parallel.grid import AXES, RANK_ORDER
 from fourfold.plan.errors import PlanError
-from fourfold.plan.machines import GIB, Machine, load_machine
+from fourfold.plan.catalog import GIB, Machine
+from fourfold.plan.machine_file import load_machine
 from fourfold.plan.perf import Overlap
 from fourfold.plan.scaling import (count_params, data_constrained_optimum, dataset_tokens,
                                    dataset_vocab_size, format_count, get_law, model_for_params,

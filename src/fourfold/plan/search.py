@@ -13,7 +13,7 @@ from fourfold.intmath import divisors
 from fourfold.parallel.embedding import resolve_output_loss
 from fourfold.parallel.grid import AXES, RANK_ORDER, GridShape
 from fourfold.plan.errors import PlanError
-from fourfold.plan.machines import GIB, Machine
+from fourfold.plan.catalog import GIB, Machine
 from fourfold.plan.memory import (MemoryBreakdown, Precision, predict_memory,
                                   predict_method_memory)
 from fourfold.plan.perf import Overlap, StepPrediction, predict_step
@@ -338,7 +338,7 @@ def choose_grid(model_cfg: ModelConfig, world_size: int, machine: Machine | str,
     the run's train config, whose train.optimizer's memory the grid must fit (None: AdamW's).
     Raises PlanError when no grid fits in memory.
     """
-    from fourfold.plan.machines import load_machine
+    from fourfold.plan.machine_file import load_machine
 
     m = load_machine(machine)
     checkpointing = (False, True) if activation_checkpointing is None else \
