@@ -30,8 +30,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
+from fourfold.parsing import ArgumentParser
 from fourfold.plan.catalog import catalog_key_for_gpu, ring_volume
 from fourfold.plan.errors import PlanError
 from fourfold.plan.host_probe import (PROBE_OPS, fit_gemm_shape_law, fit_latency_bandwidth,
@@ -44,14 +44,10 @@ _BUFFER_BYTES = (64 * 1024, 4 * 1024 * 1024, 64 * 1024 * 1024)
 _REPEATS = (9, 5, 3)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise PlanError(f"{message} (see `fourfold probe --help`)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="fourfold probe", description="Measure GEMM rates and collective "
-                "bandwidth/latency of this job's ranks; write a MACHINE.toml for the planner.")
+    p = ArgumentParser(prog="fourfold probe", description="Measure GEMM rates and collective "
+                       "bandwidth/latency of this job's ranks; write a MACHINE.toml for the "
+                       "planner.", usage_error=PlanError)
     p.add_argument("--machine-out", required=True, help="the MACHINE.toml to write")
     p.add_argument("--base", help="preset or catalog device whose datasheet peaks and memory "
                    "the file keeps (default: cpu on CPU, else guessed from the device name)")
