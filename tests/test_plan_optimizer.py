@@ -61,7 +61,7 @@ def test_table_names_the_planned_optimizer(capsys):
     assert " fits" in out
     assert plan_main(table_job) == 0
     out = capsys.readouterr().out
-    assert "train.optimizer = adamw" in out and "no grid fits" in out
+    assert "train.optimizer = adamw" in out and "no grid of 2 x A100-40GB fits" in out
     assert "forward+backward" not in out  # adamw's time is its own: no caveat
 
 

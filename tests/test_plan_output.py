@@ -122,6 +122,10 @@ def test_the_default_batch_is_about_a_million_tokens_whatever_the_gpu_count(caps
     out = _json(capsys, "--model", "1b", "--machine", "h100", "--gpus", "8", "--seq", "3000",
                 "--top", "1")
     assert out["global_batch"] == 2**20 // 3000
+    # 8b splits over no axis of 3 but data and z: the batch nearest 128 that 3 divides
+    out = _json(capsys, "--model", "8b", "--machine", "h100", "--gpus", "3", "--top", "1")
+    assert out["global_batch"] == 129 and out["configurations"][0]["grid"]["data"] * \
+        out["configurations"][0]["grid"]["z"] == 3
 
 
 def test_nothing_fits_says_why_and_the_fix_that_fits(capsys):

@@ -32,7 +32,8 @@ from fourfold.plan.perf import Overlap
 from fourfold.plan.scaling import (count_params, data_constrained_optimum, dataset_tokens,
                                    dataset_vocab_size, format_count, get_law, model_for_params,
                                    training_config)
-from fourfold.plan.search import OPTIMIZERS, Candidate, Plan, model_label, plan
+from fourfold.plan.search import (OPTIMIZERS, Candidate, Plan, grid_problem, grid_shapes,
+                                  model_label, plan)
 from fourfold.plan.sweep import format_sweep, gpu_counts, plot_sweep, run_sweep
 
 
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "names such as h100, a100, mi250x), or a MACHINE.toml (default: cpu)")
     p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: "
                    "the config's train.batch_size, else 2^20 tokens (about 1M) on GPUs and "
-                   "2^14 on cpu, whatever the GPU count)")
+                   "2^14 on cpu, whatever the GPU count: the nearest batch a grid can split)")
     p.add_argument("--seq", type=int, help="sequence length (default: the config's "
                    "train.seq_len, else the model's max_seq_len)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
@@ -144,11 +145,19 @@ DEFAULT_BATCH_TOKENS = 2**20
 DEFAULT_HOST_BATCH_TOKENS = 2**14
 
 
-def default_batch(seq_len: int, machine: Machine) -> int:
-    """Sequences per step by default: about DEFAULT_BATCH_TOKENS tokens (on a shared host
-    DEFAULT_HOST_BATCH_TOKENS), at least one sequence."""
+def default_batch(model: ModelConfig, world: int, seq_len: int, machine: Machine,
+                  optimizer: str) -> int:
+    """Sequences per step by default: of the batches within a factor of two of
+    DEFAULT_BATCH_TOKENS tokens (on a shared host DEFAULT_HOST_BATCH_TOKENS), the nearest one
+    that some grid of `world` ranks can split (3 GPUs take 129 sequences of 8192 tokens, not
+    128); at least one sequence."""
     tokens = DEFAULT_HOST_BATCH_TOKENS if machine.device.shared_host else DEFAULT_BATCH_TOKENS
-    return max(1, tokens // seq_len)
+    target = max(1, tokens // seq_len)
+    shapes = grid_shapes(world)
+    nearest = sorted(range(max(1, target // 2), 2 * target + 1),
+                     key=lambda b: (abs(math.log(b / target)), b))
+    return next((b for b in nearest
+                 if any(grid_problem(model, s, b, optimizer) is None for s in shapes)), target)
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,7 +307,7 @@ def _plan_mode(args: argparse.Namespace) -> int:
     machine = load_machine(args.machine or "cpu")
     seq = args.seq or config_seq or model.max_seq_len
     batch = args.global_batch if args.global_batch is not None else \
-        (config_batch or default_batch(seq, machine))
+        (config_batch or default_batch(model, args.gpus, seq, machine, train.optimizer))
     dtype = args.dtype or ("float32" if machine.device.shared_host else "bfloat16")
     checkpointing = {"auto": (False, True), "on": (True,), "off": (False,)}[
         args.activation_checkpointing]
