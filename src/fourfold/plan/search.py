@@ -371,7 +371,8 @@ def nothing_fits_advice(result: Plan) -> str:
     """Why no grid of `result` fits (from its leanest candidate) and the fixes that would make
     one fit, each checked by `leanest_fits`, in one line."""
     best, optimizer = result.best, result.optimizer
-    model, world, batch, seq = result.model, result.world_size, result.global_batch, result.seq_len
+    model, world = result.model, result.world_size
+    batch, seq = result.global_batch, result.seq_len
     mem, usable = best.memory, best.usable_bytes / GIB
     need = f"{mem.total / GIB:.1f} GiB per rank on the leanest grid ({best.shape}), " \
            f"{usable:.1f} GiB usable"
@@ -413,14 +414,15 @@ def nothing_fits_advice(result: Plan) -> str:
     if True not in result.checkpointing and fits(checkpointing=(True,)):
         fixes.append("--activation-checkpointing on")
     if not result.machine.device.shared_host:  # ranks on one host share its memory
-        more = next((world * f for f in (2 ** k for k in range(1, 7))
-                     if f <= _ADVICE_GPU_FACTOR and fits(world=world * f)), None)
+        more = next((world << k for k in range(1, _ADVICE_GPU_FACTOR.bit_length())
+                     if fits(world=world << k)), None)
         if more is not None:
             fixes.append(f"{more} GPUs")
     if not batch_fixed and optimizer in LEANER_ORDER:  # the state is what does not fit
         for name in LEANER_ORDER[LEANER_ORDER.index(optimizer) + 1:]:
             lean = dataclasses.replace(result.train or TrainConfig(), optimizer=name)
-            if fits(train=lean, grad_accum=None if name in NO_ACCUMULATION else result.grad_accum):
+            accum = None if name in NO_ACCUMULATION else result.grad_accum
+            if fits(train=lean, grad_accum=accum):
                 fixes.append(f"--optimizer {name}")
                 break
     fix = f"fix: {_either(fixes)}" if fixes else \
