@@ -35,7 +35,7 @@ echo "== 1. noise on $DEVICE against the CPU"
 DEVICE=$DEVICE "$PY" - <<'EOF' || FAILED+=("noise")
 import os, time
 import torch
-from fourfold.train.methods.noise import ShardNoise, _hash_at, noise_key
+from fourfold.noise import ShardNoise, _hash_at, noise_key
 
 device = torch.device(os.environ["DEVICE"])
 key = noise_key(0, 7, "layers.3.attention.wq.weight", 2)

@@ -48,7 +48,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--overlap-forward", dest="overlap_forward", action="store_true",
                     help="parallel.overlap_forward: each forward GEMM in two token halves")
     ap.add_argument("--probe", action="store_true", help="measure the host's costs "
-                    "(fourfold.plan.machines.measure_host_costs) inside the job, once per pass")
+                    "(fourfold.plan.host_probe.measure_host_costs) inside the job, once per pass")
     ap.add_argument("--count", action="store_true", help="also count what torch.distributed "
                     "is handed (tests/dist_count.py) and the z all-gathers per step")
 
@@ -110,7 +110,7 @@ def worker(args: argparse.Namespace, out_path: str) -> None:
     from fourfold.models import build_model
     from fourfold.parallel import (Grid, GridError, GridShape, init_distributed, leave_job,
                                    parallelize)
-    from fourfold.plan.machines import measure_host_costs, merge_rank_probes, probe_groups
+    from fourfold.plan.host_probe import measure_host_costs, merge_rank_probes, probe_groups
 
     rank, world, device = init_distributed("gloo", 600)
     if not dist.is_initialized():  # one rank: init_distributed leaves it without a group, but

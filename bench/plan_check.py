@@ -31,7 +31,8 @@ from common import Table, fail, header, mib, parser  # noqa: E402
 from grids import add_model_args, model_config, run_grids_with_probes  # noqa: E402
 
 from fourfold.parallel import GridShape  # noqa: E402
-from fourfold.plan.machines import calibration_from_probe, load_machine  # noqa: E402
+from fourfold.plan.host_probe import calibration_from_probe  # noqa: E402
+from fourfold.plan.machine_file import load_machine  # noqa: E402
 from fourfold.plan.memory import Precision, predict_param_memory  # noqa: E402
 from fourfold.plan.perf import predict_step  # noqa: E402
 

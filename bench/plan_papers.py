@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import Table, header, parser  # noqa: E402
 
 from fourfold.config import ModelConfig
-from fourfold.plan.machines import load_machine
+from fourfold.plan.machine_file import load_machine
 from fourfold.plan.memory import Precision
 from fourfold.plan.search import plan
 

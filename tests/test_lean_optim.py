@@ -95,7 +95,7 @@ def test_zeroth_order_methods_train_as_one_process(tmp_path: Path) -> None:
 def test_noise_of_a_shard_is_its_part_of_the_full_tensors_noise() -> None:
     import random
 
-    from fourfold.train.methods.noise import ShardNoise, mix32, mix32_int, noise_key
+    from fourfold.noise import ShardNoise, mix32, mix32_int, noise_key
 
     values = [random.Random(3).getrandbits(32) for _ in range(500)] + [0, 1, 2**31, 2**32 - 1]
     as_int32 = torch.tensor([v - 2**32 if v >= 2**31 else v for v in values], dtype=torch.int32)
@@ -111,7 +111,7 @@ def test_noise_of_a_shard_is_its_part_of_the_full_tensors_noise() -> None:
     assert torch.equal(parts, full[32:48, 24:48])
     assert abs(float(full.mean())) < 0.1 and abs(float(full.std()) - 1) < 0.05
     # a GPU makes bigger chunks (launches, not bytes, cost there): the same values
-    from fourfold.train.methods.noise import chunk_elements
+    from fourfold.noise import chunk_elements
 
     assert chunk_elements(torch.device("cuda")) > chunk_elements(cpu)
 

@@ -9,12 +9,12 @@ bandwidth its group's placement sees (group size = the axis size; stride between
 faster (`collective_seconds`), minus the part the engine's overlap hides. Hidden communication
 costs the compute it runs under the SMs its kernels hold: compute overlapped by a collective for
 t seconds takes `Device.comm_sm_fraction` x t longer (NCCL's CTAs hold their SMs exclusively;
-the constants and their sources are in machines.py), the `contention_s` of a prediction. (The
+the constants and their sources are in catalog.py), the `contention_s` of a prediction. (The
 0.1-of-hidden-time "interference" term that was here rested on no measurement and is gone;
 contention for memory bandwidth is not modelled.)
 
 On the `cpu` machine (N ranks time-sharing this host's cores) the rates come from its probe
-(`Machine.calibration(N)`, see fourfold.plan.machines): GEMM, memory and per-op rates with all N
+(`Machine.calibration(N)`, see fourfold.plan.host_probe): GEMM, memory and per-op rates with all N
 ranks busy, each collective call a fitted latency + ring volume x seconds per byte of its group
 size, and overlap scaled down to what spare cores can hide (none when N >= cores).
 """
@@ -27,10 +27,12 @@ from dataclasses import dataclass, field
 
 from fourfold.config import ModelConfig, TrainConfig
 from fourfold.models.llama import flops_per_token
+from fourfold.noise import ACCELERATOR_CHUNK_ELEMENTS as NOISE_GPU_CHUNK_ELEMENTS
 from fourfold.parallel.embedding import uses_blocked_loss
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.parallel.linear import split_rows
-from fourfold.plan.machines import HostCalibration, Machine, ring_volume
+from fourfold.plan.catalog import Machine, ring_volume
+from fourfold.plan.host_probe import HostCalibration
 from fourfold.plan.memory import (BLOCKLLM_HOLD_SLACK, GALORE_CHUNK_BYTES, Precision,
                                   axes_parts, galore_rank, matrix_layouts)
 from fourfold.plan.schedule import Collective, block_linears, collective_schedule, local_param_numel
@@ -233,13 +235,12 @@ def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, r
                     forward_gemm=L * fwd + out_fwd, recompute_gemm=L * fwd)
 
 
-# MeZO's and ES's seeded noise (train/methods/noise.py) is made in chunks by about
+# MeZO's and ES's seeded noise (fourfold/noise.py) is made in chunks by about
 # NOISE_OPS_PER_CHUNK element-wise ops (the int32 hash of each coordinate, Box-Muller, the
 # scale and the add into the weight). The cpu machine's probe times the generator itself
 # (`noise_s_per_element`); on a GPU (chunks of NOISE_GPU_CHUNK_ELEMENTS) each op reads and
 # writes 4-byte elements at memory bandwidth or costs its launch, whichever is more: a model,
 # never measured on a GPU.
-NOISE_GPU_CHUNK_ELEMENTS = 1 << 22  # noise.py ACCELERATOR_CHUNK_ELEMENTS (tests hold them equal)
 NOISE_OPS_PER_CHUNK = 45
 NOISE_BYTES_PER_ELEMENT = 8 * NOISE_OPS_PER_CHUNK
 # GaLore's refresh: eigh of an s x s float64 Gram matrix, about 9 s^3 FLOPs, ran at 0.36 of the

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fourfold.config import ModelConfig
 from fourfold.plan.errors import PlanError
-from fourfold.plan.machines import Machine
+from fourfold.plan.catalog import Machine
 from fourfold.plan.scaling import count_params, format_count, model_for_params
 from fourfold.plan.search import Candidate, plan
 

@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 from torch import nn
 
+from fourfold.noise import CHUNK_ELEMENTS, ShardNoise
 from fourfold.parallel import Axis, Layout
-from fourfold.train.methods.noise import CHUNK_ELEMENTS, ShardNoise
 from fourfold.train.optim import uses_weight_decay
 
 UpdateTime = Literal["after_backward", "in_backward", "forward_only"]

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from fourfold.config import TrainConfig
+from fourfold.noise import chunk_elements
 from fourfold.parallel import Axis, Layout
 from fourfold.plan.memory import BLOCKLLM_HOLD_SLACK
 from fourfold.train.host_memory import trim_on_host_grid
@@ -57,7 +58,6 @@ from fourfold.train.methods.base import (CHUNK_ELEMENTS, Guard, ParamView, StepD
                                          TrainingMethod, arm_on_last_micro_step, check_meta,
                                          live_grad_bytes, on_final_gradients, padded_dims,
                                          param_views, reduce_loss)
-from fourfold.train.methods.noise import chunk_elements
 
 EPS = 1e-8  # AdamW's, as train/optim.build_optimizer
 

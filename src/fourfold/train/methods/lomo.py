@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fourfold.config import TrainConfig
+from fourfold.noise import CHUNK_ELEMENTS
 from fourfold.parallel import Layout
 from fourfold.train.host_memory import trim_after_autocast_forward, trim_on_host_grid
 from fourfold.train.methods.adamw import backward_pass
@@ -28,7 +29,6 @@ from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, St
                                          StepResult, TrainingMethod, check_meta,
                                          live_grad_bytes, on_final_gradients, padded_dims,
                                          param_views, reduce_loss, shard_norm_sq)
-from fourfold.train.methods.noise import CHUNK_ELEMENTS
 
 
 class FusedBackward(TrainingMethod):

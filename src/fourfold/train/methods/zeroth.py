@@ -1,6 +1,6 @@
 """Training from forward passes alone: MeZO (zeroth-order SGD) and evolution strategies.
 
-Both perturb the weights in place with seeded noise (methods/noise.py) and never hold a
+Both perturb the weights in place with seeded noise (fourfold/noise.py) and never hold a
 gradient or a second copy of the weights: memory is inference memory. The noise of an element
 depends only on (seed, step, parameter name, member, global position), so every grid perturbs the
 same global weights identically and the batch axes carry only scalar losses.
@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from fourfold.config import TrainConfig
+from fourfold.noise import noise_key
 from fourfold.train.host_memory import trim_on_host_grid
 from fourfold.train.methods.base import (Guard, ParamView, StepData, StepResult, TrainingMethod,
                                          check_meta, param_views)
-from fourfold.train.methods.noise import noise_key
 
 
 @torch.no_grad()
