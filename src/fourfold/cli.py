@@ -169,7 +169,7 @@ def _print_train_summary(run_dir: Path) -> None:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from fourfold.data.prepare import prepare_main
 
-    return prepare_main(args.inputs, args.out, args.tokenizer)
+    return prepare_main(args.inputs, args.out, args.tokenizer, overwrite=args.overwrite)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -298,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--out", required=True, metavar="DATA_DIR")
     prepare.add_argument("--tokenizer", default="byte",
                          help="byte | bpe:VOCAB_SIZE | PATH/tokenizer.json (default byte)")
+    prepare.add_argument("--overwrite", action="store_true",
+                         help="replace what DATA_DIR holds (the old data stays whole until the "
+                              "new is complete)")
     prepare.set_defaults(handler=cmd_prepare)
 
     gen = sub.add_parser("generate", help="continue a prompt with a trained model")
