@@ -619,3 +619,69 @@ def test_a_killed_prepare_leaves_the_old_data_whole(tmp_path, corpus):
     assert _snapshot(out) == before and not staging.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt", "data", "other"]
 
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer fingerprints
+
+
+def test_the_manifest_records_the_tokenizer_fingerprint(tmp_path, corpus, byte_dir):
+    from fourfold.data.manifest import data_tokenizer_fingerprint
+    from fourfold.data.tokenizers import spec_fingerprint, tokenizer_fingerprint
+
+    assert Manifest.load(byte_dir).tokenizer_fingerprint == "byte"
+    assert data_tokenizer_fingerprint(byte_dir) == "byte" == spec_fingerprint("byte")
+    bpe = tmp_path / "bpe"
+    prepare([corpus[0]], bpe, tokenizer="bpe:300", progress=False)
+    fingerprint = Manifest.load(bpe).tokenizer_fingerprint
+    assert fingerprint.startswith("sha256:") and len(fingerprint) == 7 + 64
+    assert fingerprint == tokenizer_fingerprint(load_tokenizer(bpe))
+    assert fingerprint == spec_fingerprint(bpe / "tokenizer.json") == spec_fingerprint(bpe)
+    # the trained tokenizer as a file of its own: data prepared with it has the same one
+    again = tmp_path / "again"
+    prepare([corpus[0]], again, tokenizer=str(bpe / "tokenizer.json"), progress=False)
+    assert Manifest.load(again).tokenizer_fingerprint == fingerprint
+    assert (again / "tokenizer.json").read_bytes() == (bpe / "tokenizer.json").read_bytes()
+    # a directory prepared before manifests recorded fingerprints: computed from its files
+    manifest = json.loads((again / "manifest.json").read_text())
+    del manifest["tokenizer_fingerprint"]
+    (again / "manifest.json").write_text(json.dumps(manifest))
+    assert Manifest.load(again).tokenizer_fingerprint == ""
+    assert data_tokenizer_fingerprint(again) == fingerprint
+    verify(again)
+    assert data_tokenizer_fingerprint(byte_dir) != fingerprint
+
+
+def test_a_data_tokenizer_that_disagrees_with_the_prepared_data_is_refused(tmp_path, corpus,
+                                                                          byte_dir):
+    bpe = tmp_path / "bpe"
+    prepare([corpus[0]], bpe, tokenizer="bpe:300", progress=False)
+    other = tmp_path / "other.json"
+    _hf_word_tokenizer({"<unk>": 0, "<|endoftext|>": 1}).save(str(other))
+    refused = [(byte_dir, "bpe:4000", "data.tokenizer = 'bpe:4000' is not the tokenizer"),
+               (bpe, "byte", "data.tokenizer = 'byte' (byte) is not the tokenizer"),
+               (bpe, "bpe:400", "'bpe:400'"), (bpe, str(other), "other.json"),
+               (byte_dir, str(bpe), "data.tokenizer = ")]
+    for data_dir, spec, fragment in refused:
+        with pytest.raises(DataError) as e:
+            resolve_data_path(str(data_dir), spec)
+        message = str(e.value)
+        assert fragment in message and "\n" not in message, message
+        theirs = Manifest.load(data_dir)
+        assert f"({theirs.tokenizer!r}, {theirs.tokenizer_fingerprint[:19]})" in message
+    for data_dir, spec in [(byte_dir, "auto"), (byte_dir, "byte"), (bpe, "auto"),
+                           (bpe, "bpe:300"), (bpe, str(bpe / "tokenizer.json")),
+                           (bpe, str(bpe))]:
+        assert resolve_data_path(str(data_dir), spec) == data_dir
+
+
+@pytest.mark.slow
+def test_train_refuses_a_data_tokenizer_the_data_was_not_prepared_with(tmp_path, byte_dir,
+                                                                       capsys):
+    from fourfold.cli import main
+
+    code = main(["train", "--set", f"data.path={byte_dir}", "--set", "data.tokenizer=bpe:4000",
+                 "--set", "train.steps=1", "--set", "train.device=cpu", "--out",
+                 str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "data.tokenizer = 'bpe:4000' is not the tokenizer" in err and "('byte', byte)" in err

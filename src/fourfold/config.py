@@ -79,7 +79,10 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = "builtin:stdlib"  # a DATA_DIR made by `fourfold prepare`, or the built-in corpus
-    tokenizer: str = "byte"  # byte | bpe:VOCAB_SIZE | PATH/tokenizer.json (for the built-in corpus)
+    # auto (a prepared directory's own; byte for a built-in corpus) | byte | bpe:VOCAB_SIZE |
+    # PATH/tokenizer.json: a built-in corpus is prepared with it; a prepared directory must
+    # have been made with it
+    tokenizer: str = "auto"
 
 
 @dataclass

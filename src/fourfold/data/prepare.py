@@ -32,7 +32,7 @@ import numpy as np
 from fourfold.data.errors import DataError
 from fourfold.data.manifest import MANIFEST_FILE, SPLITS, Manifest, ShardInfo, SplitInfo
 from fourfold.data.tokenizers import (ByteTokenizer, Tokenizer, check_spec, load_tokenizer,
-                                      parse_bpe_spec, train_bpe)
+                                      parse_bpe_spec, tokenizer_fingerprint, train_bpe)
 from fourfold.files import atomic_directory, is_empty_directory, recover_directory
 
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB per uint16 shard: few files, each cheap to rehash
@@ -113,6 +113,7 @@ def prepare(
         tok.save(staging)
         manifest = Manifest(
             tokenizer=tokenizer,
+            tokenizer_fingerprint=tokenizer_fingerprint(tok),
             dtype=dtype.name,
             vocab_size=tok.vocab_size,
             eos_id=tok.eos_id,
