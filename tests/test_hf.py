@@ -25,6 +25,7 @@ from fourfold.train.sampling import generate
 
 from conftest import outside_job_env
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models; a busy machine
 VOCAB, SEQ = 96, 48
 # Llama 3's scaling with a short original context, so that each of its three bands (kept,
 # blended, divided) holds some of the 8 frequencies of a 16-wide head
@@ -45,14 +46,11 @@ def tiny_hf_config(**fields: Any) -> dict[str, Any]:
 
 def save_tiny_hf(root: Path, rope: dict[str, Any] | None, spelling: str = "rope_parameters",
                  **fields: Any) -> LlamaForCausalLM:
-    """A random tiny LlamaForCausalLM saved by transformers into `root` (which writes
-    Transformers 5's rope_parameters); with spelling="rope_scaling" its config.json is then
-    rewritten as Transformers 4 wrote it."""
-    hf_fields = tiny_hf_config(**fields)
-    hf_fields.pop("rope_theta")
-    params = {"rope_type": "default", **(rope or {}), "rope_theta": THETA}
+    """A random tiny LlamaForCausalLM saved by transformers into `root`, its config.json then
+    written in the spelling asked for: Transformers 5's (rope_parameters, rope_theta inside)
+    or 4's (rope_theta, rope_scaling)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**hf_fields, rope_parameters=params)).eval()
+    model = LlamaForCausalLM(LlamaConfig(**tiny_hf_config(rope_scaling=rope, **fields))).eval()
     with torch.no_grad():  # non-trivial norms, so that a mix-up would show
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -60,13 +58,13 @@ def save_tiny_hf(root: Path, rope: dict[str, Any] | None, spelling: str = "rope_
     model.save_pretrained(root)
     config_file = root / "config.json"
     saved = json.loads(config_file.read_text())
+    for key in ("rope_theta", "rope_scaling", "rope_parameters"):
+        saved.pop(key, None)
     if spelling == "rope_scaling":
-        table = saved.pop("rope_parameters")
-        saved["rope_theta"] = table.pop("rope_theta")
-        saved["rope_scaling"] = None if table["rope_type"] == "default" else table
-        config_file.write_text(json.dumps(saved))
+        saved.update(rope_theta=THETA, rope_scaling=rope)
     else:
-        assert "rope_parameters" in saved and "rope_scaling" not in saved
+        saved["rope_parameters"] = {"rope_type": "default", **(rope or {}), "rope_theta": THETA}
+    config_file.write_text(json.dumps(saved))
     return model
 
 
@@ -259,3 +257,179 @@ def test_scaled_rope_on_a_two_rank_grid_equals_transformers(tmp_path: Path) -> N
     for r in results:
         assert r.get("ok"), r.get("error")
         assert r["max_diff"] < 1e-5, r
+
+
+# --------------------------------------------------------------------------------------------
+# Export: fourfold convert RUN --to hf OUT
+
+
+EXPORT_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                "tokenizer_config.json", "special_tokens_map.json"}
+TEXTS = ["def f(x):\n    return x\n", "héllo wörld 日本 🎉\t  spaces  ", "\n\n", "a"]
+
+
+def assert_export_matches(out_dir: Path, model: torch.nn.Module, texts: list[str],
+                          tokenizer: Any = None) -> None:
+    """What a transformers user does with an export: AutoTokenizer and AutoModelForCausalLM
+    from the folder. Its ids for each text are fourfold's (the run's tokenizer, byte when
+    None), its logits fourfold's within 1e-5 in float32, and its special ids the tokenizer's
+    EOS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fourfold.data.tokenizers import ByteTokenizer
+
+    ours_tok = tokenizer or ByteTokenizer()
+    theirs_tok = AutoTokenizer.from_pretrained(out_dir)
+    assert theirs_tok.eos_token_id == ours_tok.eos_id
+    hf = AutoModelForCausalLM.from_pretrained(out_dir).float().eval()
+    assert hf.config.eos_token_id == hf.generation_config.eos_token_id == ours_tok.eos_id
+    for text in texts:
+        ids = theirs_tok(text).input_ids
+        assert ids == ours_tok.encode(text).tolist()
+        assert theirs_tok.decode(ids + [ours_tok.eos_id], skip_special_tokens=True) == text
+        with torch.no_grad():
+            batch = torch.tensor([ids])
+            diff = float((hf(batch).logits - model.eval()(batch)).abs().max())
+        assert diff < 1e-5
+
+
+def hand_written_run(run: Path, overrides: list[str]) -> torch.nn.Module:
+    """A RUN_DIR made without training: config.toml and model.safetensors of a random model
+    with non-trivial norms and biases (so that a mix-up shows)."""
+    from fourfold.train.runs import save_weights
+
+    cfg = load_config(None, ["model.preset=debug", *overrides])
+    run.mkdir(parents=True)
+    cfg.save(run / "config.toml")
+    model = build_model(cfg.model, seed=1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    save_weights(model.state_dict(), run / "model.safetensors", cfg.model.tie_embeddings)
+    return model.eval()
+
+
+LLAMA3_RUN = ["model.rope_scaling=llama3", "model.rope_factor=8",
+              "model.rope_original_max_seq_len=64", "model.rope_theta=500000"]
+
+
+def test_convert_a_byte_run_loads_in_one_line(tmp_path: Path) -> None:
+    from fourfold.cli import main
+
+    model = hand_written_run(tmp_path / "run", [*LLAMA3_RUN, "model.tie_embeddings=true",
+                                                "model.bias=true", "model.n_kv_heads=1"])
+    assert main(["convert", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 0
+    assert {p.name for p in (tmp_path / "hf").iterdir()} == EXPORT_FILES
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 64}
+    assert (config["bos_token_id"], config["eos_token_id"]) == (256, 256)
+    assert config["tie_word_embeddings"] is True and config["num_key_value_heads"] == 1
+    assert_export_matches(tmp_path / "hf", model, TEXTS)
+
+
+def test_the_byte_tokenizer_for_transformers_encodes_as_fourfolds() -> None:
+    from fourfold.data.tokenizers import ByteTokenizer, byte_level_hf_tokenizer
+
+    ours, theirs = ByteTokenizer(), byte_level_hf_tokenizer()
+    rng = torch.Generator().manual_seed(0)
+    texts = TEXTS + ["".join(chr(int(c)) for c in torch.randint(1, 0x2FFF, (200,),
+                                                                generator=rng))]
+    for text in texts:
+        assert theirs.encode(text).ids == ours.encode(text).tolist()
+    assert theirs.token_to_id("<|endoftext|>") == ours.eos_id == 256
+    # bytes that are no UTF-8 (a character cut short, a stray continuation byte) decode alike
+    for ids in ([104, 195], [0xE6, 0x97, 104, 0x80, 105], list(range(256)), [104, 256, 105]):
+        assert theirs.decode(ids) == ours.decode(ids)
+
+
+def test_convert_a_bpe_run_writes_its_tokenizer(tmp_path: Path) -> None:
+    from fourfold.cli import main
+    from fourfold.data import load_tokenizer, prepare
+
+    (tmp_path / "text.txt").write_text("".join(TEXTS) * 50)
+    prepare([tmp_path / "text.txt"], tmp_path / "data", tokenizer="bpe:300", progress=False)
+    tokenizer = load_tokenizer(tmp_path / "data")
+    # data.tokenizer = "byte": what a run recorded before "auto" was the default, whatever
+    # its data held; the run's tokenizer is its data's own
+    model = hand_written_run(tmp_path / "run", [f"data.path={tmp_path / 'data'}",
+                                                "data.tokenizer=byte",
+                                                "model.rope_scaling=linear",
+                                                "model.rope_factor=2"])
+    assert main(["convert", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == \
+        (tmp_path / "data" / "tokenizer.json").read_bytes()
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_scaling"] == \
+        {"rope_type": "linear", "factor": 2.0}
+    assert_export_matches(tmp_path / "hf", model, TEXTS, tokenizer)
+
+
+def test_convert_refuses_a_non_empty_out_unless_overwrite(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fourfold.cli import main
+
+    model = hand_written_run(tmp_path / "run", [])
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["convert", str(tmp_path / "run"), "--to", "hf", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: OUT_DIR ") and err.count("\n") == 1 and "--overwrite" in err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert main(["convert", str(tmp_path / "run"), "--to", "hf", str(out), "--overwrite"]) == 0
+    assert {p.name for p in out.iterdir()} == EXPORT_FILES  # nothing of the old OUT_DIR left
+    assert_export_matches(out, model, ["x = 1"])
+    for where in (tmp_path / "run", tmp_path):  # the run itself, or a folder holding it
+        assert main(["convert", str(tmp_path / "run"), "--to", "hf", str(where),
+                     "--overwrite"]) == 2
+        assert "holds the run" in capsys.readouterr().err
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
+
+
+@pytest.mark.slow
+def test_convert_adapter_runs_merged_and_apart(tmp_path: Path) -> None:
+    """A run trained from scratch, exported; a LoRA run on that export, exported merged and
+    as the base with the adapter beside it: each loads with AutoTokenizer and
+    AutoModelForCausalLM (and peft) and computes fourfold's logits."""
+    import peft
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fourfold.cli import main
+    from fourfold.data import load_tokenizer, prepare
+    from fourfold.train.runs import load_trained
+    from fourfold.train.trainer import Trainer
+
+    (tmp_path / "texts").mkdir()
+    for i in range(40):  # documents enough for a validation split
+        (tmp_path / "texts" / f"{i}.txt").write_text(f"{i} " + "".join(TEXTS) * 5)
+    prepare([tmp_path / "texts"], tmp_path / "data", tokenizer="bpe:300", progress=False,
+            val_fraction=0.1)
+    tokenizer = load_tokenizer(tmp_path / "data")
+    common = ["model.preset=debug", f"data.path={tmp_path / 'data'}", "train.batch_size=4",
+              "train.seq_len=32", "train.steps=2", "train.warmup_steps=1",
+              "train.eval_every=0", "train.eval_batches=0", "train.sample_tokens=0",
+              "train.device=cpu", *LLAMA3_RUN]
+    Trainer(load_config(None, common), tmp_path / "pre", progress=False).fit()
+    assert main(["convert", str(tmp_path / "pre"), "--to", "hf", str(tmp_path / "base")]) == 0
+    assert_export_matches(tmp_path / "base", load_trained(tmp_path / "pre")[0], TEXTS[:1],
+                          tokenizer)
+    lora = [f"model.init_from={tmp_path / 'base'}", "adapter.kind=lora", "adapter.r=4",
+            "train.lr=3e-2"]
+    Trainer(load_config(None, common + lora), tmp_path / "lora", progress=False).fit()
+    tuned, cfg = load_trained(tmp_path / "lora")
+    assert cfg.model.rope_scaling == "llama3"  # read back from the base's config.json
+    assert main(["convert", str(tmp_path / "lora"), "--to", "hf", str(tmp_path / "merged"),
+                 "--merge"]) == 0
+    assert_export_matches(tmp_path / "merged", tuned, TEXTS[:1], tokenizer)
+    assert main(["convert", str(tmp_path / "lora"), "--to", "hf", str(tmp_path / "apart")]) == 0
+    ids = AutoTokenizer.from_pretrained(tmp_path / "apart")(TEXTS[0]).input_ids
+    assert ids == tokenizer.encode(TEXTS[0]).tolist()
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "apart").float().eval()
+    batch = torch.tensor([ids])
+    with torch.no_grad():
+        assert float((base(batch).logits - tuned(batch)).abs().max()) > 1e-4  # it trained
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "apart" / "adapter").eval()
+        assert float((adapted(input_ids=batch).logits - tuned(batch)).abs().max()) < 1e-5

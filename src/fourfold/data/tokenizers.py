@@ -265,6 +265,69 @@ def train_bpe(vocab_size: int, texts: Iterable[str]) -> HFTokenizer:
 
 
 # --------------------------------------------------------------------------------------------
+# A tokenizer as the files transformers' AutoTokenizer reads (fourfold convert --to hf)
+
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+HF_SPECIAL_TOKENS = "special_tokens_map.json"
+
+
+def byte_level_hf_tokenizer():  # noqa: ANN201 (a tokenizers.Tokenizer)
+    """A `tokenizers.Tokenizer` that encodes as ByteTokenizer does: byte b of the UTF-8 text is
+    id b, EOS (<|endoftext|>) is 256. Byte-level pre-tokenization maps each byte to one
+    printable character, and a BPE without merges maps each character to its byte's id."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTok
+
+    hf = HFTok(models.BPE(vocab={char: byte for byte, char in _byte_characters().items()},
+                          merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([AddedToken(BPE_EOS, special=True)])
+    return hf
+
+
+def _byte_characters() -> dict[int, str]:
+    """Byte -> the character byte-level tokenizers write it as (GPT-2's table: printable
+    Latin-1 bytes stand for themselves, the others for characters from U+0100 on)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
+
+
+def write_hf_tokenizer(tokenizer: Tokenizer, directory: str | Path,
+                       model_max_length: int) -> list[Path]:
+    """Write `tokenizer` as tokenizer.json, tokenizer_config.json and special_tokens_map.json,
+    which `transformers.AutoTokenizer.from_pretrained(directory)` loads to encode text to the
+    same ids (the byte tokenizer as byte_level_hf_tokenizer). fourfold's documents are
+    separated by EOS and nothing else, so EOS also serves as the BOS token (as in GPT-2), and
+    nothing is added around an encoded text. Returns the paths written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if isinstance(tokenizer, ByteTokenizer):
+        data = byte_level_hf_tokenizer().to_str(pretty=True).encode("utf-8")
+        eos = BPE_EOS
+    elif isinstance(tokenizer, HFTokenizer):
+        data = tokenizer.file_bytes()
+        eos = tokenizer.hf.id_to_token(tokenizer.eos_id)
+    else:
+        raise TypeError(f"cannot write {type(tokenizer).__name__} for transformers")
+    special = {"bos_token": eos, "eos_token": eos}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special,
+              "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}
+    files = {HF_FILE: data, HF_TOKENIZER_CONFIG: _json_bytes(config),
+             HF_SPECIAL_TOKENS: _json_bytes(special)}
+    for name, content in files.items():
+        with atomic_path(directory / name) as tmp:
+            tmp.write_bytes(content)
+    return [directory / name for name in files]
+
+
+def _json_bytes(obj: object) -> bytes:
+    return (json.dumps(obj, indent=2) + "\n").encode("utf-8")
+
+
+# --------------------------------------------------------------------------------------------
 # Helpers
 
 

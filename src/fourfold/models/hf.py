@@ -375,11 +375,12 @@ def _hf_name(name: str, where: dict[str, Path], to_hf: Any) -> str:
 
 def save_hf_checkpoint(specs: Sequence[TensorSpec],
                        tensors: Iterable[tuple[TensorSpec, torch.Tensor | None]],
-                       cfg: ModelConfig, out_dir: str | Path) -> list[Path]:
+                       cfg: ModelConfig, out_dir: str | Path, bos_token_id: int | None = None,
+                       eos_token_id: int | None = None) -> list[Path]:
     """Write a full fourfold model, given as tensor specs and the tensors one at a time (see
     `write_streamed`: the writer never holds the whole model), as a Hugging Face Llama
-    checkpoint (config.json and model.safetensors) that `LlamaForCausalLM.from_pretrained(out_dir)`
-    loads; returns the two paths."""
+    checkpoint (config.json, with the special token ids where given, and model.safetensors)
+    that `LlamaForCausalLM.from_pretrained(out_dir)` loads; returns the two paths."""
     hf_names = {s.name: fourfold_to_hf_name(s.name) for s in specs
                 if not s.name.startswith("rope_")
                 and not (cfg.tie_embeddings and s.name == "output.weight")}
@@ -388,5 +389,6 @@ def save_hf_checkpoint(specs: Sequence[TensorSpec],
     weights = out / HF_WEIGHTS_FILE
     config = out / HF_CONFIG_FILE
     write_streamed(weights, specs, tensors, {"format": "pt"}, hf_names)
-    atomic_write_text(config, json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    atomic_write_text(config, json.dumps(config_to_hf(cfg, bos_token_id, eos_token_id),
+                                         indent=2) + "\n")
     return [config, weights]
