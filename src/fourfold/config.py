@@ -57,9 +57,17 @@ class ModelConfig:
     vocab_size: int = 512
     max_seq_len: int = 512
     rope_theta: float = 10000.0
+    # how RoPE's frequencies are stretched for a longer context (HF's rope_type): none |
+    # linear (every frequency / rope_factor) | llama3 (low frequencies / rope_factor, high ones
+    # kept, a smooth blend between; Llama 3.1-3.3)
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0  # linear, llama3
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_seq_len: int = 8192  # llama3: the context the model was pretrained for
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
-    bias: bool = False  # biases on the attention and MLP projections (Qwen2-style uses q/k/v bias)
+    bias: bool = False  # biases on every attention and MLP projection
     init_std: float = 0.02
     init_from: str = ""  # a local Hugging Face checkpoint directory to start from
 
@@ -71,7 +79,10 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = "builtin:stdlib"  # a DATA_DIR made by `fourfold prepare`, or the built-in corpus
-    tokenizer: str = "byte"  # byte | bpe:VOCAB_SIZE | PATH/tokenizer.json (for the built-in corpus)
+    # auto (a prepared directory's own; byte for a built-in corpus) | byte | bpe:VOCAB_SIZE |
+    # PATH/tokenizer.json: a built-in corpus is prepared with it; a prepared directory must
+    # have been made with it
+    tokenizer: str = "auto"
 
 
 @dataclass
@@ -259,6 +270,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("model", "preset"): tuple(PRESETS) + ("custom",),
+    ("model", "rope_scaling"): ("none", "linear", "llama3"),
     ("train", "dtype"): ("float32", "bfloat16"),
     ("train", "loss"): ("cross_entropy", "goldfish"),
     ("train", "device"): ("auto", "cpu", "cuda"),
@@ -477,6 +489,7 @@ def validate(cfg: Config) -> None:
     if m.head_dim % 2:
         raise ConfigError(f"model.dim / model.n_heads = {m.head_dim}: RoPE needs an even head "
                           "dimension")
+    _validate_rope_scaling(m)
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len = {t.seq_len} is longer than model.max_seq_len = "
                           f"{m.max_seq_len}; use at most {m.max_seq_len}")
@@ -492,6 +505,42 @@ def validate(cfg: Config) -> None:
     if isinstance(p.data, int) and p.data < 1:
         raise ConfigError(f"parallel.data = {p.data}: must be at least 1 or \"auto\"")
     _validate_adapter(cfg)
+
+
+# model.<key> -> the rope_scaling kinds it applies to (set under another, it is refused)
+ROPE_SCALING_OPTIONS: dict[str, tuple[str, ...]] = {
+    "rope_factor": ("linear", "llama3"),
+    "rope_low_freq_factor": ("llama3",),
+    "rope_high_freq_factor": ("llama3",),
+    "rope_original_max_seq_len": ("llama3",),
+}
+
+
+def _refuse_options_of_other_kinds(section: str, obj: Any, kind: str,
+                                   options: dict[str, tuple[str, ...]]) -> None:
+    """ConfigError for the first option of `options` (key -> the values of section.kind it
+    applies to) set away from its default while `kind` is something else: refused rather
+    than silently ignored."""
+    defaults = type(obj)()
+    for key, users in options.items():
+        if getattr(obj, kind) not in users and getattr(obj, key) != getattr(defaults, key):
+            raise ConfigError(f"{section}.{key} = {getattr(obj, key)!r} applies only to "
+                              f"{section}.{kind} = {' or '.join(map(repr, users))}, not "
+                              f"{getattr(obj, kind)!r}; remove it")
+
+
+def _validate_rope_scaling(m: ModelConfig) -> None:
+    _refuse_options_of_other_kinds("model", m, "rope_scaling", ROPE_SCALING_OPTIONS)
+    if not (m.rope_factor >= 1.0 and math.isfinite(m.rope_factor)):
+        raise ConfigError(f"model.rope_factor = {m.rope_factor}: must be a number of at least 1")
+    if m.rope_scaling == "llama3":
+        if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+            raise ConfigError(f"model.rope_low_freq_factor = {m.rope_low_freq_factor} and "
+                              f"model.rope_high_freq_factor = {m.rope_high_freq_factor}: need "
+                              "0 < low < high")
+        if m.rope_original_max_seq_len < 1:
+            raise ConfigError(f"model.rope_original_max_seq_len = "
+                              f"{m.rope_original_max_seq_len}: must be at least 1")
 
 
 def adapter_layer_dims(m: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -554,12 +603,7 @@ OPTIMIZER_OPTIONS: dict[str, tuple[str, ...]] = {
 
 
 def _validate_optimizer(t: TrainConfig) -> None:
-    defaults = TrainConfig()
-    for key, users in OPTIMIZER_OPTIONS.items():
-        if t.optimizer not in users and getattr(t, key) != getattr(defaults, key):
-            raise ConfigError(f"train.{key} = {getattr(t, key)!r} applies only to "
-                              f"train.optimizer = {' or '.join(map(repr, users))}, not "
-                              f"{t.optimizer!r}; remove it")
+    _refuse_options_of_other_kinds("train", t, "optimizer", OPTIMIZER_OPTIONS)
     if t.optimizer in ("lomo", "adalomo"):
         if t.grad_accum > 1:
             raise ConfigError(f"train.grad_accum = {t.grad_accum}: {t.optimizer} updates each "
