@@ -10,7 +10,7 @@ process is bounded), parallel.overlap_forward ("split") and parallel.output_loss
 ("loss": the output layer and the loss a block of the vocabulary at a time, on every grid,
 against the one process's whole logits). Every rank of every case checks its ledger against an
 independent count of what torch.distributed was handed and (Llama cases) against the planner's
-schedule.
+schedule, and its bytes of parameters, gradients and optimizer state against the memory model.
 """
 
 from __future__ import annotations
@@ -41,8 +41,12 @@ VARIANTS = [{}, {"bias": True, "tie": True}, {"accum": 2, "ckpt": True},
             {"bf16": True, "reduce": "bfloat16"}, {"split": True, "bias": True},
             BLOCKS_VARIANT]
 # not exact, so bounded: bfloat16 autocast against one process under the same autocast, and
-# float32 training with bfloat16 gradient reductions against float32 (measured: see README)
-LOW_PRECISION_LOSS_DRIFT = {"bf16": 2e-2, "reduce": 1e-3}
+# float32 training with bfloat16 gradient reductions against float32. Each bound is under 10x
+# the largest drift over every grid and rank of this file's three jobs (printed with -s; the
+# drift is deterministic for a grid): autocast, relative loss 4.3e-5 and weights 1.25e-4;
+# bfloat16 reductions, relative loss 2.2e-6 and weights 5.2e-5.
+LOW_PRECISION_DRIFT = {"bf16": {"loss": 4e-4, "weights": 1e-3},
+                       "reduce": {"loss": 2e-5, "weights": 5e-4}}
 LOW_PRECISION_VARIANTS = [{"bf16": True, "ckpt": True, "accum": 2}, {"reduce": "bfloat16"}]
 # parallel.overlap_forward (each forward GEMM in two token halves), with checkpointing
 SPLIT_VARIANT = {"split": True, "ckpt": True, "accum": 2}
@@ -64,7 +68,8 @@ def run_worker(nproc: int, grids: list, variants: list, tmp_path: Path,
 def check_against_one_process(r: dict, steps: int = STEPS) -> None:
     """What one rank of one (grid, variant) of parallel_worker.py reported, over `steps`
     optimizer steps: losses and weights against one process, its ledger against the count of
-    what torch.distributed was handed and against the planner, every parameter's gradient."""
+    what torch.distributed was handed and against the planner, its bytes of parameters,
+    gradients and optimizer state against the memory model, every parameter's gradient."""
     variant = r["variant"]
     label = f"grid {r['shape']} variant {variant} rank {r['rank']}"
     assert r["keys_equal"], label
@@ -74,10 +79,13 @@ def check_against_one_process(r: dict, steps: int = STEPS) -> None:
     assert r["handed"] == {k: r["ledger"][k] for k in r["handed"]}, \
         f"{label}: torch.distributed was handed {r['handed']}, ledger {r['ledger']}"
     if bf16 or reduce16:
-        drift = LOW_PRECISION_LOSS_DRIFT["bf16" if bf16 else "reduce"]
+        drift = LOW_PRECISION_DRIFT["bf16" if bf16 else "reduce"]
         print(f"{label}: max relative loss drift {r['max_rel_loss']:.2e}, "
               f"weights {r['max_weight_diff']:.2e}")
-        assert r["max_rel_loss"] < drift, f"{label}: losses {r['losses']} vs {r['ref_losses']}"
+        assert r["max_rel_loss"] < drift["loss"], \
+            f"{label}: losses {r['losses']} vs {r['ref_losses']}"
+        assert r["max_weight_diff"] < drift["weights"], \
+            f"{label}: weights differ by {r['max_weight_diff']}"
     else:
         assert r["max_rel_loss"] < 1e-5, f"{label}: losses {r['losses']} vs {r['ref_losses']}"
         if variant.get("opt") != "adamw":
@@ -88,10 +96,18 @@ def check_against_one_process(r: dict, steps: int = STEPS) -> None:
     data, z, y, x = r["shape"]
     for axis, size in (("x", x), ("y", y), ("z", z), ("data", data)):
         assert (r["ledger"][axis] > 0) == (size > 1), f"{label}: ledger {r['ledger']}"
-    if variant.get("generic") or variant.get("hf"):
-        return  # the planner describes fourfold's Llama
+    if variant.get("generic"):
+        return  # not a Llama: the planner does not describe it
     cfg = model_cfg(variant)
     shape = GridShape(data, z, y, x)
+    # the memory model: parameters, gradients and optimizer states held by this rank, exact
+    # (all float32: autocast casts copies; AdamW keeps two moments, SGD one momentum buffer)
+    model_mem = predict_param_memory(cfg, shape)
+    state = model_mem["optimizer"] if variant.get("opt") == "adamw" else model_mem["params"]
+    assert r["memory"] == {"params": model_mem["params"], "grads": model_mem["grads"],
+                           "optimizer": state}, f"{label}: measured {r['memory']}, {model_mem}"
+    if variant.get("hf"):
+        return  # Hugging Face's module runs its own attention and norms: no schedule for it
     # the planner predicts exactly the bytes this rank's ledger recorded
     accum = variant.get("accum", 1)
     tokens = BATCH // accum // (data * z) * SEQ
@@ -104,13 +120,6 @@ def check_against_one_process(r: dict, steps: int = STEPS) -> None:
     predicted = {k: v * steps for k, v in per_step.items()}
     recorded = {k: r["ledger"][k] for k in ("x", "y", "z", "data")}
     assert predicted == recorded, f"{label}: planner {predicted} != ledger {recorded}"
-    if variant.get("opt") == "adamw":
-        # the memory model: parameters, gradients and AdamW states held by this rank
-        model_mem = predict_param_memory(cfg, shape)
-        for part in ("params", "grads", "optimizer"):
-            measured = r["memory"][part]
-            assert abs(model_mem[part] - measured) <= 0.15 * measured, \
-                f"{label}: {part} predicted {model_mem[part]} measured {measured}"
 
 
 @pytest.mark.parametrize("nproc", [2, 4, 8])
