@@ -153,8 +153,8 @@ def parallel_config(shape: GridShape, variant: dict) -> ParallelConfig:
 
 def compare(pmodel, grid: Grid, counter: DistCount, losses: list[float],
             ref: tuple[list[float], dict]) -> dict:
-    """This rank's run against the one-process run `ref` (losses, weights), and its ledger
-    against the count of what torch.distributed was handed."""
+    """What the test holds this rank's run to: its losses and gathered weights beside the
+    one-process run `ref`'s, its ledger beside the count of what torch.distributed was handed."""
     ref_losses, ref_state = ref
     ledger, handed = pmodel.ledger.snapshot(), counter.by_axis(grid)  # before the gathers below
     state = pmodel.full_state_dict()
