@@ -200,6 +200,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.ranks
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallinfo2")
 def test_the_ranks_environment_turns_the_flight_recorder_off(tmp_path):
     """torch's flight recorder keeps small blocks of recent collectives in the heap; the

@@ -37,6 +37,7 @@ def check_frozen(r: dict) -> None:
     assert frozen < full, f"{label}: saved {frozen} bytes frozen vs {full}"
 
 
+@pytest.mark.ranks
 def test_frozen_parameters_cost_nothing_on_grids(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     for r in run_worker(2, grids, [{"name": "frozen"}], tmp_path):
@@ -58,6 +59,7 @@ def check_trains_as_one_process(r: dict) -> None:
     assert last < first, f"{label}: did not learn {r['ref_losses']}"
 
 
+@pytest.mark.ranks
 def test_zeroth_order_methods_train_as_one_process(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     for r in run_worker(2, grids, [MEZO, ES], tmp_path):
@@ -657,6 +659,7 @@ def test_mezo_es_and_blockllm_trim_on_a_host_grid(
         assert trims == expected, (guard, trims)
 
 
+@pytest.mark.ranks
 def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     for r in run_worker(2, grids, LOMO_CHECKS + ADALOMO_CHECKS + [BLOCKLLM, GALORE], tmp_path):
@@ -714,6 +717,7 @@ def test_lomo_refuses_what_it_cannot_do() -> None:
     load_config(None, ["train.optimizer=lomo", "train.nan_policy=skip", "train.clip_mode=two_pass"])
 
 
+@pytest.mark.ranks
 def test_every_method_on_four_rank_grids(tmp_path: Path) -> None:
     """Several axes at once: z and y split the same matrices' rows, data with x."""
     checks = [{"name": "frozen"}, MEZO, ES, LOMO_CHECKS[0], ADALOMO_CHECKS[1], BLOCKLLM, GALORE]
