@@ -150,23 +150,25 @@ class Comm:
 
     def all_reduce(self, t: torch.Tensor, axis: str, op: str = "sum",
                    async_op: bool = False, wire_dtype: torch.dtype | None = None) -> Handle:
-        """Sum (or max) `t` over `axis` (sent as `wire_dtype` if given); the result is a tensor
-        of t's dtype (maybe t itself)."""
+        """Sum (or max) `t` over `axis` (sent as `wire_dtype` if given), in place: the result
+        is t."""
         group = self._group(axis)
         if group is None or self._size(axis) == 1:
             return Handle(self, None, t, "all-reduce", axis)
-        t, result_dtype = self._cast(t, wire_dtype)
+        source = t
+        t, _ = self._cast(t, wire_dtype)
         ledger_axis = "all" if axis == "tensor" else axis
         self.ledger.record(ledger_axis, t.numel() * t.element_size())
-        buf, dtype = self._to_wire(t.contiguous())
-        dtype = result_dtype
+        buf, _ = self._to_wire(t.contiguous())
         reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
         try:
             work = dist.all_reduce(buf, op=reduce_op, group=group, async_op=True)
         except RuntimeError as e:
             raise self.error("all-reduce", axis, e) from None
+        # the result goes back into the caller's tensor: no second buffer of its dtype where
+        # the wire carried another (or a contiguous copy)
         handle = Handle(self, work, buf, "all-reduce", axis,
-                        finish=(lambda r: r.to(dtype)) if buf.dtype != dtype else None)
+                        finish=(lambda r: source.copy_(r)) if buf is not source else None)
         if not async_op:
             handle.wait()
         return handle
