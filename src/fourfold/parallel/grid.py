@@ -12,7 +12,8 @@ import os
 import socket
 import sys
 import uuid
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -194,10 +195,34 @@ class Grid:
                    gather_groups=gather_groups)
 
 
+# The groups of the tensor axes carry the layers' own collectives, which the next GEMM waits for
+# (x, y: the output and input-gradient all-reduces; z: the weight gathers, prefetched one layer
+# ahead, and the weight-gradient reduce-scatters; the tensor group: the gradient norm). On NCCL
+# their streams are made with high priority, so that the GPU's block scheduler runs their
+# kernels ahead of the GEMMs they overlap (as Megatron-LM and torchtitan do for the groups
+# whose traffic is on the critical path); the data axis's all-reduce runs behind the backward
+# and keeps normal priority.
+HIGH_PRIORITY_GROUPS = ("x", "y", "z", "tensor", "z-gather")
+
+
+def group_options(name: str, backend: str) -> dict[str, bool]:
+    """The options a grid's process group `name` (an axis, "tensor" or "z-gather") is made
+    with on `backend`, as keyword arguments of ProcessGroupNCCL.Options (none elsewhere)."""
+    if backend == "nccl" and name in HIGH_PRIORITY_GROUPS:
+        return {"is_high_priority_stream": True}
+    return {}
+
+
+def _pg_options(options: dict[str, bool]) -> object | None:
+    if not options:
+        return None
+    return dist.ProcessGroupNCCL.Options(**options)
+
+
 def _make_groups(wanted: list[tuple[str, list[list[int]]]], rank: int,
                  timeout: datetime.timedelta) -> dict[str, object]:
     """name -> this rank's process group among each partition of the ranks (None where its
-    part has one rank).
+    part has one rank), made with `group_options`.
 
     `new_group` for every group on every rank costs one world-wide store barrier per group:
     O(world / group size) groups per axis, each waited on by all ranks, so starting thousands
@@ -206,21 +231,25 @@ def _make_groups(wanted: list[tuple[str, list[list[int]]]], rank: int,
     partition), otherwise a `new_group` of its own part that only that part's ranks synchronise.
     """
     default = dist.distributed_c10d._get_default_group()
+    backend = dist.get_backend()
     can_split = (getattr(default, "bound_device_id", None) is not None
-                 and dist.get_backend() == "nccl" and hasattr(dist, "split_group"))  # torch 2.5+
+                 and backend == "nccl" and hasattr(dist, "split_group"))  # torch 2.5+
     made: dict[str, object] = {}
     for name, parts in wanted:
         if all(len(part) == 1 for part in parts):
             continue
         mine = next(part for part in parts if rank in part)
+        wanted_here = len(mine) > 1
+        options = _pg_options(group_options(name, backend))
         if can_split:
-            group = dist.split_group(split_ranks=parts, timeout=timeout,
+            group = dist.split_group(split_ranks=parts, timeout=timeout, pg_options=options,
                                      group_desc=f"fourfold_{name}")
-            made[name] = group if len(mine) > 1 else None
-        elif len(mine) > 1:
+            made[name] = group if wanted_here else None
+        elif wanted_here:
             # The group's name hashes its ranks and how many groups this process has: the
             # same on every member, since every rank makes one group per partition.
-            made[name] = dist.new_group(mine, timeout=timeout, use_local_synchronization=True,
+            made[name] = dist.new_group(mine, timeout=timeout, pg_options=options,
+                                        use_local_synchronization=True,
                                         group_desc=f"fourfold_{name}")
     if not can_split and made:
         # Locally synchronised groups let a rank leave while a peer still connects its groups
@@ -234,9 +263,9 @@ def _make_groups(wanted: list[tuple[str, list[list[int]]]], rank: int,
 def init_distributed(backend: str = "auto", timeout_s: float = 300.0, *,
                      device: str = "auto") -> tuple[int, int, torch.device]:
     """Join the job described by torchrun (RANK, WORLD_SIZE, MASTER_ADDR) or Slurm (SLURM_*)
-    variables; a no-op on a single process. Returns (rank, world_size, device). Backend "auto"
-    is gloo for a run asked to use the CPU (`device`, as in train.device), otherwise NCCL when
-    CUDA is there and gloo when not. Ranks that cannot meet within timeout_s raise a
+    variables; a no-op on a single process. Returns (rank, world_size, device). Backend "auto" is gloo for a run asked to use the CPU
+    (`device`, as in train.device), otherwise NCCL when CUDA is there and gloo when not. An
+    NCCL rank sets `nccl_environment` first. Ranks that cannot meet within timeout_s raise a
     RendezvousError (one line)."""
     if backend == "auto" and device == "cpu":
         backend = "gloo"
@@ -253,6 +282,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, *,
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     bound: torch.device | None = None
     if backend == "nccl":
+        set_nccl_environment(env)  # before the rank's CUDA context exists (set_device makes it)
         index = cuda_index(local_rank, local_world, torch.cuda.device_count())
         torch.cuda.set_device(index)
         device = bound = torch.device("cuda", index)
@@ -268,6 +298,37 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, *,
         except (RuntimeError, ValueError) as error:  # DistStoreError, DistNetworkError
             raise rendezvous_error(error, env, timeout_s) from None
     return dist.get_rank(), dist.get_world_size(), device
+
+
+# CUDA_DEVICE_MAX_CONNECTIONS = 1: one hardware queue from the host to the GPU, so that kernels
+# start in the order they are issued, whatever their stream. The engine issues each collective
+# before the GEMMs it should run under (the input-gradient all-reduce before the weight-gradient
+# GEMMs, the next layer's z gather before this layer's GEMM, a bucket's all-reduce before the
+# next layers' backward); with several queues a GEMM issued later may take every SM first and
+# the collective waits for it. Megatron-LM requires the setting for its tensor parallelism,
+# whose overlap is the same (up to Hopper; from Blackwell on it no longer asks for it);
+# torchtitan, whose FSDP relies on several copy streams, leaves the variable alone, and so does
+# fourfold where the user has set it.
+NCCL_ENVIRONMENT = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+def nccl_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables an NCCL rank sets for itself: those of NCCL_ENVIRONMENT not in `env`."""
+    return {k: v for k, v in NCCL_ENVIRONMENT.items() if k not in env}
+
+
+def set_nccl_environment(env: MutableMapping[str, str]) -> None:
+    """Set `nccl_environment` in `env` (os.environ). The CUDA driver reads them when the
+    process's CUDA context is made: where CUDA is initialised already they come too late,
+    which is said once, loudly, rather than left to show as lost overlap."""
+    missing = nccl_environment(env)
+    if not missing:
+        return
+    env.update(missing)
+    if torch.cuda.is_initialized():
+        warnings.warn(f"{', '.join(f'{k}={v}' for k, v in missing.items())} was set after CUDA "
+                      "was initialised in this process and may not take effect; set it before "
+                      "the process starts", stacklevel=3)
 
 
 def slurm_rank_env(env: Mapping[str, str]) -> dict[str, str]:
