@@ -135,6 +135,9 @@ class Grid:
     # operations in order, so a prefetching gather of the next layer's weights on z would
     # otherwise wait behind the reduce-scatter of this layer's gradient.
     gather_groups: dict[Axis, object] = field(default_factory=dict)
+    # every axis has a group, also where it has one rank (build's force_groups): the engine's
+    # collectives are issued on them, moving nothing, so that one process runs the backend's code
+    force_groups: bool = False
 
     @property
     def world_size(self) -> int:
@@ -168,9 +171,14 @@ class Grid:
 
     @classmethod
     def build(cls, shape: GridShape, device: torch.device | None = None,
-              timeout_s: float = 300.0) -> "Grid":
+              timeout_s: float = 300.0, *, force_groups: bool = False) -> "Grid":
         """Create the per-axis process groups; torch.distributed must be initialized.
-        A collective that waits longer than timeout_s fails (a rank died or hangs)."""
+        A collective that waits longer than timeout_s fails (a rank died or hangs).
+        `force_groups`: a group for every axis, also of one rank (a one-rank job that runs the
+        engine's collectives: parallel.engine = "always")."""
+        if force_groups and not dist.is_initialized():
+            raise GridError("a grid with a group for every axis needs torch.distributed "
+                            "initialized (init_distributed(..., one_rank_group=True))")
         if not dist.is_initialized():
             if shape.size != 1:
                 raise GridError(f"grid {shape} needs {shape.size} ranks, but this is a single "
@@ -186,13 +194,13 @@ class Grid:
         # keeps group creation with local synchronisation free of deadlocks).
         wanted: list[tuple[str, list[list[int]]]] = [(a, shape.axis_groups(a)) for a in AXES]
         wanted += [("tensor", tensor_groups), ("z-gather", shape.axis_groups("z"))]
-        made = _make_groups(wanted, rank, timeout)
+        made = _make_groups(wanted, rank, timeout, force_groups)
         groups: dict[Axis, object] = {axis: made[axis] for axis in AXES if made.get(axis)}
         gather_groups: dict[Axis, object] = {"z": made["z-gather"]} if made.get("z-gather") else {}
         return cls(shape=shape, rank=rank, device=device or torch.device("cpu"),
                    backend=dist.get_backend(), groups=groups, tensor_group=made.get("tensor"),
-                   world_group=dist.group.WORLD if world > 1 else None,
-                   gather_groups=gather_groups)
+                   world_group=dist.group.WORLD if world > 1 or force_groups else None,
+                   gather_groups=gather_groups, force_groups=force_groups)
 
 
 # The groups of the tensor axes carry the layers' own collectives, which the next GEMM waits for
@@ -220,9 +228,9 @@ def _pg_options(options: dict[str, bool]) -> object | None:
 
 
 def _make_groups(wanted: list[tuple[str, list[list[int]]]], rank: int,
-                 timeout: datetime.timedelta) -> dict[str, object]:
+                 timeout: datetime.timedelta, force_groups: bool = False) -> dict[str, object]:
     """name -> this rank's process group among each partition of the ranks (None where its
-    part has one rank), made with `group_options`.
+    part has one rank, unless `force_groups`), made with `group_options`.
 
     `new_group` for every group on every rank costs one world-wide store barrier per group:
     O(world / group size) groups per axis, each waited on by all ranks, so starting thousands
@@ -236,10 +244,10 @@ def _make_groups(wanted: list[tuple[str, list[list[int]]]], rank: int,
                  and backend == "nccl" and hasattr(dist, "split_group"))  # torch 2.5+
     made: dict[str, object] = {}
     for name, parts in wanted:
-        if all(len(part) == 1 for part in parts):
+        if all(len(part) == 1 for part in parts) and not force_groups:
             continue
         mine = next(part for part in parts if rank in part)
-        wanted_here = len(mine) > 1
+        wanted_here = len(mine) > 1 or force_groups
         options = _pg_options(group_options(name, backend))
         if can_split:
             group = dist.split_group(split_ranks=parts, timeout=timeout, pg_options=options,
@@ -261,9 +269,12 @@ def _make_groups(wanted: list[tuple[str, list[list[int]]]], rank: int,
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = 300.0, *,
-                     device: str = "auto") -> tuple[int, int, torch.device]:
+                     device: str = "auto", one_rank_group: bool = False
+                     ) -> tuple[int, int, torch.device]:
     """Join the job described by torchrun (RANK, WORLD_SIZE, MASTER_ADDR) or Slurm (SLURM_*)
-    variables; a no-op on a single process. Returns (rank, world_size, device). Backend "auto" is gloo for a run asked to use the CPU
+    variables; a no-op on a single process unless `one_rank_group`, which makes it a job of one
+    rank (parallel.engine = "always": the engine's collectives then reach the backend).
+    Returns (rank, world_size, device). Backend "auto" is gloo for a run asked to use the CPU
     (`device`, as in train.device), otherwise NCCL when CUDA is there and gloo when not. An
     NCCL rank sets `nccl_environment` first. Ranks that cannot meet within timeout_s raise a
     RendezvousError (one line)."""
@@ -273,7 +284,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, *,
     if "RANK" not in env:
         env.update(slurm_rank_env(env))
     world = int(env.get("WORLD_SIZE", "1"))
-    if world == 1 and not dist.is_initialized():
+    if world == 1 and not dist.is_initialized() and not one_rank_group:
         device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
         return 0, 1, device
     local_rank = int(env.get("LOCAL_RANK", "0"))
@@ -290,11 +301,14 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, *,
         device = torch.device("cpu")
         torch.set_num_threads(threads_for_rank(env, local_world or world))
     if not dist.is_initialized():
+        # one process on its own meets no one: an in-process store stands in for the rendezvous
+        alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} \
+            if world == 1 and "MASTER_ADDR" not in env else {}
         try:
             # device_id binds the communicator to the device now, which lets Grid.build split
             # it instead of creating each group from scratch.
             dist.init_process_group(backend=backend, device_id=bound,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+                                    timeout=datetime.timedelta(seconds=timeout_s), **alone)
         except (RuntimeError, ValueError) as error:  # DistStoreError, DistNetworkError
             raise rendezvous_error(error, env, timeout_s) from None
     return dist.get_rank(), dist.get_world_size(), device
