@@ -231,26 +231,26 @@ def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
     d, f = model.dim, model.ffn_dim
     heads_dim = model.n_heads * model.head_dim
     # per norm: its input (with a per-token rstd: parallel/norm.py recomputes the normalized
-    # tensor in backward) and its output, which the next GEMM keeps
-    residual_like = 4 * d // gx
+    # tensor in backward) in the residual stream's dtype, and its output, which the next GEMMs
+    # keep in the compute dtype (Linear3D keeps the cast it multiplies, once for q/k/v and once
+    # for gate/up; the float32 output goes)
+    norm_inputs, norm_outputs = 2 * d // gx, 2 * d // gx
     act, residual = precision.act_bytes, precision.residual_bytes
     # under autocast on torch's own layers each GEMM keeps its own compute-dtype cast of the
-    # norm's output (q, k and v three, gate and up two), and the float32 output goes;
-    # measured on the heap, small preset, bfloat16: 2 d bytes a token a block more than one
-    # float32 output a norm
-    casts = 0
+    # norm's output (q, k and v three, gate and up two); measured on the heap, small preset,
+    # bfloat16: 2 d bytes a token a block more than one float32 output a norm
     if autocast_on_torch_layers(shape, precision):
-        residual_like, casts = 2 * d, 5 * d
+        norm_outputs = 5 * d
     # k and v are saved after the GQA repeat, so they are as wide as q
     attention = 4 * heads_dim // gy
     # gate out and up out: models/llama.py's swiglu recomputes silu, and down recomputes its
     # input silu(gate) * up from them (Linear3D's `recompute`)
     mlp = 2 * f // gy
     stats = 4 * (2 + model.n_heads // gy)  # an fp32 rstd per norm, an fp32 lse per local head
-    # final norm (input, output) and its rstd; token ids (int64) and the
-    # embedding's ownership mask (bool)
-    outside = 2 * d // gx * residual + 4 + 9
-    return {"block": residual_like * residual + (attention + mlp + casts) * act + stats,
+    # final norm: its input, its output (kept by the output layer or the blocked loss in the
+    # compute dtype) and its rstd; token ids (int64) and the embedding's ownership mask (bool)
+    outside = d // gx * (residual + act) + 4 + 9
+    return {"block": norm_inputs * residual + (norm_outputs + attention + mlp) * act + stats,
             "checkpoint": d // gx * residual, "outside": outside}
 
 
