@@ -140,6 +140,31 @@ def test_eight_ranks_gather_and_export_as_one_process(tmp_path: Path) -> None:
 
 
 
+@pytest.mark.ranks
+def test_a_slow_writer_does_not_time_out_the_other_ranks(tmp_path: Path) -> None:
+    """The job's collectives time out after 3 s; rank 0 takes 5 s to write the first tensor
+    and 5 s the last. No rank waits on the writer in a collective (a send, or what it would
+    queue after its last send): the export completes, every rank leaves it once the file is
+    in place (after the last slow write), and the job goes on."""
+    timeout_s, slow_s = 3.0, 5.0
+    env = dict(os.environ, OMP_NUM_THREADS="1", FOURFOLD_EXPORT_OUT=str(tmp_path),
+               FOURFOLD_EXPORT_SHAPE=json.dumps([1, 1, 2, 2]),
+               FOURFOLD_EXPORT_TIMEOUT_S=str(timeout_s), FOURFOLD_EXPORT_SLOW_S=str(slow_s))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         str(Path(__file__).with_name("export_worker.py"))],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = sorted((json.loads(line) for line in proc.stdout.splitlines()
+                      if line.startswith("{")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1, 2, 3], proc.stdout
+    for r in results:
+        assert r["complete"] and r["same"] and r["after"] == 4, r
+        assert r["left_s"] >= 2 * slow_s, r  # no rank left before the writer was done
+
+
 # 80M parameters, 320 MB of float32 weights: big enough to stand out of a process's baseline
 MEMORY_MODEL = {"preset": "custom", "n_layers": 4, "dim": 1024, "n_heads": 8, "n_kv_heads": 8,
                 "ffn_dim": 4096, "vocab_size": 8192, "max_seq_len": 128}
