@@ -145,3 +145,21 @@ def test_a_new_order_is_reduced_right_and_cuts_the_buckets_again() -> None:
     # (8, 4) 128 B, then (32,)
     index = {id(p): i for i, p in enumerate(params)}
     assert [[index[id(p)] for p in b.params] for b in bucketer._buckets] == [[1, 0], [3]]
+
+
+def test_without_overlap_nothing_starts_before_the_end_of_backward() -> None:
+    comm = RecordingComm()
+    params = _params()
+    bucketer = GradBucketer(comm, bucket_bytes=96, overlap=False)
+    for seed in range(2):  # the first step (no buckets yet) and one with buckets
+        bucketer.start_step()
+        given = {}
+        for i, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + i))
+            given[i] = p.grad.clone()
+            bucketer.add(p)
+        assert comm.in_flight == [] and comm.handed == []
+        bucketer.finish()
+        comm.handed.clear()
+        for i, p in enumerate(params):
+            assert torch.equal(p.grad, given[i] * REPLICAS)

@@ -5,7 +5,8 @@ backward. Each one is written into its bucket's flat buffer as it becomes final 
 parameter's gradient becomes a view of that buffer, as in DDP's and Megatron's gradient
 buffers: the all-reduce runs in place on the buffer, with no copy of the bucket made to send it
 and none copied back. A bucket whose gradients are all in starts its all-reduce at once, so the
-data-parallel traffic runs while backward is still computing; buckets start in order.
+data-parallel traffic runs while backward is still computing; buckets start in order (all of
+them at the end of backward where parallel.overlap_data_grad is off).
 
 The buckets are cut from the order in which the gradients arrived in the step before (a step
 whose order differs cuts them again), so a bucket's buffer is made at its first gradient,
@@ -75,6 +76,7 @@ class GradBucketer:
         self._arrived: list[tuple[nn.Parameter, torch.dtype, torch.device]] = []
         self._next = 0  # the first bucket not started this step
         self._in_flight: list[tuple[Handle, list[nn.Parameter]]] = []
+        self._loose: list[nn.Parameter] = []  # no bucket, not started yet (overlap off)
         self._seen: set[int] = set()
         # set by Engine.set_grad_ready_hook: each bucket's gradients are handed on as soon as
         # its all-reduce is done, and at most two buckets are in flight
@@ -105,9 +107,10 @@ class GradBucketer:
         if bucket is None or not bucket.holds(index, grad, param):
             # no place for it: reduced in place on its own (the first step cuts no buckets)
             if grad is None or not grad.is_contiguous():
-                param.grad = grad = (torch.zeros_like(param) if grad is None
-                                     else grad.contiguous())
-            self._start(grad, [param])
+                param.grad = (torch.zeros_like(param) if grad is None else grad.contiguous())
+            self._loose.append(param)
+            if self.overlap:
+                self._start_loose()
             return
         if bucket.flat is None:
             bucket.flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
@@ -121,6 +124,11 @@ class GradBucketer:
         bucket.ready.append(param)
         if self.overlap:
             self._start_complete()
+
+    def _start_loose(self) -> None:
+        for param in self._loose:
+            self._start(param.grad, [param])  # type: ignore[arg-type]
+        self._loose = []
 
     def _start_complete(self) -> None:
         while self._next < len(self._buckets):
@@ -149,6 +157,7 @@ class GradBucketer:
         place), and cut the buckets anew where this step's gradients came in another order."""
         while self._next < len(self._buckets):
             self._start_bucket(self._buckets[self._next])
+        self._start_loose()
         self._complete(self._in_flight)
         self._in_flight = []
         planned = [(p, b.dtype, b.device) for b in self._buckets for p in b.params]
