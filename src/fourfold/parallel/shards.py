@@ -25,7 +25,6 @@ waiting on the write.
 
 from __future__ import annotations
 
-import datetime
 import itertools
 from typing import Iterator, Protocol
 
@@ -128,7 +127,7 @@ def stream_full(module: nn.Module, layouts: dict[str, Layout], grid: Grid, dst: 
             if grid.rank == dst:
                 handoff.written(i)
             written = i
-        handoff.wait_written(len(specs) - 1)  # every rank leaves once the writer is done
+        handoff.finish(len(specs) - 1)
     finally:
         if grid.rank == dst and written < len(specs) - 1:
             handoff.abandon(written + 1, len(specs))  # the writer failed: no one waits on
@@ -138,12 +137,11 @@ class WriterHandoff:
     """The hand-offs of a streamed export between its writer (rank `dst`) and the other
     ranks, through the job's key-value store (the one torch.distributed met through): the
     writer marks each tensor written; a rank waits for a mark as long as the writer takes,
-    since the wait is no collective that a timeout fails. If the writer stops early it marks
-    the rest abandoned and the waiting ranks raise. A writer that dies ends the job through its
-    launcher (torchrun stops every rank) or the store it served (srun, env://)."""
-
-    # how long one wait on the store lasts before it looks again (and logs a line)
-    WAIT_SLICE = datetime.timedelta(minutes=5)
+    since the wait is no collective that a timeout fails. The export ends with a barrier once
+    every rank has seen the last mark (quick then: no one waits on a write any more), so that
+    the writer, which may serve the store, outlives the others' last look at it. If the writer
+    stops early it marks the rest abandoned and the waiting ranks raise; a writer that dies
+    ends the job through its launcher (torchrun stops every rank) or the store it served."""
 
     def __init__(self, grid: Grid, dst: int) -> None:
         self.grid, self.dst = grid, dst
@@ -163,16 +161,24 @@ class WriterHandoff:
         """Wait until the writer has written tensor `index` (-1: nothing to wait for)."""
         if index < 0 or self.grid.rank == self.dst:
             return
-        key = f"{self.prefix}/{index}"
+        stopped = (f"rank {self.grid.rank}: the streamed export's writer (rank {self.dst}) "
+                   f"stopped at tensor {index}")
         while True:
             try:
-                self.store.wait([key], self.WAIT_SLICE)
+                # waits for the key up to the store's timeout; the writer may take longer
+                mark = self.store.get(f"{self.prefix}/{index}")
                 break
-            except dist.DistStoreError:  # the slice ran out: the writer is still writing
+            except dist.DistStoreError:  # the store's timeout ran out: still writing
                 continue
-        if self.store.get(key) != b"written":
-            raise CollectiveError(f"rank {self.grid.rank}: the streamed export's writer (rank "
-                                  f"{self.dst}) stopped at tensor {index}; see its log")
+            except dist.DistNetworkError:  # the store went with the writer's process
+                raise CollectiveError(f"{stopped} and is gone; see its log") from None
+        if mark != b"written":
+            raise CollectiveError(f"{stopped}; see its log")
+
+    def finish(self, last: int) -> None:
+        """Every rank: wait until the writer has written tensor `last`, then meet."""
+        self.wait_written(last)
+        dist.barrier()
 
 
 _AXIS_ORDER = ("data", "z", "y", "x")
