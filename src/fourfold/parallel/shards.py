@@ -17,7 +17,8 @@ is failed by the backend's timeout (NCCL's watchdog aborts the job) once a write
 parallel.timeout_s. So every hand-off waits outside the backend, on the job's key-value store
 (`WriterHandoff`): the owners of tensor i send once the destination has written tensor i - 1,
 and every rank leaves the stream once the destination has written the last one (and closed
-and renamed its file: safetensors_stream.write_streamed ends the stream after that). The
+and renamed its file: safetensors_stream.write_streamed ends the stream after that), through
+a barrier that no one waits at for long. The
 destination receives the next tensor only after writing the last, so its memory stays at one
 tensor; an acknowledgement or a barrier through the backend would itself be a collective
 waiting on the write.
