@@ -24,6 +24,7 @@ from fourfold.parallel import Grid, parallelize
 from fourfold.train.sampling import generate
 
 from conftest import outside_job_env
+from grid_cases import launch_grid_cases
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models; a busy machine
 VOCAB, SEQ = 96, 48
@@ -244,18 +245,9 @@ def test_scaled_rope_on_a_two_rank_grid_equals_transformers(tmp_path: Path) -> N
         with torch.no_grad():
             torch.save({"tokens": tokens(), "logits": hf(tokens()).logits}, root / "expected.pt")
         cases.append({"dir": str(root)})
-    out = tmp_path / "results.jsonl"
-    env = outside_job_env(FOURFOLD_TEST_SHAPES=json.dumps(GRIDS),
-                          FOURFOLD_TEST_CASES=json.dumps(cases), FOURFOLD_TEST_OUT=str(out),
-                          OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           "2", "--standalone", str(WORKER)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(results) == len(GRIDS) * len(cases)
+    results = launch_grid_cases(WORKER, 2, GRIDS, "FOURFOLD_TEST_CASES", "case", cases,
+                                tmp_path / "results.jsonl")
     for r in results:
-        assert r.get("ok"), r.get("error")
         assert r["max_diff"] < 1e-5, r
 
 

@@ -118,7 +118,9 @@ def test_mkl_hands_its_buffers_back_in_the_ranks_environment():
         kept[name] = int(subprocess.run(
             [sys.executable, "-c", MKL_PROGRAM, os.path.dirname(os.path.abspath(__file__))],
             env=environ, check=True, capture_output=True, text=True).stdout)
-    assert kept["ranks"] < 2**20 < 4 * 2**20 < kept["cached"], kept  # 0 and about 23 MiB
+    # What MKL caches depends on the CPU's code path (a few MiB to about 23 MiB); with the
+    # variable set it keeps next to nothing.
+    assert kept["ranks"] < 2**20 and 64 * kept["ranks"] < kept["cached"], kept
 
 
 def test_user_malloc_settings_are_left_alone(monkeypatch):
