@@ -80,7 +80,13 @@ def _rank_argv(argv: list[str], run_dir: Path | None = None) -> list[str]:
 def cmd_train(args: argparse.Namespace) -> int:
     from fourfold.config import ConfigError, load_config
 
-    cfg = load_config(args.config, args.overrides)
+    from fourfold.rundir import (check_resume_requested, list_checkpoints,
+                                 move_checkpoints_aside)
+    from fourfold.train.runs import CONFIG_FILE
+
+    # CONFIG may be a run directory: its own config.toml, and the run goes on there
+    given_run = args.config is not None and (Path(args.config) / CONFIG_FILE).is_file()
+    cfg = load_config(args.config, args.overrides, saved=given_run)
     if args.resume is not None:
         cfg.checkpoint.resume = args.resume
     if args.max_restarts is not None:
@@ -89,7 +95,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg.train.max_restarts = args.max_restarts
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
-    run_dir = Path(args.out) if args.out else default_run_dir()
+    named = bool(args.out) or given_run
+    run_dir = Path(args.out) if args.out else Path(args.config) if given_run else \
+        default_run_dir()
+    if args.resume:
+        check_resume_requested(run_dir, named)
+    if args.resume is False and _is_main_rank() and list_checkpoints(run_dir):
+        # a fresh run must neither resume them later nor prune them now: set aside, kept
+        moved = move_checkpoints_aside(run_dir)
+        print(f"note: --no-resume: moved the old checkpoints of {run_dir} to {moved}",
+              file=sys.stderr, flush=True)
 
     _note_slurm_launch(args.nproc)
     if args.nproc > 1 and not _inside_job():
@@ -100,7 +115,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         p = cfg.parallel
         GridShape.resolve(p.x, p.y, p.z, p.data, args.nproc)
         return launch_local(args.nproc,
-                            _rank_argv(args.argv, None if args.out else run_dir),
+                            _rank_argv(args.argv, None if named else run_dir),
                             max_restarts=cfg.train.max_restarts)
 
     from fourfold.train.trainer import train
@@ -262,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Train a model. Under torchrun or srun each rank runs "
                                        "this same command.")
     train.add_argument("config", nargs="?", metavar="CONFIG.toml",
-                       help="a config file (or a RUN_DIR holding config.toml); defaults apply "
+                       help="a config file, or a RUN_DIR to go on with (its config.toml; the run "
+                            "resumes there); defaults apply "
                             "without one")
     train.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
@@ -271,7 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, default=1, metavar="N",
                        help="start N local ranks (ignored inside torchrun/srun jobs)")
     train.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
-                       help="continue from RUN_DIR's latest checkpoint (checkpoint.resume)")
+                       help="continue from RUN_DIR's latest checkpoint (checkpoint.resume, "
+                            "on by default; --resume: an error without one; --no-resume: "
+                            "old checkpoints are moved aside)")
     train.add_argument("--max-restarts", type=int, default=None, metavar="N",
                        help="restart failed ranks up to N times (train.max_restarts)")
     train.set_defaults(handler=cmd_train)

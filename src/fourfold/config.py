@@ -83,6 +83,9 @@ class DataConfig:
     # PATH/tokenizer.json: a built-in corpus is prepared with it; a prepared directory must
     # have been made with it
     tokenizer: str = "auto"
+    # what a run records of the tokenizer it trained with ("byte" or sha256:... of its
+    # tokenizer.json); when set, the data must have been made with that very tokenizer
+    tokenizer_fingerprint: str = ""
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from fourfold.config import Config, ConfigError, validate
 from fourfold.data import (BatchLoader, Tokenizer, check_data_path, load_tokenizer,
                            resolve_data_path)
+from fourfold.data.tokenizers import tokenizer_fingerprint
 from fourfold.models.adapter import apply_adapter
 from fourfold.models.hf import HF_CONFIG_FILE, hf_model_config
 from fourfold.models.llama import Llama, build_model
@@ -32,6 +33,8 @@ from fourfold.plan.errors import PlanError
 from fourfold.plan.memory import (GIB, MemoryBreakdown, Precision, predict_memory,
                                   predict_method_memory)
 from fourfold.plan.search import check_grid_fits, rank_memory_capacity
+from fourfold.rundir import check_run_tokenizer, resolved_data_path
+from fourfold.train.runs import CONFIG_FILE, run_config
 from fourfold.train.checkpoint import list_checkpoints, verify_checkpoint
 from fourfold.train.compile import BlockCompiler
 from fourfold.train.host_memory import keep_freed_host_memory
@@ -80,6 +83,9 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
         # The architecture is the checkpoint's config.json (without one, cfg.model's); the
         # path stays in the config.
         cfg.model = dataclasses.replace(hf_model_config(init_from), init_from=init_from)
+    elif init_from and (Path(init_from) / CONFIG_FILE).is_file():
+        # a fourfold RUN_DIR: its model, its weights (model.safetensors) to go on from
+        cfg.model = dataclasses.replace(run_config(init_from).model, init_from=init_from)
 
     rank, world_size, dist_device = init_distributed(p.backend, p.timeout_s, device=t.device,
                                                      one_rank_group=p.engine == "always")
@@ -117,6 +123,18 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
 
     data_dir = resolve_data_path(cfg.data.path, cfg.data.tokenizer)
     tokenizer = load_tokenizer(data_dir)
+    # the run records its tokenizer, and absolute paths: its config.toml works from anywhere
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    check_run_tokenizer(cfg, data_dir, fingerprint)
+    cfg.data = dataclasses.replace(cfg.data, path=resolved_data_path(cfg.data.path),
+                                   tokenizer_fingerprint=fingerprint)
+    if init_from and not init_from.startswith("builtin:"):
+        cfg.model.init_from = str(Path(init_from).expanduser().resolve())
+    if cfg.model.vocab_size < tokenizer.vocab_size and init_from:
+        raise ConfigError(
+            f"the tokenizer of data.path = {cfg.data.path!r} has {tokenizer.vocab_size} tokens, "
+            f"more than the {cfg.model.vocab_size} of model.init_from = {init_from!r}: it is "
+            "not the model's tokenizer; prepare the data with the model's tokenizer")
     if cfg.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
             f"model.vocab_size = {cfg.model.vocab_size} is smaller than the tokenizer's "

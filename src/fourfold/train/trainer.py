@@ -26,6 +26,7 @@ from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, Layout, ParallelModel
 from fourfold.parallel.grid import check_shared_directory
 from fourfold.plan.perf import hardware_flops_per_token
+from fourfold.rundir import resume_point, run_identity, save_run_tokenizer
 from fourfold.train.build import Run, build_run, predicted_memory
 from fourfold.train.checkpoint import BaseReference, CheckpointError, CheckpointManager
 from fourfold.train.host_memory import to_device, trim_host_memory
@@ -196,17 +197,18 @@ class Trainer:
         self.train_seconds = 0.0
 
         # What a resumed run needs besides weights and optimizer state to go on exactly (the
-        # manager adds each rank's RNG states).
+        # manager adds each rank's RNG states); what it must be to resume at all (identity).
+        self.identity = run_identity(self.cfg, self.data_dir, self.cfg.data.tokenizer_fingerprint)
         self.checkpoints = CheckpointManager(
             self.run_dir, self.cfg.checkpoint, self.grid,
             states={"trainer": self, "loader": self.loader, "guard": self.guard,
                     "schedule": self.schedule, **self._adapter_base()},
             sharded_states={"method": _MethodState(self.method)} if self.method else None,
-            trainable_only=self.cfg.adapter.kind != "none")
+            trainable_only=self.cfg.adapter.kind != "none", identity=self.identity)
         self.resumed_from: Path | None = None
         self._rollbacks: tuple[Path | None, int] = (None, 0)  # (checkpoint, rollbacks to it)
         if self.cfg.checkpoint.resume:
-            path = self.checkpoints.latest_valid()  # collective on a grid
+            path = resume_point(self.checkpoints, self.identity)  # collective on a grid
             if path is not None:
                 self._restore(path)
                 self.resumed_from = path
@@ -430,6 +432,7 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.cfg.save(self.run_dir / CONFIG_FILE)
+            save_run_tokenizer(self.run_dir, self.tokenizer)
             if self.step == 0:  # a fresh run in a reused directory: drop the old samples
                 (self.run_dir / SAMPLES_FILE).unlink(missing_ok=True)
         check_shared_directory(self.run_dir, self.grid)  # before any rank writes a shard
@@ -729,6 +732,7 @@ class Trainer:
             "skipped_steps": result.skipped_steps, "grid": str(self.grid.shape),
             "world_size": self.world_size, "device": str(self.device),
             "peak_mem_bytes": peak_memory_bytes(self.device), "sample": sample,
+            "tokenizer_fingerprint": self.cfg.data.tokenizer_fingerprint,
         }
 
 

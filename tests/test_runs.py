@@ -1,0 +1,202 @@
+"""A run directory as the user walks it (through the `fourfold` command, in this process):
+`fourfold train RUN_DIR` resumes it; damaged checkpoints stop the run; --resume, --no-resume;
+a change of method, model shape, data or tokenizer since the checkpoint is named; the run's
+tokenizer lives in RUN_DIR and every command that reads token ids checks it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from fourfold.cli import main
+from fourfold.data import prepare
+from fourfold.rundir import list_checkpoints, saved_identity
+
+pytestmark = pytest.mark.usefixtures("fourfold_cache")  # tests/conftest.py
+
+TINY = ["model.preset=debug", "model.n_layers=1", "model.dim=64", "model.n_heads=2",
+        "model.n_kv_heads=1", "model.ffn_dim=128", "train.batch_size=4", "train.seq_len=32",
+        "train.warmup_steps=1", "train.eval_every=0", "train.eval_batches=0",
+        "train.sample_tokens=0", "train.log_every=1", "checkpoint.every=2"]
+
+
+def sets(*overrides: str) -> list[str]:
+    return [item for o in [*TINY, *overrides] for item in ("--set", o)]
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith(("error:", "Traceback"))]
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Some of the Python standard library's source as the user's own text."""
+    root = tmp_path_factory.mktemp("text")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("textwrap.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py", "heapq.py"):
+        shutil.copy(stdlib / name, root / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory, texts: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("data")
+    out = {"byte": root / "byte", "bpe": root / "bpe"}
+    prepare([texts], out["byte"], tokenizer="byte", val_fraction=0.1, progress=False)
+    prepare([texts], out["bpe"], tokenizer="bpe:400", val_fraction=0.1, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run4(tmp_path_factory: pytest.TempPathFactory, data: dict[str, Path]) -> Path:
+    """A run of 4 steps with checkpoints at 2 and 4, on byte data."""
+    run = tmp_path_factory.mktemp("runs") / "run"
+    assert main(["train", *sets("train.steps=4", f"data.path={data['byte']}"),
+                 "--out", str(run)]) == 0
+    return run
+
+
+def copy_run(run: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "run"
+    shutil.copytree(run, target)
+    return target
+
+
+def test_the_run_directory_records_its_tokenizer_and_absolute_paths(run4: Path,
+                                                                    data: dict[str, Path]):
+    config = (run4 / "config.toml").read_text()
+    assert f'path = "{data["byte"].resolve()}"' in config
+    assert 'tokenizer_fingerprint = "byte"' in config
+    assert (run4 / "tokenizer" / "fourfold_tokenizer.json").is_file()
+    assert json.loads((run4 / "summary.json").read_text())["tokenizer_fingerprint"] == "byte"
+    identity = saved_identity(list_checkpoints(run4)[0])
+    assert identity["tokenizer"] == "byte" and identity["train.optimizer"] == "adamw"
+    assert identity["model.dim"] == "64" and identity["data"].startswith("sha256:")
+
+
+def test_train_run_dir_resumes_that_run(run4: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]):
+    run = copy_run(run4, tmp_path)
+    code, err = run_cli(capsys, "train", str(run), "--set", "train.steps=6")
+    assert code == 0, err
+    assert "continuing from" in err and "step_00000004" in err
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6
+    assert [p.name for p in list_checkpoints(run)][0] == "step_00000006"
+
+
+def test_damaged_checkpoints_stop_the_run_and_stay(run4: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]):
+    run = copy_run(run4, tmp_path)
+    (run / "checkpoints" / "step_00000004" / "manifest.json").unlink()
+    shard = next((run / "checkpoints" / "step_00000002").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-8])
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    code, err = run_cli(capsys, "train", str(run), "--set", "train.steps=6")
+    assert code != 0
+    lines = error_lines(err)
+    assert len(lines) == 1, err
+    assert "step_00000004 (no manifest.json)" in lines[0]
+    assert "step_00000002 (" in lines[0] and "truncated" in lines[0]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_no_resume_moves_old_checkpoints_aside(run4: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]):
+    run = copy_run(run4, tmp_path)
+    code, err = run_cli(capsys, "train", str(run), "--no-resume", "--set", "train.steps=2")
+    assert code == 0, err
+    aside = [p for p in run.iterdir() if p.name.startswith("checkpoints.before-")]
+    assert len(aside) == 1 and str(aside[0]) in err
+    assert [p.name for p in list_checkpoints(run)] == ["step_00000002"]
+    assert sorted(p.name for p in aside[0].iterdir()) == ["step_00000002", "step_00000004"]
+    assert "continuing from" not in err
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]):
+    code, err = run_cli(capsys, "train", "--resume", "--out", str(tmp_path / "new"))
+    assert code == 2
+    assert error_lines(err) == [f"error: --resume: {str(tmp_path / 'new')!r} holds no "
+                                "checkpoint (checkpoints/step_*); leave --resume out to start "
+                                "a new run there"]
+    code, err = run_cli(capsys, "train", "--resume")
+    assert code == 2 and "no run directory to resume" in err
+
+
+@pytest.mark.parametrize("change, named", [
+    ("train.optimizer=lomo", "train.optimizer adamw -> lomo"),
+    ("model.dim=32", "model.dim 64 -> 32"),
+    ("data.path=OTHER", "data "),
+])
+def test_resuming_after_a_change_names_it(run4: Path, tmp_path: Path, data: dict[str, Path],
+                                          texts: Path, capsys: pytest.CaptureFixture[str],
+                                          change: str, named: str):
+    run = copy_run(run4, tmp_path)
+    if change == "data.path=OTHER":  # other text, the same tokenizer
+        other, text = tmp_path / "other", tmp_path / "text"
+        shutil.copytree(texts, text, ignore=shutil.ignore_patterns("textwrap.py"))
+        prepare([text], other, tokenizer="byte", val_fraction=0.2, progress=False)
+        change = f"data.path={other}"
+    code, err = run_cli(capsys, "train", str(run), "--set", change, "--set", "train.steps=6")
+    assert code == 2, err
+    lines = error_lines(err)
+    assert len(lines) == 1 and "cannot resume from" in lines[0] and named in lines[0], err
+    if named == "data ":
+        assert f"{data['byte'].resolve()} (sha256:" in lines[0] and str(other) in lines[0]
+    assert [p.name for p in list_checkpoints(run)] == ["step_00000004", "step_00000002"]
+
+
+def test_another_tokenizer_is_refused_by_every_command(run4: Path, tmp_path: Path,
+                                                       data: dict[str, Path],
+                                                       capsys: pytest.CaptureFixture[str]):
+    run = copy_run(run4, tmp_path)
+    bpe = str(data["bpe"])
+    # resuming (or training the run again) on data of another tokenizer
+    code, err = run_cli(capsys, "train", str(run), "--set", f"data.path={bpe}")
+    assert code == 2 and "tokenizer" in err and "byte" in err and "sha256:" in err, err
+    assert len(error_lines(err)) == 1
+    # the memorization audit on data of another tokenizer
+    code, err = run_cli(capsys, "eval", "memorization", str(run), "--data", bpe, "--docs", "2")
+    assert code == 2 and "byte" in err and "sha256:" in err, err
+    # a run whose tokenizer copy was swapped: generate and convert refuse to decode with it
+    shutil.rmtree(run / "tokenizer")
+    shutil.copytree(data["bpe"], run / "tokenizer",
+                    ignore=shutil.ignore_patterns("*.bin", "manifest.json", "train", "val"))
+    code, err = run_cli(capsys, "generate", str(run), "--prompt", "def ")
+    assert code == 2 and "byte" in err and "sha256:" in err, err
+    code, err = run_cli(capsys, "convert", str(run), "--to", "hf", str(tmp_path / "hf"))
+    assert code == 2 and "byte" in err and "sha256:" in err, err
+
+
+def test_init_from_checks_the_tokenizer_and_continues_a_run(run4: Path, tmp_path: Path,
+                                                            data: dict[str, Path],
+                                                            capsys: pytest.CaptureFixture[str]):
+    import torch
+
+    from fourfold.train import Trainer, load_trained
+    from fourfold.config import load_config
+
+    # a fourfold run directory: on data of another tokenizer, refused
+    code, err = run_cli(capsys, "train", *sets(f"data.path={data['bpe']}",
+                                               f"model.init_from={run4}", "train.steps=1"),
+                        "--out", str(tmp_path / "refused"))
+    assert code == 2 and "model.init_from" in err and "tokenizer" in err, err
+    assert "vocab_size" not in err
+    # on its own data it starts from the run's weights (its model shape from its config)
+    cfg = load_config(None, [*TINY, "model.dim=256", f"data.path={data['byte']}",
+                             f"model.init_from={run4}", "train.steps=1"])
+    trainer = Trainer(cfg, tmp_path / "continued", progress=False)
+    trained, _ = load_trained(run4)
+    mine = dict(trainer.pmodel.module.named_parameters())
+    for name, tensor in trained.named_parameters():
+        assert torch.equal(mine[name].detach(), tensor.detach()), name
