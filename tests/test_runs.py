@@ -200,3 +200,44 @@ def test_init_from_checks_the_tokenizer_and_continues_a_run(run4: Path, tmp_path
     mine = dict(trainer.pmodel.module.named_parameters())
     for name, tensor in trained.named_parameters():
         assert torch.equal(mine[name].detach(), tensor.detach()), name
+
+
+@pytest.mark.slow  # transformers' import and model load
+def test_the_users_path_from_own_text_to_transformers(texts: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]):
+    """prepare own text with bpe:N -> train -> move the data away -> generate and convert from
+    another directory -> AutoTokenizer and AutoModelForCausalLM load the export and agree with
+    fourfold's tokenizer and logits."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fourfold.train import load_trained
+    from fourfold.train.runs import run_config, run_tokenizer
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(work)
+    assert run_cli(capsys, "prepare", str(texts), "--out", "data", "--tokenizer", "bpe:300")[0] == 0
+    code, err = run_cli(capsys, "train", *sets("train.steps=3", "data.path=data",
+                                               "checkpoint.every=0"), "--out", "run")
+    assert code == 0, err
+    (work / "data").rename(tmp_path / "moved-data")  # the run needs it no more
+    monkeypatch.chdir(elsewhere)
+    run = work / "run"
+    assert main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+    assert main(["report", str(run)]) == 0
+    assert main(["convert", str(run), "--to", "hf", "hf"]) == 0
+    capsys.readouterr()
+
+    ours = run_tokenizer(run, run_config(run))
+    theirs = AutoTokenizer.from_pretrained(elsewhere / "hf")
+    text = "def fnmatch(name, pat):\n    return True"
+    assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text).tolist()
+    hf_model = AutoModelForCausalLM.from_pretrained(elsewhere / "hf", dtype=torch.float32)
+    model, _ = load_trained(run)
+    ids = torch.tensor([ours.encode(text).tolist()])
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(ids).logits, model(ids), atol=1e-5, rtol=1e-5)
