@@ -241,3 +241,86 @@ def test_the_users_path_from_own_text_to_transformers(texts: Path, tmp_path: Pat
     ids = torch.tensor([ours.encode(text).tolist()])
     with torch.no_grad():
         torch.testing.assert_close(hf_model(ids).logits, model(ids), atol=1e-5, rtol=1e-5)
+
+
+def _start(run_args: list[str], cwd: Path) -> "subprocess.Popen[str]":
+    import os
+    import subprocess
+    import sys
+
+    from conftest import outside_job_env
+
+    env = outside_job_env(FOURFOLD_CACHE=os.environ["FOURFOLD_CACHE"])
+    return subprocess.Popen([sys.executable, "-m", "fourfold", "train", *run_args, "--nproc",
+                             "2"], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _signal_after_steps(proc: "subprocess.Popen[str]", metrics: Path, steps: int,
+                        signum: int) -> tuple[int, str]:
+    """Send `signum` to the whole job (launcher and ranks, as Ctrl-C or Slurm do) once
+    metrics.jsonl holds `steps` lines; the job's exit code and stderr."""
+    import os
+    import time
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+            os.killpg(proc.pid, signum)
+            break
+        time.sleep(0.05)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+@pytest.mark.ranks
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_resumes_bit_for_bit_and_ctrl_c_exits_130(
+        data: dict[str, Path], tmp_path: Path):
+    import signal
+
+    from safetensors.torch import load_file
+
+    steps = 80
+    args = sets(f"train.steps={steps}", f"data.path={data['byte']}", "checkpoint.every=0")
+    reference = _start([*args, "--out", "reference"], tmp_path)
+    _, err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, err
+
+    # SIGTERM mid-training: the ranks finish the step, write a checkpoint, one line, 143
+    run = tmp_path / "run"
+    code, err = _signal_after_steps(_start([*args, "--out", "run"], tmp_path),
+                                    run / "metrics.jsonl", 3, signal.SIGTERM)
+    assert code == 143, err
+    assert "Traceback" not in err and "error:" not in err, err
+    stopped = [line for line in err.splitlines() if line.startswith("stopped by SIGTERM")]
+    assert len(stopped) == 1, err
+    saved = list_checkpoints(run)
+    assert len(saved) == 1 and str(saved[0].relative_to(tmp_path)) in stopped[0]
+    step = int(saved[0].name.split("_")[1])
+    assert 3 <= step < steps  # stopped before the end
+    assert not (run / "model.safetensors").exists()
+
+    # Ctrl-C on both ranks and the launcher while resumed: one line, 130, no traceback
+    code, err = _signal_after_steps(_start(["run"], tmp_path), run / "metrics.jsonl",
+                                    step + 3, signal.SIGINT)
+    assert code == 130, err
+    assert "Traceback" not in err and "error:" not in err, err
+    assert [line for line in err.splitlines() if "interrupted" in line] == ["interrupted"]
+
+    # `fourfold train RUN_DIR` resumes from the SIGTERM checkpoint, to the same weights
+    resumed = _start(["run"], tmp_path)
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert f"continuing from run/checkpoints/step_{step:08d}" in err
+    ours = load_file(str(run / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "reference" / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch_equal(ours[name], theirs[name]), name
+
+
+def torch_equal(a: "torch.Tensor", b: "torch.Tensor") -> bool:  # noqa: F821
+    import torch
+
+    return bool(torch.equal(a, b))

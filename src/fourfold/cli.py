@@ -3,7 +3,8 @@
 Each subcommand imports what it needs when it runs, so `fourfold --help` is quick and one
 missing optional piece does not break the others. User mistakes (a bad config key, a missing
 path, a grid that cannot work) print one `error: ...` line and exit with 2; a training run
-that fails exits with 1; Ctrl-C exits with 130.
+that fails exits with 1; Ctrl-C exits with 130; SIGTERM stops a training run after a
+checkpoint and exits with 143.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from pathlib import Path
 
 from fourfold.errors import EXIT_FAILED, EXIT_USAGE, FourfoldError, first_line
 from fourfold.parsing import ArgumentParser
+from fourfold.signals import EXIT_INTERRUPTED, EXIT_TERMINATED, StopSignals, Stopped
 
 EXIT_OK = 0
 EXIT_TRAINING_FAILED = EXIT_FAILED  # also: a command whose module is missing
-EXIT_INTERRUPTED = 130
 
 
 # --------------------------------------------------------------------------------------------
@@ -120,7 +121,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from fourfold.train.trainer import train
 
-    result = train(cfg, run_dir)
+    args.signals.install()  # SIGTERM: stop after a checkpoint
+    result = train(cfg, run_dir, signals=args.signals)
     if _is_main_rank():
         _print_train_summary(Path(getattr(result, "run_dir", run_dir)))
     return EXIT_OK
@@ -363,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _dispatch(argv: list[str]) -> int:
+def _dispatch(argv: list[str], signals: StopSignals) -> int:
     if argv and argv[0] == "plan":
         return cmd_plan(argv[1:])
     if argv and argv[0] == "probe":  # planner-owned, like plan: its own parser
@@ -372,6 +374,7 @@ def _dispatch(argv: list[str]) -> int:
         return probe_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv  # as typed: what --nproc's ranks run again
+    args.signals = signals
     handler: Callable[[argparse.Namespace], int] = args.handler
     return handler(args)
 
@@ -416,14 +419,18 @@ def _retune_malloc_for_cpu_training() -> None:
 
 
 def _run(argv: list[str]) -> int:
+    signals = StopSignals()
     try:
-        return _dispatch(argv)
+        return _dispatch(argv, signals)
     except SystemExit as exit_:  # argparse: --help, --version
         code = exit_.code
         return code if isinstance(code, int) else (EXIT_OK if code is None else EXIT_USAGE)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
+        _report_stop("interrupted")
         return EXIT_INTERRUPTED
+    except Stopped as stopped:
+        _report_stop(str(stopped))
+        return stopped.exit_code
     except ModuleNotFoundError as error:
         if not (error.name or "").startswith("fourfold."):
             raise
@@ -435,6 +442,14 @@ def _run(argv: list[str]) -> int:
         # every error meant for the user is a FourfoldError that knows its exit code
         _report_error(_message(error), every_rank=getattr(error, "every_rank", False))
         return error.exit_code if isinstance(error, FourfoldError) else EXIT_USAGE
+    except Exception:
+        if not signals.any:
+            raise
+        # a collective whose peer a signal ended first: the signal is the news, not this
+        _report_stop("interrupted" if signals.interrupted else "terminated")
+        return EXIT_INTERRUPTED if signals.interrupted else EXIT_TERMINATED
+    finally:
+        signals.uninstall()
 
 
 def _report_error(message: str, every_rank: bool = False) -> None:
@@ -451,6 +466,16 @@ def _report_error(message: str, every_rank: bool = False) -> None:
     launched = write_error_file(message) and os.environ.get(LAUNCHED_BY_FOURFOLD) == "1"
     if not launched and (every_rank or _is_main_rank()):
         print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def _report_stop(line: str) -> None:
+    """Say once per job why it stopped: the main rank, and not a rank of fourfold's own
+    launcher on Ctrl-C (the launcher, which saw it too, says it)."""
+    from fourfold.launch import LAUNCHED_BY_FOURFOLD
+
+    launched = os.environ.get(LAUNCHED_BY_FOURFOLD) == "1"
+    if _is_main_rank() and not (launched and line == "interrupted"):
+        print(line, file=sys.stderr, flush=True)
 
 
 def _leave_job(code: int) -> None:

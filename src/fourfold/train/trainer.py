@@ -27,6 +27,7 @@ from fourfold.parallel import Grid, Layout, ParallelModel
 from fourfold.parallel.grid import check_shared_directory
 from fourfold.plan.perf import hardware_flops_per_token
 from fourfold.rundir import resume_point, run_identity, save_run_tokenizer
+from fourfold.signals import StopSignals, Stopped
 from fourfold.train.build import Run, build_run, predicted_memory
 from fourfold.train.checkpoint import BaseReference, CheckpointError, CheckpointManager
 from fourfold.train.host_memory import to_device, trim_host_memory
@@ -41,6 +42,7 @@ from fourfold.train.runs import (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, WEIGHT
                                  save_weights_streamed,
                                  write_summary)
 from fourfold.train.sampling import generate, generate_on_grid
+from fourfold.train.stopping import StopAgreement
 
 SAMPLE_PROMPT_TOKENS = 16
 SAMPLE_TEMPERATURE = 0.8
@@ -205,6 +207,7 @@ class Trainer:
                     "schedule": self.schedule, **self._adapter_base()},
             sharded_states={"method": _MethodState(self.method)} if self.method else None,
             trainable_only=self.cfg.adapter.kind != "none", identity=self.identity)
+        self.stop: StopAgreement | None = None  # asked after every step, when set
         self.resumed_from: Path | None = None
         self._rollbacks: tuple[Path | None, int] = (None, 0)  # (checkpoint, rollbacks to it)
         if self.cfg.checkpoint.resume:
@@ -467,7 +470,8 @@ class Trainer:
                 validate = validating and ((t.eval_every > 0 and stats.step % t.eval_every == 0)
                                            or last)
                 sample = t.sample_every > 0 and stats.step % t.sample_every == 0 and not last
-                checkpoint = self.checkpoints.due(stats.step)
+                stopping = self.stop is not None and self.stop.requested()  # SIGTERM
+                checkpoint = self.checkpoints.due(stats.step) or stopping
                 # The host reads the device (and acts on nan_policy) only on these steps; a
                 # rollback has to act on the very step that went bad.
                 if not (stats.step % t.log_every == 0 or last or validate or sample
@@ -510,6 +514,8 @@ class Trainer:
                     self._sample_during(progress)
                 if checkpoint:
                     self.save_checkpoint()
+                if stopping:
+                    self._stop_on_signal()
             self._wait_for_checkpoints()
 
             trim_host_memory(self.device)  # the steps' freed blocks, before the writer's
@@ -629,6 +635,12 @@ class Trainer:
         except CheckpointError as e:
             raise TrainingError(str(e), self.step) from None
 
+    def _stop_on_signal(self) -> None:
+        """After a SIGTERM: the checkpoint of this step complete, stop (Stopped, one line)."""
+        self._wait_for_checkpoints()
+        raise Stopped(f"stopped by SIGTERM after step {self.step}, checkpoint "
+                      f"{self.checkpoints.wait()}; `fourfold train {self.run_dir}` resumes it")
+
     def _wait_for_checkpoints(self) -> None:
         try:
             self.checkpoints.wait()
@@ -741,15 +753,20 @@ def count_parameters(cfg: Config) -> int:
     return build_model(cfg.model, device="meta").num_params()
 
 
-def train(cfg: Config, run_dir: Path, *, progress: bool | None = None) -> TrainResult:
+def train(cfg: Config, run_dir: Path, *, progress: bool | None = None,
+          signals: StopSignals | None = None) -> TrainResult:
     """Train the model described by cfg, writing config.toml, metrics.jsonl,
     model.safetensors and summary.json into run_dir. On a grid every rank calls this.
 
     progress: True for a tqdm bar, False for plain log lines, None to decide by whether stderr
     is a terminal. Raises ConfigError / GridError / DataError for user mistakes and
-    TrainingError when training diverges.
+    TrainingError when training diverges. signals: this process's SIGTERM handler (see
+    fourfold.signals); a SIGTERM then stops the run after a checkpoint, with Stopped.
     """
-    return Trainer(cfg, run_dir, progress=progress).fit()
+    trainer = Trainer(cfg, run_dir, progress=progress)
+    if signals is not None:
+        trainer.stop = StopAgreement(signals, trainer.grid)  # collective on a grid
+    return trainer.fit()
 
 
 __all__ = ["Run", "StepStats", "TrainResult", "Trainer", "TrainingError", "build_run",
