@@ -324,3 +324,24 @@ def torch_equal(a: "torch.Tensor", b: "torch.Tensor") -> bool:  # noqa: F821
     import torch
 
     return bool(torch.equal(a, b))
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--set", "model.dim=abc"],
+    ["train", "--set", "train.bogus=1"],
+    ["train", "missing.toml"],
+    ["train", "--resume", "--out", "nowhere"],
+])
+def test_config_mistakes_are_reported_before_torch_is_imported(argv: list[str], tmp_path: Path):
+    import subprocess
+    import sys
+
+    from conftest import outside_job_env
+
+    probe = ("import sys; from fourfold.cli import main; code = main(sys.argv[1:]); "
+             "print('torch' in sys.modules); sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", probe, *argv], cwd=tmp_path, text=True,
+                          capture_output=True, env=outside_job_env(), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout.strip() == "False"
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: ")

@@ -81,9 +81,8 @@ def _rank_argv(argv: list[str], run_dir: Path | None = None) -> list[str]:
 def cmd_train(args: argparse.Namespace) -> int:
     from fourfold.config import ConfigError, load_config
 
-    from fourfold.rundir import (check_resume_requested, list_checkpoints,
+    from fourfold.rundir import (CONFIG_FILE, check_resume_requested, list_checkpoints,
                                  move_checkpoints_aside)
-    from fourfold.train.runs import CONFIG_FILE
 
     # CONFIG may be a run directory: its own config.toml, and the run goes on there
     given_run = args.config is not None and (Path(args.config) / CONFIG_FILE).is_file()
@@ -134,7 +133,7 @@ def _inside_job() -> bool:
     Under Slurm only a task of a job step of several tasks is (srun sets the step's
     variables); a batch script carries the job's SLURM_PROCID and SLURM_NTASKS but is one
     process, which --nproc may fan out."""
-    from fourfold.parallel.grid import slurm_rank_env
+    from fourfold.slurm import slurm_rank_env
 
     return "RANK" in os.environ or bool(slurm_rank_env(os.environ))
 
@@ -143,7 +142,7 @@ def _is_main_rank() -> bool:
     # Slurm's variable counts before init_distributed has copied it to RANK.
     if "RANK" in os.environ:
         return os.environ["RANK"] == "0"
-    from fourfold.parallel.grid import is_slurm_step
+    from fourfold.slurm import is_slurm_step
 
     return not is_slurm_step(os.environ) or os.environ.get("SLURM_PROCID", "0") == "0"
 
@@ -155,7 +154,7 @@ def _note_slurm_launch(nproc: int) -> None:
     env = os.environ
     if "RANK" in env or "SLURM_JOB_ID" not in env:
         return
-    from fourfold.parallel.grid import is_slurm_step
+    from fourfold.slurm import is_slurm_step
 
     tasks = int(env.get("SLURM_STEP_NUM_TASKS" if is_slurm_step(env) else "SLURM_NTASKS", "1")
                 or 1)

@@ -24,6 +24,7 @@ from fourfold.config import Config, ConfigError
 if TYPE_CHECKING:
     from fourfold.data.tokenizers import Tokenizer
 
+CONFIG_FILE = "config.toml"  # RUN_DIR/config.toml: the run's resolved config
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"  # RUN_DIR/tokenizer: the tokenizer the run trained with

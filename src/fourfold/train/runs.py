@@ -15,13 +15,13 @@ from safetensors.torch import load_file, save_file
 from fourfold.config import Config, ConfigError, load_config
 from fourfold.files import atomic_path
 from fourfold.models.llama import Llama, build_model
+from fourfold.rundir import CONFIG_FILE
 from fourfold.safetensors_stream import TensorSpec, write_streamed
 
 if TYPE_CHECKING:
     from fourfold.data import Tokenizer
     from fourfold.parallel.parallelize import ParallelModel
 
-CONFIG_FILE = "config.toml"
 WEIGHTS_FILE = "model.safetensors"
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
