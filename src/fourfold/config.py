@@ -136,7 +136,7 @@ class ParallelConfig:
     overlap_weight_grad: bool = True  # dW reduce-scatter under earlier layers' backward
     prefetch_weights: bool = True  # next layer's z all-gather one layer ahead
     overlap_data_grad: bool = True  # bucketed data-parallel all-reduce during backward
-    bucket_mb: float = 25.0
+    bucket_mb: float = 25.0  # data-parallel gradient buckets (parallel/data_parallel.py)
     gemm_tuning: bool = False  # time the equivalent matmuls per GEMM shape once, keep the fastest
     reduce_dtype: str = "float32"  # float32 | bfloat16: dW reduce-scatter and data all-reduce
     overlap_forward: bool = False  # forward GEMMs in two token halves, all-reduce under GEMM
@@ -144,6 +144,10 @@ class ParallelConfig:
     # logits made again in backward ("auto": blocks for lomo, adalomo, mezo, es, blockllm)
     output_loss: str = "auto"
     machine: str = "cpu"  # planner machine preset or MACHINE.toml, for parallel.auto
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
 
 
 @dataclass
@@ -371,17 +375,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Build a validated Config from an optional TOML file and `section.key=value` overrides
     (train.method.KEY=value for an option of train.optimizer's method).
 
-    Precedence: defaults < preset (model.preset) < file < overrides. `saved`: the file is a
-    run's own config.toml, which an older version wrote with every method's options as
-    [train] keys: those of other methods are dropped (they were that version's defaults, not
-    choices) and its own method's read without a notice.
+    Precedence: defaults < preset (model.preset) < file < overrides. `saved` (and `path` a
+    run directory): the file is a run's own config.toml, which an older version wrote with
+    every method's options as [train] keys: those of other methods are dropped (they were
+    that version's defaults, not choices) and its own method's read without a notice.
     """
     raw: dict[str, dict[str, Any]] = {}
     method_raw: dict[str, Any] = {}  # [train.method]
     if path is not None:
         p = Path(path)
         if p.is_dir() and (p / "config.toml").exists():
-            p = p / "config.toml"
+            p, saved = p / "config.toml", True  # a run directory's own config
         if not p.exists():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:

@@ -39,8 +39,8 @@ def projection_rank(full_shape: tuple[int, ...], rank: int) -> int:
     return max(1, min(small, rank if rank > 0 else small // 4))
 
 
-# at a batch worth a GPU its peak holds the logits (the planner, 125m, 16 x 512 tokens, one
-# GPU: 3,178 MiB whole, 1,913 in blocks); at a few hundred tokens it comes later, with R
+# at a batch worth a GPU its peak holds the logits, which the blocked loss keeps to a block of
+# the vocabulary; at a few hundred tokens it comes later, with R
 METHODS = (MethodSpec("galore", GaLoreOptions, "fourfold.train.methods.galore:GaLore",
                       "fourfold.plan.methods.galore:GALORE", weight_decay=0.1,
                       blocked_loss=True, renamed={"galore_rank": "rank", "galore_gap": "gap"}),)

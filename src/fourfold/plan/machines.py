@@ -95,10 +95,8 @@ from typing import Any, Callable
 from fourfold.config import cache_root, write_cache_json
 from fourfold.files import tomllib
 from fourfold.host import cores_available
-from fourfold.intmath import divisors
+from fourfold.intmath import GIB, divisors
 from fourfold.plan.errors import PlanError
-
-GIB = 1024**3
 
 
 @dataclass(frozen=True)

@@ -334,10 +334,7 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
         hide(phase("step_data"), cost.passes * (comp.backward + recompute), share)
 
     comm = {a: sum(p[a] for p in by_phase.values()) for a in AXES}
-    # AdamW: the trainer's fused AdamW reads parameters, gradients and both states and writes
-    # parameters and states, one pass (measured here at copy speed: 28 B per fp32 parameter
-    # in 1.5 ns); clipping first reads the gradients for their norm, then scales them in
-    # place. Other methods: method_cost.
+    # the method's own work (method_cost: its planner model's)
     compute = fwd_window + bwd_window + cost.update_s
     # while a hidden collective runs, its kernels hold comm_sm_fraction of the SMs: the compute
     # under it runs that much slower (W of work overlapped for t takes W + f t), summed over

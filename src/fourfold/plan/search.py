@@ -14,9 +14,10 @@ from fourfold.methods import method_names, method_spec
 from fourfold.parallel.embedding import resolve_output_loss
 from fourfold.parallel.grid import AXES, RANK_ORDER, GridShape
 from fourfold.plan.errors import PlanError
-from fourfold.plan.machines import GIB, Machine
+from fourfold.intmath import GIB
+from fourfold.plan.machines import Machine
 from fourfold.plan.memory import (MemoryBreakdown, Precision, predict_memory,
-                                  predict_method_memory)
+                                  predict_method_memory, predicted_memory)
 from fourfold.plan.methods.base import method_model, spec_of
 from fourfold.plan.perf import Overlap, StepPrediction, predict_step
 
@@ -88,10 +89,6 @@ class Plan:
     def time_note(self) -> str | None:
         """What the step-time column is for this optimizer (None for AdamW's own step)."""
         return method_model(self.optimizer).time_note
-
-
-# the training methods the planner knows (fourfold.methods), each with its planner model
-OPTIMIZERS: tuple[str, ...] = method_names()
 
 
 def batch_axes(optimizer: str = "adamw") -> tuple[str, ...]:
@@ -362,34 +359,22 @@ def rank_memory_capacity(device: "torch.device", local_ranks: int) -> int:
     raise PlanError("cannot read the host's memory size from /proc/meminfo")
 
 
-def check_grid_fits(cfg: "Config", shape: GridShape, device: "torch.device",
-                    local_ranks: int) -> None:
-    """Raise a one-line PlanError, before anything is built, when a rank of `shape` cannot
-    hold the run of `cfg` (its peak per plan/memory.py), naming the bytes needed and a grid
-    that would fit (the planner's grid search, on as many ranks as it takes)."""
-    t, p = cfg.train, cfg.parallel
-    capacity = rank_memory_capacity(device, local_ranks)
-
-    def need(s: GridShape) -> MemoryBreakdown:
-        micro_tokens = t.batch_size // (s.data * s.z) // t.grad_accum * t.seq_len
-        return predict_memory(cfg.model, s, micro_tokens, t.activation_checkpointing,
-                              Precision.of(t.dtype), bucket_bytes=int(p.bucket_mb * 2**20),
-                              on_host=device.type == "cpu", writer=True,
-                              async_checkpoint=cfg.checkpoint.is_async(device.type == "cpu")
-                              and cfg.checkpoint.every > 0,
-                              checkpoints=cfg.checkpoint.every > 0,
-                              output_loss=resolve_output_loss(
-                                  p.output_loss, method_spec(t.optimizer).blocked_loss),
-                              grad_accum=t.grad_accum)
-
-    mem = need(shape)
+def check_grid_fits(cfg: "Config", shape: GridShape, on_host: bool, capacity: int,
+                    resumed: bool = False) -> None:
+    """Raise a one-line PlanError, before anything is built, when a rank of `shape` with
+    `capacity` bytes cannot hold the run of `cfg` under its training method (its peak:
+    memory.predicted_memory, `on_host` and `resumed` as it takes them), naming the bytes needed
+    and a grid that would fit (the planner's grid search, on as many ranks as it takes)."""
+    t = cfg.train
+    mem = predicted_memory(cfg, shape, on_host, resumed)
     if mem.total <= capacity:
         return
     suggestion = "no grid of up to 2^20 ranks does"
     world = shape.size
     while world <= 2**20:
-        fitting = [(need(s).total, s) for s in grid_shapes(world)
-                   if grid_problem(cfg.model, s, t.batch_size) is None]
+        fitting = [(predicted_memory(cfg, s, on_host, resumed).total, s)
+                   for s in grid_shapes(world)
+                   if grid_problem(cfg.model, s, t.batch_size, t.optimizer) is None]
         fitting = [(n, s) for n, s in fitting if n <= capacity]
         if fitting:
             n, s = min(fitting, key=lambda f: (f[0], str(f[1])))
@@ -398,7 +383,8 @@ def check_grid_fits(cfg: "Config", shape: GridShape, device: "torch.device",
             break
         world *= 2
     state = mem.params + mem.grads + mem.optimizer
-    raise PlanError(f"grid {shape} cannot hold model {cfg.model.preset!r}: a rank needs "
-                    f"{mem.total / GIB:.2f} GiB ({state / GIB:.2f} GiB weights, gradients and "
-                    f"AdamW states + {(mem.total - state) / GIB:.2f} GiB at the peak of a step, "
-                    f"build or export) and has {capacity / GIB:.2f} GiB; {suggestion}")
+    raise PlanError(f"grid {shape} cannot hold model {cfg.model.preset!r} under "
+                    f"train.optimizer = {t.optimizer!r}: a rank needs {mem.total / GIB:.2f} GiB "
+                    f"({state / GIB:.2f} GiB weights, gradients and optimizer state + "
+                    f"{(mem.total - state) / GIB:.2f} GiB at the peak of a step, build or "
+                    f"export) and has {capacity / GIB:.2f} GiB; {suggestion}")

@@ -21,6 +21,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from fourfold.parallel import ParallelModel
+
 
 class _Saved:
     """A tensor kept for backward; its storage's count drops when autograd lets it go."""
@@ -35,7 +37,7 @@ class _Saved:
 
 
 class MemoryMeter:
-    def __init__(self, pmodel: Any, method: Any, activation_checkpointing: bool) -> None:
+    def __init__(self, pmodel: ParallelModel, method: Any, activation_checkpointing: bool) -> None:
         self.pmodel, self.method = pmodel, method
         self._param_storages = {p.untyped_storage().data_ptr() for p in pmodel.parameters()}
         self._live: dict[int, list[int]] = {}  # storage -> [references, bytes]
