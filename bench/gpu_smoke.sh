@@ -30,7 +30,7 @@ from pathlib import Path
 
 from fourfold.config import load_config
 from fourfold.parallel import GridShape
-from fourfold.train.build import predicted_memory
+from fourfold.plan.memory import predicted_memory
 
 print(f"{'run':<16} {'grid':<24} {'tokens/s':>10} {'MFU %':>6} {'alloc GiB':>9} {'plan GiB':>8}"
       "  GPU GiB (per GPU)")

@@ -6,7 +6,7 @@ grids (examples/grid_2x2.toml's data and model unless told, with --set overrides
 without periodic checkpoints, and reads rank 0's peak resident memory from the run's
 summary.json (`peak_mem_bytes`: VmHWM) less that of a process that only runs `import torch,
 fourfold` under the malloc tunables `fourfold train` runs its CPU processes with. Beside it:
-`fourfold.train.build.predicted_memory` of the run's own config.toml, the planner's total
+`fourfold.plan.memory.predicted_memory` of the run's own config.toml, the planner's total
 for a CPU rank (what `fourfold plan` and the run's fits-check use).
 
     python bench/train_memory.py [--preset 15m] [--methods adamw lomo mezo]
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, method: str, grid: tuple[int, int], every: int
     """One `fourfold train` run; (rank 0's peak bytes, the planner's bytes per rank)."""
     from fourfold.config import load_config
     from fourfold.parallel import GridShape
-    from fourfold.train.build import predicted_memory
+    from fourfold.plan.memory import predicted_memory
 
     x, y = grid
     shutil.rmtree(out, ignore_errors=True)  # a run directory with a checkpoint would resume

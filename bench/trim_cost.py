@@ -2,7 +2,7 @@
 
 Where a method trims on the host (on a CPU rank of a grid: LOMO, AdaLomo and BlockLLM at each
 step's start, GaLore at its forward and update, MeZO and ES before each forward; GaLore before
-each refresh everywhere: fourfold.train.host_memory), the pages it hands back are faulted in
+each refresh everywhere: fourfold.train.host_memory's HostMemory.hooks), the pages it hands back are faulted in
 again when the next tensors land on them. One run per method (one process, or with --grid
 an x by y grid of gloo ranks under torchrun, with the malloc tuning `fourfold train` gives CPU
 ranks): after --warmup steps its steps alternate, two with the trims and two without (the trim
@@ -51,9 +51,12 @@ def child(preset: str, method: str, steps: int, warmup: int, batch: int, seq: in
     tmp = tempfile.TemporaryDirectory()
     the_grid = host_grid(shape, tmp.name)
     model = build_model(model_config(preset), seed=0, device="meta")
-    pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y), blocked_loss=method_spec(method).blocked_loss)
+    policy = host_memory.HostMemory.for_run(the_grid.device, the_grid.world_size, "float32")
+    pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y),
+                         blocked_loss=method_spec(method).blocked_loss,
+                         grad_buffers=policy.grad_buffers())
     cfg = TrainConfig(optimizer=method, lr=1e-4, seq_len=seq)
-    trainer = build_method(pmodel, cfg)
+    trainer = build_method(pmodel, cfg, hooks=policy.hooks())  # as build_run gives them
     trim = host_memory._malloc_trim
     g = torch.Generator().manual_seed(0)
     halves: dict[bool, list[tuple[float, int]]] = {True: [], False: []}

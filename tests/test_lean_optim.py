@@ -599,149 +599,79 @@ def test_galore_updates_bfloat16_weights_as_float32_ones() -> None:
         assert cosine > 0.9, f"{name}: {float(cosine):.3f}"
 
 
-def test_galore_hands_free_host_pages_back_at_each_phase(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A refresh's Gram and eigh workspace (~4 s^2 float64), and each phase's temporaries,
-    would otherwise sit above the heap's free holes, all resident under the ranks' malloc
-    tuning: on the host each matrix's refresh trims the heap first, and on a CPU rank of a grid
-    (here pretended) every step trims it at its forward and at its update (a step the guard
-    skips has no update)."""
-    import fourfold.train.methods.galore as galore
+class PhaseCounts:
+    """PhaseHooks (train/methods/base.py) that count each call, and note for after_forward
+    whether the forward's autocast had ended and the weights were still the step's first."""
+
+    def __init__(self, pmodel) -> None:
+        from fourfold.train.methods import PhaseHooks
+
+        self.pmodel, self.calls, self.clean = pmodel, [], []
+        self.start: list[torch.Tensor] = []
+        self.hooks = PhaseHooks(**{name: self._counter(name) for name in (
+            "step_start", "after_forward", "before_forward", "before_update",
+            "before_transient")})
+
+    def _counter(self, name: str):
+        def call() -> None:
+            self.calls.append(name)
+            if name == "after_forward":
+                self.clean.append(not torch.is_autocast_enabled("cpu") and all(
+                    torch.equal(p, q) for p, q in zip(self.pmodel.parameters(), self.start)))
+        return call
+
+    def step(self, method, tokens: torch.Tensor, dtype: str = "float32", guard=None) -> dict:
+        """One step; the calls it made, by phase."""
+        from fourfold.train.methods import StepData
+
+        self.calls.clear()
+        self.start = [p.detach().clone() for p in self.pmodel.parameters()]
+        method.step(self.pmodel, StepData.one_batch(self.pmodel, tokens, dtype), lr=1e-3,
+                    guard=guard)
+        return {name: self.calls.count(name) for name in set(self.calls)}
+
+
+@pytest.mark.parametrize("optimizer, options, dtype, expected", [
+    # a GaLore refresh (steps 0 and 2 of gap 2): one transient per matrix ("M")
+    ("galore", {"gap": 2}, "float32", [
+        {"step_start": 1, "after_forward": 1, "before_transient": "M", "before_update": 1},
+        {"step_start": 1, "after_forward": 1, "before_update": 1}]),
+    ("lomo", {"clip_mode": "value"}, "bfloat16", [{"step_start": 1, "after_forward": 1}] * 2),
+    ("lomo", {"clip_mode": "two_pass"}, "float32", [{"step_start": 1, "after_forward": 2}] * 2),
+    ("adalomo", {}, "float32", [{"step_start": 1, "after_forward": 1}] * 2),
+    ("mezo", {}, "float32", [{"before_forward": 2}] * 2),
+    ("es", {"population": 3}, "float32", [{"before_forward": 3}] * 2),
+    ("blockllm", {}, "float32", [{"step_start": 1}] * 2),
+    ("adamw", {}, "float32", [{}] * 2)])
+def test_methods_call_their_phase_hooks(optimizer: str, options: dict, dtype: str,
+                                        expected: list) -> None:
+    """Each method calls its hooks at its phases' boundaries, once each (the host-memory
+    policy hands them what it does there: tests/test_host_memory.py): after_forward once a
+    micro-step's forward (two_pass: two forwards), after autocast ended and before a weight
+    moved; a step the guard skips has no update."""
     from fourfold.config import TrainConfig, model_config
     from fourfold.models import build_model
     from fourfold.parallel import Grid, parallelize
-    from fourfold.train.methods import StepData, build_method
+    from fourfold.train.methods import build_method
 
-    trims: list[int] = []
-    monkeypatch.setattr(galore, "trim_host_memory", lambda device: trims.append(1))
-    monkeypatch.setattr(galore, "trim_on_host_grid", lambda device, world: lambda: trims.append(1))
     cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
-    pmodel = parallelize(build_model(cfg, seed=1), Grid.single())
-    method = build_method(pmodel, TrainConfig(optimizer="galore",
-                                              method=method_options("galore", gap=2)))
-    matrices = sum(1 for v in method.views if v.param.dim() == 2)
+    pmodel = parallelize(build_model(cfg, seed=1), Grid.single(), blocked_loss=True)
+    counts = PhaseCounts(pmodel)
+    method = build_method(pmodel, TrainConfig(optimizer=optimizer, dtype=dtype,
+                                              method=method_options(optimizer, **options)),
+                          hooks=counts.hooks)
+    matrices = sum(1 for p in pmodel.parameters() if p.dim() == 2)
     tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
-    per_step = []
-    for _ in range(3):  # steps 0 and 2 refresh
-        before = len(trims)
-        method.step(pmodel, StepData.one_batch(pmodel, tokens), lr=1e-3)
-        per_step.append(len(trims) - before)
-    before = len(trims)
-    method.step(pmodel, StepData.one_batch(pmodel, tokens), lr=1e-3,
-                guard=Refuse())
-    per_step.append(len(trims) - before)
-    assert per_step == [matrices + 2, 2, matrices + 2, 1], (per_step, matrices)
-
-
-@pytest.mark.parametrize("optimizer", ["lomo", "adalomo"])
-def test_fused_methods_hand_free_host_pages_back_once_a_step(
-        monkeypatch: pytest.MonkeyPatch, optimizer: str) -> None:
-    """LOMO and AdaLomo trim the heap at each step's start on a CPU rank of a grid (here
-    pretended): the last step's freed blocks are not resident beside the next one's tensors
-    (two_pass: still once a step)."""
-    import fourfold.train.methods.lomo as lomo
-    from fourfold.config import TrainConfig, model_config
-    from fourfold.models import build_model
-    from fourfold.parallel import Grid, parallelize
-    from fourfold.train.methods import StepData, build_method
-
-    trims: list[int] = []
-    monkeypatch.setattr(lomo, "trim_on_host_grid", lambda device, world: lambda: trims.append(1))
-    cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
-    pmodel = parallelize(build_model(cfg, seed=1), Grid.single())
-    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
-    for clip_mode in ("value", "two_pass"):
-        method = build_method(pmodel, TrainConfig(
-            optimizer=optimizer, method=method_options(optimizer, clip_mode=clip_mode)))
-        before = len(trims)
-        for _ in range(3):
-            method.step(pmodel, StepData.one_batch(pmodel, tokens), lr=1e-3)
-        assert len(trims) - before == 3, (clip_mode, len(trims) - before)
-
-
-@pytest.mark.parametrize("optimizer", ["lomo", "galore"])
-def test_bfloat16_on_one_host_process_trims_between_forward_and_backward(
-        monkeypatch: pytest.MonkeyPatch, optimizer: str) -> None:
-    """Autocast frees its cached bfloat16 weight copies as the forward ends: on one host
-    process LOMO (AdaLomo shares its step) and GaLore hand those pages back before backward,
-    once a forward (two_pass: two), and never in float32."""
-    import fourfold.train.host_memory as host_memory
-    from fourfold.config import TrainConfig, model_config
-    from fourfold.models import build_model
-    from fourfold.parallel import Grid, parallelize
-    from fourfold.train.methods import StepData, build_method
-    from fourfold.train.methods import galore, lomo  # noqa: F401  before the patch: GaLore's
-    # refresh trims keep the function they imported
-
-    trims: list[bool] = []  # per trim: whether the weights were still the step's first
-
-    def trim(device: torch.device) -> None:
-        assert not torch.is_autocast_enabled("cpu")  # the forward's autocast has ended
-        trims.append(all(torch.equal(p, q) for p, q in zip(pmodel.parameters(), before)))
-
-    monkeypatch.setattr(host_memory, "trim_host_memory", trim)
-    cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
-    pmodel = parallelize(build_model(cfg, seed=1), Grid.single())
-    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
-    cases = [("bfloat16", "value", 2), ("float32", "value", 0)]
-    if optimizer == "lomo":
-        cases.append(("bfloat16", "two_pass", 4))
-    for dtype, clip_mode, expected in cases:
-        extra = {"clip_mode": clip_mode} if optimizer == "lomo" else {}
-        method = build_method(pmodel, TrainConfig(optimizer=optimizer, dtype=dtype,
-                                                  method=method_options(optimizer, **extra)))
-        trims.clear()
-        for _ in range(2):
-            before = [p.detach().clone() for p in pmodel.parameters()]
-            method.step(pmodel, StepData.one_batch(pmodel, tokens, dtype), lr=1e-3)
-            assert not all(torch.equal(p, q) for p, q in zip(pmodel.parameters(), before))
-        assert len(trims) == expected, (dtype, clip_mode, trims)
-        assert all(trims)  # before the backward moved any weight
-    assert host_memory.trim_after_autocast_forward(torch.device("cpu"), 4, "bfloat16") is None
-    assert host_memory.trim_after_autocast_forward(torch.device("cuda"), 1, "bfloat16") is None
-
-
-@pytest.mark.parametrize("optimizer", ["mezo", "es", "blockllm"])
-def test_mezo_es_and_blockllm_trim_on_a_host_grid(
-        monkeypatch: pytest.MonkeyPatch, optimizer: str) -> None:
-    """On a CPU rank of a grid MeZO and ES hand the heap's free pages back before each forward
-    they evaluate (the weights already perturbed): MeZO twice a step, ES once per member of its
-    replica; BlockLLM once at each step's start. Skipped steps too. One process and an
-    accelerator do not trim."""
-    import importlib
-
-    import fourfold.train.host_memory as host_memory
-    from fourfold.config import TrainConfig, model_config
-    from fourfold.models import build_model
-    from fourfold.parallel import Grid, parallelize
-    from fourfold.train.methods import StepData, build_method
-
-    cpu = torch.device("cpu")
-    assert host_memory.trim_on_host_grid(cpu, 1) is None
-    assert host_memory.trim_on_host_grid(torch.device("cuda"), 4) is None
-    assert host_memory.trim_on_host_grid(cpu, 4) is not None
-    trims: list[bool] = []  # per trim: whether the weights were moved from the step's start
-
-    def on_grid(device: torch.device, world_size: int):
-        assert (device, world_size) == (cpu, 1)  # the method asks about its own grid
-        return lambda: trims.append(
-            not all(torch.equal(p, q) for p, q in zip(pmodel.parameters(), start)))
-
-    module = "blockllm" if optimizer == "blockllm" else "zeroth"
-    monkeypatch.setattr(importlib.import_module(f"fourfold.train.methods.{module}"),
-                        "trim_on_host_grid", on_grid)
-    cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
-    pmodel = parallelize(build_model(cfg, seed=1), Grid.single())
-    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
-    method = build_method(pmodel, TrainConfig(optimizer=optimizer,
-                                              method=method_options(optimizer, **(
-                                                  {"population": 3} if optimizer == "es" else {}))))
-    expected = {"mezo": [True] * 2, "es": [True] * 3, "blockllm": [False]}[optimizer]
-    for guard in (None, Refuse(), None):
-        trims.clear()
-        start = [p.detach().clone() for p in pmodel.parameters()]
-        method.step(pmodel, StepData.one_batch(pmodel, tokens), lr=1e-3, guard=guard)
-        assert trims == expected, (guard, trims)
+    for want in expected:
+        assert counts.step(method, tokens, dtype) == {
+            k: matrices if v == "M" else v for k, v in want.items()}
+    if any("after_forward" in want for want in expected):
+        assert counts.clean and all(counts.clean)
+    if optimizer == "galore":  # a skipped step: no update (step 2 refreshes)
+        assert counts.step(method, tokens, guard=Refuse()) == {
+            "step_start": 1, "after_forward": 1, "before_transient": matrices}
+    if optimizer in ("mezo", "es", "blockllm"):  # skipped steps evaluate all the same
+        assert counts.step(method, tokens, guard=Refuse()) == expected[0]
 
 
 def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
@@ -1135,7 +1065,8 @@ def test_preflight_check_uses_the_methods_memory() -> None:
     from fourfold.config import load_config
     from fourfold.parallel import GridShape
     from fourfold.plan.errors import PlanError
-    from fourfold.train.build import check_method_fits, predicted_memory
+    from fourfold.plan.memory import predicted_memory
+    from fourfold.plan.search import check_grid_fits
 
     shape = GridShape(1, 1, 1, 1)
     need = {o: predicted_memory(load_config(None, ["model.preset=125m",
@@ -1144,11 +1075,11 @@ def test_preflight_check_uses_the_methods_memory() -> None:
     assert need["mezo"] < need["lomo"] < need["blockllm"] < need["adamw"]
     assert need["galore"] < need["adamw"]
     capacity = (need["mezo"] + need["adamw"]) // 2
-    check_method_fits(load_config(None, ["model.preset=125m", "train.optimizer=mezo"]), shape,
-                      True, capacity)
+    check_grid_fits(load_config(None, ["model.preset=125m", "train.optimizer=mezo"]), shape,
+                    True, capacity)
     with pytest.raises(PlanError, match="under train.optimizer = 'blockllm': a rank needs"):
-        check_method_fits(load_config(None, ["model.preset=125m", "train.optimizer=blockllm"]),
-                          shape, True, need["blockllm"] - 1)
+        check_grid_fits(load_config(None, ["model.preset=125m", "train.optimizer=blockllm"]),
+                        shape, True, need["blockllm"] - 1)
 
 
 # a small run that writes its memory report (train.memory_report)
@@ -1203,7 +1134,7 @@ def test_memory_report_in_summary(tmp_path: Path, optimizer: str) -> None:
     # the process's whole peak (this pytest process's VmHWM: the imports and more) beside the
     # planner's total for the run
     from fourfold.parallel import GridShape
-    from fourfold.train.build import predicted_memory
+    from fourfold.plan.memory import predicted_memory
 
     summary = json.loads((tmp_path / "summary.json").read_text())
     (peak,) = report["peak_bytes_per_rank"]
@@ -1220,7 +1151,7 @@ def test_memory_report_of_a_resumed_run_counts_the_checkpoint_library(tmp_path: 
     from fourfold.parallel import GridShape
     from fourfold.plan.memory import CHECKPOINT_LIBRARY_BYTES
     from fourfold.train import Trainer
-    from fourfold.train.build import predicted_memory
+    from fourfold.plan.memory import predicted_memory
 
     common = [*REPORT_RUN, "train.optimizer=lomo"]
     Trainer(load_config(None, [*common, "train.steps=2", "checkpoint.every=2"]), tmp_path,

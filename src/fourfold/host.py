@@ -78,6 +78,24 @@ def rank_malloc_environment() -> dict[str, str]:
             **{k: v for k, v in rest.items() if k not in os.environ}}
 
 
+def restart_for_cpu_training(argv: list[str]) -> None:
+    """`fourfold train` (`argv`: the command line) on a host without GPUs execs itself once
+    more with the environment a launcher gives CPU ranks (rank_malloc_environment), which
+    glibc and MKL read only at a process's start: a rank that torchrun or srun started, and one
+    process as well, run as fourfold's own launcher's ranks do. Before torch is imported (the
+    command line's own imports take milliseconds). Nothing happens for another command, when
+    the user tunes malloc, off Linux, on a host with GPUs, or in the restarted process."""
+    if argv[1:2] != ["train"] or "GLIBC_TUNABLES" in os.environ or has_accelerator_devices():
+        return
+    extra = rank_malloc_environment()
+    if not extra:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "fourfold", *argv[1:]],
+              {**os.environ, **extra})
+
+
 def has_accelerator_devices() -> bool:
     """Whether this host shows GPU device files (NVIDIA or AMD), read without importing torch."""
     return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd"))

@@ -18,6 +18,7 @@ from torch import nn
 
 from fourfold.config import CHOICES, ConfigError, ParallelConfig
 from fourfold.intmath import divisors
+from fourfold.parallel.buffers import GradBufferPool
 from fourfold.parallel.comm import Comm, CommLedger
 from fourfold.parallel.embedding import (BlockedOutputLoss, CrossEntropy, ParallelEmbedding,
                                          VocabParallelCrossEntropy, blocked_loss_applies,
@@ -246,13 +247,14 @@ def overlap_options(cfg: ParallelConfig | None) -> OverlapOptions:
                           f"{', '.join(REDUCE_DTYPES)}")
     return OverlapOptions(input_grad=cfg.overlap_input_grad, weight_grad=cfg.overlap_weight_grad,
                           prefetch=cfg.prefetch_weights, data_grad=cfg.overlap_data_grad,
-                          bucket_bytes=int(cfg.bucket_mb * 2**20), gemm_tuning=cfg.gemm_tuning,
+                          bucket_bytes=cfg.bucket_bytes, gemm_tuning=cfg.gemm_tuning,
                           reduce_dtype=REDUCE_DTYPES[cfg.reduce_dtype],
                           forward_split=cfg.overlap_forward)
 
 
 def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = None, *,
-                blocked_loss: bool = False) -> ParallelModel:
+                blocked_loss: bool = False,
+                grad_buffers: GradBufferPool | None = None) -> ParallelModel:
     """Parallelize `model` over `grid`: a model with its full weights, the same on every rank,
     or one declared on the meta device (`build_model(cfg, seed, device="meta")`), of which
     each rank materialises only its own shards, on grid.device, with the values a one-process
@@ -262,7 +264,8 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
     the model is left as it is; with tuning on its linears become fourfold's own, whose GEMMs
     the tuner chooses. `blocked_loss`: parallel.output_loss = "auto" gives the output layer and
     loss a block of the vocabulary at a time (embedding.uses_blocked_loss; the training
-    method's choice).
+    method's choice). `grad_buffers`: where the engine keeps a released gradient's buffer for
+    the next gradient of its shape (parallel/buffers.py; None: nowhere).
     """
     comm = Comm(grid)
     options = overlap_options(config)
@@ -276,7 +279,7 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
         materialize(model, pmodel.layouts(), grid)
         _set_output_loss(model, uses_blocked_loss(output_loss, blocked_loss), None, 0)
         return pmodel
-    engine = Engine(comm, options)
+    engine = Engine(comm, options, grad_buffers)
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     if set(_NORMAL + _TRANSPOSED) <= names:
         vocab_start = _apply_llama_plan(model, grid, engine)

@@ -17,18 +17,16 @@ the selected rows' gradients live until the update. AdamW's moments and step cou
 per selected row; rows that stay selected across a reselection keep theirs.
 
 The selection is redone when the step's loss has not beaten the best so far for
-train.method.patience steps (default 1: a batch loss is noisy, so after most steps. On the
-15m fine-tune of bench/lean_quality.py from its 2000-step base, R was 0.926, 0.909 and 0.960
-at seeds 0-2 with 1, 0.918, 0.859 and 0.939 with 3, and 0.770 at seed 1 with 10: the rows
-with the steepest gradient change from batch to batch). Its backward streams too: at each
-hand-off the tensor's row norms join those seen so far and its gradient is held whole; once
-the held rows exceed the budget by HOLD_SLACK (fourfold.methods.blockllm) of all elements, the tentative choice
-(the steepest held blocks, while they fit) is made and only the rows in it keep their
-gradient. A block that leaves the tentative choice never comes back into it (blocks seen
-later only add to the elements ranked above it), so the final choice's gradients are all at
-hand without a second backward; and a later tensor's rows below the steepest block that left
-are dropped at its hand-off (at sparsity 0.9 about 8 rankings a selection on 125m, against
-one per tensor, 112, when every hand-off ranked).
+train.method.patience steps (default 1: a batch loss is noisy, so after most steps; the rows
+with the steepest gradient change from batch to batch, and bench/lean_quality.py compares
+settings). Its backward streams too: at each hand-off the tensor's row norms join those seen
+so far and its gradient is held whole; once the held rows exceed the budget by HOLD_SLACK
+(fourfold.methods.blockllm) of all elements, the tentative choice (the steepest held blocks,
+while they fit) is made and only the rows in it keep their gradient. A block that leaves the
+tentative choice never comes back into it (blocks seen later only add to the elements ranked
+above it), so the final choice's gradients are all at hand without a second backward; and a
+later tensor's rows below the steepest block that left are dropped at its hand-off (a few
+rankings a selection, not one per tensor: bench/blockllm_choice.py counts them).
 
 Checkpoints: the selection (global rows per tensor) is in the state's facts; each tensor's
 moments and step counts are saved as (its chosen rows, the shard's columns), the rows gathered
@@ -49,13 +47,13 @@ import torch
 from torch import nn
 
 from fourfold.config import TrainConfig
-from fourfold.parallel import Axis, Layout
 from fourfold.methods.blockllm import HOLD_SLACK, BlockLLMOptions
-from fourfold.train.host_memory import trim_on_host_grid
-from fourfold.train.methods.base import (CHUNK_ELEMENTS, ParamView, StepData, StepGuard,
-                                         StepResult, TrainingMethod, arm_on_last_micro_step,
-                                         backward_pass, check_meta, live_grad_bytes,
-                                         on_final_gradients, padded_dims, param_views, reduce_loss)
+from fourfold.parallel import Axis, Layout, ParallelModel
+from fourfold.train.methods.base import (CHUNK_ELEMENTS, ParamView, PhaseHooks, StepData,
+                                         StepGuard, StepResult, TrainingMethod,
+                                         arm_on_last_micro_step, backward_pass, check_meta,
+                                         live_grad_bytes, on_final_gradients, padded_dims,
+                                         param_views, reduce_loss)
 from fourfold.train.methods.noise import chunk_elements
 
 EPS = 1e-8  # AdamW's, as train/optim.build_optimizer
@@ -146,12 +144,13 @@ def choose_rows(norms: list[torch.Tensor | None], sizes: list[int], budget: floa
 class BlockLLM(TrainingMethod):
     name = "blockllm"
 
-    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+    def __init__(self, pmodel: ParallelModel, cfg: TrainConfig, tied_output: bool = False,
+                 hooks: PhaseHooks | None = None) -> None:
         options = cfg.options()
         assert isinstance(options, BlockLLMOptions)
         self.views = param_views(pmodel, tied_output)  # the candidates: trainable at the start
         self.grid, self.comm = pmodel.grid, pmodel.comm
-        self._trim = trim_on_host_grid(self.grid.device, self.grid.world_size)
+        self.hooks = hooks or PhaseHooks()
         self.cands = candidates(self.views, self.grid)
         self._index = {id(c.view.param): i for i, c in enumerate(self.cands)}
         self._by_name = {c.view.name: c for c in self.cands}
@@ -271,7 +270,7 @@ class BlockLLM(TrainingMethod):
         # index_select: about 4x the speed of g[index] on a CPU (a gather of whole rows)
         return g.index_select(0, torch.searchsorted(local_held, local_keep).to(g.device))
 
-    def _backward(self, pmodel: Any, data: StepData, selecting: bool) -> float:
+    def _backward(self, pmodel: ParallelModel, data: StepData, selecting: bool) -> float:
         self.grads, self._selecting = {}, selecting
         if selecting:
             self._seen, self._held, self._held_elements = [None] * len(self.cands), {}, 0
@@ -282,7 +281,7 @@ class BlockLLM(TrainingMethod):
         finally:
             self._armed = self._selecting = False
 
-    def _select(self, pmodel: Any, data: StepData) -> float:
+    def _select(self, pmodel: ParallelModel, data: StepData) -> float:
         """The selection's backward (every candidate trainable): returns its loss and leaves
         the chosen rows' gradients in self.grads and the new selection in self.rows."""
         self._set_trainable(True)
@@ -362,10 +361,9 @@ class BlockLLM(TrainingMethod):
                 w.sub_(m / denom * (lr / (1 - b1 ** t)))
                 weights.index_copy_(0, rows, w)
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: StepGuard | None = None
+    def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
-        if self._trim is not None:  # the last step's freed blocks, before this step's
-            self._trim()
+        self.hooks.step_start()
         if self.selecting_next:
             if self.best < math.inf:  # not the first selection
                 self.reselections += 1
