@@ -27,11 +27,13 @@ from fourfold.data import Tokenizer
 from fourfold.errors import EXIT_FAILED, FourfoldError
 from fourfold.models.adapter import write_adapter_run
 from fourfold.models.llama import Llama, build_model
-from fourfold.parallel import Grid, Layout, ParallelModel
+from fourfold.parallel import Grid, ParallelModel
 from fourfold.parallel.grid import check_shared_directory
-from fourfold.train.build import Run, build_run, predicted_memory
-from fourfold.train.checkpoint import BaseReference, CheckpointError, CheckpointManager
-from fourfold.train.host_memory import to_device, trim_host_memory
+from fourfold.plan.memory import predicted_memory
+from fourfold.train.build import Run, build_run
+from fourfold.train.checkpoint import (BaseReference, CheckpointError, CheckpointManager,
+                                       ModelState)
+from fourfold.train.host_memory import to_device
 from fourfold.train.memory_report import MemoryMeter, gather_reports, predicted_report
 from fourfold.train.methods import StepData, TrainingMethod
 from fourfold.train.loop import Periodic, RunLog
@@ -195,15 +197,7 @@ class Trainer:
         self.skipped_steps: list[int] = []
         self.train_seconds = 0.0
 
-        # What a resumed run needs besides weights and optimizer state to go on exactly (the
-        # manager adds each rank's RNG states).
-        self.checkpoints = CheckpointManager(
-            self.run_dir, self.cfg.checkpoint, self.grid,
-            states={"trainer": self, "loader": self.loader, "guard": self.guard,
-                    "schedule": self.schedule, **self._adapter_base()},
-            sharded_states=({"method": _MethodState(self.method)}
-                            if self.method.torch_optimizer is None else None),
-            trainable_only=self.cfg.adapter.kind != "none")
+        self.checkpoints = self._checkpoint_manager()
         self.resumed_from: Path | None = None
         self._rollbacks: tuple[Path | None, int] = (None, 0)  # (checkpoint, rollbacks to it)
         if self.cfg.checkpoint.resume:
@@ -219,11 +213,20 @@ class Trainer:
             Periodic(self.cfg.checkpoint.every, t.steps, lambda step: self.save_checkpoint()),
         ]
 
-    def _adapter_base(self) -> dict[str, BaseReference]:
-        # An adapter run's checkpoints hold the adapter alone, and which base it belongs to.
-        if self.cfg.adapter.kind == "none":
-            return {}
-        return {"base": BaseReference(self.cfg.model.init_from, self.cfg.train.seed)}
+    def _checkpoint_manager(self) -> CheckpointManager:
+        """The run's checkpoints, holding what a resumed run needs to go on exactly (the
+        manager adds each rank's RNG states)."""
+        manager = CheckpointManager(self.run_dir, self.cfg.checkpoint, self.grid)
+        adapter = self.cfg.adapter.kind != "none"
+        manager.register("model", ModelState(self.pmodel, trainable_only=adapter))
+        manager.register("method", self.method.checkpoint_part(self.pmodel))
+        for name, part in (("trainer", self), ("loader", self.loader), ("guard", self.guard),
+                           ("schedule", self.schedule)):
+            manager.register(name, part)
+        if adapter:  # its checkpoints hold the adapter alone, and which base it belongs to
+            manager.register("base", BaseReference(self.cfg.model.init_from,
+                                                   self.cfg.train.seed))
+        return manager
 
     # ---- building blocks ----------------------------------------------------------------
 
@@ -274,8 +277,9 @@ class Trainer:
         self.gate.begin_step()
         result = self.method.step(self.pmodel, data, lr, self.gate)
         judged = self.gate.judgement
-        if judged is None:  # a method that did not ask: judged after its update
-            self.gate.check(float(result.loss), float(result.grad_norm))
+        if judged is None:  # a method that did not ask: judged after its update (a NaN norm
+            norm = float(result.grad_norm)  # is one it does not know)
+            self.gate.check(float(result.loss), None if math.isnan(norm) else norm)
             judged = self.gate.judgement
         fraction = global_count.double() / self.tokens_per_step
         if isinstance(judged, DeviceJudgement):
@@ -455,7 +459,7 @@ class Trainer:
         final sample, summary.json (with train.memory_report's figures). Collective."""
         assert self.log is not None
         t = self.cfg.train
-        trim_host_memory(self.device)  # the steps' freed blocks, before the writer's
+        self.run.host.release()  # the steps' freed blocks, before the writer's
         if self.cfg.adapter.kind == "none":
             # Collective: the weights stream to the main rank one tensor at a time.
             save_weights_streamed(self.pmodel, self.run_dir / WEIGHTS_FILE,
@@ -525,7 +529,7 @@ class Trainer:
         """Checkpoint the state after the current step (collective on a grid; written in the
         background with checkpoint.async). Raises TrainingError for a failed write."""
         try:
-            self.checkpoints.save(self.step, self.pmodel, self.method.torch_optimizer)
+            self.checkpoints.save(self.step)
         except CheckpointError as e:
             raise TrainingError(str(e), self.step) from None
 
@@ -552,7 +556,7 @@ class Trainer:
         """Load a checkpoint (from any grid) into this trainer and its parts. Collective on a
         grid."""
         try:
-            self.checkpoints.load(path, self.pmodel, self.method.torch_optimizer)
+            self.checkpoints.load(path)
         except CheckpointError as e:
             raise TrainingError(str(e), self.step) from None
 
@@ -638,23 +642,3 @@ def train(cfg: Config, run_dir: Path, *, progress: bool | None = None) -> TrainR
 
 __all__ = ["Run", "StepStats", "TrainResult", "Trainer", "TrainingError", "build_run",
            "count_parameters", "train"]
-
-
-class _MethodState:
-    """A training method's state as a sharded checkpoint part: each tensor a shard of the
-    global tensor the method's state_layout names (any grid reads it back), JSON for the rest."""
-
-    def __init__(self, method: TrainingMethod) -> None:
-        self.method = method
-
-    def describe(self) -> str:
-        return f"train.optimizer = {self.method.name!r}"
-
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return self.method.state_dict()
-
-    def layout_of(self, key: str) -> Layout | None:
-        return self.method.state_layout(key)
-
-    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        self.method.load_state_dict(tensors, meta)
