@@ -20,6 +20,7 @@ OVERRIDES = ["model.preset=debug", "train.batch_size=8", "train.seq_len=32", "tr
              "train.sample_tokens=0", "train.log_every=1", "train.device=cpu"]
 
 
+@pytest.mark.slow
 def test_build_run_resolves_a_copy_and_the_run_records_it(tmp_path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -50,6 +51,7 @@ def test_build_run_resolves_a_copy_and_the_run_records_it(tmp_path: Path) -> Non
     assert cfg == before
 
 
+@pytest.mark.slow
 def test_trainer_leaves_the_callers_config_alone(tmp_path: Path) -> None:
     cfg = load_config(None, [*OVERRIDES, "parallel.auto=true"])
     before = copy.deepcopy(cfg)

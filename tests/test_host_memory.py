@@ -75,6 +75,7 @@ print(kept - rss_kib())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim")
 def test_trim_hands_a_freed_block_inside_the_heap_back():
     env = {k: v for k, v in os.environ.items()
@@ -99,6 +100,7 @@ print(_heap()[0] - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallinfo2")
 def test_mkl_hands_its_buffers_back_in_the_ranks_environment():
     """MKL keeps its calls' work buffers in the heap for good unless MKL_DISABLE_FAST_MM is
@@ -116,9 +118,9 @@ def test_mkl_hands_its_buffers_back_in_the_ranks_environment():
         kept[name] = int(subprocess.run(
             [sys.executable, "-c", MKL_PROGRAM, os.path.dirname(os.path.abspath(__file__))],
             env=environ, check=True, capture_output=True, text=True).stdout)
-    # with the cache off a few KiB; with it on MKL keeps megabytes (how many depends on the
-    # CPU's code path)
-    assert kept["ranks"] * 50 < kept["cached"], kept
+    # What MKL caches depends on the CPU's code path (a few MiB to about 23 MiB); with the
+    # variable set it keeps next to nothing.
+    assert kept["ranks"] < 2**20 and 64 * kept["ranks"] < kept["cached"], kept
 
 
 def test_the_policy_acts_on_the_host_only(monkeypatch):
@@ -242,6 +244,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.ranks
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallinfo2")
 def test_the_ranks_environment_turns_the_flight_recorder_off(tmp_path):
     """torch's flight recorder keeps small blocks of recent collectives in the heap; the

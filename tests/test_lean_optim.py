@@ -17,6 +17,7 @@ import torch
 
 from conftest import outside_job_env
 from fourfold.methods import method_options, method_spec
+from grid_cases import launch_grid_cases
 
 WORKER = Path(__file__).with_name("lean_worker.py")
 
@@ -32,24 +33,13 @@ class Refuse:
 
 
 def run_worker(nproc: int, grids: list, checks: list, tmp_path: Path) -> list[dict]:
-    out = tmp_path / f"lean_{nproc}.jsonl"
-    env = outside_job_env(FOURFOLD_TEST_SHAPES=json.dumps(grids),
-                          FOURFOLD_TEST_CHECKS=json.dumps(checks), FOURFOLD_TEST_OUT=str(out),
-                          OMP_NUM_THREADS="1", PYTHONPATH=str(WORKER.parent))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-         "--standalone", str(WORKER)],
-        env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(results) == len(grids) * len(checks)
-    for r in results:
-        assert r["ok"], f"grid {r['shape']} check {r['check']}:\n{r.get('error')}"
-    return results
+    """Every rank's result of every (grid, check): see grid_cases.launch_grid_cases."""
+    return launch_grid_cases(WORKER, nproc, grids, "FOURFOLD_TEST_CHECKS", "check", checks,
+                             tmp_path / f"lean_{nproc}.jsonl", timeout=900)
 
 
 def check_frozen(r: dict) -> None:
-    label = f"grid {r['shape']} frozen"
+    label = f"grid {r['shape']} rank {r['rank']} frozen"
     assert r["frozen_with_grad"] == [], label
     assert r["unchanged"], label
     assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], r["ref_losses"])) < 1e-5, label
@@ -59,6 +49,7 @@ def check_frozen(r: dict) -> None:
     assert frozen < full, f"{label}: saved {frozen} bytes frozen vs {full}"
 
 
+@pytest.mark.ranks
 def test_frozen_parameters_cost_nothing_on_grids(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     for r in run_worker(2, grids, [{"name": "frozen"}], tmp_path):
@@ -71,7 +62,7 @@ ES = {"name": "es", "steps": 20, "freeze": True,
 
 
 def check_trains_as_one_process(r: dict) -> None:
-    label = f"grid {r['shape']} {r['check']['name']}"
+    label = f"grid {r['shape']} rank {r['rank']} {r['check']['name']}"
     assert r["max_rel_loss"] < 1e-5, f"{label}: losses {r['losses']} vs {r['ref_losses']}"
     assert r["max_weight_diff"] < 1e-5 * max(1.0, r["weight_change"] * 100), \
         f"{label}: weights differ by {r['max_weight_diff']} (moved {r['weight_change']})"
@@ -80,12 +71,13 @@ def check_trains_as_one_process(r: dict) -> None:
     assert last < first, f"{label}: did not learn {r['ref_losses']}"
 
 
+@pytest.mark.ranks
 def test_zeroth_order_methods_train_as_one_process(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     for r in run_worker(2, grids, [MEZO, ES], tmp_path):
         check_trains_as_one_process(r)
         data, z, y, x = r["shape"]
-        label = f"grid {r['shape']} {r['check']['name']}"
+        label = f"grid {r['shape']} rank {r['rank']} {r['check']['name']}"
         assert r["state_bytes"] == 0, label  # no optimizer state: a step count only
         # the batch axes carry scalars only: per step, MeZO's two losses; ES's population
         per_step = 2 * 8 if r["check"]["name"] == "mezo" else 4 * 8
@@ -105,7 +97,7 @@ def test_zeroth_order_methods_train_as_one_process(tmp_path: Path) -> None:
 def test_noise_of_a_shard_is_its_part_of_the_full_tensors_noise() -> None:
     import random
 
-    from fourfold.train.methods.noise import ShardNoise, mix32, mix32_int, noise_key
+    from fourfold.noise import ShardNoise, mix32, mix32_int, noise_key
 
     values = [random.Random(3).getrandbits(32) for _ in range(500)] + [0, 1, 2**31, 2**32 - 1]
     as_int32 = torch.tensor([v - 2**32 if v >= 2**31 else v for v in values], dtype=torch.int32)
@@ -121,7 +113,7 @@ def test_noise_of_a_shard_is_its_part_of_the_full_tensors_noise() -> None:
     assert torch.equal(parts, full[32:48, 24:48])
     assert abs(float(full.mean())) < 0.1 and abs(float(full.std()) - 1) < 0.05
     # a GPU makes bigger chunks (launches, not bytes, cost there): the same values
-    from fourfold.train.methods.noise import chunk_elements
+    from fourfold.noise import chunk_elements
 
     assert chunk_elements(torch.device("cuda")) > chunk_elements(cpu)
 
@@ -278,6 +270,7 @@ def test_frozen_parameters_have_no_optimizer_state() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["mezo", "es", "adalomo", "adamw", "blockllm", "galore"])
 def test_state_dict_resumes_exactly(optimizer: str) -> None:
     from fourfold.config import TrainConfig, model_config
@@ -344,7 +337,7 @@ def check_subset_method(r: dict) -> None:
     rounding into visible weight noise (test_parallel compares AdamW by its losses only);
     BlockLLM restarts Adam on each newly selected block, so its weights are not compared;
     GaLore's stay within a fifth of one step (lr)."""
-    label = f"grid {r['shape']} {r['check']['name']}"
+    label = f"grid {r['shape']} rank {r['rank']} {r['check']['name']}"
     assert r["max_rel_loss"] < 1e-5, f"{label}: losses {r['losses']} vs {r['ref_losses']}"
     first, last = sum(r["ref_losses"][:2]), sum(r["ref_losses"][-2:])
     assert last < first, f"{label}: did not learn {r['ref_losses']}"
@@ -473,6 +466,7 @@ def test_blockllm_choose_rows() -> None:
             [None if c is None else c.tolist() for c in chosen], k
 
 
+@pytest.mark.slow
 def test_blockllm_selection_streams_gradient_norms() -> None:
     """One process, at the default sparsity and with two micro-steps per step (the hand-off
     waits for their sum): the streamed selection picks the rows the full backward picks, from
@@ -526,6 +520,7 @@ def test_blockllm_selection_streams_gradient_norms() -> None:
         assert kept[0] != kept[1], label
 
 
+@pytest.mark.slow
 def test_galore_basis_spans_the_svds_subspace() -> None:
     """GaLore's projection from the small side's float64 Gram: the subspace of the top r
     singular vectors (projectors against a float64 SVD's), on either side, in chunks of the
@@ -566,6 +561,7 @@ def test_galore_basis_spans_the_svds_subspace() -> None:
         assert (basis @ basis.T - ref @ ref.T).abs().max() < 1e-6, view.name
 
 
+@pytest.mark.slow
 def test_galore_updates_bfloat16_weights_as_float32_ones() -> None:
     """A library user's model cast to bfloat16: GaLore's float32 step is added through the
     weight's own dtype (the GEMM cannot write float32 into bfloat16), and each matrix moves
@@ -674,6 +670,7 @@ def test_methods_call_their_phase_hooks(optimizer: str, options: dict, dtype: st
         assert counts.step(method, tokens, guard=Refuse()) == expected[0]
 
 
+@pytest.mark.ranks
 def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     for r in run_worker(2, grids, LOMO_CHECKS + ADALOMO_CHECKS + [BLOCKLLM, GALORE], tmp_path):
@@ -682,7 +679,8 @@ def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
             check_subset_method(r)
             continue
         check_trains_as_one_process(r)
-        label = f"grid {r['shape']} {name} {r['check'].get('method', {}).get('clip_mode', 'none')}"
+        label = (f"grid {r['shape']} rank {r['rank']} {name} "
+                 f"{r['check'].get('method', {}).get('clip_mode', 'none')}")
         if name == "adalomo":  # row and column statistics: far less than AdamW's two moments
             assert 0 < r["state_bytes"] < 0.1 * r["trainable_bytes"], label
             assert r["meta"]["steps_done"] == r["check"]["steps"], label
@@ -732,6 +730,7 @@ def test_lomo_refuses_what_it_cannot_do() -> None:
                        "train.method.clip_mode=two_pass"])
 
 
+@pytest.mark.ranks
 def test_every_method_on_four_rank_grids(tmp_path: Path) -> None:
     """Several axes at once: z and y split the same matrices' rows, data with x."""
     checks = [{"name": "frozen"}, MEZO, ES, LOMO_CHECKS[0], ADALOMO_CHECKS[1], BLOCKLLM, GALORE]
@@ -742,12 +741,13 @@ def test_every_method_on_four_rank_grids(tmp_path: Path) -> None:
             check_subset_method(r)
         else:
             check_trains_as_one_process(r)
-            assert r["grads_left"] == [], r["shape"]
+            assert r["grads_left"] == [], (r["shape"], r["rank"])
 
 
 # ---- the planner's memory per method, and train.memory_report ----------------------------------
 
 
+@pytest.mark.slow
 def test_planner_state_bytes_follow_the_method() -> None:
     """Each method's planner model (plan/methods): its gradients and state, against what the
     method itself holds after a step (one process, the tiny model)."""
@@ -921,6 +921,7 @@ def test_a_step_peak_is_the_larger_of_the_loss_and_a_block_backward() -> None:
         assert zo.step == max(zo.logits, zo.block_transient)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
 @pytest.mark.parametrize("optimizer,vocab,batch,dtype", [
     ("adamw", 512, 4, "float32"), ("adamw", 32000, 1, "float32"), ("lomo", 512, 4, "float32"),
@@ -958,6 +959,7 @@ def test_planner_peak_matches_the_heap_at_many_tokens(optimizer: str, vocab: int
     assert abs(predicted / measured - 1) < 0.10, (optimizer, vocab, dtype, predicted, measured)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
 def test_planner_lets_autocast_copies_go_before_the_loss_backward() -> None:
     """125m at 2 x 128 tokens, LOMO, bfloat16, one process: autocast's cached weight copies
@@ -980,6 +982,7 @@ def test_planner_lets_autocast_copies_go_before_the_loss_backward() -> None:
     assert abs(predicted / measured - 1) < 0.06, (predicted, measured)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_blocks_saved_bytes_are_the_planners_on_one_process(dtype: str) -> None:
@@ -1195,6 +1198,7 @@ def test_adalomo_row_blocks_change_nothing_but_rounding(monkeypatch: pytest.Monk
     assert any(not torch.equal(blocks[n], whole[n]) for n in whole)  # the blocks did differ
 
 
+@pytest.mark.slow
 def test_memory_lean_bench_runs_and_predicts_at_its_dtype() -> None:
     """bench/memory_lean.py --dtype: a run's train.dtype reaches the step (its forward under
     bfloat16 autocast) and the planner's prediction (it asked for float32 whatever the run's
@@ -1222,41 +1226,7 @@ def test_memory_lean_bench_runs_and_predicts_at_its_dtype() -> None:
     assert f32["loss"] != row["loss"] and abs(f32["loss"] - row["loss"]) < 0.1
 
 
-def test_lean_step_time_bench_runs() -> None:
-    """bench/lean_step_time.py end to end at a tiny size: its float32 runs, probes and the
-    planner's step for each method (its share of memory_lean's helpers once failed here:
-    method_sets read a --dtype that only memory_lean's parser had)."""
-    bench = Path(__file__).resolve().parent.parent / "bench"
-    proc = subprocess.run([sys.executable, str(bench / "lean_step_time.py"), "--preset", "debug",
-                           "--steps", "2", "--batch", "1", "--seq", "32", "--methods", "lomo",
-                           "--repeat", "1"], capture_output=True, text=True, timeout=300,
-                          env=outside_job_env())
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines()
-            if line.startswith("| adamw") or line.startswith("| lomo")}
-    assert set(rows) == {"adamw", "lomo"}, proc.stdout
-    for line in rows.values():  # measured and planned seconds, both positive
-        cells = [c.strip() for c in line.split("|")[2:4]]
-        assert all(c.endswith(" s") and float(c[:-2]) > 0 for c in cells), line
-
-
-def test_trim_cost_bench_runs() -> None:
-    """bench/trim_cost.py end to end at a tiny size, one process: each method's steps with and
-    without the trims, timed, and their page faults counted."""
-    bench = Path(__file__).resolve().parent.parent / "bench"
-    proc = subprocess.run([sys.executable, str(bench / "trim_cost.py"), "--preset", "debug",
-                           "--steps", "4", "--warmup", "1", "--batch", "1", "--seq", "32",
-                           "--methods", "lomo", "mezo"], capture_output=True, text=True,
-                          timeout=300, env=outside_job_env())
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:7]]
-            for line in proc.stdout.splitlines() if line.startswith(("| lomo", "| mezo"))}
-    assert set(rows) == {"lomo", "mezo"}, proc.stdout
-    for cells in rows.values():
-        assert all(c.endswith(" ms") and float(c[:-3]) > 0 for c in cells[:2]), cells
-        assert float(cells[2]) > 0 and all(float(c) >= 0 for c in cells[3:]), cells
-
-
+@pytest.mark.slow
 def test_memory_lean_phases_census_counts_the_tensors_in_the_heap() -> None:
     """bench/memory_lean.py --phases: at the largest heap a named call began with, the bytes
     of the tensors Python reaches hold at least the model's weights and the method's state,

@@ -171,14 +171,12 @@ def _print_train_summary(run_dir: Path) -> None:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from fourfold.data.prepare import prepare_main
 
-    return prepare_main(args.inputs, args.out, args.tokenizer)
+    return prepare_main(args.inputs, args.out, args.tokenizer, overwrite=args.overwrite)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from fourfold.config import ConfigError
-    from fourfold.data.builtin import resolve_data_path
-    from fourfold.data.tokenizers import load_tokenizer
-    from fourfold.train.runs import load_trained
+    from fourfold.train.runs import load_trained, run_tokenizer
     from fourfold.train.sampling import generate
 
     if args.max_new_tokens < 0:
@@ -189,7 +187,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.top_k < 0:
         raise ConfigError(f"--top-k {args.top_k}: must not be negative (0 keeps every token)")
     model, cfg = load_trained(args.run_dir)
-    tokenizer = load_tokenizer(resolve_data_path(cfg.data.path, cfg.data.tokenizer))
+    tokenizer = run_tokenizer(args.run_dir, cfg)
     prompt_ids = [int(i) for i in tokenizer.encode(args.prompt)]
     if not prompt_ids:
         raise ConfigError("--prompt '': the prompt must hold at least one token")
@@ -234,24 +232,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from fourfold.config import ConfigError
-    from fourfold.models.adapter import export_base_and_adapter
-    from fourfold.models.hf import save_hf_checkpoint
-    from fourfold.train.runs import run_config, trained_tensors
+    from fourfold.export import export_hf
 
-    kind = run_config(Path(args.run_dir)).adapter.kind
-    if args.merge and kind == "none":
-        raise ConfigError(f"--merge: {args.run_dir} has no adapter (adapter.kind = 'none'); "
-                          "leave --merge out")
-    if kind != "none" and not args.merge:  # the base and the adapter, apart
-        paths = export_base_and_adapter(run_config(Path(args.run_dir)), Path(args.run_dir),
-                                        Path(args.out_dir))
-    else:
-        # one tensor at a time (a run still training: its newest complete checkpoint, whole);
-        # an adapter run's model.safetensors is the merged model
-        cfg, specs, tensors = trained_tensors(Path(args.run_dir))
-        paths = save_hf_checkpoint(specs, tensors, cfg.model, Path(args.out_dir))
-    for path in paths:
+    for path in export_hf(args.run_dir, args.out_dir, merge=args.merge,
+                          overwrite=args.overwrite):
         print(path)
     return EXIT_OK
 
@@ -300,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--out", required=True, metavar="DATA_DIR")
     prepare.add_argument("--tokenizer", default="byte",
                          help="byte | bpe:VOCAB_SIZE | PATH/tokenizer.json (default byte)")
+    prepare.add_argument("--overwrite", action="store_true",
+                         help="replace what DATA_DIR holds (the old data stays whole until the "
+                              "new is complete)")
     prepare.set_defaults(handler=cmd_prepare)
 
     gen = sub.add_parser("generate", help="continue a prompt with a trained model")
@@ -353,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--merge", action="store_true",
                          help="an adapter run: the merged model (without: the base checkpoint "
                               "in OUT_DIR and the peft adapter in OUT_DIR/adapter)")
+    convert.add_argument("--overwrite", action="store_true",
+                         help="replace what OUT_DIR holds (it stays as it was until the export "
+                              "is complete)")
     convert.set_defaults(handler=cmd_convert)
     return parser
 

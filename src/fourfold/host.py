@@ -59,10 +59,9 @@ MKL_ENVIRONMENT = {"MKL_DISABLE_FAST_MM": "1"}
 # recent collectives for debugging hangs: each collective leaves a few small blocks (about 700
 # bytes) that live until the ring comes round (it stops growing within 2,000 collectives),
 # carved out of the holes a step's tensors left. On a CPU rank of a grid that scatters the
-# heap: 15m, 2x2, 8 x 128 tokens, 12 steps (bench/train_memory.py), rank 0 read ES 62-67 MiB
-# with it and 50 without, AdaLomo 121-122 against 106-107, GaLore 129-132 against 125, LOMO
-# 109-110 against 107-108 (two runs each, alternated). Set, as the rest, before the rank
-# starts; fourfold's own collective errors already name the axis and ranks.
+# heap and raises the rank's peak (bench/memory_lean.py --cli measures a rank's peak; figures
+# in docs/results.md). Set, as the rest, before the rank starts; fourfold's own collective
+# errors already name the axis and ranks.
 FLIGHT_RECORDER_ENVIRONMENT = {"TORCH_FR_BUFFER_SIZE": "0"}
 
 

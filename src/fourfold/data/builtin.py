@@ -17,9 +17,10 @@ from pathlib import Path
 
 from fourfold.config import cache_root
 from fourfold.data.errors import DataError
-from fourfold.data.manifest import MANIFEST_FILE
+from fourfold.data.manifest import MANIFEST_FILE, Manifest, data_tokenizer_fingerprint
 from fourfold.data.prepare import prepare
-from fourfold.data.tokenizers import HF_FILE, META_FILE, check_spec
+from fourfold.data.tokenizers import (HF_FILE, META_FILE, check_spec, short_fingerprint,
+                                      spec_fingerprint)
 
 # builtin:stdlib-tests, the standard library's own tests, is a second part of the same code
 # (for fine-tuning on what pretraining did not see).
@@ -29,6 +30,7 @@ TEST_DIRS = frozenset({"test", "tests"})
 SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
                           "tkinter", "turtledemo", "__pycache__"})
 MAX_CORPUS_BYTES = 16 << 20
+AUTO_TOKENIZER = "auto"  # config data.tokenizer: a prepared directory's own, byte for builtin:
 BUILTIN_VERSION = 1  # bump when the file selection changes, so old caches are not reused
 BUILTIN_VAL_FRACTION = 0.01  # ~6 files of ~600: a validation split of ~100k tokens
 
@@ -97,25 +99,49 @@ def builtin_corpus(tokenizer: str = "byte", cache_dir: Path | None = None,
     return target
 
 
-def check_data_path(path: str) -> None:
+def check_data_path(path: str, tokenizer: str = AUTO_TOKENIZER) -> None:
     """Raise DataError (one line) unless config `data.path` names a built-in corpus or a
-    prepared directory. Reads one file's existence and builds nothing: cheap enough to call on
-    every rank before the ranks meet, so that they all fail here alike."""
+    prepared directory, and, for a prepared directory, unless config `data.tokenizer` is
+    "auto" or names the tokenizer the directory was made with (same fingerprint; for `bpe:N`,
+    the same spec). Reads a few small files and builds nothing: cheap enough to call on every
+    rank before the ranks meet, so that they all fail here alike."""
     if path.startswith("builtin:"):
         if path not in BUILTIN_NAMES:
             raise DataError(f"data.path = {path!r}: unknown built-in corpus; expected "
                             f"{', '.join(BUILTIN_NAMES)} or a DATA_DIR made by `fourfold prepare`")
-    elif not (Path(path).expanduser() / MANIFEST_FILE).is_file():
+        return
+    data_dir = Path(path).expanduser()
+    if not (data_dir / MANIFEST_FILE).is_file():
         raise DataError(f"data.path = {path!r}: not a prepared data directory (no "
                         f"{MANIFEST_FILE}); run `fourfold prepare INPUT --out DIR`")
+    if tokenizer != AUTO_TOKENIZER:
+        _check_data_tokenizer(data_dir, tokenizer)
 
 
-def resolve_data_path(path: str, tokenizer: str) -> Path:
-    """The DATA_DIR that config `data.path` names: builtin:stdlib (built on first use) or a
-    prepared directory."""
-    check_data_path(path)
+def _check_data_tokenizer(data_dir: Path, tokenizer: str) -> None:
+    """DataError naming both tokenizers unless `tokenizer` is the one data_dir was made with."""
+    manifest = Manifest.load(data_dir)
+    theirs = data_tokenizer_fingerprint(data_dir)
+    ours = spec_fingerprint(tokenizer)
+    if ours == theirs or (ours is None and tokenizer == manifest.tokenizer):
+        return
+    if ours is None:  # bpe:N: a tokenizer trained on the data; what prepare made is another
+        named = f"data.tokenizer = {tokenizer!r}"
+    else:
+        named = f"data.tokenizer = {tokenizer!r} ({short_fingerprint(ours)})"
+    raise DataError(f"{named} is not the tokenizer {str(data_dir)!r} was prepared with "
+                    f"({manifest.tokenizer!r}, {short_fingerprint(theirs)}); leave "
+                    "data.tokenizer at \"auto\" to use the data's own, or prepare the data "
+                    "again with it")
+
+
+def resolve_data_path(path: str, tokenizer: str = AUTO_TOKENIZER) -> Path:
+    """The DATA_DIR that config `data.path` names: builtin:stdlib (built on first use, for
+    `tokenizer`, byte when "auto") or a prepared directory (whose tokenizer `tokenizer` must
+    be, unless "auto": see check_data_path)."""
+    check_data_path(path, tokenizer)
     if path.startswith("builtin:"):
-        return builtin_corpus(tokenizer, name=path)
+        return builtin_corpus("byte" if tokenizer == AUTO_TOKENIZER else tokenizer, name=path)
     return Path(path).expanduser()
 
 

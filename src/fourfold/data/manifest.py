@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fourfold.data.errors import DataError
+from fourfold.data.tokenizers import stored_fingerprint
 from fourfold.files import atomic_write_text
 
 
@@ -52,6 +53,9 @@ class Manifest:
     splits: dict[str, SplitInfo]
     sources: tuple[str, ...]  # the inputs as given
     skipped_files: int  # non-text files skipped inside input folders
+    # which tokenizer made the ids (data.tokenizers.tokenizer_fingerprint); "" in a manifest
+    # written before fingerprints were recorded (data_tokenizer_fingerprint computes it)
+    tokenizer_fingerprint: str = ""
     format_version: int = FORMAT_VERSION
 
     def split(self, name: str) -> SplitInfo:
@@ -68,6 +72,7 @@ class Manifest:
         return {
             "format_version": self.format_version,
             "tokenizer": self.tokenizer,
+            "tokenizer_fingerprint": self.tokenizer_fingerprint,
             "dtype": self.dtype,
             "vocab_size": self.vocab_size,
             "eos_id": self.eos_id,
@@ -108,6 +113,7 @@ class Manifest:
                 splits=splits,
                 sources=tuple(str(s) for s in data.get("sources", ())),
                 skipped_files=int(data.get("skipped_files", 0)),
+                tokenizer_fingerprint=str(data.get("tokenizer_fingerprint", "")),
                 format_version=version,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -134,3 +140,10 @@ class Manifest:
         """Write manifest.json atomically (temporary name, then rename)."""
         atomic_write_text(Path(data_dir) / MANIFEST_FILE,
                           json.dumps(self.to_json(), indent=2) + "\n", durable=True)
+
+
+def data_tokenizer_fingerprint(data_dir: str | Path) -> str:
+    """The fingerprint of the tokenizer a prepared DATA_DIR was made with: its manifest's, or,
+    for a directory prepared before manifests recorded one, that of the tokenizer saved in it."""
+    fingerprint = Manifest.load(data_dir).tokenizer_fingerprint
+    return fingerprint or stored_fingerprint(data_dir)

@@ -2,8 +2,9 @@
 
 A DATA_DIR holds, per split, flat binary files of token ids (uint16, or uint32 for vocabularies
 over 65536 ids) with an EOS token after every document, the tokenizer, and manifest.json. Files
-are written under temporary names and renamed when complete; manifest.json comes last, so a
-DATA_DIR with a manifest is always whole.
+are written into a new directory beside DATA_DIR, which takes DATA_DIR's place in one rename when
+complete (manifest.json written last inside it): a DATA_DIR is always whole, and preparing over
+an old one (`--overwrite`) leaves it whole until the new one is.
 
 What counts as a document: a plain UTF-8 text file (a file over 4 MiB is cut at blank lines into
 pieces of about 1 MiB, so a single big file still streams and still yields a validation split),
@@ -31,7 +32,8 @@ import numpy as np
 from fourfold.data.errors import DataError
 from fourfold.data.manifest import MANIFEST_FILE, SPLITS, Manifest, ShardInfo, SplitInfo
 from fourfold.data.tokenizers import (ByteTokenizer, Tokenizer, check_spec, load_tokenizer,
-                                      parse_bpe_spec, train_bpe)
+                                      parse_bpe_spec, tokenizer_fingerprint, train_bpe)
+from fourfold.files import atomic_directory, is_empty_directory, recover_directory
 
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB per uint16 shard: few files, each cheap to rehash
 BIG_TEXT_BYTES = 4 << 20
@@ -61,12 +63,16 @@ def prepare(
     val_fraction: float = 0.005,
     progress: bool = True,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    overwrite: bool = False,
 ) -> Manifest:
     """Tokenize `inputs` into DATA_DIR `out_dir`; returns the manifest written there.
 
     `tokenizer` is a spec (byte, bpe:VOCAB_SIZE, PATH/tokenizer.json); a bpe tokenizer is trained
     on the inputs first. `val_fraction` of the documents (at least one when there are two or more,
     unless it is 0) form the validation split. The progress bar shows only on a terminal.
+    A non-empty `out_dir` is refused unless `overwrite`; then the new data is written beside
+    it and takes its place in one rename at the end, so that an interrupted prepare leaves the
+    old data whole.
     """
     if not inputs:
         raise DataError(f"no inputs given; expected {INPUT_FORMS}")
@@ -78,47 +84,51 @@ def prepare(
     out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise DataError(f"--out '{out_dir}': exists and is not a directory")
+    recover_directory(out)  # a prepare killed mid-swap left the old data beside it
+    if not overwrite and not is_empty_directory(out):
+        what = "a prepared data directory" if (out / MANIFEST_FILE).is_file() else "files"
+        raise DataError(f"--out '{out_dir}' already holds {what}; pass --overwrite to replace "
+                        "it, or choose an empty directory")
     sources, skipped = _collect_sources(inputs, exclude=out)
     show_progress = progress and sys.stderr.isatty()
     tok = _build_tokenizer(tokenizer, sources, show_progress)
 
-    out.mkdir(parents=True, exist_ok=True)
-    old_manifest = out / MANIFEST_FILE
-    if old_manifest.exists():  # from here until the new manifest lands, the dir is incomplete
-        old_manifest.unlink()
-    dtype = np.dtype(np.uint16) if tok.vocab_size <= 1 << 16 else np.dtype(np.uint32)
-    writers = {s: _ShardWriter(out, s, dtype, shard_tokens) for s in SPLITS}
-    try:
-        counts = _tokenize_into(sources, tok, writers, val_fraction, show_progress)
-        if sum(counts.values()) == 0:
-            raise DataError(f"no documents found in {_describe(inputs)}: expected {INPUT_FORMS}")
-        splits = {}
-        for name, writer in writers.items():
-            shards = writer.commit()
-            splits[name] = SplitInfo(tokens=sum(s.tokens for s in shards),
-                                     documents=counts[name], shards=tuple(shards))
-    except BaseException:
-        for writer in writers.values():
-            writer.abort()
-        raise
-    tok.save(out)
-    manifest = Manifest(
-        tokenizer=tokenizer,
-        dtype=dtype.name,
-        vocab_size=tok.vocab_size,
-        eos_id=tok.eos_id,
-        splits=splits,
-        sources=tuple(str(i) for i in inputs),
-        skipped_files=skipped,
-    )
-    manifest.save(out)
-    _remove_stale_shards(out, manifest)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_directory(out) as staging:
+        dtype = np.dtype(np.uint16) if tok.vocab_size <= 1 << 16 else np.dtype(np.uint32)
+        writers = {s: _ShardWriter(staging, s, dtype, shard_tokens) for s in SPLITS}
+        try:
+            counts = _tokenize_into(sources, tok, writers, val_fraction, show_progress)
+            if sum(counts.values()) == 0:
+                raise DataError(f"no documents found in {_describe(inputs)}: expected "
+                                f"{INPUT_FORMS}")
+            splits = {}
+            for name, writer in writers.items():
+                shards = writer.commit()
+                splits[name] = SplitInfo(tokens=sum(s.tokens for s in shards),
+                                         documents=counts[name], shards=tuple(shards))
+        finally:
+            for writer in writers.values():
+                writer.close()
+        tok.save(staging)
+        manifest = Manifest(
+            tokenizer=tokenizer,
+            tokenizer_fingerprint=tokenizer_fingerprint(tok),
+            dtype=dtype.name,
+            vocab_size=tok.vocab_size,
+            eos_id=tok.eos_id,
+            splits=splits,
+            sources=tuple(str(i) for i in inputs),
+            skipped_files=skipped,
+        )
+        manifest.save(staging)
     return manifest
 
 
-def prepare_main(inputs: list[str], out: str, tokenizer: str) -> int:
-    """`fourfold prepare INPUT... --out DATA_DIR --tokenizer SPEC`: prepare and print a summary."""
-    manifest = prepare(inputs, out, tokenizer=tokenizer)
+def prepare_main(inputs: list[str], out: str, tokenizer: str, overwrite: bool = False) -> int:
+    """`fourfold prepare INPUT... --out DATA_DIR --tokenizer SPEC [--overwrite]`: prepare and
+    print a summary."""
+    manifest = prepare(inputs, out, tokenizer=tokenizer, overwrite=overwrite)
     skipped = (f" (skipped {manifest.skipped_files} non-text files)"
                if manifest.skipped_files else "")
     print(f"prepared {manifest.documents:,} documents{skipped} into {out}")
@@ -306,29 +316,24 @@ def _split_hash(text: str) -> float:
 
 
 class _ShardWriter:
-    """Appends token arrays to `{split}_{index:05d}.bin` files under temporary names."""
+    """Appends token arrays to `{split}_{index:05d}.bin` files in a directory that becomes the
+    DATA_DIR only once complete (see prepare), so each file is written under its own name."""
 
     def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
         self.out_dir = out_dir
         self.split = split
         self.dtype = dtype
         self.shard_tokens = shard_tokens
-        self.finished: list[tuple[Path, ShardInfo]] = []  # (temporary path, info)
+        self.finished: list[ShardInfo] = []
         self._file = None
-        self._tmp_path: Path | None = None
         self._hash = hashlib.sha256()
         self._tokens = 0
-
-    def _final_name(self, index: int) -> str:
-        return f"{self.split}_{index:05d}.bin"
 
     def write(self, tokens: np.ndarray) -> None:
         buf = tokens.astype(self.dtype, copy=False)
         while len(buf):
             if self._file is None:
-                name = self._final_name(len(self.finished))
-                self._tmp_path = self.out_dir / f".{name}.tmp{os.getpid()}"
-                self._file = open(self._tmp_path, "wb")
+                self._file = open(self.out_dir / self._name(), "wb")
                 self._hash = hashlib.sha256()
                 self._tokens = 0
             take = min(len(buf), self.shard_tokens - self._tokens)
@@ -340,33 +345,28 @@ class _ShardWriter:
             if self._tokens == self.shard_tokens:
                 self._finish_shard()
 
+    def _name(self) -> str:
+        return f"{self.split}_{len(self.finished):05d}.bin"
+
     def _finish_shard(self) -> None:
-        assert self._file is not None and self._tmp_path is not None
+        assert self._file is not None
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        name = self._final_name(len(self.finished))
-        info = ShardInfo(name, self._tokens, self._hash.hexdigest())
-        self.finished.append((self._tmp_path, info))
+        self.finished.append(ShardInfo(self._name(), self._tokens, self._hash.hexdigest()))
         self._file = None
-        self._tmp_path = None
 
     def commit(self) -> list[ShardInfo]:
-        """Close the last shard and move every shard to its final name."""
+        """Close the last shard; every shard's name, tokens and checksum."""
         if self._file is not None:
             self._finish_shard()
-        for tmp, info in self.finished:
-            os.replace(tmp, self.out_dir / info.file)
-        return [info for _, info in self.finished]
+        return list(self.finished)
 
-    def abort(self) -> None:
-        if self._file is not None and self._tmp_path is not None:
+    def close(self) -> None:
+        """Close an unfinished shard (after an error)."""
+        if self._file is not None:
             self._file.close()
-            self._tmp_path.unlink(missing_ok=True)
             self._file = None
-        for tmp, _ in self.finished:
-            tmp.unlink(missing_ok=True)
-        self.finished = []
 
 
 def _tokenize_into(sources: list[_Source], tok: Tokenizer, writers: dict[str, _ShardWriter],
@@ -421,12 +421,3 @@ def _tokenize_into(sources: list[_Source], tok: Tokenizer, writers: dict[str, _S
         rescue_train = assigned["train"] == 0
         emit("train" if rescue_train else "val", held["val"])
     return counts
-
-
-def _remove_stale_shards(out: Path, manifest: Manifest) -> None:
-    """Delete shards a previous `prepare` into the same directory left behind."""
-    keep = {f.file for s in manifest.splits.values() for f in s.shards}
-    for split in SPLITS:
-        for path in out.glob(f"{split}_*.bin"):
-            if path.name not in keep:
-                path.unlink(missing_ok=True)

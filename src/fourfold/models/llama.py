@@ -36,15 +36,40 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables (max_seq_len, head_dim) in the rotate-half layout that HF uses, with
-    the sign of rotate-half folded into sin: sin's first half is negated."""
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE's inverse frequencies (head_dim/2,), float64 on the CPU, stretched as
+    cfg.rope_scaling says, by the formulas of Hugging Face transformers' rope_type of that
+    name: "linear" divides every frequency by rope_factor; "llama3" divides those whose
+    wavelength exceeds rope_original_max_seq_len / rope_low_freq_factor by rope_factor, keeps
+    those shorter than rope_original_max_seq_len / rope_high_freq_factor, and blends the ones
+    between."""
+    head_dim = cfg.head_dim
     # on the CPU even inside a meta-device build: buffers are small and computed, not drawn
     cpu = torch.device("cpu")
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu)
-                                / head_dim))
-    t = torch.arange(max_seq_len, dtype=torch.float64, device=cpu)
-    freqs = torch.outer(t, inv_freq)  # (T, head_dim/2)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64,
+                                                       device=cpu) / head_dim))
+    factor = cfg.rope_factor
+    if cfg.rope_scaling == "linear":
+        return inv_freq / factor
+    if cfg.rope_scaling == "llama3":
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        context = cfg.rope_original_max_seq_len
+        wavelength = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+        smooth = (context / wavelength - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        between = (wavelength >= context / high) & (wavelength <= context / low)
+        return torch.where(between, blended, scaled)
+    return inv_freq
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (max_seq_len, head_dim) in the rotate-half layout that HF uses, with
+    the sign of rotate-half folded into sin: sin's first half is negated."""
+    head_dim = cfg.head_dim
+    cpu = torch.device("cpu")
+    t = torch.arange(cfg.max_seq_len, dtype=torch.float64, device=cpu)
+    freqs = torch.outer(t, rope_frequencies(cfg))  # (T, head_dim/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (T, head_dim)
     sign = torch.cat([-torch.ones(head_dim // 2, device=cpu),
                       torch.ones(head_dim // 2, device=cpu)]).double()
@@ -298,7 +323,7 @@ class Llama(nn.Module):
         # a block of the vocabulary at a time, never whole logits
         self.output_loss: nn.Module | None = None
         self.activation_checkpointing = False
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if not self.embed.weight.is_meta:

@@ -9,12 +9,12 @@ bandwidth its group's placement sees (group size = the axis size; stride between
 faster (`collective_seconds`), minus the part the engine's overlap hides. Hidden communication
 costs the compute it runs under the SMs its kernels hold: compute overlapped by a collective for
 t seconds takes `Device.comm_sm_fraction` x t longer (NCCL's CTAs hold their SMs exclusively;
-the constants and their sources are in machines.py), the `contention_s` of a prediction. (The
+the constants and their sources are in catalog.py), the `contention_s` of a prediction. (The
 0.1-of-hidden-time "interference" term that was here rested on no measurement and is gone;
 contention for memory bandwidth is not modelled.)
 
 On the `cpu` machine (N ranks time-sharing this host's cores) the rates come from its probe
-(`Machine.calibration(N)`, see fourfold.plan.machines): GEMM, memory and per-op rates with all N
+(`Machine.calibration(N)`, see fourfold.plan.host_probe): GEMM, memory and per-op rates with all N
 ranks busy, each collective call a fitted latency + ring volume x seconds per byte of its group
 size, and overlap scaled down to what spare cores can hide (none when N >= cores).
 """
@@ -29,7 +29,8 @@ from fourfold.models.llama import flops_per_token
 from fourfold.parallel.embedding import uses_blocked_loss
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.parallel.linear import split_rows
-from fourfold.plan.machines import HostCalibration, Machine, ring_volume
+from fourfold.plan.catalog import Machine, ring_volume
+from fourfold.plan.host_probe import HostCalibration
 from fourfold.plan.memory import Precision
 from fourfold.plan.methods.base import MethodCost, spec_of
 from fourfold.plan.schedule import Collective, block_linears, collective_schedule

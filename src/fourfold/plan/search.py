@@ -8,14 +8,14 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fourfold.config import PRESETS, ModelConfig, model_config
+from fourfold.config import PRESETS, ModelConfig, TrainConfig, model_config
 from fourfold.intmath import divisors
 from fourfold.methods import method_names, method_spec
 from fourfold.parallel.embedding import resolve_output_loss
 from fourfold.parallel.grid import AXES, RANK_ORDER, GridShape
 from fourfold.plan.errors import PlanError
 from fourfold.intmath import GIB
-from fourfold.plan.machines import Machine
+from fourfold.plan.catalog import Machine
 from fourfold.plan.memory import (MemoryBreakdown, Precision, predict_memory,
                                   predict_method_memory, predicted_memory)
 from fourfold.plan.methods.base import method_model, spec_of
@@ -24,7 +24,7 @@ from fourfold.plan.perf import Overlap, StepPrediction, predict_step
 if TYPE_CHECKING:
     import torch
 
-    from fourfold.config import Config, TrainConfig
+    from fourfold.config import Config
 
 
 @dataclass
@@ -80,6 +80,10 @@ class Plan:
     candidates: list[Candidate]  # best first: those that fit by time, then the rest by memory
     rejected: list[tuple[GridShape, str]] = field(default_factory=list)
     optimizer: str = "adamw"  # train.optimizer the memory column was planned for
+    # what the search was given beyond the above (for `why_nothing_fits`)
+    train: TrainConfig | None = None
+    grad_accum: int | None = None  # fixed by the caller; None: searched
+    checkpointing: tuple[bool, ...] = (False, True)
 
     @property
     def best(self) -> Candidate:
@@ -89,6 +93,12 @@ class Plan:
     def time_note(self) -> str | None:
         """What the step-time column is for this optimizer (None for AdamW's own step)."""
         return method_model(self.optimizer).time_note
+
+    def why_nothing_fits(self) -> str:
+        """When no grid fits, one line: why, and what would make one fit (the batch,
+        accumulation, activation checkpointing, more GPUs, a leaner optimizer); "" when one
+        fits. Each fix offered is checked: the job with it fits on some grid."""
+        return "" if self.best.fits else nothing_fits_advice(self)
 
 
 def batch_axes(optimizer: str = "adamw") -> tuple[str, ...]:
@@ -209,12 +219,8 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
     for ac in checkpointing:
         for micro in micro_options:  # largest first: bigger GEMMs, fewer repeated gathers
             accum = local_batch // micro
-            mem = predict_memory(model, shape, micro * seq_len, ac, precision,
-                                 output_loss=loss_mode, grad_accum=accum)
-            if train is not None:  # the method's gradients as this micro-batch accumulates them
-                mem = predict_method_memory(mem, model, shape,
-                                            dataclasses.replace(train, grad_accum=accum),
-                                            precision, loss_mode)
+            mem = candidate_memory(model, shape, micro, accum, ac, seq_len, precision,
+                                   loss_mode, train)
             if smallest is None or mem.total < smallest[2].total:
                 smallest = (micro, ac, mem)
             if mem.total <= usable:
@@ -224,6 +230,20 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
         assert smallest is not None
         fitting = candidates(*smallest)
     return min(fitting, key=lambda c: c.prediction.step_s)
+
+
+def candidate_memory(model: ModelConfig, shape: GridShape, micro_batch: int, grad_accum: int,
+                     activation_checkpointing: bool, seq_len: int, precision: Precision,
+                     output_loss: str, train: TrainConfig | None) -> MemoryBreakdown:
+    """A rank's peak running micro-batches of `micro_batch` sequences, `grad_accum` of them a
+    step: AdamW's (predict_memory), or with `train`, its method's gradients and state as this
+    micro-batch accumulates them."""
+    mem = predict_memory(model, shape, micro_batch * seq_len, activation_checkpointing,
+                         precision, output_loss=output_loss, grad_accum=grad_accum)
+    if train is None:
+        return mem
+    method = dataclasses.replace(train, grad_accum=grad_accum)
+    return predict_method_memory(mem, model, shape, method, precision, output_loss)
 
 
 _REDUCE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -244,7 +264,7 @@ def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: in
     `dtype` is a name (`Precision.of`) or a Precision (e.g. another wire dtype);
     `reduce_dtypes` / `overlap_forward`: the parallel.reduce_dtype / overlap_forward settings
     the search may pick from (None: the precision's reduce dtype, `overlap`'s split);
-    `train`: plan the memory of its train.optimizer (with its block_sparsity, galore_rank),
+    `train`: plan the memory of its train.optimizer (with its [train.method] options),
     None: AdamW's."""
     optimizer = "adamw" if train is None else train.optimizer
     if optimizer not in method_names():
@@ -284,7 +304,106 @@ def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: in
     # those that fit by time; the rest by how much memory they need, the closest miss first
     candidates.sort(key=lambda c: (0, c.prediction.step_s) if c.fits else (1, c.memory.total))
     return Plan(model, machine, world_size, global_batch, seq_len, precision, candidates,
-                rejected, optimizer)
+                rejected, optimizer, train, grad_accum, checkpointing)
+
+
+# Training methods from the most state per parameter to the least, for the advice that a leaner
+# one fits (es is left out: its population changes what a step is).
+LEANER_ORDER: tuple[str, ...] = ("adamw", "galore", "blockllm", "adalomo", "lomo", "mezo")
+# How far the advice looks for a GPU count that fits: up to this many times the job's.
+_ADVICE_GPU_FACTOR = 64
+
+
+def leanest_fits(model: ModelConfig, world_size: int, global_batch: int, seq_len: int,
+                 machine: Machine, precision: Precision, train: TrainConfig | None,
+                 grad_accum: int | None = None,
+                 checkpointing: tuple[bool, ...] = (False, True)) -> bool:
+    """Whether some grid of `world_size` ranks holds this job at its leanest: each of
+    `checkpointing`, the smallest micro-batch its method and a fixed `grad_accum` allow. Memory
+    only (no step times), so the advice can ask it of many variants of a job. Only grids
+    without data-parallel replicas are tried: moving a grid's data ranks onto z splits the
+    batch alike and shards the weights and states too, so the leanest grids have data = 1."""
+    optimizer = "adamw" if train is None else train.optimizer
+    usable = machine.usable_memory_bytes(world_size)
+    loss_mode = resolve_output_loss("auto", method_spec(optimizer).blocked_loss)
+    for shape in grid_shapes(world_size):
+        if shape.data > 1 or grid_problem(model, shape, global_batch, optimizer) is not None:
+            continue
+        local_batch = global_batch // batch_split(shape, optimizer)
+        accum = (grad_accum or local_batch) if method_spec(optimizer).accumulates else 1
+        if local_batch % accum:
+            continue
+        if any(candidate_memory(model, shape, local_batch // accum, accum, ac, seq_len, precision,
+                                loss_mode, train).total <= usable for ac in checkpointing):
+            return True
+    return False
+
+
+def _either(options: list[str]) -> str:
+    return options[0] if len(options) == 1 else f"{', '.join(options[:-1])} or {options[-1]}"
+
+
+def nothing_fits_advice(result: Plan) -> str:
+    """Why no grid of `result` fits (from its leanest candidate) and the fixes that would make
+    one fit, each checked by `leanest_fits`, in one line."""
+    best, optimizer = result.best, result.optimizer
+    accumulates = method_spec(optimizer).accumulates
+    model, world = result.model, result.world_size
+    batch, seq = result.global_batch, result.seq_len
+    mem, usable = best.memory, best.usable_bytes / GIB
+    need = f"{mem.total / GIB:.1f} GiB per rank on the leanest grid ({best.shape}), " \
+           f"{usable:.1f} GiB usable"
+
+    def fits(world: int = world, global_batch: int = batch,
+             train: TrainConfig | None = result.train,
+             grad_accum: int | None = result.grad_accum,
+             checkpointing: tuple[bool, ...] = result.checkpointing) -> bool:
+        return leanest_fits(model, world, global_batch, seq, result.machine, result.precision,
+                            train, grad_accum, checkpointing)
+
+    state = (mem.params + mem.grads + mem.optimizer) / GIB
+    micro = f"{best.micro_batch} sequence{'s' if best.micro_batch > 1 else ''}"
+    if not accumulates and best.micro_batch > 1:
+        why = (f"{optimizer} updates each weight inside backward, so it cannot accumulate "
+               f"micro-batches: the batch of {batch} x {seq} tokens runs whole, {micro} a "
+               f"rank, {need}")
+    elif result.grad_accum is not None and best.micro_batch > 1:
+        why = f"--grad-accum {result.grad_accum} makes micro-batches of {micro} a rank, {need}"
+    elif state > usable:
+        held = ["the weights"] + (["gradients"] if mem.grads else []) + \
+            ([f"{optimizer}'s state"] if mem.optimizer else [])
+        why = (f"{', '.join(held[:-1]) + ' and ' if len(held) > 1 else ''}{held[-1]} alone "
+               f"take {state:.1f} GiB per rank on the leanest grid ({best.shape}), "
+               f"{usable:.1f} GiB usable")
+    else:
+        why = (f"at a micro-batch of {micro}, activation checkpointing "
+               f"{'on' if best.activation_checkpointing else 'off'}, a rank needs {need}")
+    fixes = []  # the batch and its micro-batches first: they change nothing else
+    if result.grad_accum is not None and accumulates and fits(grad_accum=None):
+        fixes.append("leave out --grad-accum (the search accumulates)")
+    if not accumulates or result.grad_accum is not None:
+        smaller = next((b for b in (batch >> k for k in range(1, batch.bit_length()))
+                        if fits(global_batch=b)), None)
+        if smaller is not None:
+            fixes.append(f"--global-batch {smaller}")
+    batch_fixed = bool(fixes)
+    if True not in result.checkpointing and fits(checkpointing=(True,)):
+        fixes.append("--activation-checkpointing on")
+    if not result.machine.device.shared_host:  # ranks on one host share its memory
+        more = next((world << k for k in range(1, _ADVICE_GPU_FACTOR.bit_length())
+                     if fits(world=world << k)), None)
+        if more is not None:
+            fixes.append(f"{more} GPUs")
+    if not batch_fixed and optimizer in LEANER_ORDER:  # the state is what does not fit
+        for name in LEANER_ORDER[LEANER_ORDER.index(optimizer) + 1:]:
+            lean = dataclasses.replace(result.train or TrainConfig(), optimizer=name)
+            accum = result.grad_accum if method_spec(name).accumulates else None
+            if fits(train=lean, grad_accum=accum):
+                fixes.append(f"--optimizer {name}")
+                break
+    fix = f"fix: {_either(fixes)}" if fixes else \
+        f"no fix up to {world * _ADVICE_GPU_FACTOR} GPUs: a device with more memory"
+    return f"no grid of {world} x {result.machine.device.name} fits: {why}; {fix}"
 
 
 def _no_grid_message(model: ModelConfig, world_size: int, global_batch: int,
@@ -314,7 +433,7 @@ def choose_grid(model_cfg: ModelConfig, world_size: int, machine: Machine | str,
     the run's train config, whose train.optimizer's memory the grid must fit (None: AdamW's).
     Raises PlanError when no grid fits in memory.
     """
-    from fourfold.plan.machines import load_machine
+    from fourfold.plan.machine_file import load_machine
 
     m = load_machine(machine)
     checkpointing = (False, True) if activation_checkpointing is None else \

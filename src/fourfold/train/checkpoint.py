@@ -167,7 +167,7 @@ def placements_for(layout: Layout, ndim: int, name: str = "tensor") -> list[Any]
 def build_mesh(grid: Grid) -> Any:
     """The (data, y, x, z) DeviceMesh of a grid, without process groups of its own (nothing here
     communicates through it). None on one process."""
-    if grid.world_size == 1:
+    if grid.world_size == 1 and not grid.force_groups:
         return None
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -721,7 +721,8 @@ class CheckpointManager:
         self.grid = grid
         self.async_save = cfg.is_async(on_host=grid.device.type == "cpu")
         self.rank = grid.rank
-        self.distributed = grid.world_size > 1 and dist.is_initialized()
+        # a one-rank grid that forces the engine (Grid.force_groups) takes the grid's path too
+        self.distributed = (grid.world_size > 1 or grid.force_groups) and dist.is_initialized()
         # A group of its own: the writer thread's collectives never meet training traffic.
         self.group = dist.new_group(backend="gloo") if self.distributed else None
         self.mesh = build_mesh(grid) if self.distributed else None

@@ -18,8 +18,9 @@ on a small model. The policy:
 - gives the engine a pool that keeps a released gradient's buffer for the next gradient of
   its shape (parallel/buffers.py), where fresh gradients would each find the heap's holes
   taken by the activations made since.
-bench/train_memory.py measures a run's peak resident memory per rank with and without these
-(the figures: docs/results.md); tests/test_host_memory.py checks what each does to the heap.
+bench/memory_lean.py (--cli, --tuned-malloc) measures a run's peak resident memory per rank
+(the figures: docs/results.md); tests/test_host_memory.py checks what each part does to the
+heap.
 Off glibc, or when the user tunes malloc through the environment (MALLOC_* variables or
 GLIBC_TUNABLES), the tuning does nothing.
 """

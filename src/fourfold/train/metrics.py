@@ -13,14 +13,15 @@ from typing import Any, TextIO
 
 import torch
 
-from fourfold.plan.machines import DEVICES, catalog_key_for_gpu, machine_for_torch_device
+from fourfold.plan.catalog import DEVICES, catalog_key_for_gpu
+from fourfold.plan.machine_file import machine_for_torch_device
 
 PROBE_SECONDS = 0.5
 
 
 def gpu_peak_flops(device_name: str, dtype: str, tf32: bool) -> float | None:
     """Peak FLOP/s of a GPU by the name torch gives it, from the one hardware catalog
-    (fourfold.plan.machines.DEVICES), or None for a GPU the catalog does not know."""
+    (fourfold.plan.catalog.DEVICES), or None for a GPU the catalog does not know."""
     key = catalog_key_for_gpu(device_name)
     return None if key is None else DEVICES[key].peak_flops(dtype, tf32)
 

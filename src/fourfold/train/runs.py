@@ -18,6 +18,7 @@ from fourfold.models.llama import Llama, build_model
 from fourfold.safetensors_stream import TensorSpec, write_streamed
 
 if TYPE_CHECKING:
+    from fourfold.data import Tokenizer
     from fourfold.parallel.parallelize import ParallelModel
 
 CONFIG_FILE = "config.toml"
@@ -189,6 +190,19 @@ def trained_tensors(run_dir: str | Path
                 yield spec, f.get_tensor(spec.name)
 
     return cfg, specs, tensors()
+
+
+def run_tokenizer(run_dir: str | Path, cfg: Config) -> "Tokenizer":
+    """The tokenizer whose ids a run (`cfg`, its config.toml) was trained on: its data
+    directory's own (a built-in corpus's for its data.tokenizer)."""
+    from fourfold.data import ByteTokenizer, load_tokenizer, resolve_data_path
+
+    path, spec = cfg.data.path, cfg.data.tokenizer
+    if not path.startswith("builtin:"):
+        spec = "auto"  # the data's own: an older run recorded "byte" whatever its data held
+    elif spec in ("auto", "byte"):
+        return ByteTokenizer()  # without building the corpus
+    return load_tokenizer(resolve_data_path(path, spec))
 
 
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,

@@ -19,7 +19,7 @@ from torch import nn
 
 from fourfold.methods import MethodSpec, method_spec
 from fourfold.parallel import Axis, Layout, ParallelModel
-from fourfold.train.methods.noise import CHUNK_ELEMENTS, ShardNoise
+from fourfold.noise import CHUNK_ELEMENTS, ShardNoise
 from fourfold.train.optim import uses_weight_decay
 
 

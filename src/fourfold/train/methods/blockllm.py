@@ -26,7 +26,7 @@ while they fit) is made and only the rows in it keep their gradient. A block tha
 tentative choice never comes back into it (blocks seen later only add to the elements ranked
 above it), so the final choice's gradients are all at hand without a second backward; and a
 later tensor's rows below the steepest block that left are dropped at its hand-off (a few
-rankings a selection, not one per tensor: bench/blockllm_choice.py counts them).
+rankings a selection, not one per tensor).
 
 Checkpoints: the selection (global rows per tensor) is in the state's facts; each tensor's
 moments and step counts are saved as (its chosen rows, the shard's columns), the rows gathered
@@ -48,13 +48,13 @@ from torch import nn
 
 from fourfold.config import TrainConfig
 from fourfold.methods.blockllm import HOLD_SLACK, BlockLLMOptions
+from fourfold.noise import chunk_elements
 from fourfold.parallel import Axis, Layout, ParallelModel
 from fourfold.train.methods.base import (CHUNK_ELEMENTS, ParamView, PhaseHooks, StepData,
                                          StepGuard, StepResult, TrainingMethod,
                                          arm_on_last_micro_step, backward_pass, check_meta,
                                          live_grad_bytes, on_final_gradients, padded_dims,
                                          param_views, reduce_loss)
-from fourfold.train.methods.noise import chunk_elements
 
 EPS = 1e-8  # AdamW's, as train/optim.build_optimizer
 

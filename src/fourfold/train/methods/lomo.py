@@ -27,7 +27,7 @@ from fourfold.train.methods.base import (ParamView, PerParameterState, PhaseHook
                                          StepGuard, StepResult, TrainingMethod, backward_pass,
                                          check_meta, live_grad_bytes, on_final_gradients,
                                          padded_dims, param_views, reduce_loss, shard_norm_sq)
-from fourfold.train.methods.noise import CHUNK_ELEMENTS
+from fourfold.noise import CHUNK_ELEMENTS
 
 
 class FusedBackward(TrainingMethod):
@@ -175,7 +175,7 @@ class AdaLomo(PerParameterState, FusedBackward):
             (m, n), (row_axes, col_axes) = view.full_shape, dims
             # row blocks of ~1 MiB: no temporary as large as the matrix (the embedding's would
             # be as large as its gradient), on a GPU too (larger blocks cost memory there and
-            # gained no step time: bench/lean_step_time.py)
+            # gain no step time)
             block = max(1, CHUNK_ELEMENTS // g.shape[1])
             chunks = [(r, min(r + block, g.shape[0])) for r in range(0, g.shape[0], block)]
             row_sums, col_sums = [], torch.zeros(g.shape[1], dtype=g.dtype, device=g.device)

@@ -1,6 +1,6 @@
 """Training from forward passes alone: MeZO (zeroth-order SGD) and evolution strategies.
 
-Both perturb the weights in place with seeded noise (methods/noise.py) and never hold a
+Both perturb the weights in place with seeded noise (fourfold/noise.py) and never hold a
 gradient or a second copy of the weights: memory is inference memory. The noise of an element
 depends only on (seed, step, parameter name, member, global position), so every grid perturbs the
 same global weights identically and the batch axes carry only scalar losses.
@@ -19,7 +19,7 @@ from fourfold.methods.zeroth import ESOptions, MeZOOptions
 from fourfold.parallel import ParallelModel
 from fourfold.train.methods.base import (ParamView, PhaseHooks, StepData, StepGuard, StepResult,
                                          TrainingMethod, check_meta, param_views)
-from fourfold.train.methods.noise import noise_key
+from fourfold.noise import noise_key
 
 
 @torch.no_grad()
