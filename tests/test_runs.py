@@ -345,3 +345,23 @@ def test_config_mistakes_are_reported_before_torch_is_imported(argv: list[str], 
     assert done.returncode == 2, done.stderr
     assert done.stdout.strip() == "False"
     assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: ")
+
+
+def test_the_vocabulary_defaults_to_the_tokenizers_size(texts: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]):
+    from fourfold.train.runs import run_config
+
+    prepare([texts], tmp_path / "bpe", tokenizer="bpe:600", val_fraction=0.1, progress=False)
+    from fourfold.data import load_tokenizer
+
+    size = load_tokenizer(tmp_path / "bpe").vocab_size
+    assert 512 < size <= 600  # more than the debug preset's 512
+    code, err = run_cli(capsys, "train", *sets("train.steps=1", f"data.path={tmp_path / 'bpe'}"),
+                        "--out", str(tmp_path / "run"))
+    assert code == 0, err
+    assert run_config(tmp_path / "run").model.vocab_size == 640  # rounded up to 64
+    # a vocabulary the user chose is not changed: too small, refused
+    code, err = run_cli(capsys, "train", *sets("train.steps=1", f"data.path={tmp_path / 'bpe'}",
+                                               "model.vocab_size=520"),
+                        "--out", str(tmp_path / "refused"))
+    assert code == 2 and "model.vocab_size = 520 is smaller" in err, err

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fourfold.config import Config, ConfigError, validate
+from fourfold.config import PRESETS, Config, ConfigError, validate
 from fourfold.data import (BatchLoader, Tokenizer, check_data_path, load_tokenizer,
                            resolve_data_path)
 from fourfold.data.tokenizers import tokenizer_fingerprint
@@ -37,6 +37,9 @@ from fourfold.train.host_memory import HostMemory
 from fourfold.methods import method_spec
 from fourfold.train.methods import TrainingMethod, batch_shard, build_method
 from fourfold.train.resilience import LossGuard
+
+# a vocabulary sized from the tokenizer is rounded up to this (even shards, aligned GEMMs)
+VOCAB_MULTIPLE = 64
 
 
 @dataclass
@@ -129,6 +132,15 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
             f"the tokenizer of data.path = {cfg.data.path!r} has {tokenizer.vocab_size} tokens, "
             f"more than the {cfg.model.vocab_size} of model.init_from = {init_from!r}: it is "
             "not the model's tokenizer; prepare the data with the model's tokenizer")
+    if (cfg.model.vocab_size < tokenizer.vocab_size and model is None
+            and cfg.model.vocab_size == PRESETS.get(cfg.model.preset, {}).get("vocab_size")):
+        # the preset's vocabulary, too small for the data: the tokenizer's size instead
+        vocab = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        if rank == 0:
+            print(f"model.vocab_size = {vocab}: the tokenizer's {tokenizer.vocab_size} tokens "
+                  f"(rounded up to a multiple of {VOCAB_MULTIPLE}), more than model.preset = "
+                  f"{cfg.model.preset!r}'s {cfg.model.vocab_size}", file=sys.stderr, flush=True)
+        cfg.model = dataclasses.replace(cfg.model, vocab_size=vocab)
     if cfg.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
             f"model.vocab_size = {cfg.model.vocab_size} is smaller than the tokenizer's "
