@@ -365,3 +365,25 @@ def test_the_vocabulary_defaults_to_the_tokenizers_size(texts: Path, tmp_path: P
                                                "model.vocab_size=520"),
                         "--out", str(tmp_path / "refused"))
     assert code == 2 and "model.vocab_size = 520 is smaller" in err, err
+
+
+def test_sigterm_is_noted_once_and_the_old_handlers_come_back():
+    import os
+    import signal
+
+    from fourfold.signals import StopSignals
+
+    before = signal.getsignal(signal.SIGTERM)
+    signals = StopSignals()
+    signals.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # noted, the process goes on
+        os.kill(os.getpid(), signal.SIGTERM)  # a launcher passing the same signal on
+        assert signals.terminated and not signals.interrupted and signals.any
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # a repeat does not cut the unwinding short
+        assert signals.interrupted
+    finally:
+        signals.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is before
