@@ -131,6 +131,19 @@ def read_steps(steps: list[StepStats]) -> None:
         s._set_read(row)
 
 
+def time_completed_steps(steps: list[StepStats], started: float, device: torch.device) -> None:
+    """Give `steps` (run back to back since `started`) their share of the wall clock until the
+    device has finished them. A step's own timer stops when the host has queued its work, which
+    on a GPU is long before the work is done: tokens/s, MFU and the straggler report read the
+    completed time instead."""
+    read_steps(steps)  # waits for the device's numbers of the last step
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # and for its update, queued after them
+    seconds = (time.perf_counter() - started) / max(len(steps), 1)
+    for s in steps:
+        s.seconds = seconds
+
+
 @dataclass
 class TrainResult:
     final_loss: float
@@ -396,16 +409,19 @@ class Trainer:
             if t.eval_batches > 0 and t.eval_every > 0 and self.step == 0:
                 self._validate(0)
             pending: list[StepStats] = []  # steps whose numbers are still on the device
+            window = time.perf_counter()  # when the first of the pending steps began
             while self.step < t.steps:
                 pending.append(self.train_step())
                 due = [part for part in self.periodic if part.due(self.step)]
                 if not (due or self.log.due(self.step) or t.nan_policy == "rollback"):
                     continue
                 done, pending = pending, []
-                if not self._account(done):  # rolled back: a step to take again
-                    continue
-                for part in due:
-                    part.run(self.step)
+                time_completed_steps(done, window, self.device)
+                accounted = self._account(done)
+                if accounted:  # else rolled back: a step to take again
+                    for part in due:
+                        part.run(self.step)
+                window = time.perf_counter()
             self._wait_for_checkpoints()
             return self.finish(started)
         finally:
