@@ -169,7 +169,8 @@ def _print_train_summary(run_dir: Path) -> None:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from fourfold.data.prepare import prepare_main
 
-    return prepare_main(args.inputs, args.out, args.tokenizer, overwrite=args.overwrite)
+    return prepare_main(args.inputs, args.out, args.tokenizer, overwrite=args.overwrite,
+                        data_format=args.format, train_on=args.train_on)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -285,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--overwrite", action="store_true",
                          help="replace what DATA_DIR holds (the old data stays whole until the "
                               "new is complete)")
+    prepare.add_argument("--format", default="text", metavar="FORMAT",
+                         help="text | chat (records with 'messages') | instruct (prompt/"
+                              "completion or instruction/input/output) (default text)")
+    prepare.add_argument("--train-on", default="assistant", metavar="WHAT",
+                         help="chat and instruct data: assistant (its answers; the prompt is "
+                              "not trained) | all (default assistant)")
     prepare.set_defaults(handler=cmd_prepare)
 
     gen = sub.add_parser("generate", help="continue a prompt with a trained model")
