@@ -149,10 +149,19 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
     # The loader hands out whole steps; micro-batches are slices of them, so the data a step
     # sees does not depend on grad_accum. Validation batches are whole steps too (evaluated in
     # micro-batch slices), so the validation set depends neither on grad_accum nor on the grid.
+    # Packed rows are spread over the shards and micro-batches by the planner's cost of their
+    # attention against their GEMMs (on a GPU of the catalog; by their FLOPs elsewhere).
+    from fourfold.plan.machine_file import machine_for_torch_device
+    from fourfold.plan.perf import sequence_cost
+
+    cost = sequence_cost(cfg.model, t.seq_len, machine_for_torch_device(device)
+                         if device.type == "cuda" else None, t.dtype)
     loader = BatchLoader(data_dir, "train", t.batch_size, t.seq_len, t.seed,
-                         shard_index=shard_index, num_shards=shard_count)
+                         shard_index=shard_index, num_shards=shard_count,
+                         packing=cfg.data.packing, micro_batches=t.grad_accum, cost=cost)
     val_loader = BatchLoader(data_dir, "val", t.batch_size, t.seq_len, t.seed,
-                             shard_index=shard_index, num_shards=shard_count)
+                             shard_index=shard_index, num_shards=shard_count,
+                             packing=cfg.data.packing, micro_batches=t.grad_accum, cost=cost)
     return Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world_size=world_size, device=device,
                grid=grid, data_dir=data_dir, tokenizer=tokenizer, pmodel=pmodel,
                compiler=compiler, optimizer=optimizer, method=method, loader=loader,

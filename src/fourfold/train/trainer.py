@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from fourfold.config import Config
-from fourfold.data import Tokenizer
+from fourfold.data import Batch, Tokenizer
 from fourfold.errors import EXIT_FAILED, FourfoldError
 from fourfold.models.adapter import write_adapter_run
 from fourfold.models.llama import Llama, build_model, flops_per_token
@@ -28,7 +28,7 @@ from fourfold.parallel.grid import check_shared_directory
 from fourfold.plan.perf import hardware_flops_per_token
 from fourfold.train.build import Run, build_run, predicted_memory
 from fourfold.train.checkpoint import BaseReference, CheckpointError, CheckpointManager
-from fourfold.train.host_memory import to_device, trim_host_memory
+from fourfold.train.host_memory import trim_host_memory
 from fourfold.train.memory_report import MemoryMeter, gather_reports, predicted_report
 from fourfold.train.methods import StepData, TrainingMethod
 from fourfold.train.metrics import MetricsLog, job_peak_flops, peak_memory_bytes
@@ -178,7 +178,7 @@ class Trainer:
                                          self.cfg.train.activation_checkpointing)
                              if self.cfg.train.memory_report else None)
         t = self.cfg.train
-        self._val_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._val_cache: list[Batch] | None = None
 
         self.step = 0
         self.tokens_per_step = t.batch_size * t.seq_len
@@ -223,18 +223,27 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16,
                               enabled=self.cfg.train.dtype == "bfloat16")
 
-    def _loss_mask(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss_mask(self, batch: Batch) -> torch.Tensor:
+        """1.0 where a target counts in the loss: a trained one (every target of raw text; the
+        answers of chat data), unless the goldfish loss drops it."""
+        mask = batch.loss_weights()
         t = self.cfg.train
         if t.loss == "goldfish":
             from fourfold.train.goldfish import goldfish_mask  # only runs that ask for it
 
-            return goldfish_mask(inputs, targets, t.goldfish_k, t.goldfish_h).float()
-        return torch.ones(targets.shape, dtype=torch.float32, device=targets.device)
+            mask = mask * goldfish_mask(batch.inputs, batch.targets, t.goldfish_k,
+                                        t.goldfish_h).float()
+        return mask
 
-    def _val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        """Per-token losses (b, T) of a micro-batch; packed rows attend within documents."""
+        with self._autocast():
+            return self.pmodel(batch.inputs, batch.targets, documents=batch.documents)
+
+    def _val_batches(self) -> list[Batch]:
         if self._val_cache is None:
             batches = self.val_loader.eval_batches(self.cfg.train.eval_batches)
-            self._val_cache = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+            self._val_cache = [b.to(self.device) for b in batches]
         return self._val_cache
 
     # ---- one step -----------------------------------------------------------------------
@@ -264,10 +273,9 @@ class Trainer:
         lr = self.schedule.apply(self.optimizer, step)
         self.pmodel.ledger.reset()
 
-        inputs, targets = self.loader.next_batch()  # (B / shards, T)
-        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
-        micro = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
-        masks = [self._loss_mask(x, y) for x, y in micro]
+        batch = self.loader.next_batch().to(self.device)  # (B / shards, T)
+        micro = batch.split(t.grad_accum)
+        masks = [self._loss_mask(b) for b in micro]
         local_count = torch.stack([m.sum() for m in masks]).sum()
         global_count = self._count_over_batch(local_count).clamp(min=1.0)
 
@@ -297,7 +305,7 @@ class Trainer:
                 total = self.pmodel.comm.all_reduce(total, axis).wait()
         return total.to(local.dtype)
 
-    def _update(self, step: int, micro: list[tuple[torch.Tensor, torch.Tensor]],
+    def _update(self, step: int, micro: list[Batch],
                 masks: list[torch.Tensor], global_count: torch.Tensor
                 ) -> tuple[Verdict, torch.Tensor]:
         """Forward and backward over the micro-batches, then the update: the one place where
@@ -308,10 +316,9 @@ class Trainer:
         t = self.cfg.train
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
-        for i, ((x, y), mask) in enumerate(zip(micro, masks)):
+        for i, (batch, mask) in enumerate(zip(micro, masks)):
             self.pmodel.set_requires_gradient_sync(i == len(micro) - 1)
-            with self._autocast():
-                per_token = self.pmodel(x, y)  # (b, T)
+            per_token = self._forward(batch)  # (b, T)
             loss = (per_token.float() * mask).sum() / global_count
             loss.backward()
             self.pmodel.finish_backward()
@@ -344,7 +351,7 @@ class Trainer:
         finally:
             del self.optimizer.found_inf  # type: ignore[attr-defined]
 
-    def _method_update(self, step: int, lr: float, micro: list[tuple[torch.Tensor, torch.Tensor]],
+    def _method_update(self, step: int, lr: float, micro: list[Batch],
                        masks: list[torch.Tensor], global_count: torch.Tensor
                        ) -> tuple[float, float, str | None]:
         """The update of train.optimizer other than adamw (train/methods): the method runs
@@ -353,10 +360,9 @@ class Trainer:
         assert self.method is not None
 
         def losses() -> Iterator[torch.Tensor]:
-            for i, ((x, y), mask) in enumerate(zip(micro, masks)):
+            for i, (batch, mask) in enumerate(zip(micro, masks)):
                 self.pmodel.set_requires_gradient_sync(i == len(micro) - 1)
-                with self._autocast():
-                    per_token = self.pmodel(x, y)  # (b, T)
+                per_token = self._forward(batch)  # (b, T)
                 yield (per_token.float() * mask).sum() / global_count
 
         result = self.method.step(self.pmodel, StepData(len(micro), losses), lr,
@@ -375,8 +381,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss per token over train.eval_batches fixed batches (the same
-        batches every time), reduced over the batch axes. Collective on a grid."""
+        """Mean validation loss per trained token over train.eval_batches fixed batches (the
+        same batches every time), reduced over the batch axes. Collective on a grid."""
         module = self.pmodel.module
         was_training = module.training
         module.eval()
@@ -384,21 +390,19 @@ class Trainer:
             loss_sum = torch.zeros((), device=self.device)
             count = torch.zeros((), device=self.device)
             micro_steps = self.cfg.train.grad_accum
-            for inputs, targets in self._val_batches():
-                for x, y in zip(inputs.chunk(micro_steps), targets.chunk(micro_steps)):
-                    with self._autocast():
-                        per_token = self.pmodel(x, y)
-                    loss_sum += per_token.float().sum()
-                    count += per_token.numel()
+            for batch in self._val_batches():
+                for micro in batch.split(micro_steps):
+                    weights = micro.loss_weights()
+                    loss_sum += (self._forward(micro).float() * weights).sum()
+                    count += weights.sum()
             totals = self.pmodel.reduce_over_batch(torch.stack([loss_sum, count]))
         finally:
             module.train(was_training)
         return float(totals[0] / totals[1].clamp(min=1.0))
 
     def _sample_prompt(self) -> list[int]:
-        batches = self._val_batches() or [
-            tuple(b.to(self.device) for b in self.val_loader.eval_batches(1)[0])]
-        return batches[0][0][0, :SAMPLE_PROMPT_TOKENS].tolist()
+        batches = self._val_batches() or [self.val_loader.eval_batches(1)[0].to(self.device)]
+        return batches[0].inputs[0, :SAMPLE_PROMPT_TOKENS].tolist()
 
     def sample_text(self) -> str:
         """A continuation of a validation-text prompt by the model. Collective on a grid: every
