@@ -41,15 +41,19 @@ def heavy_tailed_chats(n: int, seed: int) -> list[dict]:
     return records
 
 
-@pytest.fixture(scope="module")
-def chat_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("chat")
+def prepare_chats(root: Path, n: int, seed: int) -> Path:
+    """A DATA_DIR of n heavy_tailed_chats (byte tokenizer, a tenth held out)."""
     with open(root / "chat.jsonl", "w") as f:
-        for r in heavy_tailed_chats(300, seed=5):
+        for r in heavy_tailed_chats(n, seed):
             f.write(json.dumps(r) + "\n")
     prepare([root / "chat.jsonl"], root / "data", data_format="chat", val_fraction=0.1,
             progress=False)
     return root / "data"
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory) -> Path:
+    return prepare_chats(tmp_path_factory.mktemp("chat"), 300, seed=5)
 
 
 @pytest.fixture(scope="module")

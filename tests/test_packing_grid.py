@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import outside_job_env
-from test_packing import heavy_tailed_chats
+from test_packing import prepare_chats
 from test_parallel import run_worker
 
 pytestmark = pytest.mark.ranks
@@ -31,15 +31,7 @@ CASES = [{"kind": "logits"}, {"kind": "logits", "bias": True, "tie": True},
 
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory) -> Path:
-    from fourfold.data import prepare
-
-    root = tmp_path_factory.mktemp("chat")
-    with open(root / "chat.jsonl", "w") as f:
-        for record in heavy_tailed_chats(200, seed=9):
-            f.write(json.dumps(record) + "\n")
-    prepare([root / "chat.jsonl"], root / "data", data_format="chat", val_fraction=0.1,
-            progress=False)
-    return root / "data"
+    return prepare_chats(tmp_path_factory.mktemp("chat"), 200, seed=9)
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
