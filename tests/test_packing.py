@@ -440,3 +440,20 @@ def test_balanced_order_is_a_deterministic_permutation():
     assert imbalance(costs, a, 6) <= imbalance(costs, np.arange(48), 6)
     with pytest.raises(ValueError, match="do not split"):
         balanced_order(costs[:47], 3, 2)
+
+
+@pytest.mark.compile
+def test_the_flex_kernel_keeps_the_same_documents_apart():
+    """The GPU's float32 kernel, flex attention with a document x causal block mask, run
+    forward on the CPU (its backward needs a GPU): the reference kernel's output, with
+    grouped-query heads."""
+    from fourfold.models.attention import _flex, split_attention
+
+    docs = torch.tensor([[0] * 30 + [1] * 50 + [2] * 20 + [3] * 28,
+                         [0] * 3 + [1] * 5 + [2] * 120], dtype=torch.int32)
+    packed = PackedDocuments.from_ids(docs, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(256, 4, 16, generator=g)
+    k, v = torch.randn(256, 2, 16, generator=g), torch.randn(256, 2, 16, generator=g)
+    torch.testing.assert_close(_flex(q, k, v, packed), split_attention(q, k, v, packed),
+                               rtol=0, atol=1e-5)
