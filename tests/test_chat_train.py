@@ -125,3 +125,21 @@ def test_goldfish_and_the_memorization_audit_work_on_chat_data(chat_run, capsys)
     assert code == 0 and report["documents_audited"] > 0
     assert 0.0 <= report["token_match_rate"] <= 1.0
 
+
+
+@pytest.mark.slow
+def test_the_hf_export_of_a_chat_run_renders_its_template_as_prepare_did(chat_run, tmp_path):
+    """`fourfold convert` writes the run's chat template: transformers' apply_chat_template on
+    the export gives the ids and the assistant mask that prepare stored."""
+    transformers = pytest.importorskip("transformers")
+    run_dir, data_dir = chat_run
+    assert cli_main(["convert", str(run_dir), "--to", "hf", str(tmp_path / "hf")]) == 0
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    messages = [{"role": "user", "content": "what is 2 + 2?"},
+                {"role": "assistant", "content": "4"}]
+    out = reference.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    template = data_template(data_dir, ByteTokenizer())
+    ids, trained = template.encode(ByteTokenizer(), template.render_spans(messages), "assistant")
+    assert list(out["input_ids"]) == ids.tolist()
+    assert list(out["assistant_masks"]) == trained.tolist()
