@@ -25,7 +25,8 @@ from fourfold.config import CheckpointConfig, ParallelConfig, TrainConfig, model
 from fourfold.models import build_model
 from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
 from fourfold.models.hf import load_hf_into
-from fourfold.train.checkpoint import CheckpointManager, build_mesh, placements_for
+from fourfold.train.checkpoint import (CheckpointManager, build_mesh, placements_for,
+                                       verify_checkpoint)
 from fourfold.train.optim import build_optimizer
 
 STEPS = 5  # with SAVE_AT = 3 and checkpoint.every = SAVE_AT: one checkpoint
@@ -141,6 +142,10 @@ def phase_load(grid: Grid, run_dir: Path, out_dir: Path, save_dir: Path) -> dict
         data[len(data) // 2] ^= 0xFF
         victim.write_bytes(bytes(data))
     dist.barrier()
+    # the damage is real and in rank 1's share of the hashing alone: only the ranks' agreement
+    # keeps the others from taking the checkpoint
+    result["damage_seen_by"] = [share for share in range(grid.world_size)
+                                if verify_checkpoint(newest, (share, grid.world_size))]
     fresh = CheckpointManager(run_dir, CheckpointConfig(), grid)
     result["after_damage"] = str(fresh.latest_valid())
 

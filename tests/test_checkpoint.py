@@ -87,6 +87,19 @@ def eight_to_four_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"save": saved, "load": loaded}
 
 
+def check_save_phase(save: list[dict]) -> None:
+    """Everything a `save` launch checked, on each of its ranks."""
+    for rank, r in enumerate(save):
+        assert r["bad_offsets"] == [], f"rank {rank}: DTensor offsets differ from Layout.offsets"
+        assert r["split_params"] > 0, f"rank {rank}"
+        assert r["extra_step"] == worker.SAVE_AT
+        assert Path(r["loaded_path"]).name == f"step_{worker.SAVE_AT:08d}"
+        # every rank saw the same losses, and a fresh model with other weights, loaded on the
+        # same grid, continues bit for bit
+        assert r["losses"] == save[0]["losses"], f"rank {rank}"
+        assert r["resumed_losses"] == r["losses"][worker.SAVE_AT:], f"rank {rank}"
+
+
 def check_load_phase(save: list[dict], load: list[dict]) -> None:
     """Everything a `load` launch checked, on each of its ranks."""
     reference = save[0]["losses"][worker.SAVE_AT:]
@@ -99,7 +112,8 @@ def check_load_phase(save: list[dict], load: list[dict]) -> None:
             assert abs(a - b) <= 1e-5 * abs(b), (r["continued_losses"], reference)
         # saved after step SAVE_AT + 1 on this grid and resumed from it, bit for bit
         assert r["resumed_losses"] == r["continued_losses"][1:]
-        # then a byte of a file that rank 1 alone hashed was flipped: no rank takes it
+        # then a byte of a file that rank 1 alone hashes was flipped: no rank takes it
+        assert r["damage_seen_by"] == [1], f"rank {rank}: {r['damage_seen_by']}"
         assert r["after_damage"] == "None", f"rank {rank}"
         # the straggler report's all-gather: every rank's time, in rank order
         assert r["step_times"] == [0.25 + i for i in range(n)]
@@ -112,20 +126,13 @@ def check_load_phase(save: list[dict], load: list[dict]) -> None:
 @pytest.mark.ranks
 def test_reshard_eight_ranks_to_four_ranks(eight_to_four_run: dict) -> None:
     save = eight_to_four_run["save"]
-    reference = save[0]["losses"][worker.SAVE_AT:]
-    assert save[0]["resumed_losses"] == reference  # same grid: bit-exact
+    check_save_phase(save)
     check_load_phase(save, eight_to_four_run["load"])
 
 
 @pytest.mark.ranks
 def test_four_rank_stop_and_resume_is_exact(grids_run: dict) -> None:
-    r = grids_run["save"][0]
-    assert r["bad_offsets"] == [], "DTensor offsets differ from Layout.offsets"
-    assert r["split_params"] > 0
-    assert r["extra_step"] == worker.SAVE_AT
-    assert Path(r["loaded_path"]).name == f"step_{worker.SAVE_AT:08d}"
-    # a fresh model with other weights, loaded, continues bit for bit
-    assert r["resumed_losses"] == r["losses"][worker.SAVE_AT:]
+    check_save_phase(grids_run["save"])
 
 
 @pytest.mark.ranks
@@ -198,10 +205,17 @@ def _save_two(tmp_path: Path) -> tuple[CheckpointManager, list[Path]]:
     return manager, list_checkpoints(tmp_path)
 
 
+def _recorded(checkpoint: Path, name: str) -> dict:
+    """What the checkpoint's manifest recorded of one of its files (sha256, bytes)."""
+    return json.loads((checkpoint / "manifest.json").read_text())["files"][name]
+
+
 def test_truncated_newest_checkpoint_falls_back_with_warning(tmp_path: Path) -> None:
     manager, (newest, previous) = _save_two(tmp_path)
-    data_file = next(newest.glob("*.distcp"))
+    data_file = sorted(newest.glob("*.distcp"))[0]
     data_file.write_bytes(data_file.read_bytes()[:-100])
+    # the damage is real: a file the manifest lists, now shorter than it recorded
+    assert data_file.stat().st_size == _recorded(newest, data_file.name)["bytes"] - 100
     fresh = CheckpointManager(tmp_path, CheckpointConfig(), Grid.single())
     with pytest.warns(UserWarning, match=f"{newest}.*truncated"):
         assert fresh.latest_valid() == previous
@@ -229,11 +243,15 @@ def test_verify_shares_split_the_hashing(tmp_path: Path) -> None:
 
 def test_corrupted_checkpoint_fails_its_checksum(tmp_path: Path) -> None:
     manager, (newest, previous) = _save_two(tmp_path)
-    data_file = next(newest.glob("*.distcp"))
+    data_file = sorted(newest.glob("*.distcp"))[0]
     raw = bytearray(data_file.read_bytes())
     raw[len(raw) // 2] ^= 0xFF  # same size, one flipped byte
     data_file.write_bytes(bytes(raw))
-    assert "sha256" in (verify_checkpoint(newest) or "")
+    # the damage is real: a file the manifest lists, its size as recorded, its hash not
+    recorded = _recorded(newest, data_file.name)
+    assert data_file.stat().st_size == recorded["bytes"]
+    assert sha256_file(data_file) != recorded["sha256"]
+    assert f"{data_file.name} fails its sha256" in (verify_checkpoint(newest) or "")
     fresh = CheckpointManager(tmp_path, CheckpointConfig(), Grid.single())
     with pytest.warns(UserWarning, match=str(newest)):
         assert fresh.latest_valid() == previous

@@ -297,8 +297,15 @@ def test_eval_memorization(trained_run: Path, data_dir: Path,
                               str(data_dir), "--docs", "2", "--prefix", "8", "--suffix", "4",
                               "--json")
     assert code == 0, err
+    # the command's report (what the audit measures: tests/test_memorization*.py): the
+    # documents and lengths asked for, each rate the mean of its rows
     report = json.loads(out)
-    assert isinstance(report, dict) and report
+    assert (report["documents_audited"], report["prefix"], report["suffix"]) == (2, 8, 4)
+    rows = report["rows"]
+    assert [row["document"] for row in rows] == [0, 1]
+    for rate, column in (("exact_match_rate", "exact_match"), ("token_match_rate", "token_match"),
+                         ("rouge_l", "rouge_l")):
+        assert report[rate] == pytest.approx(sum(row[column] for row in rows) / 2), rate
     code, _, err = run_main(capsys, "eval", "memorization", str(trained_run), "--data",
                             str(data_dir), "--docs", "0")
     assert code == 2

@@ -235,3 +235,88 @@ def test_a_released_gradient_is_the_buffer_of_the_next_one_of_its_shape() -> Non
     fresh.release_grad(small)
     assert small.grad is None
     assert fresh.grad_buffer((2, 5), torch.float32, cpu).data_ptr() != held.data_ptr()
+
+
+def test_tensor_axis_groups_get_high_priority_streams_on_nccl(monkeypatch) -> None:
+    """The options Grid.build makes each process group with, as it hands them to
+    torch.distributed (stood in for here: a CPU build of torch has no NCCL): on NCCL the tensor
+    axes' groups (x, y, z, the tensor group, z's gather group) get high-priority streams, the
+    data axis's does not; on gloo none gets options. Both ways of making groups (split_group
+    where the default group is bound to a device, new_group otherwise) pass them."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from fourfold.parallel import grid as grid_module
+
+    class Options:  # ProcessGroupNCCL.Options
+        def __init__(self, is_high_priority_stream: bool = False) -> None:
+            self.is_high_priority_stream = is_high_priority_stream
+
+    made: list[tuple[str, object]] = []
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", SimpleNamespace(Options=Options),
+                        raising=False)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, pg_options=None, group_desc="", **k:
+                        made.append((group_desc, pg_options)) or group_desc)
+    monkeypatch.setattr(dist, "split_group", lambda pg_options=None, group_desc="", **k:
+                        made.append((group_desc, pg_options)) or group_desc)
+    shape = GridShape(data=2, z=2, y=2, x=2)
+    wanted = [(a, shape.axis_groups(a)) for a in ("x", "y", "z", "data")]
+    wanted += [("tensor", [list(range(8)), list(range(8, 16))]),
+               ("z-gather", shape.axis_groups("z"))]
+    high = {"fourfold_x", "fourfold_y", "fourfold_z", "fourfold_tensor", "fourfold_z-gather"}
+    for bound in (None, torch.device("cuda", 0)):  # new_group, then split_group
+        for backend in ("nccl", "gloo"):
+            made.clear()
+            monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+            monkeypatch.setattr(dist.distributed_c10d, "_get_default_group",
+                                lambda: SimpleNamespace(bound_device_id=bound))
+            grid_module._make_groups(wanted, 0, datetime.timedelta(seconds=1))
+            assert [name for name, _ in made] == [f"fourfold_{n}" for n, _ in wanted]
+            for name, options in made:
+                if backend == "nccl" and name in high:
+                    assert options.is_high_priority_stream, name
+                else:
+                    assert options is None, (backend, name)
+    assert grid_module.group_options("data", "nccl") == {}
+    assert grid_module.group_options("x", "gloo") == {}
+
+
+def test_an_nccl_rank_sets_cuda_device_max_connections_before_cuda(monkeypatch) -> None:
+    """CUDA_DEVICE_MAX_CONNECTIONS = 1 where the user has not set it, on an NCCL rank only,
+    set before the rank's CUDA context is made (torch.cuda.set_device makes it); a value the
+    user set stays."""
+    import os
+
+    import torch.distributed as dist
+
+    from fourfold.parallel import grid as grid_module
+    from fourfold.parallel.grid import init_distributed, nccl_environment
+
+    assert nccl_environment({}) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert nccl_environment({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) == {}
+    seen: list[str | None] = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: seen.append(
+        os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: None)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # a gloo rank's threads
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                       "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    for user_value in (None, "4"):
+        if user_value is None:
+            monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", user_value)
+        assert init_distributed("nccl")[:2] == (1, 2)
+        assert seen[-1] == (user_value or "1")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    init_distributed("gloo")
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ  # gloo ranks leave it alone
+    assert grid_module.NCCL_ENVIRONMENT == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}

@@ -15,29 +15,19 @@ import pytest
 import torch
 
 from conftest import outside_job_env
+from grid_cases import launch_grid_cases
 
 WORKER = Path(__file__).with_name("lean_worker.py")
 
 
 def run_worker(nproc: int, grids: list, checks: list, tmp_path: Path) -> list[dict]:
-    out = tmp_path / f"lean_{nproc}.jsonl"
-    env = outside_job_env(FOURFOLD_TEST_SHAPES=json.dumps(grids),
-                          FOURFOLD_TEST_CHECKS=json.dumps(checks), FOURFOLD_TEST_OUT=str(out),
-                          OMP_NUM_THREADS="1", PYTHONPATH=str(WORKER.parent))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-         "--standalone", str(WORKER)],
-        env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(results) == len(grids) * len(checks)
-    for r in results:
-        assert r["ok"], f"grid {r['shape']} check {r['check']}:\n{r.get('error')}"
-    return results
+    """Every rank's result of every (grid, check): see grid_cases.launch_grid_cases."""
+    return launch_grid_cases(WORKER, nproc, grids, "FOURFOLD_TEST_CHECKS", "check", checks,
+                             tmp_path / f"lean_{nproc}.jsonl", timeout=900)
 
 
 def check_frozen(r: dict) -> None:
-    label = f"grid {r['shape']} frozen"
+    label = f"grid {r['shape']} rank {r['rank']} frozen"
     assert r["frozen_with_grad"] == [], label
     assert r["unchanged"], label
     assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], r["ref_losses"])) < 1e-5, label
@@ -60,7 +50,7 @@ ES = {"name": "es", "steps": 20, "freeze": True,
 
 
 def check_trains_as_one_process(r: dict) -> None:
-    label = f"grid {r['shape']} {r['check']['name']}"
+    label = f"grid {r['shape']} rank {r['rank']} {r['check']['name']}"
     assert r["max_rel_loss"] < 1e-5, f"{label}: losses {r['losses']} vs {r['ref_losses']}"
     assert r["max_weight_diff"] < 1e-5 * max(1.0, r["weight_change"] * 100), \
         f"{label}: weights differ by {r['max_weight_diff']} (moved {r['weight_change']})"
@@ -75,7 +65,7 @@ def test_zeroth_order_methods_train_as_one_process(tmp_path: Path) -> None:
     for r in run_worker(2, grids, [MEZO, ES], tmp_path):
         check_trains_as_one_process(r)
         data, z, y, x = r["shape"]
-        label = f"grid {r['shape']} {r['check']['name']}"
+        label = f"grid {r['shape']} rank {r['rank']} {r['check']['name']}"
         assert r["state_bytes"] == 0, label  # no optimizer state: a step count only
         # the batch axes carry scalars only: per step, MeZO's two losses; ES's population
         per_step = 2 * 8 if r["check"]["name"] == "mezo" else 4 * 8
@@ -276,7 +266,7 @@ def check_subset_method(r: dict) -> None:
     rounding into visible weight noise (test_parallel compares AdamW by its losses only);
     BlockLLM restarts Adam on each newly selected block, so its weights are not compared;
     GaLore's stay within a fifth of one step (lr)."""
-    label = f"grid {r['shape']} {r['check']['name']}"
+    label = f"grid {r['shape']} rank {r['rank']} {r['check']['name']}"
     assert r["max_rel_loss"] < 1e-5, f"{label}: losses {r['losses']} vs {r['ref_losses']}"
     first, last = sum(r["ref_losses"][:2]), sum(r["ref_losses"][-2:])
     assert last < first, f"{label}: did not learn {r['ref_losses']}"
@@ -685,7 +675,8 @@ def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
             check_subset_method(r)
             continue
         check_trains_as_one_process(r)
-        label = f"grid {r['shape']} {name} {r['check']['train'].get('clip_mode', 'none')}"
+        label = (f"grid {r['shape']} rank {r['rank']} {name} "
+                 f"{r['check']['train'].get('clip_mode', 'none')}")
         if name == "adalomo":  # row and column statistics: far less than AdamW's two moments
             assert 0 < r["state_bytes"] < 0.1 * r["trainable_bytes"], label
             assert r["meta"]["steps_done"] == r["check"]["steps"], label
@@ -744,7 +735,7 @@ def test_every_method_on_four_rank_grids(tmp_path: Path) -> None:
             check_subset_method(r)
         else:
             check_trains_as_one_process(r)
-            assert r["grads_left"] == [], r["shape"]
+            assert r["grads_left"] == [], (r["shape"], r["rank"])
 
 
 # ---- the planner's memory per method, and train.memory_report ----------------------------------

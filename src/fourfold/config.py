@@ -169,6 +169,10 @@ class ParallelConfig:
     # logits made again in backward ("auto": blocks for lomo, adalomo, mezo, es, blockllm)
     output_loss: str = "auto"
     machine: str = "cpu"  # planner machine preset or MACHINE.toml, for parallel.auto
+    # auto | always: "always" runs a one-process job through the whole engine as a one-rank
+    # grid (a one-rank process group, fourfold's parallel layers and collectives, the
+    # data-parallel buckets, the sharded checkpoint), to check that code on one device
+    engine: str = "auto"
 
 
 @dataclass
@@ -286,6 +290,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
     ("parallel", "output_loss"): ("auto", "blocks", "whole"),
+    ("parallel", "engine"): ("auto", "always"),
     ("adapter", "kind"): ("none", "lora", "norm"),
 }
 

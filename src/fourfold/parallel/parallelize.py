@@ -265,17 +265,19 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
 
     Modules are replaced in place. On a one-process grid with GEMM tuning off (the default)
     the model is left as it is; with tuning on its linears become fourfold's own, whose GEMMs
-    the tuner chooses. `optimizer` (train.optimizer) decides parallel.output_loss = "auto"
+    the tuner chooses, and with parallel.engine = "always" the whole engine runs as on a grid.
+    `optimizer` (train.optimizer) decides parallel.output_loss = "auto"
     (embedding.uses_blocked_loss).
     """
     comm = Comm(grid)
     options = overlap_options(config)
     output_loss = config.output_loss if config is not None else "auto"
-    modes = CHOICES[("parallel", "output_loss")]  # what a config file may say, checked there too
-    if output_loss not in modes:
-        raise ConfigError(f"parallel.output_loss = {output_loss!r}: choose one of "
-                          f"{', '.join(modes)}")
-    if grid.world_size == 1 and not options.gemm_tuning:
+    engine_mode = config.engine if config is not None else "auto"
+    for key, value in (("output_loss", output_loss), ("engine", engine_mode)):
+        modes = CHOICES[("parallel", key)]  # what a config file may say, checked there too
+        if value not in modes:
+            raise ConfigError(f"parallel.{key} = {value!r}: choose one of {', '.join(modes)}")
+    if grid.world_size == 1 and not options.gemm_tuning and engine_mode == "auto":
         pmodel = ParallelModel(model, grid, comm, None, None)
         materialize(model, pmodel.layouts(), grid)
         _set_output_loss(model, uses_blocked_loss(output_loss, optimizer), None, 0)

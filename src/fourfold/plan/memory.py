@@ -25,7 +25,8 @@ checkpoint, the streamed export):
   vocabulary) and +11.9% on an H200 (125m, 16 x 512 tokens; -1.1% now, from the same
   measurement: the GPU was not lent again);
 - gathered_weights: the z all-gather buffers (current + prefetched) and one dW block;
-- comm_buffers: the data-parallel buckets in flight;
+- comm_buffers: what the data all-reduce holds beyond the gradients, which are views of
+  their buckets' buffers (parallel/data_parallel.py): a lower reduce_dtype's casts;
 - startup: one init tile (on a host); export: one block, and the export writer's full tensor
   (on a host);
 - checkpoint: the async snapshot (params and AdamW states copied to host memory), which is
@@ -87,6 +88,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fourfold.config import ModelConfig
+from fourfold.parallel.data_parallel import in_flight_wire_bytes
 from fourfold.parallel.embedding import (NO_GRAD_LOSS_BLOCK_ELEMENTS, output_loss_columns,
                                          uses_blocked_loss)
 from fourfold.parallel.grid import GridShape
@@ -141,7 +143,7 @@ class MemoryBreakdown:
     activations: int
     gathered_weights: int  # prefetched z all-gather buffers and the full dW before its scatter
     logits: int  # output-layer logits and the loss's fp32 workspace
-    comm_buffers: int = 0  # data-parallel gradient buckets in flight (flat copies)
+    comm_buffers: int = 0  # the data all-reduce's wire-dtype casts of its buckets in flight
     startup: int = 0  # building in shards: one block of the largest tensor and one init tile
     export: int = 0  # streaming the model out: the writer's full tensor (host), a block
     checkpoint: int = 0  # an asynchronous checkpoint's snapshot, when it shares this memory
@@ -229,26 +231,26 @@ def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
     d, f = model.dim, model.ffn_dim
     heads_dim = model.n_heads * model.head_dim
     # per norm: its input (with a per-token rstd: parallel/norm.py recomputes the normalized
-    # tensor in backward) and its output, which the next GEMM keeps
-    residual_like = 4 * d // gx
+    # tensor in backward) in the residual stream's dtype, and its output, which the next GEMMs
+    # keep in the compute dtype (Linear3D keeps the cast it multiplies, once for q/k/v and once
+    # for gate/up; the float32 output goes)
+    norm_inputs, norm_outputs = 2 * d // gx, 2 * d // gx
     act, residual = precision.act_bytes, precision.residual_bytes
     # under autocast on torch's own layers each GEMM keeps its own compute-dtype cast of the
-    # norm's output (q, k and v three, gate and up two), and the float32 output goes;
-    # measured on the heap, small preset, bfloat16: 2 d bytes a token a block more than one
-    # float32 output a norm
-    casts = 0
+    # norm's output (q, k and v three, gate and up two); measured on the heap, small preset,
+    # bfloat16: 2 d bytes a token a block more than one float32 output a norm
     if autocast_on_torch_layers(shape, precision):
-        residual_like, casts = 2 * d, 5 * d
+        norm_outputs = 5 * d
     # k and v are saved after the GQA repeat, so they are as wide as q
     attention = 4 * heads_dim // gy
     # gate out and up out: models/llama.py's swiglu recomputes silu, and down recomputes its
     # input silu(gate) * up from them (Linear3D's `recompute`)
     mlp = 2 * f // gy
     stats = 4 * (2 + model.n_heads // gy)  # an fp32 rstd per norm, an fp32 lse per local head
-    # final norm (input, output) and its rstd; token ids (int64) and the
-    # embedding's ownership mask (bool)
-    outside = 2 * d // gx * residual + 4 + 9
-    return {"block": residual_like * residual + (attention + mlp + casts) * act + stats,
+    # final norm: its input, its output (kept by the output layer or the blocked loss in the
+    # compute dtype) and its rstd; token ids (int64) and the embedding's ownership mask (bool)
+    outside = d // gx * (residual + act) + 4 + 9
+    return {"block": norm_inputs * residual + (norm_outputs + attention + mlp) * act + stats,
             "checkpoint": d // gx * residual, "outside": outside}
 
 
@@ -421,8 +423,10 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
             cast_weights = cast
         else:
             activations += cast
-    # one bucket being filled (its flat copy) and one in flight over data
-    comm_buffers = 2 * bucket_bytes if shape.data > 1 else 0
+    # the gradients are views of their buckets' buffers, all-reduced in place: beyond them only
+    # a lower reduce_dtype's casts of the buckets in flight
+    comm_buffers = (in_flight_wire_bytes(bucket_bytes, precision.grad_bytes,
+                                         precision.reduce_bytes) if shape.data > 1 else 0)
     full_numel, block_numel = largest_tensor_numel(model, shape)
     # parallel/shards.py materialize: each block is drawn on the host a tile at a time into
     # the float32 tensor that becomes the parameter (on a GPU it is moved there: the device
@@ -489,7 +493,7 @@ def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig
     """Per rank, the peak gradient bytes and the optimizer-state bytes of train.optimizer.
 
     adamw: every gradient, two moments. lomo / adalomo: one tensor's gradient at a time (the
-    largest block; with data > 1 up to two buckets are in flight, not counted); adalomo keeps a
+    largest block; with data > 1 the buffers of up to two buckets, not counted); adalomo keeps a
     row and a column statistic per matrix, a second moment per vector. mezo / es: neither.
     blockllm: moments and gradients of the selected (1 - block_sparsity) share of the rows, a
     step count per row; a selection step's backward holds up to BLOCKLLM_HOLD_SLACK of the

@@ -81,7 +81,8 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
         # path stays in the config.
         cfg.model = dataclasses.replace(hf_model_config(init_from), init_from=init_from)
 
-    rank, world_size, dist_device = init_distributed(p.backend, p.timeout_s, device=t.device)
+    rank, world_size, dist_device = init_distributed(p.backend, p.timeout_s, device=t.device,
+                                                     one_rank_group=p.engine == "always")
     device = _choose_device(t.device, dist_device, world_size)
     if device.type == "cpu":
         keep_freed_host_memory()  # no fresh zero-filled pages every step
@@ -90,7 +91,8 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
         p = cfg.parallel = dataclasses.replace(p, x=planned.x, y=planned.y, z=planned.z,
                                                data=planned.data)
     shape = GridShape.resolve(p.x, p.y, p.z, p.data, world_size)
-    grid = Grid.build(shape, device, timeout_s=p.timeout_s)
+    grid = Grid.build(shape, device, timeout_s=p.timeout_s,
+                      force_groups=p.engine == "always" and world_size == 1)
     # the axes the method splits its batch over: es gives every data replica the whole batch
     # (its population members split the data axis instead)
     shard_index, shard_count = batch_shard(grid, method_batch_axes(t.optimizer))

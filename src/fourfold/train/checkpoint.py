@@ -161,7 +161,7 @@ def placements_for(layout: Layout, ndim: int, name: str = "tensor") -> list[Any]
 def build_mesh(grid: Grid) -> Any:
     """The (data, y, x, z) DeviceMesh of a grid, without process groups of its own (nothing here
     communicates through it). None on one process."""
-    if grid.world_size == 1:
+    if grid.world_size == 1 and not grid.force_groups:
         return None
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -426,7 +426,8 @@ class CheckpointManager:
         clash = sorted(set(self.sharded_states) & (set(self.states) | {_EXTRA}))
         if clash:  # both keep their JSON under state/NAME/
             raise ValueError(f"{clash[0]!r} names a part in states and in sharded_states")
-        self.distributed = grid.world_size > 1 and dist.is_initialized()
+        # a one-rank grid that forces the engine (Grid.force_groups) takes the grid's path too
+        self.distributed = (grid.world_size > 1 or grid.force_groups) and dist.is_initialized()
         # A group of its own: the writer thread's collectives never meet training traffic.
         self.group = dist.new_group(backend="gloo") if self.distributed else None
         self.mesh = build_mesh(grid) if self.distributed else None
