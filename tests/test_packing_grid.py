@@ -6,7 +6,6 @@ data = 2 and grad_accum = 2 against one process."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ import torch
 
 from conftest import outside_job_env
 from test_packing import prepare_chats
-from test_parallel import run_worker
+from grid_cases import launch_grid_cases
 
 pytestmark = pytest.mark.ranks
 
@@ -35,17 +34,15 @@ def chat_data(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_packed_documents_on_every_grid_match_one_process(nproc, chat_data, tmp_path,
-                                                        monkeypatch):
-    monkeypatch.setenv("FOURFOLD_TEST_DATA", str(chat_data))
-    monkeypatch.setenv("FOURFOLD_TEST_CASES", json.dumps(CASES))
-    results = run_worker(nproc, GRIDS[nproc], [], tmp_path, worker=WORKER)
-    assert len(results) == len(GRIDS[nproc]) * len(CASES)
+def test_packed_documents_on_every_grid_match_one_process(nproc, chat_data, tmp_path):
+    # every rank reports every (grid, case), checked by launch_grid_cases, and each is checked
+    results = launch_grid_cases(WORKER, nproc, GRIDS[nproc], "FOURFOLD_TEST_CASES", "case", CASES,
+                                tmp_path / "results.jsonl",
+                                env={"FOURFOLD_TEST_DATA": str(chat_data)})
     for r in results:
-        label = f"grid {r['shape']} case {r['case']}"
-        assert r["ok"], f"{label}:\n{r.get('error')}"
+        label = f"grid {r['shape']} case {r['case']} rank {r['rank']}"
         if r["case"]["kind"] == "logits":
-            assert r["shared_rows"] > 0  # rank 0 had rows holding several documents
+            assert r["shared_rows"] > 0, label  # the rank had rows holding several documents
             assert r["max_logit_diff"] < 1e-5, f"{label}: {r['max_logit_diff']}"
         else:
             assert r["max_rel_loss"] < 1e-5, f"{label}: {r['losses']} vs {r['ref_losses']}"

@@ -80,6 +80,11 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
         # The architecture is the checkpoint's config.json (without one, cfg.model's); the
         # path stays in the config.
         cfg.model = dataclasses.replace(hf_model_config(init_from), init_from=init_from)
+        if t.seq_len > cfg.model.max_seq_len:
+            raise ConfigError(f"train.seq_len = {t.seq_len} is longer than the "
+                              f"max_position_embeddings = {cfg.model.max_seq_len} of "
+                              f"model.init_from = {init_from!r}; use at most "
+                              f"{cfg.model.max_seq_len}")
 
     rank, world_size, dist_device = init_distributed(p.backend, p.timeout_s, device=t.device,
                                                      one_rank_group=p.engine == "always")
