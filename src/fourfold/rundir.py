@@ -180,11 +180,17 @@ def resume_point(checkpoints: _Checkpoints, identity: Mapping[str, str]) -> Path
 # The run's tokenizer
 
 
-def save_run_tokenizer(run_dir: str | Path, tokenizer: "Tokenizer") -> Path:
+def save_run_tokenizer(run_dir: str | Path, tokenizer: "Tokenizer", data_dir: Path) -> Path:
     """Copy the run's tokenizer into RUN_DIR/tokenizer (a saved tokenizer keeps its
-    fingerprint: see data.tokenizers)."""
+    fingerprint: see data.tokenizers), and the chat template of chat or instruction data into
+    RUN_DIR (where `generate --chat` and `convert` read it)."""
+    from fourfold.data.chat_template import TEMPLATE_FILE
+    from fourfold.files import atomic_write_text
+
     directory = Path(run_dir) / TOKENIZER_DIR
     tokenizer.save(directory)
+    if (data_dir / TEMPLATE_FILE).is_file():
+        atomic_write_text(Path(run_dir) / TEMPLATE_FILE, (data_dir / TEMPLATE_FILE).read_text())
     return directory
 
 

@@ -196,27 +196,34 @@ def run_tokenizer(run_dir: str | Path, cfg: Config) -> "Tokenizer":
     """The tokenizer whose ids a run (`cfg`, its config.toml) was trained on: the copy in
     RUN_DIR/tokenizer; for a run that has none, its data directory's own (a built-in corpus's
     for its data.tokenizer), which must be the one the run recorded."""
-    from fourfold.data import ByteTokenizer, load_tokenizer, resolve_data_path
+    from fourfold.data import ByteTokenizer, load_tokenizer
     from fourfold.data.tokenizers import tokenizer_fingerprint
     from fourfold.rundir import TOKENIZER_DIR, tokenizer_mismatch
 
     own = Path(run_dir) / TOKENIZER_DIR
-    path, spec = cfg.data.path, cfg.data.tokenizer
     if own.is_dir():
         tokenizer = load_tokenizer(own)
-    elif not path.startswith("builtin:"):
-        # the data's own: an older run recorded "byte" whatever its data held
-        tokenizer = load_tokenizer(resolve_data_path(path, "auto"))
-    elif spec in ("auto", "byte"):
+    elif cfg.data.path.startswith("builtin:") and cfg.data.tokenizer in ("auto", "byte"):
         tokenizer = ByteTokenizer()  # without building the corpus
     else:
-        tokenizer = load_tokenizer(resolve_data_path(path, spec))
+        tokenizer = load_tokenizer(run_data_dir(cfg))
     recorded, found = cfg.data.tokenizer_fingerprint, tokenizer_fingerprint(tokenizer)
     if recorded and recorded != found:
-        where = own if own.is_dir() else path
+        where = own if own.is_dir() else cfg.data.path
         raise RunDirError(tokenizer_mismatch(f"the run {str(run_dir)!r}", recorded, found,
                                              f"its tokenizer ({where})"))
     return tokenizer
+
+
+def run_data_dir(cfg: Config) -> Path:
+    """The DATA_DIR a run (`cfg`, its config.toml) was trained on (a built-in corpus is
+    prepared again, for its data.tokenizer, where the cache lost it)."""
+    from fourfold.data import resolve_data_path
+
+    path, spec = cfg.data.path, cfg.data.tokenizer
+    if not path.startswith("builtin:"):
+        spec = "auto"  # the data's own: an older run recorded "byte" whatever its data held
+    return resolve_data_path(path, spec)
 
 
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
