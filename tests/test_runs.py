@@ -387,3 +387,15 @@ def test_sigterm_is_noted_once_and_the_old_handlers_come_back():
     finally:
         signals.uninstall()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_damaged_checkpoint_is_skipped_with_a_one_line_warning(
+        run4: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    run = copy_run(run4, tmp_path)
+    (run / "checkpoints" / "step_00000004" / "manifest.json").unlink()
+    code, err = run_cli(capsys, "train", str(run), "--set", "train.steps=4")
+    assert code == 0, err
+    warned = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert warned == [f"warning: checkpoint {run}/checkpoints/step_00000004 is damaged (no "
+                      "manifest.json); skipping it for the previous one"], err
+    assert "continuing from" in err and "step_00000002" in err

@@ -444,13 +444,11 @@ def _run(argv: list[str]) -> int:
     from fourfold.errors import ConfigNotice
 
     with warnings.catch_warnings():
-        shown = warnings.showwarning
-
         def show(message: Warning | str, category: type[Warning], *where: Any) -> None:
             if issubclass(category, ConfigNotice):
                 _notice(message)
-            else:
-                shown(message, category, *where)
+            else:  # one line, without the source path a user cannot act on
+                print(f"warning: {first_line(str(message))}", file=sys.stderr, flush=True)
 
         warnings.showwarning = show
         return _run_command(argv)
