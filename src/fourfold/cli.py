@@ -220,13 +220,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _generate_chat(args: argparse.Namespace, model, cfg, tokenizer) -> int:  # noqa: ANN001
     """`generate --chat`: the prompt as a user's turn in the run's chat template (its data's,
     or the documented default), the answer generated to the template's end of turn."""
-    from fourfold.data.chat_template import TEMPLATE_FILE, data_template, encode_with_offsets
-    from fourfold.train.runs import run_data_dir
+    from fourfold.data.chat_template import data_template, encode_with_offsets
+    from fourfold.train.runs import run_template_dir
     from fourfold.train.sampling import generate
 
-    run_dir = Path(args.run_dir)
-    where = run_dir if (run_dir / TEMPLATE_FILE).is_file() else run_data_dir(cfg)
-    template = data_template(where, tokenizer)
+    template = data_template(run_template_dir(args.run_dir, cfg), tokenizer)
     prompt_ids = template.prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
     stop = template.end_of_turn()
     stop_ids = encode_with_offsets(tokenizer, stop)[0] if stop else []

@@ -24,7 +24,7 @@ from fourfold.files import (atomic_directory, atomic_write_text, is_empty_direct
                             recover_directory)
 from fourfold.models.adapter import export_base_and_adapter
 from fourfold.models.hf import save_hf_checkpoint
-from fourfold.train.runs import run_config, run_data_dir, run_tokenizer, trained_tensors
+from fourfold.train.runs import run_config, run_template_dir, run_tokenizer, trained_tensors
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -67,7 +67,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, merge: bool = False,
 def _run_chat_template(run: Path, cfg: Config, tokenizer: Tokenizer) -> ChatTemplate | None:
     """The chat template a run's chat or instruction data was rendered with (None for text):
     the run's copy, or, for a run without one, its data's."""
-    where = run if (run / TEMPLATE_FILE).is_file() else run_data_dir(cfg)
+    where = run_template_dir(run, cfg)
     if not (where / TEMPLATE_FILE).is_file():
         return None
     return data_template(where, tokenizer)

@@ -215,6 +215,19 @@ def run_tokenizer(run_dir: str | Path, cfg: Config) -> "Tokenizer":
     return tokenizer
 
 
+def run_template_dir(run_dir: str | Path, cfg: Config) -> Path:
+    """Where a run's chat template is kept (data.chat_template.TEMPLATE_FILE; none there: the
+    run's data was text): RUN_DIR, which a run copies it into, or, for a run that kept no
+    files of its data (from before it did), its DATA_DIR."""
+    from fourfold.data.chat_template import TEMPLATE_FILE
+    from fourfold.rundir import TOKENIZER_DIR
+
+    run = Path(run_dir)
+    if (run / TEMPLATE_FILE).is_file() or (run / TOKENIZER_DIR).is_dir():
+        return run
+    return run_data_dir(cfg)
+
+
 def run_data_dir(cfg: Config) -> Path:
     """The DATA_DIR a run (`cfg`, its config.toml) was trained on (a built-in corpus is
     prepared again, for its data.tokenizer, where the cache lost it)."""
