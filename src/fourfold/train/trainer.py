@@ -21,7 +21,7 @@ import torch
 from fourfold.config import Config
 from fourfold.data import Tokenizer
 from fourfold.errors import EXIT_FAILED, FourfoldError
-from fourfold.models.adapter import write_adapter_run
+from fourfold.models.adapter import apply_adapter, write_adapter_run
 from fourfold.models.llama import Llama, build_model, flops_per_token
 from fourfold.parallel import Grid, Layout, ParallelModel
 from fourfold.parallel.grid import check_shared_directory
@@ -31,15 +31,16 @@ from fourfold.train.checkpoint import BaseReference, CheckpointError, Checkpoint
 from fourfold.train.host_memory import to_device, trim_host_memory
 from fourfold.train.memory_report import MemoryMeter, gather_reports, predicted_report
 from fourfold.train.methods import StepData, TrainingMethod
-from fourfold.train.metrics import MetricsLog, job_peak_flops, peak_memory_bytes
+from fourfold.train.metrics import LogWindow, MetricsLog, job_peak_flops, peak_memory_bytes
 from fourfold.train.optim import LRSchedule
-from fourfold.train.progress import Progress
+from fourfold.train.progress import Progress, describe_run
 from fourfold.train.resilience import (LossGuard, Verdict, gather_step_times, restart_count,
                                        resume_record, straggler_report)
 from fourfold.train.runs import (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, WEIGHTS_FILE,
                                  save_weights_streamed,
                                  write_summary)
 from fourfold.train.sampling import generate, generate_on_grid
+from fourfold.train.trackers import open_trackers
 
 SAMPLE_PROMPT_TOKENS = 16
 SAMPLE_TEMPERATURE = 0.8
@@ -434,7 +435,7 @@ class Trainer:
                 (self.run_dir / SAMPLES_FILE).unlink(missing_ok=True)
         check_shared_directory(self.run_dir, self.grid)  # before any rank writes a shard
         metrics = (MetricsLog(self.run_dir / METRICS_FILE,
-                              self.run_dir / "tensorboard" if t.tensorboard else None,
+                              open_trackers(self.cfg, self.run_dir, resuming=self.step > 0),
                               append=self.step > 0)
                    if self.is_main else None)
         progress = Progress(t.steps, self.step, t.log_every, enabled=self.is_main,
@@ -442,7 +443,8 @@ class Trainer:
         started = time.perf_counter()
         try:
             if self.is_main:
-                progress.message(self._describe())
+                for line in self._describe():
+                    progress.message(line)
             if self.compiler.pending:  # both make the first step long
                 progress.message("train.compile: the transformer blocks compile at their "
                                  "first use")
@@ -455,10 +457,14 @@ class Trainer:
                 self._record_resume(metrics, progress)
             if validating and t.eval_every > 0 and self.step == 0:
                 self._validate(metrics, progress)
-            interval_tokens, interval_seconds = 0, 0.0
+            window = LogWindow()  # the steps since the last log line
             pending: list[StepStats] = []  # steps whose numbers are still on the device
+            first = True
             while self.step < t.steps:
                 stats = self.train_step()
+                if first:  # its compilation and warm-up explain a long wait
+                    progress.first_step(stats.step, stats.seconds)
+                    first = False
                 pending.append(stats)
                 last = stats.step == t.steps
                 validate = validating and ((t.eval_every > 0 and stats.step % t.eval_every == 0)
@@ -484,20 +490,19 @@ class Trainer:
                         break
                     self.losses.append(done.loss if not done.skipped else math.nan)
                     self.train_seconds += done.seconds
-                    interval_tokens += self.tokens_per_step
-                    interval_seconds += done.seconds
-                    tokens_per_s = interval_tokens / max(interval_seconds, 1e-9)
+                    window.add(self.tokens_per_step, done.seconds, self.losses[-1])
+                    tokens_per_s = window.tokens_per_s
                     mfu = self._mfu(tokens_per_s)
-                    progress.step(done.step, done.loss, done.lr, done.grad_norm, tokens_per_s,
-                                  mfu)
+                    progress.step(done.step, window.mean_loss, done.lr, done.grad_norm,
+                                  tokens_per_s, mfu, loss_steps=window.loss_steps)
                     if done.skipped:
                         self.skipped_steps.append(done.step)
                         progress.message(f"step {done.step}: {done.reason}: update skipped "
                                          "(train.nan_policy = \"skip\")")
                     if done.skipped or done.step % t.log_every == 0 or done.step == t.steps:
-                        self._log_step(metrics, done, tokens_per_s, mfu)
+                        self._log_step(metrics, done, tokens_per_s, mfu, window.mean_loss)
                         self._report_stragglers(done, metrics, progress)  # collective
-                        interval_tokens, interval_seconds = 0, 0.0
+                        window.reset()
                 pending.clear()
                 if rolled_back:
                     continue
@@ -590,7 +595,7 @@ class Trainer:
         return mfu
 
     def _log_step(self, metrics: MetricsLog | None, stats: StepStats, tokens_per_s: float,
-                  mfu: float | None) -> None:
+                  mfu: float | None, mean_loss: float) -> None:
         # Every rank reads its own ledger, but only the main rank writes: its numbers stand for
         # the per-rank traffic (all ranks of one grid shape move the same bytes per axis).
         comm = self.pmodel.ledger.snapshot()
@@ -598,8 +603,8 @@ class Trainer:
         if metrics is None:
             return
         record: dict[str, Any] = {
-            "step": stats.step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
-            "tokens_per_s": tokens_per_s, "mfu": mfu,
+            "step": stats.step, "loss": stats.loss, "loss_mean": mean_loss, "lr": stats.lr,
+            "grad_norm": stats.grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "comm_bytes_x": comm.get("x", 0), "comm_bytes_y": comm.get("y", 0),
             "comm_bytes_z": comm.get("z", 0), "comm_bytes_data": comm.get("data", 0),
@@ -611,6 +616,10 @@ class Trainer:
             record["hfu"] = mfu * self.hardware_flops_per_token / self.flops_per_token
         if self.cfg.train.loss == "goldfish":
             record["loss_token_fraction"] = stats.token_fraction
+        if not math.isfinite(stats.grad_norm) and not stats.skipped:
+            del record["grad_norm"]  # a method without a gradient norm (lomo, mezo, es)
+        if not math.isfinite(mean_loss):
+            del record["loss_mean"]  # every step of the window was skipped
         if stats.skipped:
             record["skipped"] = True
             record["skip_reason"] = stats.reason
@@ -703,12 +712,10 @@ class Trainer:
             metrics.write({"event": "straggler", "step": stats.step, "step_seconds": times,
                            "message": line})
 
-    def _describe(self) -> str:
-        n = count_parameters(self.cfg)
-        return (f"fourfold: {self.cfg.model.preset} model ({n / 1e6:.1f}M parameters), grid "
-                f"{self.grid.shape}, {self.device.type}, {self.cfg.train.dtype}, "
-                f"{self.cfg.train.steps} steps of {self.tokens_per_step:,} tokens, "
-                f"data {self.data_dir}")
+    def _describe(self) -> list[str]:
+        return describe_run(self.cfg, str(self.grid.shape), self.device.type,
+                            self.tokens_per_step, self.data_dir, count_parameters(self.cfg),
+                            count_parameters(self.cfg, trainable_only=True))
 
     def _result(self, elapsed: float) -> TrainResult:
         finite = [x for x in self.losses if math.isfinite(x)]
@@ -732,9 +739,14 @@ class Trainer:
         }
 
 
-def count_parameters(cfg: Config) -> int:
-    """Parameters of the whole (unsplit) model in cfg; no weights are allocated."""
-    return build_model(cfg.model, device="meta").num_params()
+def count_parameters(cfg: Config, trainable_only: bool = False) -> int:
+    """Parameters of the whole (unsplit) model in cfg, or only those that train (an adapter
+    run's adapter); no weights are allocated."""
+    model = build_model(cfg.model, device="meta")
+    if not trainable_only:
+        return model.num_params()
+    trainable = set(apply_adapter(model, cfg.adapter, cfg.train.seed))
+    return sum(p.numel() for name, p in model.named_parameters() if name in trainable)
 
 
 def train(cfg: Config, run_dir: Path, *, progress: bool | None = None) -> TrainResult:
