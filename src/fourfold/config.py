@@ -218,7 +218,7 @@ class LoggingConfig:
     trackers: list[str] = field(default_factory=list)
     project: str = "fourfold"  # wandb: the project; mlflow: the experiment
     run_name: str = ""  # the run's name in the trackers; "": the run directory's name
-    # mlflow: the tracking URI; "": $MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns
+    # mlflow: the tracking URI; "": $MLFLOW_TRACKING_URI, else sqlite:///RUN_DIR/mlflow.db
     mlflow_uri: str = ""
 
 

@@ -112,6 +112,11 @@ class WandbTracker:
         self._run.finish()
 
 
+def default_mlflow_uri(run_dir: Path) -> str:
+    """MLflow's own default store (an SQLite database), in the run directory."""
+    return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+
+
 class MlflowTracker:
     """An MLflow run in experiment logging.project, through an MlflowClient (no process-wide
     active run): the config as parameters and as config.toml, the scalars as metrics."""
@@ -121,7 +126,7 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         uri = (cfg.logging.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
-               or (run_dir / "mlruns").resolve().as_uri())
+               or default_mlflow_uri(run_dir))
         self._metric = Metric
         self._client: Any = MlflowClient(tracking_uri=uri)
         if run_id is None:

@@ -617,7 +617,7 @@ class Trainer:
         if self.cfg.train.loss == "goldfish":
             record["loss_token_fraction"] = stats.token_fraction
         if not math.isfinite(stats.grad_norm) and not stats.skipped:
-            del record["grad_norm"]  # a method without a gradient norm (lomo, mezo, es)
+            del record["grad_norm"]  # lomo, adalomo: no norm without clip_mode "two_pass"
         if not math.isfinite(mean_loss):
             del record["loss_mean"]  # every step of the window was skipped
         if stats.skipped:
