@@ -17,7 +17,7 @@ import pytest
 from fourfold import cli
 from fourfold.config import ConfigError, load_config
 from fourfold.train import train
-from fourfold.train.metrics import read_metrics
+from fourfold.train.metrics import MetricsLog, read_metrics
 from fourfold.train.trackers import (TRACKER_IDS_FILE, default_mlflow_uri, open_trackers,
                                      require_trackers)
 
@@ -185,7 +185,8 @@ def test_a_resumed_run_goes_on_in_the_same_tracker_runs(
     assert fake_trackers.mlflow[-1] == ("metrics", {"loss": (1.5, 12)})
     fresh = open_trackers(cfg, tmp_path, resuming=False)  # a new run: new ids
     assert fake_trackers.wandb_init[1]["id"] is None
-    assert [t.run_id for t in fresh] == ["wandb-run-1", "mlflow-run-1"]  # type: ignore[attr-defined]
+    ids = [t.run_id for t in fresh]  # type: ignore[attr-defined]
+    assert ids == ["wandb-run-1", "mlflow-run-1"]
 
 
 def test_no_tracker_imports_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -256,3 +257,43 @@ def test_the_real_trackers_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
     offline = list((tmp_path / "wandb").glob(f"offline-run-*-{ids['wandb']}"))
     assert len(offline) == 1 and list(offline[0].glob("*.wandb"))
+
+
+def test_a_failing_tracker_is_dropped_with_a_warning_and_the_log_goes_on(
+        tmp_path: Path) -> None:
+    seen: list[tuple[dict[str, float], int]] = []
+
+    class Broken:
+        def log(self, scalars: dict[str, float], step: int) -> None:
+            raise OSError("connection reset")
+
+        def close(self) -> None:
+            pass
+
+    class Recorder(Broken):
+        def log(self, scalars: dict[str, float], step: int) -> None:
+            seen.append((scalars, step))
+
+    log = MetricsLog(tmp_path / "metrics.jsonl", [Broken(), Recorder()])
+    with pytest.warns(UserWarning, match=r"Broken failed \(OSError: connection reset\); the run "
+                                         "goes on without it"):
+        log.write({"step": 1, "loss": 2.0})
+    log.write({"step": 2, "loss": 1.5, "skipped": True, "skip_reason": "spike"})
+    log.write({"event": "rollback", "step": 2, "to_step": 1})
+    log.close()
+    assert seen == [({"loss": 2.0}, 1), ({"loss": 1.5}, 2)]
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 3
+
+
+def test_a_tracker_that_cannot_start_is_left_out_with_a_warning(
+        tmp_path: Path, fake_trackers: Calls, monkeypatch: pytest.MonkeyPatch) -> None:
+    def init(**kwargs: Any) -> None:
+        raise RuntimeError("api key needed")
+
+    monkeypatch.setattr(sys.modules["wandb"], "init", init)
+    cfg = load_config(None, ["logging.trackers=wandb,mlflow"])
+    with pytest.warns(UserWarning, match=r"logging.trackers: wandb could not start "
+                                         r"\(RuntimeError: api key needed\)"):
+        trackers = open_trackers(cfg, tmp_path, resuming=False)
+    assert [type(t).__name__ for t in trackers] == ["MlflowTracker"]
+    assert json.loads((tmp_path / TRACKER_IDS_FILE).read_text()) == {"mlflow": "mlflow-run-1"}

@@ -1,10 +1,9 @@
 """Typed run configuration: TOML files, `--set section.key=value` overrides, validation.
 
 A config has the sections [model], [data], [train], [parallel], [checkpoint], [adapter],
-[logging]. Every
-key has a type and a default; an unknown key, a wrong type or an impossible value raises
-ConfigError with one line that names the key and what is allowed. The CLI turns ConfigError
-into exit code 2.
+[logging]. Every key has a type and a default; an unknown key, a wrong type or an impossible
+value raises ConfigError with one line that names the key and what is allowed. The CLI turns
+ConfigError into exit code 2.
 """
 
 from __future__ import annotations

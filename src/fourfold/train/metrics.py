@@ -8,6 +8,7 @@ import math
 import resource
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
@@ -134,8 +135,14 @@ class MetricsLog:
         self._file.flush()
         if "event" not in record:  # resumes, rollbacks, stragglers: metrics.jsonl only
             scalars = scalars_of(record)
-            for tracker in self._trackers:
-                tracker.log(scalars, int(record.get("step", 0)))
+            for tracker in list(self._trackers):
+                try:
+                    tracker.log(scalars, int(record.get("step", 0)))
+                except Exception as e:  # a tracker's service or disk: the run goes on
+                    self._trackers.remove(tracker)
+                    warnings.warn(f"{type(tracker).__name__} failed ({type(e).__name__}: {e}); "
+                                  "the run goes on without it (metrics.jsonl has every record)",
+                                  stacklevel=2)
 
     def close(self) -> None:
         if self._file is not None:

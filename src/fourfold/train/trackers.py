@@ -6,8 +6,9 @@ and a picked tracker whose package is missing stops the run before it starts wit
 that says what to install (`require_trackers`, which every rank calls, so that no rank waits
 for one that stopped). Only the main rank opens trackers (`open_trackers`).
 
-A resumed run goes on in the same W&B and MLflow run: their run ids are kept in
-RUN_DIR/trackers.json.
+A tracker that cannot start or fails later (a login, a server, a disk) is dropped with a
+warning: the run, and metrics.jsonl, go on. A resumed run goes on in the same W&B and MLflow
+runs: their run ids are kept in RUN_DIR/trackers.json.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import importlib.util
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -163,16 +165,20 @@ def open_trackers(cfg: Config, run_dir: Path, resuming: bool) -> list[Tracker]:
     name = cfg.logging.run_name or run_dir.resolve().name
     trackers: list[Tracker] = []
     for tracker in names:
-        if tracker == "tensorboard":
-            trackers.append(TensorBoardTracker(run_dir / "tensorboard", cfg))
-        elif tracker == "wandb":
-            run = WandbTracker(run_dir, cfg, name, ids.get("wandb"))
-            ids["wandb"] = run.run_id
-            trackers.append(run)
-        else:
-            mlflow_run = MlflowTracker(run_dir, cfg, name, ids.get("mlflow"))
-            ids["mlflow"] = mlflow_run.run_id
-            trackers.append(mlflow_run)
+        try:
+            if tracker == "tensorboard":
+                trackers.append(TensorBoardTracker(run_dir / "tensorboard", cfg))
+            elif tracker == "wandb":
+                run = WandbTracker(run_dir, cfg, name, ids.get("wandb"))
+                ids["wandb"] = run.run_id
+                trackers.append(run)
+            else:
+                mlflow_run = MlflowTracker(run_dir, cfg, name, ids.get("mlflow"))
+                ids["mlflow"] = mlflow_run.run_id
+                trackers.append(mlflow_run)
+        except Exception as e:  # a login or a server: the other ranks are waiting to train
+            warnings.warn(f"logging.trackers: {tracker} could not start ({type(e).__name__}: "
+                          f"{e}); the run goes on without it", stacklevel=2)
     if ids:
         ids_path.write_text(json.dumps(ids, indent=1) + "\n")
     return trackers
