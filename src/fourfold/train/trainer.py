@@ -461,9 +461,11 @@ class Trainer:
             pending: list[StepStats] = []  # steps whose numbers are still on the device
             first = True
             while self.step < t.steps:
+                step_started = time.perf_counter()
                 stats = self.train_step()
                 if first:  # its compilation and warm-up explain a long wait
-                    progress.first_step(stats.step, stats.seconds)
+                    read_steps([stats])  # waits for the device: the step's whole time
+                    progress.first_step(stats.step, time.perf_counter() - step_started)
                     first = False
                 pending.append(stats)
                 last = stats.step == t.steps
