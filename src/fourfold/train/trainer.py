@@ -461,11 +461,10 @@ class Trainer:
             pending: list[StepStats] = []  # steps whose numbers are still on the device
             first = True
             while self.step < t.steps:
-                step_started = time.perf_counter()
                 stats = self.train_step()
-                if first:  # its compilation and warm-up explain a long wait
-                    read_steps([stats])  # waits for the device: the step's whole time
-                    progress.first_step(stats.step, time.perf_counter() - step_started)
+                if first:  # its compilation and warm-up explain a long wait (host time:
+                    # waiting for the device here would cost the step that follows)
+                    progress.first_step(stats.step, stats.seconds)
                     first = False
                 pending.append(stats)
                 last = stats.step == t.steps
