@@ -72,10 +72,11 @@ def test_the_fits_check_counts_the_checkpoint_library_where_the_run_will_resume(
     import fourfold.train.build as build
     from fourfold.parallel import GridShape
     from fourfold.plan.errors import PlanError
+    from fourfold.plan.memory import predicted_memory
     from fourfold.train.checkpoint import MANIFEST_FILE, checkpoint_root
 
     cfg = load_config(None, [*OVERRIDES, "train.optimizer=mezo", "checkpoint.every=0"])
-    fresh, resumed = (build.predicted_memory(cfg, GridShape(1, 1, 1, 1), True, r).total
+    fresh, resumed = (predicted_memory(cfg, GridShape(1, 1, 1, 1), True, r).total
                       for r in (False, True))
     assert resumed > fresh
     monkeypatch.setattr(build, "rank_memory_capacity", lambda device, ranks: fresh)

@@ -12,8 +12,10 @@ import argparse
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from fourfold.errors import EXIT_FAILED, EXIT_USAGE, FourfoldError, first_line
 from fourfold.parsing import ArgumentParser
@@ -365,39 +367,42 @@ def main(argv: list[str] | None = None) -> int:
     `_leave_job` instead of returning: see there why.
     """
     if argv is None:
-        _retune_malloc_for_cpu_training()
+        from fourfold.host import restart_for_cpu_training
+
+        restart_for_cpu_training(sys.argv)
     code = _run(sys.argv[1:] if argv is None else list(argv))
     if argv is None:
         _leave_job(code)
     return code
 
 
-def _retune_malloc_for_cpu_training() -> None:
-    """`fourfold train` on a host without GPUs restarts itself once with the heap tuning that
-    fourfold's own launcher gives its ranks (fourfold.host.RANK_TUNABLES: glibc reads it only
-    at a process's start; and MKL's buffer cache off, MKL_ENVIRONMENT, read as MKL starts):
-    a rank that torchrun or srun started, and one process as well.
-    Without it a 350m rank on 8 ranks held 1.1-1.4x the model's weights instead of 0.8x (see
-    train/host_memory.py), and one process of 15m at 8 x 128 tokens peaked 16-52 MiB higher
-    (LOMO 262 MiB without, 210 with). The restart comes before torch is imported (the
-    command line's own imports take milliseconds).
-    Nothing happens when the user tunes malloc, off Linux, on a host with GPUs, or for any
-    other command."""
-    from fourfold import host
+def _notice(message: Warning | str) -> None:
+    """A ConfigNotice as one `warning: ...` line, once per job (a rank that fourfold's own
+    launcher started leaves it to the launcher, which loaded the same config)."""
+    from fourfold.launch import LAUNCHED_BY_FOURFOLD
 
-    if (sys.argv[1:2] != ["train"] or "GLIBC_TUNABLES" in os.environ
-            or host.has_accelerator_devices()):
-        return
-    extra = host.rank_malloc_environment()
-    if not extra:
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "fourfold", *sys.argv[1:]],
-              {**os.environ, **extra})
+    main_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    if main_rank and os.environ.get(LAUNCHED_BY_FOURFOLD) != "1":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _run(argv: list[str]) -> int:
+    from fourfold.errors import ConfigNotice
+
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message: Warning | str, category: type[Warning], *where: Any) -> None:
+            if issubclass(category, ConfigNotice):
+                _notice(message)
+            else:
+                shown(message, category, *where)
+
+        warnings.showwarning = show
+        return _run_command(argv)
+
+
+def _run_command(argv: list[str]) -> int:
     try:
         return _dispatch(argv)
     except SystemExit as exit_:  # argparse: --help, --version

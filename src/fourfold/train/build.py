@@ -27,16 +27,12 @@ from fourfold.models.adapter import apply_adapter
 from fourfold.models.hf import HF_CONFIG_FILE, hf_model_config
 from fourfold.models.llama import Llama, build_model
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
-from fourfold.parallel.embedding import resolve_output_loss
-from fourfold.plan.errors import PlanError
-from fourfold.plan.memory import (GIB, MemoryBreakdown, Precision, predict_memory,
-                                  predict_method_memory)
 from fourfold.plan.search import check_grid_fits, rank_memory_capacity
 from fourfold.train.checkpoint import list_checkpoints, verify_checkpoint
 from fourfold.train.compile import BlockCompiler
-from fourfold.train.host_memory import keep_freed_host_memory
-from fourfold.train.methods import TrainingMethod, batch_shard, build_method, method_batch_axes
-from fourfold.train.optim import build_optimizer
+from fourfold.train.host_memory import HostMemory
+from fourfold.methods import method_spec
+from fourfold.train.methods import TrainingMethod, batch_shard, build_method
 from fourfold.train.resilience import LossGuard
 from fourfold.train.trackers import require_trackers
 
@@ -55,8 +51,8 @@ class Run:
     tokenizer: Tokenizer
     pmodel: ParallelModel
     compiler: BlockCompiler
-    optimizer: torch.optim.Optimizer | None  # AdamW; None when `method` trains instead
-    method: TrainingMethod | None  # train.optimizer other than adamw (train/methods)
+    method: TrainingMethod  # train.optimizer's (train/methods)
+    host: HostMemory  # what the run does about host memory (a no-op on a GPU)
     loader: BatchLoader  # whole steps; the trainer slices them into micro-batches
     val_loader: BatchLoader
     guard: LossGuard
@@ -86,8 +82,8 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
     rank, world_size, dist_device = init_distributed(p.backend, p.timeout_s, device=t.device,
                                                      one_rank_group=p.engine == "always")
     device = _choose_device(t.device, dist_device, world_size)
-    if device.type == "cpu":
-        keep_freed_host_memory()  # no fresh zero-filled pages every step
+    host = HostMemory.for_run(device, world_size, t.dtype)
+    host.tune()
     if p.auto:
         planned = _planned_grid(cfg, world_size, rank)
         p = cfg.parallel = dataclasses.replace(p, x=planned.x, y=planned.y, z=planned.z,
@@ -97,25 +93,23 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
                       force_groups=p.engine == "always" and world_size == 1)
     # the axes the method splits its batch over: es gives every data replica the whole batch
     # (its population members split the data axis instead)
-    shard_index, shard_count = batch_shard(grid, method_batch_axes(t.optimizer))
+    spec = method_spec(t.optimizer)
+    shard_index, shard_count = batch_shard(grid, spec.batch_axes)
     if t.batch_size % (t.grad_accum * shard_count):
         raise ConfigError(
             f"train.batch_size = {t.batch_size} does not split into train.grad_accum = "
             f"{t.grad_accum} micro-steps over {shard_count} batch shards "
-            f"({'*'.join(method_batch_axes(t.optimizer))}); use a "
+            f"({'*'.join(spec.batch_axes)}); use a "
             f"multiple of {t.grad_accum * shard_count}")
     torch.manual_seed(t.seed)
-    # one line naming the memory needed and a grid that fits, not an OOM halfway through
+    # one line naming the memory needed and a grid that fits, not an OOM halfway through; a
+    # run that will resume loads a checkpoint, which imports the checkpoint library (a damaged
+    # one, missing or truncated files, checked without hashing, it will skip)
+    resumes = cfg.checkpoint.resume and any(
+        verify_checkpoint(path, checksums=False) is None for path in list_checkpoints(run_dir))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if t.optimizer == "adamw":
-        check_grid_fits(cfg, grid.shape, device, local_ranks)
-    else:  # the method's own gradients and state, not AdamW's
-        # a run that will resume loads a checkpoint, which imports the checkpoint library; a
-        # damaged one (missing or truncated files: checked without hashing) it will skip
-        resumes = cfg.checkpoint.resume and any(
-            verify_checkpoint(p, checksums=False) is None for p in list_checkpoints(run_dir))
-        check_method_fits(cfg, grid.shape, device.type == "cpu",
-                          rank_memory_capacity(device, local_ranks), resumed=resumes)
+    check_grid_fits(cfg, grid.shape, device.type == "cpu",
+                    rank_memory_capacity(device, local_ranks), resumed=resumes)
 
     data_dir = resolve_data_path(cfg.data.path, cfg.data.tokenizer)
     tokenizer = load_tokenizer(data_dir)
@@ -134,7 +128,8 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
         model.to(device)
     # Set before parallelize, which converts the layers in place and keeps the flag.
     model.activation_checkpointing = t.activation_checkpointing
-    pmodel = parallelize(model, grid, p, optimizer=cfg.train.optimizer)
+    pmodel = parallelize(model, grid, p, blocked_loss=spec.blocked_loss,
+                         grad_buffers=host.grad_buffers())
     if init_from:
         from fourfold.models.hf import load_hf_into
 
@@ -143,12 +138,7 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
     # optimizer, which then see only the adapter as trainable.
     apply_adapter(pmodel, cfg.adapter, t.seed)
     compiler = BlockCompiler(pmodel.module, t.compile)
-    optimizer, method = None, None
-    if t.optimizer == "adamw":
-        optimizer = build_optimizer(pmodel.named_parameters(), t,
-                                    tied_output=cfg.model.tie_embeddings)
-    else:
-        method = build_method(pmodel, t, tied_output=cfg.model.tie_embeddings)
+    method = build_method(pmodel, t, tied_output=cfg.model.tie_embeddings, hooks=host.hooks())
 
     # The loader hands out whole steps; micro-batches are slices of them, so the data a step
     # sees does not depend on grad_accum. Validation batches are whole steps too (evaluated in
@@ -159,46 +149,9 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
                              shard_index=shard_index, num_shards=shard_count)
     return Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world_size=world_size, device=device,
                grid=grid, data_dir=data_dir, tokenizer=tokenizer, pmodel=pmodel,
-               compiler=compiler, optimizer=optimizer, method=method, loader=loader,
+               compiler=compiler, method=method, host=host, loader=loader,
                val_loader=val_loader,
                guard=LossGuard(t.spike_threshold))
-
-
-def predicted_memory(cfg: Config, shape: GridShape, on_host: bool,
-                     resumed: bool = False) -> MemoryBreakdown:
-    """The planner's peak bytes per rank for cfg's run on `shape`, with train.optimizer's own
-    gradients and optimizer state (plan/memory.py). `resumed`: the run loaded a checkpoint,
-    which imports the checkpoint library as writing one does (15m, LOMO, one process, writing
-    none: 474-476 MiB fresh, 513-519 resumed)."""
-    t, p = cfg.train, cfg.parallel
-    precision = Precision.of(t.dtype)
-    micro_tokens = t.batch_size // (shape.data * shape.z) // t.grad_accum * t.seq_len
-    output_loss = resolve_output_loss(p.output_loss, t.optimizer)
-    writes = cfg.checkpoint.every > 0
-    checkpoints = writes or resumed  # the checkpoint library is in
-    mem = predict_memory(cfg.model, shape, micro_tokens, t.activation_checkpointing, precision,
-                         bucket_bytes=int(p.bucket_mb * 2**20), on_host=on_host, writer=True,
-                         async_checkpoint=cfg.checkpoint.is_async(on_host) and writes,
-                         checkpoints=checkpoints, output_loss=output_loss,
-                         grad_accum=t.grad_accum)
-    return predict_method_memory(mem, cfg.model, shape, t, precision, output_loss, checkpoints)
-
-
-def check_method_fits(cfg: Config, shape: GridShape, on_host: bool, capacity: int,
-                      resumed: bool = False) -> None:
-    """A one-line PlanError when a rank of `shape` cannot hold cfg's run under its
-    train.optimizer (the AdamW check, check_grid_fits, also suggests a grid); `resumed` as
-    predicted_memory takes it."""
-    mem = predicted_memory(cfg, shape, on_host, resumed)
-    if mem.total <= capacity:
-        return
-    state = mem.params + mem.grads + mem.optimizer
-    raise PlanError(f"grid {shape} cannot hold model {cfg.model.preset!r} under "
-                    f"train.optimizer = {cfg.train.optimizer!r}: a rank needs "
-                    f"{mem.total / GIB:.2f} GiB ({state / GIB:.2f} GiB weights, gradients and "
-                    f"optimizer state + {(mem.total - state) / GIB:.2f} GiB at the peak of a "
-                    f"step, build or export) and has {capacity / GIB:.2f} GiB; use more ranks "
-                    "(parallel.x, y, z) or a smaller model")
 
 
 def _choose_device(requested: str, dist_device: torch.device, world_size: int) -> torch.device:

@@ -154,11 +154,10 @@ def _adapter_model_from_checkpoint(path: Path, cfg: Config) -> Llama:
     if cfg.model.init_from:
         load_hf_into(pmodel, cfg.model.init_from)
     apply_adapter(pmodel, cfg.adapter, cfg.train.seed)
-    manager = CheckpointManager(path.parent.parent, CheckpointConfig(), grid,
-                                states={"base": BaseReference(cfg.model.init_from,
-                                                              cfg.train.seed)},
-                                trainable_only=True)
-    manager.load(path, pmodel, None, restore_rng=False)
+    manager = CheckpointManager.for_model(path.parent.parent, CheckpointConfig(), grid, pmodel,
+                                          trainable_only=True)
+    manager.register("base", BaseReference(cfg.model.init_from, cfg.train.seed))
+    manager.load(path, restore_rng=False)
     merged = Llama(cfg.model)
     state = merged_state_dict(model.state_dict(), cfg.adapter)
     if cfg.model.tie_embeddings:
