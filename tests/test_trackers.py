@@ -81,8 +81,9 @@ def fake_trackers(monkeypatch: pytest.MonkeyPatch) -> Calls:
         def get_experiment_by_name(self, name: str) -> None:
             return None
 
-        def create_experiment(self, name: str) -> str:
+        def create_experiment(self, name: str, artifact_location: str | None) -> str:
             calls.mlflow.append(("experiment", name))
+            calls.mlflow.append(("artifacts", artifact_location))
             return "7"
 
         def create_run(self, experiment_id: str, run_name: str) -> Any:
@@ -163,6 +164,7 @@ def test_every_tracker_gets_the_scalars_of_metrics_jsonl_and_the_config(
     assert ("experiment", "proj") in fake_trackers.mlflow
     assert ("run", ("7", "first")) in fake_trackers.mlflow
     assert ("uri", default_mlflow_uri(tmp_path)) in fake_trackers.mlflow
+    assert ("artifacts", (tmp_path / "mlartifacts").resolve().as_uri()) in fake_trackers.mlflow
     text = dict(v for k, v in fake_trackers.mlflow if k == "text")["config.toml"]
     assert text == (tmp_path / "config.toml").read_text()
     assert "steps = 4" in fake_trackers.tb_text[0]
@@ -234,9 +236,13 @@ def test_the_real_trackers_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
     cfg = small_config("train.steps=2", "train.log_every=1",
                        "logging.trackers=tensorboard,wandb,mlflow")
     train(cfg, tmp_path, progress=False)
+    assert list(cwd.iterdir()) == []  # every tracker wrote into the run directory
     records = [r for r in _scalar_records(tmp_path) if "loss" in r]
     ids = json.loads((tmp_path / TRACKER_IDS_FILE).read_text())
 
@@ -246,6 +252,7 @@ def test_the_real_trackers_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     history = client.get_metric_history(ids["mlflow"], "loss")
     assert [(m.step, m.value) for m in history] == [(r["step"], r["loss"]) for r in records]
     assert client.get_run(ids["mlflow"]).data.params["train.steps"] == "2"
+    assert (tmp_path / "mlartifacts").is_dir()
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

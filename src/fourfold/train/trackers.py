@@ -127,14 +127,16 @@ class MlflowTracker:
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
-        uri = (cfg.logging.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
-               or default_mlflow_uri(run_dir))
+        uri = cfg.logging.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        # the default store's artifacts beside it (MLflow would put them under ./mlruns)
+        artifacts = None if uri else (run_dir / "mlartifacts").resolve().as_uri()
         self._metric = Metric
-        self._client: Any = MlflowClient(tracking_uri=uri)
+        self._client: Any = MlflowClient(tracking_uri=uri or default_mlflow_uri(run_dir))
         if run_id is None:
             experiment = self._client.get_experiment_by_name(cfg.logging.project)
             experiment_id = (experiment.experiment_id if experiment is not None
-                             else self._client.create_experiment(cfg.logging.project))
+                             else self._client.create_experiment(
+                                 cfg.logging.project, artifact_location=artifacts))
             run_id = self._client.create_run(experiment_id, run_name=name).info.run_id
             params = [Param(k, str(v)) for k, v in flat_config(cfg).items()]
             for i in range(0, len(params), MLFLOW_PARAMS_PER_CALL):
