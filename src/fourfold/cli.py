@@ -171,7 +171,8 @@ def _print_train_summary(run_dir: Path) -> None:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from fourfold.data.prepare import prepare_main
 
-    return prepare_main(args.inputs, args.out, args.tokenizer, overwrite=args.overwrite)
+    return prepare_main(args.inputs, args.out, args.tokenizer, overwrite=args.overwrite,
+                        data_format=args.format, train_on=args.train_on)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -188,6 +189,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--top-k {args.top_k}: must not be negative (0 keeps every token)")
     model, cfg = load_trained(args.run_dir)
     tokenizer = run_tokenizer(args.run_dir, cfg)
+    if args.chat:
+        return _generate_chat(args, model, cfg, tokenizer)
     prompt_ids = [int(i) for i in tokenizer.encode(args.prompt)]
     if not prompt_ids:
         raise ConfigError("--prompt '': the prompt must hold at least one token")
@@ -195,6 +198,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
                        top_k=args.top_k, seed=args.seed, eos_id=tokenizer.eos_id,
                        vocab_size=tokenizer.vocab_size)
     print(args.prompt + tokenizer.decode(new_ids), flush=True)
+    return EXIT_OK
+
+
+def _generate_chat(args: argparse.Namespace, model, cfg, tokenizer) -> int:  # noqa: ANN001
+    """`generate --chat`: the prompt as a user's turn in the run's chat template (its data's,
+    or the documented default), the answer generated to the template's end of turn."""
+    from fourfold.data.chat_template import TEMPLATE_FILE, data_template, encode_with_offsets
+    from fourfold.train.runs import run_data_dir
+    from fourfold.train.sampling import generate
+
+    run_dir = Path(args.run_dir)
+    where = run_dir if (run_dir / TEMPLATE_FILE).is_file() else run_data_dir(cfg)
+    template = data_template(where, tokenizer)
+    prompt_ids = template.prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+    stop = template.end_of_turn()
+    stop_ids = encode_with_offsets(tokenizer, stop)[0] if stop else []
+    eos = int(stop_ids[0]) if len(stop_ids) == 1 else tokenizer.eos_id
+    new_ids = generate(model, [int(i) for i in prompt_ids], args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                       eos_id=eos, vocab_size=tokenizer.vocab_size)
+    answer = tokenizer.decode(new_ids)
+    print(answer.split(stop)[0] if stop else answer, flush=True)
     return EXIT_OK
 
 
@@ -287,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--overwrite", action="store_true",
                          help="replace what DATA_DIR holds (the old data stays whole until the "
                               "new is complete)")
+    prepare.add_argument("--format", default="text", metavar="FORMAT",
+                         help="text | chat (records with 'messages') | instruct (prompt/"
+                              "completion or instruction/input/output) (default text)")
+    prepare.add_argument("--train-on", default="assistant", metavar="WHAT",
+                         help="chat and instruct data: assistant (its answers; the prompt is "
+                              "not trained) | all (default assistant)")
     prepare.set_defaults(handler=cmd_prepare)
 
     gen = sub.add_parser("generate", help="continue a prompt with a trained model")
@@ -297,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="0 picks the most likely token every time")
     gen.add_argument("--top-k", type=int, default=50, metavar="K", help="0 keeps every token")
     gen.add_argument("--seed", type=int, default=1337, metavar="S")
+    gen.add_argument("--chat", action="store_true",
+                     help="the prompt is a user's message: put it in the run's chat template "
+                          "and print the answer")
     gen.set_defaults(handler=cmd_generate)
 
     evaluate = sub.add_parser("eval", help="evaluate a trained model")

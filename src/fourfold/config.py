@@ -82,6 +82,11 @@ class DataConfig:
     # PATH/tokenizer.json: a built-in corpus is prepared with it; a prepared directory must
     # have been made with it
     tokenizer: str = "auto"
+    # auto | documents | none: "documents" packs whole documents into each sequence, attention
+    # never crossing from one to another and positions restarting at each; "none" draws
+    # windows at random offsets, across documents; "auto": documents for chat and instruction
+    # data, none for text
+    packing: str = "auto"
 
 
 @dataclass
@@ -291,6 +296,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("model", "preset"): tuple(PRESETS) + ("custom",),
     ("model", "rope_scaling"): ("none", "linear", "llama3"),
+    ("data", "packing"): ("auto", "documents", "none"),
     ("train", "dtype"): ("float32", "bfloat16"),
     ("train", "loss"): ("cross_entropy", "goldfish"),
     ("train", "device"): ("auto", "cpu", "cuda"),

@@ -59,16 +59,23 @@ class ParallelModel:
 
     # ---- running ----------------------------------------------------------------------------
 
-    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (b, T, V/Gy), or per-token losses (b, T) when targets are given."""
+    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                 documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (b, T, V/Gy), or per-token losses (b, T) when targets are given. `documents`
+        (b, T), for rows of packed documents, is handed to the module as it is (a fourfold
+        model keeps attention inside each document)."""
         if self.engine is not None:
             self.engine.begin_forward(recompute=self._recomputes())
+        packed = {} if documents is None else {"documents": documents}
         if self._is_hf:
+            if documents is not None:
+                raise ValueError("packed documents need a fourfold model; a Hugging Face "
+                                 "module attends across them")
             logits = self.module(input_ids=tokens, use_cache=False).logits
         elif targets is not None and getattr(self.module, "output_loss", None) is not None:
-            return self.module(tokens, targets)  # the output layer and the loss in blocks
+            return self.module(tokens, targets, **packed)  # the output layer and the loss in blocks
         else:
-            logits = self.module(tokens)
+            logits = self.module(tokens, **packed)
         if targets is None:
             return logits
         return self.criterion(logits, targets)

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from fourfold.config import ModelConfig, TrainConfig
+from fourfold.data.balance import SequenceCost
 from fourfold.models.llama import flops_per_token
 from fourfold.parallel.embedding import uses_blocked_loss
 from fourfold.parallel.grid import AXES, GridShape
@@ -239,6 +240,35 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
     planner model, plan/methods)."""
     return spec_of(train).planner_model().cost(model, shape, train or TrainConfig(), rates,
                                                precision)
+
+
+def sequence_cost(model: ModelConfig, seq_len: int, machine: Machine | None = None,
+                  dtype: str = "float32") -> SequenceCost:
+    """What a packed row of seq_len positions costs a rank, for the loader to balance its
+    ranks (data/balance.py): seconds per position (the GEMMs, element-wise work and loss of a
+    forward and backward) and per squared document length (causal attention), as this model
+    predicts them on one rank of `machine`; without one, their FLOPs (the same law at one
+    rate). Read from the step's prediction at two document lengths, s and s/2 (the attention
+    the difference scales with s^2, the rest not)."""
+    shape = GridShape(data=1, z=1, y=1, x=1)
+    precision = Precision.of(dtype)
+    if machine is None:
+        d, L = model.dim, model.n_layers
+        attention_flops = 12.0 * L * d / 2  # forward + backward, causal: half the scores
+        return SequenceCost(token=flops_per_token(model, 0), square=attention_flops)
+    rates = _rates(machine, precision.name, 1, None)  # no host probe: ratios are what count
+    half = max(1, seq_len // 2)
+
+    def step(length: int) -> float:
+        comp = _compute_times(model, shape, seq_len, length, rates, precision)
+        return comp.forward + comp.backward
+
+    whole, halves = step(seq_len), step(half)
+    # attention of one document of s against two of s/2: a (s^2 - s^2 / 2)
+    square = max(whole - halves, 0.0) / (seq_len * seq_len - 2 * half * half)
+    token = max(whole - square * seq_len * seq_len, 0.0) / seq_len
+    return SequenceCost(token=token, square=square)
+
 
 
 def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig | None

@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,12 +79,23 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
         # The architecture is the checkpoint's config.json (without one, cfg.model's); the
         # path stays in the config.
         cfg.model = dataclasses.replace(hf_model_config(init_from), init_from=init_from)
+        if t.seq_len > cfg.model.max_seq_len:
+            raise ConfigError(f"train.seq_len = {t.seq_len} is longer than the "
+                              f"max_position_embeddings = {cfg.model.max_seq_len} of "
+                              f"model.init_from = {init_from!r}; use at most "
+                              f"{cfg.model.max_seq_len}")
 
     rank, world_size, dist_device = init_distributed(p.backend, p.timeout_s, device=t.device,
                                                      one_rank_group=p.engine == "always")
     device = _choose_device(t.device, dist_device, world_size)
     host = HostMemory.for_run(device, world_size, t.dtype)
     host.tune()
+    if device.type == "cpu" and t.dtype == "bfloat16" and rank == 0 \
+            and not cpu_has_bfloat16_gemm():
+        warnings.warn("train.dtype = bfloat16 on a CPU without bfloat16 matrix instructions "
+                      "(AVX-512 BF16/AMX): torch's bfloat16 GEMMs take a slow path here, "
+                      "often 10-100x slower than float32; train.dtype = float32 is faster "
+                      "on this CPU", stacklevel=2)
     if p.auto:
         planned = _planned_grid(cfg, world_size, rank)
         p = cfg.parallel = dataclasses.replace(p, x=planned.x, y=planned.y, z=planned.z,
@@ -143,10 +155,19 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
     # The loader hands out whole steps; micro-batches are slices of them, so the data a step
     # sees does not depend on grad_accum. Validation batches are whole steps too (evaluated in
     # micro-batch slices), so the validation set depends neither on grad_accum nor on the grid.
+    # Packed rows are spread over the shards and micro-batches by the planner's cost of their
+    # attention against their GEMMs (on a GPU of the catalog; by their FLOPs elsewhere).
+    from fourfold.plan.machine_file import machine_for_torch_device
+    from fourfold.plan.perf import sequence_cost
+
+    cost = sequence_cost(cfg.model, t.seq_len, machine_for_torch_device(device)
+                         if device.type == "cuda" else None, t.dtype)
     loader = BatchLoader(data_dir, "train", t.batch_size, t.seq_len, t.seed,
-                         shard_index=shard_index, num_shards=shard_count)
+                         shard_index=shard_index, num_shards=shard_count,
+                         packing=cfg.data.packing, micro_batches=t.grad_accum, cost=cost)
     val_loader = BatchLoader(data_dir, "val", t.batch_size, t.seq_len, t.seed,
-                             shard_index=shard_index, num_shards=shard_count)
+                             shard_index=shard_index, num_shards=shard_count,
+                             packing=cfg.data.packing, micro_batches=t.grad_accum, cost=cost)
     return Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world_size=world_size, device=device,
                grid=grid, data_dir=data_dir, tokenizer=tokenizer, pmodel=pmodel,
                compiler=compiler, method=method, host=host, loader=loader,
@@ -193,3 +214,13 @@ def _planned_grid(cfg: Config, world_size: int, rank: int) -> GridShape:
 
 
 __all__ = ["Run", "build_run"]
+
+
+def cpu_has_bfloat16_gemm() -> bool:
+    """Whether torch's CPU GEMMs run bfloat16 natively here (oneDNN with AVX-512 BF16 or AMX);
+    without, they fall back to a generic loop that is far slower than float32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True  # a torch that cannot say: no warning
+

@@ -171,11 +171,14 @@ def build_mesh(grid: Grid) -> Any:
         return None
     from torch.distributed.device_mesh import DeviceMesh
 
+    # The grid's device type: DTensor.from_local copies a local tensor that is not on the
+    # mesh's device, and dcp.load would then fill the copy (see _wrap's check).
+    device_type = grid.device.type
     try:
-        return DeviceMesh("cpu", mesh_tensor(grid), mesh_dim_names=MESH_AXES,
+        return DeviceMesh(device_type, mesh_tensor(grid), mesh_dim_names=MESH_AXES,
                           _init_backend=False)
     except TypeError:  # a torch without _init_backend: let it build its groups
-        return DeviceMesh("cpu", mesh_tensor(grid), mesh_dim_names=MESH_AXES)
+        return DeviceMesh(device_type, mesh_tensor(grid), mesh_dim_names=MESH_AXES)
 
 
 def _wrap(local: torch.Tensor, layout: Layout, full_shape: tuple[int, ...], mesh: Any,
@@ -185,8 +188,23 @@ def _wrap(local: torch.Tensor, layout: Layout, full_shape: tuple[int, ...], mesh
     from torch.distributed.tensor import DTensor
 
     full = torch.empty(full_shape, device="meta")
-    return DTensor.from_local(local, mesh, placements_for(layout, len(full_shape), name),
-                              run_check=False, shape=torch.Size(full_shape), stride=full.stride())
+    wrapped = DTensor.from_local(local, mesh, placements_for(layout, len(full_shape), name),
+                                 run_check=False, shape=torch.Size(full_shape),
+                                 stride=full.stride())
+    check_wraps_in_place(wrapped, local, name)
+    return wrapped
+
+
+def check_wraps_in_place(wrapped: Any, local: torch.Tensor, name: str) -> None:
+    """dcp.load fills a DTensor's local tensor: unless that is the target's own storage (the
+    parameter or optimizer state it stands for), a load would fill a copy and leave the
+    weights as they were while the step count and data position moved on."""
+    inner = wrapped.to_local()
+    if inner.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
+        raise CheckpointError(
+            f"{name}: its DTensor holds a copy of the tensor ({local.device} tensor, "
+            f"{wrapped.device_mesh.device_type} mesh), so a load would not reach the "
+            "weights; the checkpoint mesh must be on the tensors' device")
 
 
 def _full_shape(local: torch.Tensor, layout: Layout, grid: Grid) -> tuple[int, ...]:

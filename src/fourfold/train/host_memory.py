@@ -152,14 +152,6 @@ class HostMemory:
         return GradBufferPool() if self.on_host else None
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor (a batch) on `device`. To a GPU it goes through pinned memory without
-    blocking the host, so the copy overlaps what the GPU is still doing; elsewhere, `t.to`."""
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def to_host(t: torch.Tensor, copy: bool) -> torch.Tensor:
     """A CPU version of `t` for a checkpoint snapshot (`copy`: never `t` itself). From a GPU
     the copy lands in pinned memory without blocking: synchronise (`wait_for_host_copies`)

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 
 from fourfold.config import Config
-from fourfold.data import Tokenizer
+from fourfold.data import Batch, Tokenizer
 from fourfold.errors import EXIT_FAILED, FourfoldError
 from fourfold.models.adapter import apply_adapter, write_adapter_run
 from fourfold.models.llama import Llama, build_model
@@ -33,7 +33,6 @@ from fourfold.plan.memory import predicted_memory
 from fourfold.train.build import Run, build_run
 from fourfold.train.checkpoint import (BaseReference, CheckpointError, CheckpointManager,
                                        ModelState)
-from fourfold.train.host_memory import to_device
 from fourfold.train.memory_report import MemoryMeter, gather_reports, predicted_report
 from fourfold.train.methods import StepData, TrainingMethod
 from fourfold.train.loop import Periodic, RunLog
@@ -132,6 +131,19 @@ def read_steps(steps: list[StepStats]) -> None:
         s._set_read(row)
 
 
+def time_completed_steps(steps: list[StepStats], started: float, device: torch.device) -> None:
+    """Give `steps` (run back to back since `started`) their share of the wall clock until the
+    device has finished them. A step's own timer stops when the host has queued its work, which
+    on a GPU is long before the work is done: tokens/s, MFU and the straggler report read the
+    completed time instead."""
+    read_steps(steps)  # waits for the device's numbers of the last step
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # and for its update, queued after them
+    seconds = (time.perf_counter() - started) / max(len(steps), 1)
+    for s in steps:
+        s.seconds = seconds
+
+
 @dataclass
 class TrainResult:
     final_loss: float
@@ -187,7 +199,7 @@ class Trainer:
                                          self.cfg.train.activation_checkpointing)
                              if self.cfg.train.memory_report else None)
         t = self.cfg.train
-        self._val_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._val_cache: list[Batch] | None = None
 
         self.step = 0
         self.tokens_per_step = t.batch_size * t.seq_len
@@ -235,18 +247,27 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16,
                               enabled=self.cfg.train.dtype == "bfloat16")
 
-    def _loss_mask(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss_mask(self, batch: Batch) -> torch.Tensor:
+        """1.0 where a target counts in the loss: a trained one (every target of raw text; the
+        answers of chat data), unless the goldfish loss drops it."""
         t = self.cfg.train
+        mask = batch.loss_weights()
         if t.loss == "goldfish":
             from fourfold.train.goldfish import goldfish_mask  # only runs that ask for it
 
-            return goldfish_mask(inputs, targets, t.goldfish_k, t.goldfish_h).float()
-        return torch.ones(targets.shape, dtype=torch.float32, device=targets.device)
+            mask = mask * goldfish_mask(batch.inputs, batch.targets, t.goldfish_k,
+                                        t.goldfish_h).float()
+        return mask
 
-    def _val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        """Per-token losses (b, T) of a micro-batch; packed rows attend within documents."""
+        with self._autocast():
+            return self.pmodel(batch.inputs, batch.targets, documents=batch.documents)
+
+    def _val_batches(self) -> list[Batch]:
         if self._val_cache is None:
             batches = self.val_loader.eval_batches(self.cfg.train.eval_batches)
-            self._val_cache = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+            self._val_cache = [b.to(self.device) for b in batches]
         return self._val_cache
 
     # ---- one step -----------------------------------------------------------------------
@@ -303,17 +324,15 @@ class Trainer:
         micro-batches' losses, each normalized by the counted tokens of the whole job's step
         (returned too, on the device)."""
         t = self.cfg.train
-        inputs, targets = self.loader.next_batch()  # (B / shards, T)
-        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
-        micro = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
-        masks = [self._loss_mask(x, y) for x, y in micro]
+        batch = self.loader.next_batch().to(self.device)  # (B / shards, T)
+        micro = batch.split(t.grad_accum)
+        masks = [self._loss_mask(b) for b in micro]
         local_count = torch.stack([m.sum() for m in masks]).sum()
         global_count = self._count_over_batch(local_count).clamp(min=1.0)
 
         def losses() -> Iterator[torch.Tensor]:
-            for (x, y), mask in zip(micro, masks):
-                with self._autocast():
-                    per_token = self.pmodel(x, y)  # (b, T)
+            for batch, mask in zip(micro, masks):
+                per_token = self._forward(batch)  # (b, T)
                 yield (per_token.float() * mask).sum() / global_count
 
         return StepData(len(micro), losses), global_count
@@ -333,8 +352,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss per token over train.eval_batches fixed batches (the same
-        batches every time), reduced over the batch axes. Collective on a grid."""
+        """Mean validation loss per trained token over train.eval_batches fixed batches (the
+        same batches every time), reduced over the batch axes. Collective on a grid."""
         module = self.pmodel.module
         was_training = module.training
         module.eval()
@@ -342,21 +361,19 @@ class Trainer:
             loss_sum = torch.zeros((), device=self.device)
             count = torch.zeros((), device=self.device)
             micro_steps = self.cfg.train.grad_accum
-            for inputs, targets in self._val_batches():
-                for x, y in zip(inputs.chunk(micro_steps), targets.chunk(micro_steps)):
-                    with self._autocast():
-                        per_token = self.pmodel(x, y)
-                    loss_sum += per_token.float().sum()
-                    count += per_token.numel()
+            for batch in self._val_batches():
+                for micro in batch.split(micro_steps):
+                    weights = micro.loss_weights()
+                    loss_sum += (self._forward(micro).float() * weights).sum()
+                    count += weights.sum()
             totals = self.pmodel.reduce_over_batch(torch.stack([loss_sum, count]))
         finally:
             module.train(was_training)
         return float(totals[0] / totals[1].clamp(min=1.0))
 
     def _sample_prompt(self) -> list[int]:
-        batches = self._val_batches() or [
-            tuple(b.to(self.device) for b in self.val_loader.eval_batches(1)[0])]
-        return batches[0][0][0, :SAMPLE_PROMPT_TOKENS].tolist()
+        batches = self._val_batches() or [self.val_loader.eval_batches(1)[0].to(self.device)]
+        return batches[0].inputs[0, :SAMPLE_PROMPT_TOKENS].tolist()
 
     def sample_text(self) -> str:
         """A continuation of a validation-text prompt by the model. Collective on a grid: every
@@ -397,6 +414,7 @@ class Trainer:
             if t.eval_batches > 0 and t.eval_every > 0 and self.step == 0:
                 self._validate(0)
             pending: list[StepStats] = []  # steps whose numbers are still on the device
+            window = time.perf_counter()  # when the first of the pending steps began
             while self.step < t.steps:
                 pending.append(self.train_step())
                 self.log.stepped(pending[-1])
@@ -404,10 +422,12 @@ class Trainer:
                 if not (due or self.log.due(self.step) or t.nan_policy == "rollback"):
                     continue
                 done, pending = pending, []
-                if not self._account(done):  # rolled back: a step to take again
-                    continue
-                for part in due:
-                    part.run(self.step)
+                time_completed_steps(done, window, self.device)
+                accounted = self._account(done)
+                if accounted:  # else rolled back: a step to take again
+                    for part in due:
+                        part.run(self.step)
+                window = time.perf_counter()
             self._wait_for_checkpoints()
             return self.finish(started)
         finally:

@@ -44,7 +44,8 @@ class FusedBackward(TrainingMethod):
         self.weight_decay = cfg.effective_weight_decay()
         self._phase = ""  # "norm": first pass of two_pass; "update"; "": not in a step
         self._lr, self._scale = 0.0, 1.0
-        self._norm_sq = torch.zeros((), dtype=torch.float64)
+        # on the grid's device: the gradients' squared norms are added into it in place
+        self._norm_sq = torch.zeros((), dtype=torch.float64, device=self.grid.device)
         self.peak_grad_bytes = 0  # the most gradient bytes alive at one hand-off (tests read it)
         self._release = on_final_gradients(pmodel, self.views, self._on_grad_ready)
         self.hooks = hooks or PhaseHooks()
@@ -82,7 +83,7 @@ class FusedBackward(TrainingMethod):
                 self._phase = "norm"
                 self._norm_sq.zero_()
                 loss = reduce_loss(pmodel, backward_pass(pmodel, data, self.hooks.after_forward))
-                total = self._norm_sq.to(self.grid.device)
+                total = self._norm_sq.clone()
                 if self.grid.world_size > 1:  # data replicas hold the same gradients
                     total = self.comm.all_reduce(total, "tensor").wait()
                 norm = float(total.sqrt())
