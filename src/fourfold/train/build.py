@@ -38,6 +38,7 @@ from fourfold.train.host_memory import HostMemory
 from fourfold.methods import method_spec
 from fourfold.train.methods import TrainingMethod, batch_shard, build_method
 from fourfold.train.resilience import LossGuard
+from fourfold.train.trackers import require_trackers
 
 # a vocabulary sized from the tokenizer is rounded up to this (even shards, aligned GEMMs)
 VOCAB_MULTIPLE = 64
@@ -75,6 +76,7 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
     # Before the ranks meet: a rank that raised after meeting would close its connections under
     # peers still making theirs, which then fail with gloo's traceback instead of this line.
     check_data_path(cfg.data.path)
+    require_trackers(cfg)
     cfg = copy.deepcopy(cfg)  # the caller's config stays as it was
     t, p = cfg.train, cfg.parallel
 
@@ -233,7 +235,7 @@ def _planned_grid(cfg: Config, world_size: int, rank: int) -> GridShape:
                                  activation_checkpointing=t.activation_checkpointing,
                                  grad_accum=t.grad_accum, reduce_dtype=p.reduce_dtype,
                                  train=t)  # the grid must fit train.optimizer's memory
-        print(f"parallel.auto chose grid {shape}: {why}", file=sys.stderr, flush=True)
+        print(f"parallel.auto: {why}", file=sys.stderr, flush=True)  # why names the grid
         choice[0] = (shape.data, shape.z, shape.y, shape.x)
     if world_size > 1:
         dist.broadcast_object_list(choice, src=0)

@@ -25,7 +25,7 @@ import torch
 from fourfold.config import Config
 from fourfold.data import Batch, Tokenizer
 from fourfold.errors import EXIT_FAILED, FourfoldError
-from fourfold.models.adapter import write_adapter_run
+from fourfold.models.adapter import apply_adapter, write_adapter_run
 from fourfold.models.llama import Llama, build_model
 from fourfold.parallel import Grid, ParallelModel
 from fourfold.parallel.grid import check_shared_directory
@@ -40,6 +40,7 @@ from fourfold.train.methods import StepData, TrainingMethod
 from fourfold.train.loop import Periodic, RunLog
 from fourfold.train.metrics import peak_memory_bytes
 from fourfold.train.optim import LRSchedule
+from fourfold.train.progress import describe_run
 from fourfold.train.resilience import (DeviceJudgement, LossGuard, UpdateGate, restart_count,
                                        resume_record)
 from fourfold.train.runs import (CONFIG_FILE, SAMPLES_FILE, WEIGHTS_FILE,
@@ -423,6 +424,7 @@ class Trainer:
             window = time.perf_counter()  # when the first of the pending steps began
             while self.step < t.steps:
                 pending.append(self.train_step())
+                self.log.stepped(pending[-1])
                 due = [part for part in self.periodic if part.due(self.step)]
                 stopping = self.stop is not None and self.stop.requested()  # SIGTERM
                 if not (due or stopping or self.log.due(self.step)
@@ -458,7 +460,8 @@ class Trainer:
         long, and where a resumed run goes on from."""
         assert self.log is not None
         if self.is_main:
-            self.log.message(self._describe())
+            for line in self._describe():
+                self.log.message(line)
         if self.compiler.pending:  # both make the first step long
             self.log.message("train.compile: the transformer blocks compile at their first use")
         tuner = self.pmodel.engine.tuner if self.pmodel.engine is not None else None
@@ -638,12 +641,10 @@ class Trainer:
         self.log.record({"event": "rollback", "step": stats.step, "to_step": self.step,
                          "reason": stats.reason, "checkpoint": str(path)})
 
-    def _describe(self) -> str:
-        n = count_parameters(self.cfg)
-        return (f"fourfold: {self.cfg.model.preset} model ({n / 1e6:.1f}M parameters), grid "
-                f"{self.grid.shape}, {self.device.type}, {self.cfg.train.dtype}, "
-                f"{self.cfg.train.steps} steps of {self.tokens_per_step:,} tokens, "
-                f"data {self.data_dir}")
+    def _describe(self) -> list[str]:
+        return describe_run(self.cfg, str(self.grid.shape), self.device.type,
+                            self.tokens_per_step, self.data_dir, count_parameters(self.cfg),
+                            count_parameters(self.cfg, trainable_only=True))
 
     def _result(self, elapsed: float) -> TrainResult:
         finite = [x for x in self.losses if math.isfinite(x)]
@@ -669,9 +670,14 @@ class Trainer:
         }
 
 
-def count_parameters(cfg: Config) -> int:
-    """Parameters of the whole (unsplit) model in cfg; no weights are allocated."""
-    return build_model(cfg.model, device="meta").num_params()
+def count_parameters(cfg: Config, trainable_only: bool = False) -> int:
+    """Parameters of the whole (unsplit) model in cfg, or only those that train (an adapter
+    run's adapter); no weights are allocated."""
+    model = build_model(cfg.model, device="meta")
+    if not trainable_only:
+        return model.num_params()
+    trainable = set(apply_adapter(model, cfg.adapter, cfg.train.seed))
+    return sum(p.numel() for name, p in model.named_parameters() if name in trainable)
 
 
 def train(cfg: Config, run_dir: Path, *, progress: bool | None = None,
