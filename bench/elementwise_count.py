@@ -1,6 +1,6 @@
-"""The engine's element-wise work per block, as torch.profiler counts it: the elements that
-non-GEMM, non-attention, non-view ops read and write per token in one block's forward and
-backward, on one process, float32. The performance model (fourfold.plan.perf) charges these
+"""The planner's element-wise work per block against the engine's, as torch.profiler counts
+it: the elements that non-GEMM, non-attention, non-view ops read and write per token in one
+block's forward and backward, on one process, float32. The performance model (fourfold.plan.perf) charges these
 counts at the probed element-wise rate; this script is where its coefficients come from.
 
 One step is profiled at 2 and 4 blocks (the difference / 2 is one block) and at two ffn widths
@@ -14,9 +14,13 @@ charges those elsewhere).
 
 from __future__ import annotations
 
-import argparse
 import math
+import sys
 import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import Table, header, parser  # noqa: E402
 
 # ops that are not element-wise passes over activations: GEMMs, attention, views and layout,
 # allocation, the loss (probed on its own) and the embedding lookup
@@ -73,7 +77,7 @@ def elements_moved(layers: int, dim: int, ffn: int, batch: int, seq: int, backwa
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--ffn", default="768,1536", help="two ffn widths")
     ap.add_argument("--batch", type=int, default=16)
@@ -84,15 +88,24 @@ def main() -> None:
     import torch.distributed as dist
 
     from fourfold.parallel import Grid, GridShape
+    from fourfold.plan.perf import ELEMENTWISE_PER_TOKEN
 
+    # the performance model's coefficients; with kv = dim (n_kv_heads = n_heads) q + k + v is
+    # 3 dim wide
+    fwd, bwd = ELEMENTWISE_PER_TOKEN["forward"], ELEMENTWISE_PER_TOKEN["backward"]
+    planned = {"forward": (fwd["dim"] + 3 * fwd["qkv"], fwd["ffn"])}
+    planned["forward+backward"] = (planned["forward"][0] + bwd["dim"] + 3 * bwd["qkv"],
+                                   fwd["ffn"] + bwd["ffn"])
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", 1), rank=0,
                                 world_size=1)
         grid = Grid.build(GridShape(1, 1, 1, 1), torch.device("cpu"))
         tokens = args.batch * args.seq
-        print(f"dim {args.dim}, batch {args.batch} x seq {args.seq}, float32, one process")
-        print(f"{'pass':<18} {'ffn ' + str(f1):>12} {'ffn ' + str(f2):>12} {'per token':>24}")
+        header("The planner's element-wise work per block against torch.profiler's count",
+               f"dim {args.dim}, batch {args.batch} x {args.seq}, float32, one process; "
+               "elements read and written per token by one block")
+        table = Table("pass", f"ffn {f1}", f"ffn {f2}", "measured", "planner")
         for name, backward in (("forward", False), ("forward+backward", True)):
             per_block = []
             for ffn in (f1, f2):
@@ -101,8 +114,9 @@ def main() -> None:
                 per_block.append((four - two) / 2 / tokens)
             b = (per_block[1] - per_block[0]) / (f2 - f1)
             a = (per_block[0] - b * f1) / args.dim
-            print(f"{name:<18} {per_block[0]:>12.0f} {per_block[1]:>12.0f} "
-                  f"{f'{a:.1f} dim + {b:.1f} ffn':>24}")
+            pa, pb = planned[name]
+            table.row(name, f"{per_block[0]:.0f}", f"{per_block[1]:.0f}",
+                      f"{a:.1f} dim + {b:.1f} ffn", f"{pa:.1f} dim + {pb:.1f} ffn")
         dist.destroy_process_group()
 
 

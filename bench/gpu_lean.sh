@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The memory-lean methods (issue 16) on one GPU: run after bench/gpu_smoke.sh. Three parts:
+# The memory-lean methods on one GPU: run after bench/gpu_smoke.sh. Three parts:
 #   1. noise: MeZO's and ES's counter-based noise is the same on the GPU (16 MiB chunks) as on
 #      the CPU (1 MiB chunks), and how fast the GPU makes it;
 #   2. memory: `bench/memory_lean.py --device cuda` (125m, activation checkpointing; float32 at
-#      the issue's batch 2 x 128, then 16 x 512 in float32 and in bfloat16): each method's
+#      batch 2 x 128, then 16 x 512 in float32 and in bfloat16): each method's
 #      peak GPU memory as a ratio to AdamW's, the planner's GPU prediction beside it, tokens/s;
 #   3. trainer: every method through `fourfold train` on the GPU (6 steps of the small preset,
 #      a checkpoint at step 3 and 6, train.memory_report on), then resumed from step 3 in a copy
@@ -35,7 +35,7 @@ echo "== 1. noise on $DEVICE against the CPU"
 DEVICE=$DEVICE "$PY" - <<'EOF' || FAILED+=("noise")
 import os, time
 import torch
-from fourfold.train.methods.noise import ShardNoise, _hash_at, noise_key
+from fourfold.noise import ShardNoise, _hash_at, noise_key
 
 device = torch.device(os.environ["DEVICE"])
 key = noise_key(0, 7, "layers.3.attention.wq.weight", 2)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# GPU smoke test: train the 125m and 1b presets in bfloat16 for a few steps on one GPU, and on
-# all visible GPUs with a grid when there are several; print tokens/s, MFU and peak memory per
-# GPU. Exits 2 with one line when no CUDA GPU is visible, 1 when a run fails.
+# GPU smoke test: train the 125m and 1b presets in bfloat16 for a few steps on one GPU (as it
+# is, and through the whole engine as a one-rank grid: parallel.engine = "always"), and on all
+# visible GPUs with a grid when there are several; print tokens/s, MFU and peak memory per
+# GPU. Before them, the one-rank engine check (engine_check below). Exits 2 with one line when
+# no CUDA GPU is visible, 1 when a run or a check fails.
 #
 #   bash bench/gpu_smoke.sh                 # everything (about 2-4 minutes on one H100/H200)
 #   STEPS=10 PRESETS="125m" bash bench/gpu_smoke.sh
@@ -28,16 +30,23 @@ table() {  # table RUN_DIR... : one row per run (reads summary.json, metrics.jso
 import json, statistics, sys
 from pathlib import Path
 
+sys.path.insert(0, "bench")
+from common import Table, header
+
 from fourfold.config import load_config
 from fourfold.parallel import GridShape
-from fourfold.train.build import predicted_memory
+from fourfold.plan.memory import predicted_memory
 
-print(f"{'run':<16} {'grid':<24} {'tokens/s':>10} {'MFU %':>6} {'alloc GiB':>9} {'plan GiB':>8}"
-      "  GPU GiB (per GPU)")
+header("GPU smoke: the presets in bfloat16 on one GPU and on all of them",
+       command="bash bench/gpu_smoke.sh",
+       notes="tokens/s and MFU: the median of the steps after the first two; alloc: rank 0's "
+             "torch.cuda.max_memory_allocated; planner: its peak per rank; GPU: what "
+             "nvidia-smi saw")
+table = Table("run", "grid", "tokens/s", "MFU", "alloc GiB", "planner GiB", "GPU GiB (per GPU)")
 for run in map(Path, sys.argv[1:]):
     summary = run / "summary.json"
     if not summary.is_file():
-        print(f"{run.name:<16} failed (no summary.json; see {run}.log)")
+        table.row(run.name, f"failed (no summary.json; see {run}.log)", *["-"] * 5)
         continue
     s = json.loads(summary.read_text())
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -45,7 +54,7 @@ for run in map(Path, sys.argv[1:]):
     warm = steps[2:] or steps
     tps = statistics.median(m["tokens_per_s"] for m in warm)
     mfus = [m["mfu"] for m in warm if m.get("mfu") is not None]
-    mfu = f"{100 * statistics.median(mfus):6.1f}" if mfus else f"{'-':>6}"
+    mfu = f"{100 * statistics.median(mfus):.1f}%" if mfus else "-"
     per_gpu = {}
     mem = run.parent / f"{run.name}.gpu_mem.csv"
     if mem.is_file():
@@ -57,8 +66,8 @@ for run in map(Path, sys.argv[1:]):
     # the planner's peak for this run's config and grid, as on a GPU (no host runtime)
     shape = GridShape(**{k: int(v) for k, v in (kv.split("=") for kv in s["grid"].split())})
     plan = predicted_memory(load_config(run / "config.toml"), shape, on_host=False).total
-    print(f"{run.name:<16} {s['grid']:<24} {tps:>10.0f} {mfu} "
-          f"{s['peak_mem_bytes'] / 2**30:>9.2f} {plan / 2**30:>8.2f}  {gpus}")
+    table.row(run.name, s["grid"], f"{tps:,.0f}", mfu, f"{s['peak_mem_bytes'] / 2**30:.2f}",
+              f"{plan / 2**30:.2f}", gpus)
 EOF
 }
 
@@ -155,6 +164,78 @@ print("sync check: no host synchronisation in the trainer's steps between loggin
 PYEOF
 }
 
+# The whole engine on this one GPU (parallel.engine = "always": a one-rank NCCL group, the
+# parallel layers and their collectives, the bucket views, the DTensor checkpoint), in a
+# process of its own (CUDA_DEVICE_MAX_CONNECTIONS is read when CUDA starts). Fails on: the
+# NCCL settings not taking (connections, stream priorities), losses away from the plain
+# one-GPU path's, a run resumed from its checkpoint that does not go on as the whole run did.
+engine_check() {
+    "$PY" - "$OUT/engine-check" "${ENGINE_CHECK_DEVICE:-cuda}" <<'PYEOF'
+import os, sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from fourfold.config import load_config
+from fourfold.train import Trainer
+from fourfold.train.metrics import read_metrics
+
+out, device = Path(sys.argv[1]), sys.argv[2]
+user_connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+
+
+def train(name, engine, steps):
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    cfg = load_config(None, [
+        "model.preset=debug", "data.path=builtin:stdlib", "data.tokenizer=byte",
+        f"train.device={device}", f"train.dtype={dtype}", f"train.steps={steps}",
+        "train.batch_size=8", "train.seq_len=256", "train.warmup_steps=2", "train.log_every=1",
+        "train.eval_batches=0", "train.sample_tokens=0", "checkpoint.every=2",
+        "checkpoint.async=false", f"parallel.engine={engine}"])
+    trainer = Trainer(cfg, out / name, progress=False)
+    trainer.fit()
+    losses = [m["loss"] for m in read_metrics(out / name / "metrics.jsonl")
+              if "loss" in m and "step" in m]
+    return trainer, losses
+
+
+problems = []
+trainer, engine = train("engine", "always", 4)  # first: CUDA starts in this run
+backend = dist.get_backend()
+print(f"engine check: one-rank {backend} group, {trainer.grid.shape}, losses "
+      + " ".join(f"{x:.4f}" for x in engine))
+if device == "cuda":
+    connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if backend != "nccl" or connections != (user_connections or "1"):
+        problems.append(f"backend {backend}, CUDA_DEVICE_MAX_CONNECTIONS={connections}")
+    for axis in ("x", "y", "z", "data"):
+        group = trainer.grid.group(axis)
+        high = group._get_backend(torch.device("cuda")).options.is_high_priority_stream
+        if high != (axis != "data"):
+            problems.append(f"the {axis} group's stream is{'' if high else ' not'} high-priority")
+_, parts = train("parts", "always", 2)  # the same run in two parts: the second resumes
+_, parts = train("parts", "always", 4)
+whole = load_file(str(out / "engine" / "model.safetensors"))
+resumed = load_file(str(out / "parts" / "model.safetensors"))
+unequal = [n for n in whole if not torch.equal(whole[n], resumed[n])]
+if parts != engine or unequal:
+    problems.append(f"resumed from step 2 the run went elsewhere: losses {parts} against "
+                    f"{engine}; weights unequal: {unequal[:3]}")
+_, plain = train("plain", "auto", 4)
+drift = max(abs(a - b) / abs(b) for a, b in zip(engine, plain))
+print(f"engine check: the plain one-GPU path's losses " + " ".join(f"{x:.4f}" for x in plain)
+      + f" (largest relative difference {drift:.1e})")
+if drift > (2e-2 if device == "cuda" else 1e-5):  # bfloat16 on the GPU: test_parallel's bound
+    problems.append(f"losses drift {drift:.1e} from the plain path")
+for problem in problems:
+    print(f"engine check: FAILED: {problem}")
+print("engine check: " + ("failed" if problems else "ok"))
+sys.exit(1 if problems else 0)
+PYEOF
+}
+
 RUNS=()
 FAILED=()
 run() {  # run NAME NPROC BATCH PRESET [--set ...]
@@ -184,10 +265,12 @@ run() {  # run NAME NPROC BATCH PRESET [--set ...]
 }
 
 if [ "$DRY" = 0 ] && ! sync_check; then FAILED+=("sync-check"); fi
+if [ "$DRY" = 0 ] && ! engine_check; then FAILED+=("engine-check"); fi
 
 for preset in $PRESETS; do
     case $preset in 1b) per_gpu=4 ;; *) per_gpu=8 ;; esac
     run "$preset-1gpu" 1 "$per_gpu" "$preset"
+    run "$preset-1gpu-engine" 1 "$per_gpu" "$preset" --set parallel.engine=always
     if [ "$NGPU" -gt 1 ]; then
         # shellcheck disable=SC2086  # GRID_SET is several words on purpose
         run "$preset-${NGPU}gpu" "$NGPU" $((per_gpu * NGPU)) "$preset" $GRID_SET

@@ -1,6 +1,8 @@
-"""Train a model for a few steps on every grid of N ranks and measure, per grid: the bytes each
-axis moved per step (the engine's ledger), the step time, and the per-rank memory of parameters,
-gradients and optimizer state. Used by bench/comm.py and bench/plan_check.py.
+"""The shared runner of bench/comm.py, bench/plan_check.py and bench/vs_torch_tp.py: train a
+model for a few steps on every grid of N ranks (one torchrun job) and measure, per grid, the
+bytes each axis moved per step (the engine's ledger, and with --count what torch.distributed
+was handed), the step time, and the per-rank memory of parameters, gradients and optimizer
+state.
 
     python bench/grids.py --nproc 8 [--layers 2 --dim 256 ...]   (prints JSON lines)
 """
@@ -15,7 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-MODEL_ARGS = ("layers", "dim", "heads", "kv_heads", "ffn", "vocab", "seq", "batch", "steps")
+from common import ROOT, fail, job_env
+
+MODEL_ARGS = ("layers", "dim", "heads", "kv_heads", "ffn", "vocab", "seq", "batch", "steps",
+              "dtype", "reduce_dtype")
+FLAGS = ("overlap_forward", "activation_checkpointing", "probe", "count")
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
@@ -33,10 +39,18 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--passes", type=int, default=1, help="round-robin passes over the grids "
                     "(--steps each, the first a warm-up); step_s is the median over all, so a "
                     "load that drifts during the run weighs on every grid alike")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="train.dtype: bfloat16 runs the forward under autocast")
+    ap.add_argument("--reduce-dtype", dest="reduce_dtype", default="float32",
+                    choices=("float32", "bfloat16"), help="parallel.reduce_dtype")
+    ap.add_argument("--activation-checkpointing", dest="activation_checkpointing",
+                    action="store_true", help="train.activation_checkpointing")
     ap.add_argument("--overlap-forward", dest="overlap_forward", action="store_true",
                     help="parallel.overlap_forward: each forward GEMM in two token halves")
     ap.add_argument("--probe", action="store_true", help="measure the host's costs "
-                    "(fourfold.plan.machines.measure_host_costs) inside the job, once per pass")
+                    "(fourfold.plan.host_probe.measure_host_costs) inside the job, once per pass")
+    ap.add_argument("--count", action="store_true", help="also count what torch.distributed "
+                    "is handed (tests/dist_count.py) and the z all-gathers per step")
 
 
 def model_config(args: argparse.Namespace):
@@ -68,12 +82,11 @@ def run_grids_with_probes(args: argparse.Namespace) -> tuple[list[dict], list[di
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.grids:
         argv += ["--grids", args.grids]
-    argv += ["--passes", str(args.passes)] + (["--probe"] if args.probe else [])
-    argv += ["--overlap-forward"] if getattr(args, "overlap_forward", False) else []
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+    argv += ["--passes", str(args.passes)]
+    argv += [f"--{flag.replace('_', '-')}" for flag in FLAGS if getattr(args, flag, False)]
+    proc = subprocess.run(argv, env=job_env(OMP_NUM_THREADS="1"), capture_output=True, text=True)
     if proc.returncode != 0:
-        sys.exit(f"worker failed:\n{proc.stderr[-3000:]}")
+        fail(f"the grids' job failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     out.unlink()
     probes = []
@@ -84,6 +97,12 @@ def run_grids_with_probes(args: argparse.Namespace) -> tuple[list[dict], list[di
 
 
 def worker(args: argparse.Namespace, out_path: str) -> None:
+    counter = None
+    if args.count:  # before fourfold binds any torch.distributed function
+        sys.path.insert(0, str(ROOT / "tests"))
+        from dist_count import DistCount
+
+        counter = DistCount().install()
     import torch
     import torch.distributed as dist
 
@@ -91,7 +110,7 @@ def worker(args: argparse.Namespace, out_path: str) -> None:
     from fourfold.models import build_model
     from fourfold.parallel import (Grid, GridError, GridShape, init_distributed, leave_job,
                                    parallelize)
-    from fourfold.plan.machines import measure_host_costs, merge_rank_probes, probe_groups
+    from fourfold.plan.host_probe import measure_host_costs, merge_rank_probes, probe_groups
 
     rank, world, device = init_distributed("gloo", 600)
     if not dist.is_initialized():  # one rank: init_distributed leaves it without a group, but
@@ -125,8 +144,10 @@ def worker(args: argparse.Namespace, out_path: str) -> None:
                     built[shape] = Grid.build(shape, device)
                 grid = built[shape]
                 model = build_model(cfg, seed=1)
-                pm = parallelize(model, grid, ParallelConfig(x=x, y=y, z=z, data=d,
-                                                               overlap_forward=args.overlap_forward))
+                model.activation_checkpointing = args.activation_checkpointing
+                pm = parallelize(model, grid, ParallelConfig(
+                    x=x, y=y, z=z, data=d, overlap_forward=args.overlap_forward,
+                    reduce_dtype=args.reduce_dtype))
                 # fused, as the trainer builds it (fourfold.train.optim.build_optimizer)
                 opt = torch.optim.AdamW(list(pm.parameters()), lr=1e-3, fused=True)
                 index, count = grid.batch_shard
@@ -135,11 +156,18 @@ def worker(args: argparse.Namespace, out_path: str) -> None:
                     local = tokens[index * b:(index + 1) * b]
                     pm.ledger.reset()
                     dist.barrier()
+                    if counter is not None:
+                        counter.reset()
                     start = time.perf_counter()
-                    loss = pm(local[:, :-1], local[:, 1:]).sum() / (args.batch * args.seq)
+                    with torch.autocast("cpu", dtype=torch.bfloat16,
+                                        enabled=args.dtype == "bfloat16"):
+                        loss = pm(local[:, :-1], local[:, 1:]).sum() / (args.batch * args.seq)
                     loss.backward()
                     pm.finish_backward()
                     bytes_step = pm.ledger.snapshot()
+                    if counter is not None:
+                        handed = counter.by_axis(grid)
+                        z_gathers = counter.calls(grid, "z", "all_gather")
                     pm.clip_grad_norm_(1.0)
                     opt.step()
                     mem = pm.memory_bytes(opt)  # before zero_grad frees the gradients
@@ -151,6 +179,8 @@ def worker(args: argparse.Namespace, out_path: str) -> None:
                                        dtype=torch.float64)
                 dist.all_reduce(mem_max, op=dist.ReduceOp.MAX)
                 t = sorted(times[(d, z, y, x)])
+                if counter is not None:
+                    row.update(handed=handed, z_gathers=z_gathers)
                 row.update(ok=True, step_s=t[len(t) // 2], bytes=bytes_step,
                            micro_tokens=b * args.seq,
                            mem={"params": int(mem_max[0]), "grads": int(mem_max[1]),

@@ -32,6 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from common import Table, fail, header, parser  # noqa: E402
+
 METHODS = ("adamw", "lomo", "adalomo", "galore", "blockllm", "mezo", "es")
 DEFAULT_METHODS = ("adamw", "lomo", "adalomo", "galore", "blockllm", "mezo")  # es: 8 forwards/step
 # Three learning rates per method, around where each one's best lay in a 30-step trial here (an
@@ -54,7 +57,8 @@ DEFAULT_LRS = {
     "mezo": (1e-4, 3e-4, 1e-3),
     "es": (3e-4, 1e-3, 3e-3),
 }
-# The targets for R at --steps (MeZO's at 10x the steps has none, only its figure).
+# The targets for R at --steps: how close to AdamW each method's paper puts it after a short
+# fine-tune (MeZO's run at 10x the steps has none, only its figure).
 TARGETS = {"adamw": (None, "1 (reference)"), "lomo": (0.8, ">= 0.8"),
            "adalomo": (0.95, ">= 0.95"), "galore": (0.9, ">= 0.9"),
            "blockllm": (0.9, ">= 0.9"), "mezo": (0.0, "> 0"), "es": (None, "-")}
@@ -228,7 +232,7 @@ def fmt(x: float, digits: int = 4) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--steps", type=int, default=300, help="fine-tuning steps per run")
     ap.add_argument("--mezo-steps", type=int, default=None,
                     help="MeZO once more at its best lr for this many steps (default 10x "
@@ -248,7 +252,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--set", dest="extra", action="append", type=parse_extra, default=[],
                     metavar="METHOD:SECTION.KEY=VALUE",
-                    help="an extra key for one method's runs (e.g. lomo:train.clip_mode=two_pass)")
+                    help="an extra key for one method's runs (e.g. lomo:train.method.clip_mode=two_pass)")
     ap.add_argument("--out-dir", type=Path, default=Path("runs/lean_quality"))
     ap.add_argument("--keep-weights", action="store_true",
                     help="keep each run's model.safetensors and checkpoint")
@@ -257,14 +261,16 @@ def main() -> None:
     if args.mezo_steps is None:
         args.mezo_steps = 10 * args.steps
     if args.steps < 1 or args.mezo_steps < 0 or args.base_steps < 1:
-        sys.exit("error: --steps and --base-steps must be positive, --mezo-steps >= 0")
+        fail("--steps and --base-steps must be positive, --mezo-steps >= 0")
     lrs = parse_lrs(args.lrs, args.methods)
     out = args.out_dir
-    print("reproduce: " + reproduce(args, lrs), flush=True)
+    header("Fine-tuning quality of each training method against AdamW",
+           "R = (L0 - L) / (L0 - L_adamw): L0 the base's validation loss, L a method's after "
+           "its best learning rate's run\nreproduce: " + reproduce(args, lrs))
 
     if args.base is not None:
         if not (args.base / "model.safetensors").is_file():
-            sys.exit(f"error: --base {args.base}: no model.safetensors (not a finished run)")
+            fail(f"--base {args.base}: no model.safetensors (not a finished run)")
         base_label = str(args.base.resolve())
     else:
         base_label = f"{BASE_CONFIG.name}, {args.base_steps} steps, {args.tokenizer}"
@@ -278,8 +284,7 @@ def main() -> None:
 
     rows: list[dict] = []
     l0s: list[float] = []
-    header = ("| method | steps | lr: L | best lr | L0 | L | R | target | met |\n"
-              "|---|---|---|---|---|---|---|---|---|")
+    columns = ("method", "steps", "lr: L", "best lr", "L0", "L", "R", "target", "met")
 
     def row(method: str, steps: int, tried: dict[float, dict]) -> dict:
         finite = {lr: r for lr, r in tried.items() if not math.isnan(r["L"])}
@@ -289,7 +294,7 @@ def main() -> None:
         return {"method": method, "steps": steps, "tried": tried, "best": best,
                 "L": finite[best]["L"] if finite else math.nan}
 
-    def line(r: dict) -> str:
+    def cells(r: dict) -> tuple[str, ...]:
         l0 = l0s[0] if l0s else math.nan
         ref = rows[0]["L"] if rows and rows[0]["method"] == "adamw" else math.nan
         ratio = (l0 - r["L"]) / (l0 - ref) if not math.isnan(r["L"]) else math.nan
@@ -301,8 +306,8 @@ def main() -> None:
         best = f"{r['best']:g}" if r["best"] is not None else "-"
         if len(r["tried"]) > 1 and r["best"] in (min(r["tried"]), max(r["tried"])):
             best += " (edge)"
-        return (f"| {r['method']} | {r['steps']} | {tried} | {best} | {fmt(l0)} | "
-                f"{fmt(r['L'])} | {'-' if math.isnan(ratio) else f'{ratio:.3f}'} | {target} | {met} |")
+        return (r["method"], str(r["steps"]), tried, best, fmt(l0), fmt(r["L"]),
+                "-" if math.isnan(ratio) else f"{ratio:.3f}", target, met)
 
     plan = [(m, args.steps) for m in args.methods]
     if "mezo" in args.methods and args.mezo_steps:
@@ -328,17 +333,16 @@ def main() -> None:
                   f"{fmt(r['L'])} [{took}]{note}", flush=True)
         rows.append(row(method, steps, tried))
         if len(rows) == 1:
-            print(header)
-        print(line(rows[-1]), flush=True)
+            table = Table(*columns)
+        table.row(*cells(rows[-1]))
 
     spread = max(l0s) - min(l0s) if l0s else 0.0
     print(f"\nL0 = {fmt(l0s[0] if l0s else math.nan)} (validation loss of the base on "
           f"builtin:stdlib-tests; spread over the runs {spread:.1e}); "
-          "R = (L0 - L) / (L0 - L_adamw)")
-    print(header)
+          "R = (L0 - L) / (L0 - L_adamw)\n")
+    table = Table(*columns)
     for r in rows:
-        print(line(r))
-    print("reproduce: " + reproduce(args, lrs))
+        table.row(*cells(r))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""LoRA (and norm tuning) against full fine-tuning on one process: trainable parameters, peak
+"""Adapters: LoRA and norm tuning against full fine-tuning on one process: trainable parameters, peak
 resident memory, tokens/s and the loss after the same steps from the same starting weights.
 Each mode runs in a fresh interpreter, so that its peak resident memory is its own.
 
@@ -16,6 +16,10 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import Table, fail, header, parser  # noqa: E402
 
 MODES = ("full", "lora", "norm")
 
@@ -61,7 +65,7 @@ def one(mode: str, preset: str, steps: int, batch: int, seq: int, device: str) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--preset", default="125m")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=2)
@@ -72,23 +76,27 @@ def main() -> None:
     if a.one:
         print(json.dumps(one(a.one, a.preset, a.steps, a.batch, a.seq, a.device)))
         return
-    rows = []
+    if a.steps < 2:
+        fail(f"--steps {a.steps}: must be at least 2 (the first step is not timed)")
+    header("LoRA and norm tuning against full fine-tuning",
+           f"preset {a.preset}, {a.device}, float32, batch {a.batch} x {a.seq}, {a.steps} steps; "
+           "tokens/s: the median step; loss: the mean of the last tenth of the steps")
+    table = Table("mode", "trainable", "share", "peak RSS MiB", "vs full", "tokens/s",
+                  "vs full", "loss")
+    full: dict = {}
     for mode in MODES:
-        out = subprocess.run([sys.executable, __file__, "--one", mode, "--preset", a.preset,
-                              "--steps", str(a.steps), "--batch", str(a.batch),
-                              "--seq", str(a.seq), "--device", a.device],
-                             capture_output=True, text=True, check=True)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    full = rows[0]
-    print(f"preset {a.preset}, {a.device}, float32, batch {a.batch} x {a.seq}, {a.steps} steps "
-          "(tok/s: median step; loss: mean of the last tenth)")
-    print(f"{'mode':<6} {'trainable':>12} {'share':>7} {'peak RSS MiB':>13} {'x full':>7} "
-          f"{'tok/s':>9} {'x full':>7} {'loss':>8}")
-    for r in rows:
-        print(f"{r['mode']:<6} {r['trainable']:>12,} {r['trainable'] / r['total']:>7.2%} "
-              f"{r['peak_rss_mib']:>13,.0f} {r['peak_rss_mib'] / full['peak_rss_mib']:>7.2f} "
-              f"{r['tokens_per_s']:>9,.0f} {r['tokens_per_s'] / full['tokens_per_s']:>7.2f} "
-              f"{r['final_loss']:>8.4f}")
+        proc = subprocess.run([sys.executable, __file__, "--one", mode, "--preset", a.preset,
+                               "--steps", str(a.steps), "--batch", str(a.batch),
+                               "--seq", str(a.seq), "--device", a.device],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            fail(f"{mode} failed:\n{proc.stderr[-2000:]}")
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        full = full or r
+        table.row(mode, f"{r['trainable']:,}", f"{r['trainable'] / r['total']:.2%}",
+                  f"{r['peak_rss_mib']:,.0f}", f"{r['peak_rss_mib'] / full['peak_rss_mib']:.2f}",
+                  f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}",
+                  f"{r['final_loss']:.4f}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ the first --prefix bytes of every training document, greedily generates --suffix
 measures exact match, token match and ROUGE-L (fourfold.eval.audit_memorization), plus the loss
 on held-out documents.
 
-    .venv/bin/python bench/memorization.py --config examples/memorization.toml
+    python bench/memorization.py [--config examples/memorization.toml] [--epochs 50]
 
 The training loop is written here on purpose (model, AdamW, a warmup + cosine schedule) so the
 bench depends only on the model, the goldfish mask and the audit. The mask is applied as the
@@ -18,7 +18,6 @@ trainer does: (per-token loss * mask).sum() / mask.sum().
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -29,6 +28,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import Table, fail, header  # noqa: E402
+from common import parser as bench_parser  # noqa: E402
 
 from fourfold.config import Config, load_config
 from fourfold.eval.memorization import audit_memorization
@@ -135,16 +138,13 @@ def train_and_audit(cfg: Config, train_docs: list[np.ndarray], val_docs: list[np
     return points
 
 
-def format_table(standard: list[Point], goldfish: list[Point], k: int) -> str:
-    head = (f"{'':>5} | {'standard loss':^38} | {f'goldfish loss (k={k})':^38}\n"
-            f"{'epoch':>5} | " + " | ".join([f"{'exact':>6} {'token':>6} {'rougeL':>6} "
-                                            f"{'train':>6} {'val':>8}"] * 2))
-    lines = [head, "-" * len(head.splitlines()[-1])]
+def print_table(standard: list[Point], goldfish: list[Point], k: int) -> None:
+    table = Table("epoch", "standard: exact", "token", "ROUGE-L", "train", "val",
+                  f"goldfish k={k}: exact", "token", "ROUGE-L", "train", "val")
     for s, g in zip(standard, goldfish):
-        cells = [f"{p.exact_match:>6.2f} {p.token_match:>6.2f} {p.rouge_l:>6.2f} "
-                 f"{p.train_loss:>6.3f} {p.val_loss:>8.3f}" for p in (s, g)]
-        lines.append(f"{s.epoch:>5} | " + " | ".join(cells))
-    return "\n".join(lines)
+        table.row(s.epoch, *(cell for p in (s, g) for cell in (
+            f"{p.exact_match:.2f}", f"{p.token_match:.2f}", f"{p.rouge_l:.2f}",
+            f"{p.train_loss:.3f}", f"{p.val_loss:.3f}")))
 
 
 def save_plot(standard: list[Point], goldfish: list[Point], k: int, path: Path) -> None:
@@ -174,7 +174,7 @@ def save_plot(standard: list[Point], goldfish: list[Point], k: int, path: Path) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--config", default=str(EXAMPLE_CONFIG))
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--docs", type=int, default=16, help="training documents")
@@ -193,16 +193,17 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     length = cfg.train.seq_len + 1
     if args.prefix + args.suffix > cfg.train.seq_len:
-        raise SystemExit(f"error: --prefix + --suffix = {args.prefix + args.suffix} must fit "
-                         f"in train.seq_len = {cfg.train.seq_len}")
+        fail(f"--prefix + --suffix = {args.prefix + args.suffix} must fit in train.seq_len = "
+             f"{cfg.train.seq_len}")
     train_docs = stdlib_documents(args.docs, length)
     val_docs = stdlib_documents(args.val_docs, length, skip=args.docs)
     k = cfg.train.goldfish_k
-    print(f"model: {cfg.model.n_layers} layers, dim {cfg.model.dim}, "
-          f"{build_model(cfg.model).num_params() / 1e6:.1f}M parameters; {args.docs} training "
-          f"documents of {cfg.train.seq_len} tokens, {args.epochs} epochs, goldfish k={k} "
-          f"h={cfg.train.goldfish_h}; audit: prompt {args.prefix}, continuation {args.suffix}",
-          flush=True)
+    header("Memorization: the standard loss against the goldfish loss",
+           f"{cfg.model.n_layers} layers, dim {cfg.model.dim}, "
+           f"{build_model(cfg.model).num_params() / 1e6:.1f}M parameters; {args.docs} training "
+           f"documents of {cfg.train.seq_len} tokens, {args.epochs} epochs, goldfish k={k} "
+           f"h={cfg.train.goldfish_h}; audit: prompt {args.prefix}, continuation {args.suffix}; "
+           "train: the epoch's mean loss on the tokens that count (goldfish leaves 1 in k out)")
 
     started = time.perf_counter()
     standard = train_and_audit(cfg, train_docs, val_docs, False, args.epochs, args.eval_every,
@@ -212,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
 
     print()
-    print(format_table(standard, goldfish, k))
-    print("(train: mean loss over the epoch on the tokens that count; goldfish leaves 1/k out)")
+    print_table(standard, goldfish, k)
+    print()
     for name, points in (("standard", standard), (f"goldfish k={k}", goldfish)):
         best = min(points, key=lambda p: p.val_loss)
         print(f"{name:>14}: final exact match {points[-1].exact_match:.2f}, ROUGE-L "

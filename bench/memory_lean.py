@@ -1,54 +1,39 @@
-"""Peak resident memory and speed of each training method against AdamW, on one process.
+"""Memory per training method: each method's peak memory and speed against AdamW's, beside
+the planner's prediction.
 
-Each method trains the same model (float32 unless --dtype bfloat16, which runs the forward
-under bfloat16 autocast as the trainer does; activation checkpointing on) for a few steps in a
-fresh process; its peak RSS above a process that only imports fourfold and builds nothing is
-given as a ratio to AdamW's, and its tokens/s (steps after the first) beside AdamW's. A
-training step of MeZO is two forwards, of ES `--population` forwards: tokens/s counts the
-tokens of the batch once per step, so it compares steps, not forwards. BlockLLM runs at its
-default sparsity (0.9), its blocks rows of the full tensors; its first step selects, the middle
-ones train that selection and the last one (of 3 or more) reselects, as block_patience steps
-without a better loss would make it (every selection's backward keeps only the gradients of the
-selection so far, freeing the others as their norms are taken; a reselection's also holds the
-old selection's moments: the method's largest step, which the planner predicts); GaLore at rank
-dim/4 with its projection refresh in the first, untimed step (one refresh per 200 steps by
-default: `first_step_s` shows its cost).
+Library mode (the default): each method trains the same model (float32 unless --dtype
+bfloat16, which runs the forward under bfloat16 autocast as the trainer does; activation
+checkpointing on) for a few steps in a fresh process; its peak RSS above a process that only
+imports fourfold is given as a ratio to AdamW's, and its tokens/s (steps after the first)
+beside AdamW's. A step of MeZO is two forwards, of ES `--population` forwards: tokens/s counts
+the batch's tokens once per step, so it compares steps, not forwards. BlockLLM runs at its
+default sparsity (0.9); its first step selects, the middle ones train that selection and the
+last one (of 3 or more) reselects, the method's largest step and the one the planner predicts.
+GaLore refreshes its projection in the first, untimed step (`first step` shows its cost).
 
     python bench/memory_lean.py [--preset small] [--steps 4] [--batch 2] [--seq 128]
-        [--grid 2x2 [--grid-only]] [--tuned-malloc] [--phases] [--set METHOD:train.KEY=VALUE]
-        [--output-loss auto|blocks|whole] [--device cpu|cuda] [--dtype float32|bfloat16]
+        [--methods adamw lomo ...] [--grid 2x2 [--grid-only]] [--tuned-malloc] [--phases]
+        [--set METHOD:SECTION.KEY=VALUE] [--output-loss auto|blocks|whole]
+        [--device cpu|cuda] [--dtype float32|bfloat16]
+    python bench/memory_lean.py --cli [--preset 15m] [--grid 2x2] [--every 2] [--steps 4]
+        [--config examples/grid_2x2.toml]
 
 --device cuda: one process on GPU 0; the peak is torch.cuda.max_memory_allocated, against the
-planner's GPU prediction (no host-side runtime in it). On an H200, 125m, --batch 16 --seq 512:
-adamw 3,940 MiB, lomo 1,443 (0.37), mezo 875 (0.22), galore 3,226 (0.82); today's planner
-against them: -1.1%, +2.6%, -4.0%, -1.5%; the README has the table.
---grid XxY: the same methods on x * y gloo ranks (torchrun, data = z = 1), per rank, beside
-the one-process ratios; each rank's peak above the same baseline, a process that only imports
-fourfold (until stop 43: above the rank's own imports, which held torch._dynamo then).
---tuned-malloc: glibc tuned as `fourfold train` tunes CPU runs (and ranks); without it freed
-blocks that glibc keeps read as resident memory (up to ~200 MiB on 125m, more on gloo ranks,
-which get an arena per thread), which the planner does not model.
---output-loss: parallel.output_loss of every run (auto: blocks for lomo, adalomo, mezo, es,
-blockllm and galore, whole logits for adamw).
---phases: where each run's heap peaks (its 5 largest phases), the library code it paged in, and
-at the largest heap in use that a named call began with, how much of that heap is tensors that
+planner's GPU prediction (no host-side runtime in it).
+--grid XxY: the same methods on x * y gloo ranks (torchrun, data = z = 1), each rank's peak
+above the same baseline, beside the one-process ratios.
+--tuned-malloc: glibc tuned as `fourfold train` tunes CPU runs and ranks; without it, freed
+blocks that glibc keeps read as resident memory, which the planner does not model.
+--phases: where each run's heap peaks (its 5 largest phases), the library code it paged in,
+and at the largest heap in use that a named call began with, how much of that heap is tensors
 Python reaches (the rest: the runtime's, torch's and gloo's own allocations, and tensors only
-C++ holds, such as autograd's saved inputs): whether a grid splits a method's tensors.
-Measured 125m, --steps 4 --tuned-malloc --grid 2x2 (MiB above the import, ratio to AdamW,
-planner error), one process / 2x2 per rank, stop 44 (bench/memory_lean.md has earlier runs,
-the figures from before the blocked loss and what GaLore's ranks hold):
-
-    method     one process              2x2 per rank                       2x2 - one process
-    adamw      2,270  1.00  -2.6%       641-647  1.00       -0.9%
-    lomo         708  0.31  -1.3%       208-212  0.32-0.33  +1.8%          +0.02
-    adalomo      700  0.31  -0.0%       216-222  0.33-0.34  -4.7%          +0.03
-    mezo         559  0.25  +0.5%       174-176  0.27       -1.8%          +0.03
-    es           559  0.25  +0.5%       180-182  0.28       -5.0%          +0.04
-    blockllm     898  0.40  -2.2%       262-270  0.41-0.42  -5.2%          +0.03
-    galore     1,108  0.49  +2.0%       326-329  0.51       -2.9%          +0.02
-
-The issue's table uses --preset 125m (about 2 GiB with AdamW); keep to small presets on a
-shared machine.
+C++ holds, such as autograd's saved inputs).
+--cli: each method through the command line as a user starts it, `fourfold train CONFIG
+[--nproc N]` (--config's data and model, with --preset, the method and the grid set on it),
+with a checkpoint every --every steps (0: none); rank 0's peak from the run's summary.json
+(VmHWM) above a process that only imports torch and fourfold, beside the planner's total for
+a CPU rank (fourfold.plan.memory.predicted_memory of the run's own config.toml: what the run's
+fits-check uses).
 """
 
 from __future__ import annotations
@@ -62,7 +47,10 @@ import sys
 import time
 from pathlib import Path
 
-from lean_quality import parse_extra  # METHOD:SECTION.KEY=VALUE, as lean_quality's --set
+sys.path.insert(0, str(Path(__file__).parent))
+from common import Table, fail, header, job_env, mib, parse_grid  # noqa: E402
+from common import parser as bench_parser  # noqa: E402
+from lean_quality import parse_extra  # noqa: E402  METHOD:SECTION.KEY=VALUE, as lean_quality's
 
 METHODS = ("adamw", "lomo", "adalomo", "mezo", "es", "blockllm", "galore")
 
@@ -83,12 +71,13 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     from fourfold.methods import method_spec
     from fourfold.models import build_model
     from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
+    from fourfold.train.host_memory import HostMemory
     from fourfold.train.methods import StepData, build_method
 
+    cfg = train_config(method, seq, population, sets)
+    policy = HostMemory(device == "cpu", grid[0] * grid[1], cfg.dtype)  # as build_run makes it
     if tuned:  # as build_run tunes a CPU run (the environment part comes from measure*)
-        from fourfold.train.host_memory import keep_freed_host_memory
-
-        keep_freed_host_memory()
+        policy.tune()
     # what the process holds after the imports, before it joins the job (--phases prints it)
     base_kib = peak_kib()
     torch.set_num_threads(1)
@@ -101,12 +90,12 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
         the_grid = Grid.single(device)
     sampler = PeakSampler() if phases else None
     # on the meta device, as build_run does: parallelize makes this rank's shard of each tensor
-    cfg = train_config(method, seq, population, sets)
     model = build_model(model_config(preset), seed=0, device="meta")
     model.activation_checkpointing = cfg.activation_checkpointing
     pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y, output_loss=output_loss),
-                         blocked_loss=method_spec(method).blocked_loss)
-    trainer = build_method(pmodel, cfg)
+                         blocked_loss=method_spec(method).blocked_loss,
+                         grad_buffers=policy.grad_buffers())
+    trainer = build_method(pmodel, cfg, hooks=policy.hooks())
     if sampler is not None:
         sampler.label("built")
         sampler.instrument(pmodel, trainer)
@@ -292,20 +281,24 @@ def method_sets(args: argparse.Namespace, method: str) -> list[str]:
 
 
 def check_sets(args: argparse.Namespace) -> None:
-    """--set: only [train] keys, each one the method takes, with a value of its type (before
-    any process starts: one line and a non-zero exit, no traceback)."""
-    from fourfold.config import ConfigError
+    """--set: keys of the methods being run, with values of their types; in library mode only
+    [train] keys (before any process starts: one line and a non-zero exit, no traceback)."""
+    from fourfold.config import ConfigError, load_config
 
     for method, key, value in args.extra:
-        if not key.startswith("train."):
-            sys.exit(f"error: --set {method}:{key}={value}: only train.KEY keys apply here")
+        if not args.cli and not key.startswith("train."):
+            fail(f"--set {method}:{key}={value}: only train.KEY keys apply here (--cli takes "
+                 "any key)")
         if method not in args.methods and method != "adamw":
-            sys.exit(f"error: --set {method}:{key}={value}: {method} is not in --methods")
+            fail(f"--set {method}:{key}={value}: {method} is not in --methods")
     for method in dict.fromkeys(["adamw", *args.methods]):
         try:
-            train_config(method, args.seq, args.population, method_sets(args, method))
+            if args.cli:
+                load_config(args.config, cli_sets(args, method, (1, 1)))
+            else:
+                train_config(method, args.seq, args.population, method_sets(args, method))
         except ConfigError as e:
-            sys.exit(f"error: --set for {method}: {e}")
+            fail(f"--set for {method}: {e}")
 
 
 def predicted_bytes(model_cfg, train_cfg, tokens: int, shape, output_loss: str = "auto",
@@ -329,7 +322,8 @@ def predicted_bytes(model_cfg, train_cfg, tokens: int, shape, output_loss: str =
 
 
 def measure(args: argparse.Namespace, method: str) -> dict:
-    code = ("import json, sys; sys.path.insert(0, 'bench'); import memory_lean as m; "
+    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            "import memory_lean as m; "
             f"print(json.dumps(m.child({args.preset!r}, {method!r}, {args.steps}, {args.batch}, "
             f"{args.seq}, {args.population}, phases={args.phases}, tuned={args.tuned_malloc}, "
             f"sets={tuple(method_sets(args, method))!r}, output_loss={args.output_loss!r}, "
@@ -337,7 +331,7 @@ def measure(args: argparse.Namespace, method: str) -> dict:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=malloc_env(args))
     if proc.returncode:
-        sys.exit(f"error: {method} failed:\n{proc.stderr[-2000:]}")
+        fail(f"{method} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -350,10 +344,7 @@ def malloc_env(args: argparse.Namespace) -> dict[str, str]:
 
 def measure_grid(args: argparse.Namespace, method: str, grid: tuple[int, int]) -> list[dict]:
     """One torchrun launch of x * y gloo ranks on this host; each rank's row, rank order."""
-    env = dict(malloc_env(args), OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(key, None)
+    env = job_env(**malloc_env(args), OMP_NUM_THREADS="1")
     spec = json.dumps([args.preset, method, args.steps, args.batch, args.seq, args.population,
                        list(grid), args.phases, args.tuned_malloc, method_sets(args, method),
                        args.output_loss])
@@ -362,7 +353,7 @@ def measure_grid(args: argparse.Namespace, method: str, grid: tuple[int, int]) -
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
     if proc.returncode or not lines:
-        sys.exit(f"error: {method} on {grid[0]}x{grid[1]} failed:\n{proc.stderr[-3000:]}")
+        fail(f"{method} on {grid[0]}x{grid[1]} failed:\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1])
 
 
@@ -381,17 +372,6 @@ def rank_worker(spec: str) -> None:
         print(json.dumps(rows), flush=True)
     dist.barrier()
     leave_job(0)
-
-
-def parse_grid(text: str, flag: str = "--grid") -> tuple[int, int]:
-    """An XxY grid given to `flag`, or exit with one line saying what is allowed."""
-    try:
-        x, y = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        sys.exit(f"error: {flag} {text!r}: give it as XxY, for example 2x2")
-    if x < 1 or y < 1:
-        sys.exit(f"error: {flag} {text!r}: x and y must be at least 1")
-    return x, y
 
 
 def print_phases(rows: dict, top: int = 5) -> None:
@@ -425,8 +405,8 @@ def print_phases(rows: dict, top: int = 5) -> None:
 def parser() -> argparse.ArgumentParser:
     from fourfold.config import CHOICES
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="small")
+    ap = bench_parser(__doc__)
+    ap.add_argument("--preset", default=None, help="model preset (default small; 15m with --cli)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
@@ -447,15 +427,21 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tuned-malloc", action="store_true",
                     help="glibc tuned as `fourfold train` tunes CPU ranks (train/host_memory.py)")
     ap.add_argument("--set", dest="extra", action="append", type=parse_extra, default=[],
-                    metavar="METHOD:train.KEY=VALUE",
+                    metavar="METHOD:SECTION.KEY=VALUE",
                     help="an extra key for one method's runs "
-                    "(e.g. blockllm:train.block_patience=3)")
+                    "(e.g. blockllm:train.method.patience=3)")
     ap.add_argument("--dtype", default="float32", choices=CHOICES[("train", "dtype")],
                     help="train.dtype of every run (bfloat16: the forward under autocast)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: one process on GPU 0, its peak torch.cuda.max_memory_allocated "
                     "against the planner's GPU prediction (not with --grid, --phases or "
                     "--tuned-malloc, which are about host memory)")
+    ap.add_argument("--cli", action="store_true",
+                    help="run each method through `fourfold train` as a user starts it")
+    ap.add_argument("--config", default="examples/grid_2x2.toml",
+                    help="--cli: the config the runs start from")
+    ap.add_argument("--every", type=int, default=0,
+                    help="--cli: checkpoint.every of the runs (0: no checkpoints)")
     return ap
 
 
@@ -465,22 +451,39 @@ def main() -> None:
         rank_worker(sys.argv[2])
         return
     args = ap.parse_args()
-    if args.steps < 2:
-        sys.exit("error: --steps must be at least 2 (the first step is not timed)")
+    args.preset = args.preset or ("15m" if args.cli else "small")
     grid = parse_grid(args.grid) if args.grid else None
     if args.grid_only and grid is None:
-        sys.exit("error: --grid-only needs --grid XxY")
+        fail("--grid-only needs --grid XxY")
+    if args.cli:
+        for flag, on in (("--phases", args.phases), ("--tuned-malloc", args.tuned_malloc),
+                         ("--device cuda", args.device == "cuda")):
+            if on:
+                fail(f"--cli: {flag} applies to library mode only; leave it out")
+        if args.steps < 1 or args.every < 0:
+            fail("--cli: --steps must be at least 1, --every not negative")
+        if not Path(args.config).is_file():
+            fail(f"--config {args.config!r}: no such file")
+        check_sets(args)
+        cli_table(args, ([] if args.grid_only else [(1, 1)]) + ([grid] if grid else []))
+        return
+    if args.steps < 2:
+        fail("--steps must be at least 2 (the first step is not timed)")
     if args.device == "cuda":
         for flag, on in (("--grid", grid), ("--phases", args.phases),
                          ("--tuned-malloc", args.tuned_malloc)):
             if on:
-                sys.exit(f"error: --device cuda: {flag} is about host memory; leave it out")
+                fail(f"--device cuda: {flag} is about host memory; leave it out")
         import torch
 
         if not torch.cuda.is_available():
-            sys.exit("error: --device cuda: torch sees no CUDA GPU "
-                     f"(torch {torch.__version__}, torch.cuda.is_available() is False)")
+            fail("--device cuda: torch sees no CUDA GPU "
+                 f"(torch {torch.__version__}, torch.cuda.is_available() is False)")
     check_sets(args)
+    header("Memory per training method against AdamW and the planner",
+           f"preset {args.preset}, {args.dtype}, batch {args.batch} x {args.seq}, activation "
+           f"checkpointing (unless --set), malloc "
+           f"{'tuned' if args.tuned_malloc else 'glibc defaults'}")
     one_ratio: dict[str, float] = {}
     if not args.grid_only:
         one_ratio = one_process_table(args)
@@ -497,24 +500,19 @@ def one_process_table(args: argparse.Namespace) -> dict[str, float]:
         return r["gpu_bytes"] / 1024 if on_gpu else r["rss_kib"] - base
 
     ref = rows["adamw"]
-    where = ("one GPU; peak = torch.cuda.max_memory_allocated" if on_gpu else
-             f"one process; baseline (import fourfold) {base / 1024:.0f} MiB; "
-             f"malloc {'tuned' if args.tuned_malloc else 'glibc defaults'}")
-    print(f"preset {args.preset}, {args.dtype}, batch {args.batch} x {args.seq}, activation "
-          f"checkpointing (unless --set), {where}")
-    print(f"| method | {'peak GPU' if on_gpu else 'peak RSS - base'} | ratio | planner | error "
-          "| state | peak grads | tokens/s | vs adamw | first step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("one GPU; the peak is torch.cuda.max_memory_allocated\n" if on_gpu else
+          f"one process; the peak is RSS above a process that imports fourfold "
+          f"({base / 1024:.0f} MiB)\n")
+    table = Table("method", "peak MiB", "vs adamw", "planner MiB", "planner error",
+                  "state MiB", "peak gradients MiB", "tokens/s", "vs adamw", "first step s")
     one_ratio = {}
     for m, r in rows.items():
         above = above_kib(r)
         one_ratio[m] = above / above_kib(ref)
-        print(f"| {m} | {above / 1024:.0f} MiB | {one_ratio[m]:.2f} | "
-              f"{r['predicted'] / 2**20:.0f} MiB | "
-              f"{r['predicted'] / (above * 1024) - 1:+.1%} | "
-              f"{r['state_bytes'] / 2**20:.1f} MiB | {r['peak_grad_bytes'] / 2**20:.1f} MiB | "
-              f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / ref['tokens_per_s']:.2f} | "
-              f"{r['first_step_s']:.1f} s |", flush=True)
+        table.row(m, f"{above / 1024:.0f}", f"{one_ratio[m]:.2f}", mib(r["predicted"]),
+                  f"{r['predicted'] / (above * 1024) - 1:+.1%}", mib(r["state_bytes"], 1),
+                  mib(r["peak_grad_bytes"], 1), f"{r['tokens_per_s']:.0f}",
+                  f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}", f"{r['first_step_s']:.1f}")
     if args.phases:
         print_phases(rows)
     return one_ratio
@@ -524,13 +522,11 @@ def grid_table(args: argparse.Namespace, grid: tuple[int, int], one_ratio: dict[
                ) -> None:
     """The grid's rows, printed as each method's launch ends (AdamW's first)."""
     base = measure(args, "none")["rss_kib"]  # a process that only imports fourfold
-    print(f"\npreset {args.preset}, grid x = {grid[0]}, y = {grid[1]} ({grid[0] * grid[1]} gloo "
-          "ranks, data = z = 1), per rank: peak RSS above a process that imports fourfold "
-          f"({base / 1024:.0f} MiB), ratio to AdamW's on this grid; malloc "
-          f"{'tuned' if args.tuned_malloc else 'glibc defaults'}")
-    print("| method | peak RSS - base (ranks) | ratio (ranks) | one process | worst diff "
-          "| planner | error (worst) | tokens/s |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print(f"\ngrid x = {grid[0]}, y = {grid[1]} ({grid[0] * grid[1]} gloo ranks, data = z = 1), "
+          "per rank: peak RSS above a process that imports fourfold "
+          f"({base / 1024:.0f} MiB), ratio to AdamW's on this grid\n")
+    table = Table("method", "peak MiB (ranks)", "vs adamw (ranks)", "one process vs adamw",
+                  "largest difference", "planner MiB", "planner error (worst)", "tokens/s")
     ref_above: list[int] = []
     for m in dict.fromkeys(["adamw", *args.methods]):
         ranks = measure_grid(args, m, grid)
@@ -544,15 +540,88 @@ def grid_table(args: argparse.Namespace, grid: tuple[int, int], one_ratio: dict[
             diff = max(ratios, key=lambda v: abs(v - one)) - one
             one_text, diff_text = f"{one:.2f}", f"{diff:+.2f}"
         errors = [r["predicted"] / a - 1 for r, a in zip(ranks, above)]
-        print(f"| {m} | {min(above) / 2**20:.0f}-{max(above) / 2**20:.0f} MiB | "
-              f"{min(ratios):.2f}-{max(ratios):.2f} | {one_text} | {diff_text} | "
-              f"{ranks[0]['predicted'] / 2**20:.0f} MiB | {max(errors, key=abs):+.1%} | "
-              f"{min(r['tokens_per_s'] for r in ranks):.0f} |", flush=True)
+        table.row(m, f"{mib(min(above))}-{mib(max(above))}",
+                  f"{min(ratios):.2f}-{max(ratios):.2f}", one_text, diff_text,
+                  mib(ranks[0]["predicted"]), f"{max(errors, key=abs):+.1%}",
+                  f"{min(r['tokens_per_s'] for r in ranks):.0f}")
         if args.phases:
             own = [(r["base_kib"] - base) / 1024 for r in ranks]
             print(f"  {m}: the ranks' own imports (before joining the job) held "
                   f"{min(own):.0f}-{max(own):.0f} MiB above the baseline")
             print_phases({f"{m} rank {i}": r for i, r in enumerate(ranks)})
+
+
+# --cli: `fourfold train` as a user starts it
+
+# the baseline reads its peak as a run's summary does
+CLI_BASELINE = ("import torch, fourfold\n"
+                "from fourfold.train.metrics import peak_memory_bytes\n"
+                "print(peak_memory_bytes(torch.device('cpu')))")
+
+
+def cli_baseline_bytes() -> int:
+    """VmHWM of a process that only imports torch and fourfold, with the malloc tunables
+    `fourfold train` runs its CPU processes under (its ranks and one process alike)."""
+    from fourfold.host import rank_malloc_environment
+
+    out = subprocess.run([sys.executable, "-c", CLI_BASELINE],
+                         env=dict(os.environ, **rank_malloc_environment()), check=True,
+                         capture_output=True, text=True).stdout
+    return int(out.split()[-1])
+
+
+def cli_sets(args: argparse.Namespace, method: str, grid: tuple[int, int]) -> list[str]:
+    """The --set keys of one `fourfold train` run."""
+    x, y = grid
+    return [f"model.preset={args.preset}", f"train.steps={args.steps}",
+            "train.eval_batches=0", "train.sample_tokens=0", f"checkpoint.every={args.every}",
+            f"train.optimizer={method}", f"parallel.x={x}", f"parallel.y={y}", "parallel.z=1",
+            *(f"{key}={value}" for m, key, value in args.extra if m == method)]
+
+
+def measure_cli(args: argparse.Namespace, method: str, grid: tuple[int, int],
+                out: Path) -> tuple[int, int]:
+    """One `fourfold train` run; (rank 0's peak bytes, the planner's bytes per rank)."""
+    import shutil
+
+    from fourfold.config import load_config
+    from fourfold.parallel import GridShape
+    from fourfold.plan.memory import predicted_memory
+
+    shutil.rmtree(out, ignore_errors=True)  # a run directory with a checkpoint would resume
+    cmd = [sys.executable, "-m", "fourfold", "train", args.config, "--out", str(out)]
+    if grid[0] * grid[1] > 1:
+        cmd += ["--nproc", str(grid[0] * grid[1])]
+    for item in cli_sets(args, method, grid):
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=job_env())
+    if proc.returncode:
+        fail(f"{method} on {grid[0]}x{grid[1]} failed:\n{proc.stderr[-2000:]}")
+    peak = int(json.loads((out / "summary.json").read_text())["peak_mem_bytes"])
+    cfg = load_config(out / "config.toml")
+    shape = GridShape(data=1, z=1, y=grid[1], x=grid[0])
+    return peak, int(predicted_memory(cfg, shape, on_host=True).total)
+
+
+def cli_table(args: argparse.Namespace, grids: list[tuple[int, int]]) -> None:
+    import tempfile
+
+    base = cli_baseline_bytes()
+    header("Memory per training method as `fourfold train` runs it, against the planner",
+           f"{args.config} with preset {args.preset}, {args.steps} steps, checkpoint every "
+           f"{args.every or 'never'}; rank 0's peak above a process that imports torch and "
+           f"fourfold ({mib(base)} MiB)")
+    table = Table("method", "grid", "peak MiB", "vs adamw", "planner MiB", "planner error")
+    with tempfile.TemporaryDirectory() as tmp:
+        for grid in grids:
+            ref = None
+            for method in dict.fromkeys(["adamw", *args.methods]):
+                peak, planned = measure_cli(args, method, grid, Path(tmp) / method)
+                measured = peak - base
+                ref = ref or measured
+                table.row(method, f"{grid[0]}x{grid[1]}", mib(measured, 1),
+                          f"{measured / ref:.2f}", mib(planned, 1),
+                          f"{(planned - measured) / measured:+.1%}")
 
 
 if __name__ == "__main__":

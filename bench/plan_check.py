@@ -1,4 +1,4 @@
-"""The planner against reality on this CPU: for every grid of N ranks, the step time the
+"""The planner against measurement on this host: for every grid of N ranks, the step time the
 planner predicts (the `cpu` machine, calibrated by its matmul probe) beside the step time
 measured by training on that grid, and the per-rank parameter + gradient + optimizer memory the
 memory model predicts beside what the ranks hold. Prints both, whether each prediction is
@@ -12,7 +12,7 @@ another load predicts another machine. The grids run round-robin, `--passes` tim
 each a warm-up step and `--steps` timed ones, default 1), so a load that drifts during the run
 weighs on every grid alike; the prediction uses the passes' probes combined (compute rates
 averaged, collective times by their median). `--repeat K` does K such runs and a summary.
-One run of 8 ranks takes about 3-5 minutes on this 2-core host (20 grids x 3 passes x 2 steps,
+One run of 8 ranks takes about 3-5 minutes on a 2-core host (20 grids x 3 passes x 2 steps,
 plus three ~10 s probes), longer when the host is busy.
 
     python bench/plan_check.py [--nproc 8] [--repeat 3] [--layers 2 --dim 256 --vocab 4096 ...]
@@ -27,10 +27,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from common import Table, fail, header, mib, parser  # noqa: E402
 from grids import add_model_args, model_config, run_grids_with_probes  # noqa: E402
 
 from fourfold.parallel import GridShape  # noqa: E402
-from fourfold.plan.machines import calibration_from_probe, load_machine  # noqa: E402
+from fourfold.plan.host_probe import calibration_from_probe  # noqa: E402
+from fourfold.plan.machine_file import load_machine  # noqa: E402
 from fourfold.plan.memory import Precision, predict_param_memory  # noqa: E402
 from fourfold.plan.perf import predict_step  # noqa: E402
 
@@ -72,77 +74,61 @@ def one_run(args: argparse.Namespace) -> dict:
     cal = calibration_from_probe(combine(probes), args.nproc, args.nproc, cpu.gpus_per_node,
                                  cpu.device.gemm_half_dim)
     machine = cpu.calibrated(cal)
-    precision = Precision.of("float32")
-    for k, p in enumerate(probes, 1):
-        print(f"probe of pass {k}: {p['matmul_flops'] / 1e9:.1f} GFLOP/s, "
-              f"{p['copy_bytes_per_s'] / 1e9:.2f} GB/s, {p['small_op_s'] * 1e6:.0f} us/op per "
-              f"rank; all-reduce of 4 KiB over {args.nproc}: "
-              f"{dict(p['comm'].get(f'all_reduce/{args.nproc}', [])).get(4096, 0) * 1e3:.1f} ms")
+    precision = Precision.of(args.dtype)
     for r in rows:
         shape = GridShape(*r["grid"])
-        r["pred_s"] = predict_step(cfg, shape, args.batch, args.seq, 1, False, machine,
-                                   precision).step_s
+        r["pred_s"] = predict_step(cfg, shape, args.batch, args.seq, 1,
+                                   args.activation_checkpointing, machine, precision).step_s
         r["pred_mem"] = sum(predict_param_memory(cfg, shape).values())
     measured = [r["step_s"] for r in rows]
     predicted = [r["pred_s"] for r in rows]
     planner_order = sorted(rows, key=lambda r: r["pred_s"])
     fastest = min(rows, key=lambda r: r["step_s"])
-    print(f"{args.nproc} ranks, model {args.layers}x{args.dim} vocab {args.vocab}, "
-          f"batch {args.batch} x seq {args.seq}, fp32, machine 'cpu' probed in the job: "
-          f"{cal.flops_per_rank / 1e9:.1f} GFLOP/s, {cal.bytes_per_s_per_rank / 1e9:.2f} GB/s, "
-          f"{cal.op_overhead_s * 1e6:.0f} us/op per rank")
-    print(f"{'data z y x':<11} {'measured s':>10} {'predicted s':>11} {'pred/meas':>9} "
-          f"{'<=25%':>5} {'meas rank':>9} {'plan rank':>9} {'mem MiB':>8} {'pred MiB':>8} "
-          f"{'mem err':>7}")
+    print(f"probed in the job: {cal.flops_per_rank / 1e9:.1f} GFLOP/s, "
+          f"{cal.bytes_per_s_per_rank / 1e9:.2f} GB/s, {cal.op_overhead_s * 1e6:.0f} us/op "
+          "per rank\n")
+    table = Table("grid (data z y x)", "measured s", "predicted s", "predicted / measured",
+                  "within 25%", "measured rank", "planner rank", "state MiB", "planner MiB",
+                  "state error")
     mrank, prank = ranks(measured), ranks(predicted)
-    worst_mem, within = 0.0, 0
+    within = 0
     for i, r in enumerate(rows):
         mem = sum(r["mem"].values())
-        err = (r["pred_mem"] - mem) / mem
-        worst_mem = max(worst_mem, abs(err))
         ratio = r["pred_s"] / r["step_s"]
         ok = abs(ratio - 1) <= 0.25
         within += ok
-        print(f"{' '.join(map(str, r['grid'])):<11} {r['step_s']:>10.3f} {r['pred_s']:>11.3f} "
-              f"{ratio:>9.2f} {'yes' if ok else 'no':>5} {int(mrank[i]) + 1:>9} "
-              f"{int(prank[i]) + 1:>9} {mem / 2**20:>8.2f} {r['pred_mem'] / 2**20:>8.2f} "
-              f"{err:>+7.1%}")
+        table.row(" ".join(map(str, r["grid"])), f"{r['step_s']:.3f}", f"{r['pred_s']:.3f}",
+                  f"{ratio:.2f}", "yes" if ok else "no", int(mrank[i]) + 1, int(prank[i]) + 1,
+                  mib(mem, 2), mib(r["pred_mem"], 2), f"{(r['pred_mem'] - mem) / mem:+.1%}")
     position = planner_order.index(fastest) + 1
     rho = spearman(measured, predicted)
-    print(f"Spearman rank correlation (measured vs predicted step time): {rho:.2f}")
-    print(f"fastest measured grid {fastest['grid']} is the planner's choice #{position}; "
-          f"planner's first choice {planner_order[0]['grid']} measured "
-          f"{planner_order[0]['step_s']:.3f}s vs best {fastest['step_s']:.3f}s")
-    print(f"predicted within 25% of measured: {within} of {len(rows)} grids")
-    print(f"largest memory-model error (params + grads + optimizer): {worst_mem:.1%}")
     seconds = time.perf_counter() - start
-    print(f"run took {seconds:.0f} s")
+    print(f"\nSpearman rank correlation {rho:.2f}; the fastest measured grid "
+          f"{' '.join(map(str, fastest['grid']))} is the planner's choice #{position}; "
+          f"{within} of {len(rows)} grids predicted within 25% ({seconds:.0f} s)\n", flush=True)
     return {"rho": rho, "position": position, "first": planner_order[0]["step_s"],
             "best": fastest["step_s"], "within": within, "grids": len(rows), "s": seconds}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     add_model_args(ap)
     ap.add_argument("--repeat", type=int, default=1, help="runs, each probing afresh")
     ap.set_defaults(passes=3, steps=1, probe=True)
     args = ap.parse_args()
     args.probe = True  # the prediction needs the job's own probe
     if args.repeat < 1:
-        sys.exit(f"--repeat {args.repeat}: must be at least 1")
-    runs = []
-    for k in range(args.repeat):
-        if args.repeat > 1:
-            print(f"\n=== run {k + 1} of {args.repeat} ===")
-        runs.append(one_run(args))
+        fail(f"--repeat {args.repeat}: must be at least 1")
+    header("The planner against measurement: step time and memory of every grid",
+           f"{args.nproc} ranks, {args.layers} layers x {args.dim}, vocabulary {args.vocab}, "
+           f"batch {args.batch} x {args.seq}, {args.dtype}, the `cpu` machine probed by the job")
+    runs = [one_run(args) for _ in range(args.repeat)]
     if args.repeat > 1:
-        print(f"\n{'run':>3} {'rho':>5} {'fastest is #':>12} {'first choice s':>14} "
-              f"{'best s':>7} {'within 25%':>10} {'run s':>6}")
+        table = Table("run", "Spearman", "fastest grid is the planner's #", "first choice s",
+                      "best s", "within 25%", "run s")
         for k, r in enumerate(runs, 1):
-            print(f"{k:>3} {r['rho']:>5.2f} {r['position']:>12} {r['first']:>14.3f} "
-                  f"{r['best']:>7.3f} {r['within']:>5}/{r['grids']:<4} {r['s']:>6.0f}")
-        top2 = sum(r["position"] <= 2 for r in runs)
-        print(f"fastest measured grid ranked first or second in {top2} of {len(runs)} runs")
+            table.row(k, f"{r['rho']:.2f}", r["position"], f"{r['first']:.3f}",
+                      f"{r['best']:.3f}", f"{r['within']}/{r['grids']}", f"{r['s']:.0f}")
 
 
 if __name__ == "__main__":

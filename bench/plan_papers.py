@@ -20,10 +20,14 @@ The 320B shape (96 layers, width 16384) is an assumption: 12 L d^2 = 309B.
 from __future__ import annotations
 
 import dataclasses
-import time
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import Table, header, parser  # noqa: E402
 
 from fourfold.config import ModelConfig
-from fourfold.plan.machines import load_machine
+from fourfold.plan.machine_file import load_machine
 from fourfold.plan.memory import Precision
 from fourfold.plan.search import plan
 
@@ -42,27 +46,27 @@ POINTS = [
 
 
 def main() -> None:
+    parser(__doc__).parse_args()
+    header("The planner against the AxoNN paper's published results",
+           "grid = data x z x y x x; mb x acc = micro-batch x gradient accumulation steps; AC = "
+           "activation checkpointing; SM s = the step's SM-contention charge")
     engine, bf16 = Precision.of("bfloat16"), Precision.of("bfloat16", "bfloat16")
-    print(f"{'point':<32} {'wire':<12} {'best grid data,z,y,x':>21} {'mb x acc':>8} {'AC':>3} "
-          f"{'step s':>7} {'SM s':>5} {'MFU':>6} {'HFU':>6} {'paper':>6} {'paper/MFU':>9}")
+    table = Table("point", "wire", "best grid", "mb x acc", "AC", "step s", "SM s", "MFU",
+                  "HFU", "paper", "paper / MFU", "within 1.2x")
     for label, model, gpus, machine_name, batch, paper in POINTS:
         machine = load_machine(machine_name)
         no_sm = dataclasses.replace(machine, device=dataclasses.replace(machine.device,
                                                                         comm_sms=0.0))
         for wire, precision, m in (("engine", engine, machine), ("bf16 wire", bf16, machine),
                                    ("bf16, no SM", bf16, no_sm)):
-            start = time.perf_counter()
             best = plan(model, gpus, m, batch, 2048, precision).best
-            p = best.prediction
-            s = best.shape
-            grid = f"{s.data},{s.z},{s.y},{s.x}"
+            p, s = best.prediction, best.shape
             ratio = paper / p.mfu
-            verdict = "ok" if 1 / 1.2 <= ratio <= 1.2 else "MISS"
-            print(f"{label:<32} {wire:<12} {grid:>21} {best.micro_batch:>4}x{best.grad_accum:<3} "
-                  f"{'on' if best.activation_checkpointing else 'off':>3} {p.step_s:>7.2f} "
-                  f"{p.contention_s:>5.2f} "
-                  f"{p.mfu:>6.1%} {p.hfu:>6.1%} {paper:>6.1%} {ratio:>8.2f}x {verdict}"
-                  f"  ({time.perf_counter() - start:.1f} s to plan)")
+            table.row(label, wire, f"{s.data} x {s.z} x {s.y} x {s.x}",
+                      f"{best.micro_batch} x {best.grad_accum}",
+                      "on" if best.activation_checkpointing else "off", f"{p.step_s:.2f}",
+                      f"{p.contention_s:.2f}", f"{p.mfu:.1%}", f"{p.hfu:.1%}", f"{paper:.1%}",
+                      f"{ratio:.2f}", "yes" if 1 / 1.2 <= ratio <= 1.2 else "no")
 
 
 if __name__ == "__main__":

@@ -41,16 +41,22 @@ import argparse
 import contextlib
 import math
 import multiprocessing as mp
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import Table, header  # noqa: E402
+from common import parser as bench_parser  # noqa: E402
 
 from fourfold.config import ModelConfig, load_config, model_config
 from fourfold.models.llama import flops_per_token
@@ -319,19 +325,20 @@ def run(shapes: list[str], dtypes: list[str], impls: list[str], warmup: int,
     return rows, peaks
 
 
-def format_table(rows: list[Row], peaks: dict[str, float]) -> str:
-    head = (f"{'shape':>5} {'dtype':>8} {'impl':>21} {'params':>8} {'tok/step':>8} "
-            f"{'best s/step':>11} {'tok/s':>9} {'MFU':>6}")
-    lines = [head, "-" * len(head)]
+def print_table(rows: list[Row], peaks: dict[str, float]) -> None:
+    """The rows, with each one's tokens/s as a multiple of the plain loop's on its shape and
+    dtype (when plain ran)."""
+    plain = {(r.shape, r.dtype): r.tokens_per_s for r in rows if r.impl == "plain"}
+    print("\npeak (this host's best matmul): " + ", ".join(
+        f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in peaks.items())
+        + f"; {torch.get_num_threads()} threads\n")
+    table = Table("shape", "dtype", "implementation", "parameters", "tokens per step",
+                  "best s per step", "tokens/s", "vs plain", "MFU")
     for r in rows:
-        lines.append(f"{r.shape:>5} {r.dtype:>8} {r.impl:>21} {r.params / 1e6:7.1f}M "
-                     f"{r.tokens_per_step:8d} {r.seconds_per_step:11.2f} {r.tokens_per_s:9,.0f} "
-                     f"{100 * r.mfu:5.1f}%")
-    lines.append("")
-    lines.append("peak (measured matmul): " + ", ".join(
-        f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in peaks.items()))
-    lines.append(f"threads: {torch.get_num_threads()}, torch {torch.__version__}")
-    return "\n".join(lines)
+        ratio = plain.get((r.shape, r.dtype))
+        table.row(r.shape, r.dtype, r.impl, f"{r.params / 1e6:.1f}M", r.tokens_per_step,
+                  f"{r.seconds_per_step:.2f}", f"{r.tokens_per_s:,.0f}",
+                  f"{r.tokens_per_s / ratio:.2f}" if ratio else "-", f"{100 * r.mfu:.1f}%")
 
 
 def _csv(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
@@ -343,7 +350,7 @@ def _csv(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--shapes", default="15m,35m",
                         type=lambda v: _csv(v, tuple(SHAPES), "--shapes"))
     parser.add_argument("--dtypes", default="float32,bfloat16",
@@ -359,10 +366,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.turn_gap < 0:
         parser.error("--steps must be at least 1, --warmup and --turn-gap not negative")
+    header("Training throughput: fourfold against a plain PyTorch loop and HF transformers",
+           f"one process; {args.warmup} untimed and {args.steps} timed steps per row, the "
+           "implementations taking turns; each row its fastest step")
     rows, peaks = run(args.shapes, args.dtypes, args.impls, args.warmup, args.steps,
                       args.same_malloc, args.turn_gap)
-    print()
-    print(format_table(rows, peaks))
+    print_table(rows, peaks)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import Table, fail, header, job_env, mib, parser  # noqa: E402
 from grids import MODEL_ARGS, add_model_args, model_config, run_grids  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     add_model_args(ap)
     ap.set_defaults(nproc=4, dim=512, ffn=1536, vocab=8192, seq=256, batch=8, steps=4)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -159,7 +160,13 @@ def main() -> None:
         worker(a)
         return
     if a.nproc not in FOURFOLD_GRIDS:
-        sys.exit(f"--nproc {a.nproc}: choose from {', '.join(map(str, FOURFOLD_GRIDS))}")
+        fail(f"--nproc {a.nproc}: choose from {', '.join(map(str, FOURFOLD_GRIDS))}")
+    if a.dtype != "float32" or a.activation_checkpointing:
+        fail("PyTorch's rows run float32 without activation checkpointing; leave out --dtype "
+             "and --activation-checkpointing")
+    header("fourfold's grids against PyTorch's tensor parallelism and FSDP2",
+           f"{a.nproc} ranks, {a.layers} layers, dim {a.dim}, ffn {a.ffn}, vocabulary {a.vocab}, "
+           f"batch {a.batch} x {a.seq}, float32")
     rows = []
     for r in run_grids(argparse.Namespace(**{**vars(a), "grids": FOURFOLD_GRIDS[a.nproc]})):
         d, z, y, x = r["grid"]
@@ -170,17 +177,15 @@ def main() -> None:
             str(a.nproc), __file__, "--worker", str(out)]
     for name in MODEL_ARGS:
         argv += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
-    proc = subprocess.run(argv, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+    proc = subprocess.run(argv, env=job_env(OMP_NUM_THREADS="1"), capture_output=True,
                           text=True)
     if proc.returncode != 0:
-        sys.exit(f"worker failed:\n{proc.stderr[-3000:]}")
+        fail(f"PyTorch's job failed:\n{proc.stderr[-3000:]}")
     rows += [json.loads(line) for line in out.read_text().splitlines()]
     out.unlink()
-    print(f"{a.nproc} ranks; model {a.layers} layers, dim {a.dim}, ffn {a.ffn}, vocab {a.vocab}; "
-          f"batch {a.batch} x seq {a.seq}; fp32")
-    print(f"{'framework':<18} {'grid':<16} {'step s':>8} {'MiB/step/rank':>14}")
+    table = Table("framework", "grid", "step s", "MiB per step per rank")
     for r in rows:
-        print(f"{r['who']:<18} {r['grid']:<16} {r['step_s']:>8.3f} {r['bytes'] / 2**20:>14.2f}")
+        table.row(r["who"], r["grid"], f"{r['step_s']:.3f}", mib(r["bytes"], 2))
 
 
 if __name__ == "__main__":

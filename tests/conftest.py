@@ -1,16 +1,80 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the rule that keeps the quick tier quick."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from collections.abc import Iterator
+import resource
+import time
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+# The markers that take a test out of the quick tier (`make check`); pyproject.toml says what
+# each one is for.
+TIER_MARKERS = ("ranks", "compile", "slow")
+# The longest a quick-tier test's own run may take, in seconds (FOURFOLD_QUICK_LIMIT_S; 0
+# turns the rule off). Its fixtures' setup does not count: a module's shared corpus or model
+# is built once for many tests.
+QUICK_LIMIT_ENV = "FOURFOLD_QUICK_LIMIT_S"
+QUICK_LIMIT_S = 3.0
+
+
+def _quick_limit_s() -> float:
+    text = os.environ.get(QUICK_LIMIT_ENV, "")
+    try:
+        return float(text) if text else QUICK_LIMIT_S
+    except ValueError:
+        raise pytest.UsageError(f"{QUICK_LIMIT_ENV}={text!r}: expected seconds, e.g. 10 "
+                                "(0 turns the limit off)") from None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _quick_limit_s()  # a bad value stops the session once, before any test runs
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the children it has waited for (a test's subprocess
+    counts once the test has reaped it)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _load_factor() -> float:
+    """How many times over this machine's cores are asked for (the last minute's load average
+    per core, at least 1): other work's share of the time a test takes."""
+    try:
+        return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    except (OSError, AttributeError):
+        return 1.0
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    """Fail a quick-tier test whose call ran longer than the limit, saying to mark it.
+
+    A test is too slow when both its wall time and its CPU time (with the children it reaped)
+    are over the limit: on an idle machine a test that briefly keeps two cores busy uses more
+    CPU time than wall time, and one that waits does not burn CPU. On a machine loaded by
+    other work both stretch (torch's threads spin while they wait for a core), so the limit is
+    scaled by the load per core: under load only a clearly slow test fails, and the idle
+    machine's verdict is the strict one. (A test that only waits, using no CPU, is not
+    caught.)"""
+    limit = _quick_limit_s()
+    wall, cpu = time.perf_counter(), _cpu_seconds()
+    result = yield  # the test's own failure propagates from here unchanged
+    wall, cpu = time.perf_counter() - wall, _cpu_seconds() - cpu
+    quick = not any(item.get_closest_marker(name) for name in TIER_MARKERS)
+    load = _load_factor()
+    if quick and limit > 0 and min(wall, cpu) > limit * load:
+        pytest.fail(f"{item.nodeid} took {wall:.1f} s ({cpu:.1f} s of CPU), over the quick "
+                    f"tier's {limit:g} s (x {load:.1f}, this machine's load per core): mark it "
+                    "@pytest.mark.slow (one process) or @pytest.mark.ranks (it starts ranks), "
+                    f"or make it faster; on a slow host raise the limit with "
+                    f"{QUICK_LIMIT_ENV}=SECONDS", pytrace=False)
+    return result
 
 
 # What a launcher or a scheduler sets for a rank: a test that starts fourfold as a fresh job
@@ -26,27 +90,6 @@ def outside_job_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in JOB_VARIABLES}
     env.update(extra)
     return env
-
-
-def run_grid_worker(worker: Path, nproc: int, grids: list, cases: list, cases_env: str,
-                    out: Path) -> list[dict]:
-    """`worker` under torchrun on `nproc` ranks, each of `grids` with each of `cases` (handed
-    over in FOURFOLD_TEST_SHAPES and `cases_env`): its JSON lines from `out`, one per grid and
-    case, each checked to have run."""
-    env = outside_job_env(FOURFOLD_TEST_SHAPES=json.dumps(grids), FOURFOLD_TEST_OUT=str(out),
-                          OMP_NUM_THREADS="1", PYTHONPATH=str(worker.parent),
-                          **{cases_env: json.dumps(cases)})
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-         "--standalone", str(worker)],
-        env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(results) == len(grids) * len(cases)
-    for r in results:
-        case = r.get("check", r.get("case"))
-        assert r["ok"], f"grid {r['shape']} case {case}:\n{r.get('error')}"
-    return results
 
 
 @pytest.fixture(scope="module")

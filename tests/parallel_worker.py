@@ -3,14 +3,16 @@ and overlap variants, train the `debug` model for three steps in parallel and on
 alone, and compare losses and the gathered updated weights. Also counts, independently of the
 ledger, the bytes torch.distributed is handed per axis (dist_count.py). Variants may train
 under bfloat16 autocast ("bf16") and reduce gradients in bfloat16 ("reduce"); the reference
-then runs the same autocast on one process. Writes one JSON line per case."""
+then runs the same autocast on one process. Every rank reports its own results (grid_cases.py):
+its ledger, its bytes of parameters, gradients and optimizer state, the parameters it got no
+gradient for."""
 
 from __future__ import annotations
 
 
 import torch
 
-from fourfold.config import ParallelConfig, model_config
+from fourfold.config import ModelConfig, ParallelConfig, model_config
 from fourfold.models import build_model
 from fourfold.parallel import Grid, GridShape, parallelize
 from fourfold.train.goldfish import goldfish_mask
@@ -23,10 +25,19 @@ BATCH = 8  # sequences per step, whole job (test_parallel.py uses the same numbe
 SEQ = 16
 
 
-def batches(vocab: int, accum: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+def model_cfg(variant: dict) -> ModelConfig:
+    """The variant's model: `debug` with its bias and tie switches and any "model" overrides
+    (the tests' planner checks build the same config)."""
+    return model_config("debug", bias=variant.get("bias", False),
+                        tie_embeddings=variant.get("tie", False), **variant.get("model", {}))
+
+
+def batches(vocab: int, accum: int, steps: int = STEPS
+            ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """`steps` optimizer steps of data; a longer run starts with the same batches."""
     g = torch.Generator().manual_seed(1234)
     out = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)
         micro = BATCH // accum
         out.append([(tokens[i * micro:(i + 1) * micro, :-1], tokens[i * micro:(i + 1) * micro, 1:])
@@ -40,16 +51,21 @@ def loss_mask(inputs: torch.Tensor, targets: torch.Tensor, goldfish: bool) -> to
     return torch.ones(targets.shape)
 
 
-def train(pmodel, steps_data, shard: tuple[int, int], optimizer: str, goldfish: bool = False,
-          bf16: bool = False) -> list[float]:
-    index, count = shard
+def make_optimizer(pmodel, name: str) -> torch.optim.Optimizer:
     params = [p for _, p in pmodel.named_parameters()]
     # SGD keeps the weights' comparison tight: Adam divides tiny gradients by their own
     # magnitude, which turns float rounding noise into visible weight differences.
-    if optimizer == "adamw":
-        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
-    else:
-        opt = torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def train(pmodel, opt: torch.optim.Optimizer, steps_data, shard: tuple[int, int],
+          goldfish: bool = False, bf16: bool = False) -> tuple[list[float], dict, list[str]]:
+    """Losses per step; this rank's bytes of parameters, gradients and optimizer state at the
+    last step (before zero_grad frees the gradients); the parameters that had no gradient
+    then."""
+    index, count = shard
     losses = []
     for micro_batches in steps_data:
         local = []
@@ -67,11 +83,12 @@ def train(pmodel, steps_data, shard: tuple[int, int], optimizer: str, goldfish: 
             pmodel.finish_backward()
             total += loss.detach()
         pmodel.clip_grad_norm_(0.5)
+        without_grad = [n for n, p in pmodel.named_parameters() if p.grad is None]
         opt.step()
-        memory = pmodel.memory_bytes(opt)  # before zero_grad frees the gradients
+        memory = pmodel.memory_bytes(opt)
         opt.zero_grad(set_to_none=True)
         losses.append(float(pmodel.reduce_over_batch(total)))
-    return losses, memory
+    return losses, memory, without_grad
 
 
 class TinyGeneric(torch.nn.Module):
@@ -108,46 +125,67 @@ def build(cfg, variant: dict) -> torch.nn.Module:
     return model
 
 
-def run_variant(shape: GridShape, grid: Grid, variant: dict, counter: DistCount) -> dict:
-    """One variant on one grid against the same model trained by one process."""
-    cfg = model_config("debug", bias=variant.get("bias", False),
-                       tie_embeddings=variant.get("tie", False))
-    accum = variant.get("accum", 1)
-    data = batches(cfg.vocab_size, accum)
-
+def one_process_run(variant: dict, steps: int = STEPS) -> tuple[list[float], dict]:
+    """The variant trained for `steps` steps by this process alone: losses and final weights
+    (made once per variant and step count: see one_process_reference)."""
     def reference() -> tuple[list[float], dict]:
+        cfg = model_cfg(variant)
         ref_model = build(cfg, variant)
         ref = parallelize(ref_model, Grid.single())
-        ref_losses, _ = train(ref, data, (0, 1), variant.get("opt", "sgd"),
-                              variant.get("goldfish", False), variant.get("bf16", False))
+        ref_losses, _, _ = train(ref, make_optimizer(ref, variant.get("opt", "sgd")),
+                                 batches(cfg.vocab_size, variant.get("accum", 1), steps), (0, 1),
+                                 variant.get("goldfish", False), variant.get("bf16", False))
         return ref_losses, ref_model.state_dict()
 
-    ref_losses, ref_state = one_process_reference(variant, reference)
+    return one_process_reference({**variant, "steps": steps}, reference)
 
-    model = build(cfg, variant)
+
+def parallel_config(shape: GridShape, variant: dict) -> ParallelConfig:
     overlap = variant.get("overlap", True)
-    pcfg = ParallelConfig(x=shape.x, y=shape.y, z=shape.z, data=shape.data,
+    return ParallelConfig(x=shape.x, y=shape.y, z=shape.z, data=shape.data,
                           overlap_input_grad=overlap, overlap_weight_grad=overlap,
                           prefetch_weights=overlap, overlap_data_grad=overlap,
                           bucket_mb=0.05,
                           reduce_dtype=variant.get("reduce", "float32"),
                           overlap_forward=variant.get("split", False),
                           output_loss=variant.get("loss", "auto"))
-    pmodel = parallelize(model, grid, pcfg)
+
+
+def compare(pmodel, grid: Grid, counter: DistCount, losses: list[float],
+            ref: tuple[list[float], dict]) -> dict:
+    """What the test holds this rank's run to: its losses and gathered weights beside the
+    one-process run `ref`'s, its ledger beside the count of what torch.distributed was handed."""
+    ref_losses, ref_state = ref
+    ledger, handed = pmodel.ledger.snapshot(), counter.by_axis(grid)  # before the gathers below
+    state = pmodel.full_state_dict()
+    return dict(losses=losses, ref_losses=ref_losses,
+                max_weight_diff=max(float((state[k] - ref_state[k]).abs().max())
+                                    for k in ref_state),
+                max_rel_loss=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+                ledger=ledger, handed=handed, emulated=pmodel.ledger.emulated,
+                keys_equal=sorted(state) == sorted(ref_state))
+
+
+def train_on_grid(shape: GridShape, grid: Grid, variant: dict, counter: DistCount
+                  ) -> tuple[dict, object, torch.optim.Optimizer]:
+    """One variant on one grid against the same model trained by one process: the result,
+    and the trained model and optimizer."""
+    cfg = model_cfg(variant)
+    ref = one_process_run(variant)
+    pmodel = parallelize(build(cfg, variant), grid, parallel_config(shape, variant))
+    opt = make_optimizer(pmodel, variant.get("opt", "sgd"))
     pmodel.ledger.reset()
     counter.reset()
-    losses, memory = train(pmodel, data, grid.batch_shard, variant.get("opt", "sgd"),
-                           variant.get("goldfish", False), variant.get("bf16", False))
-    ledger = pmodel.ledger.snapshot()
-    handed = counter.by_axis(grid)
-    state = pmodel.full_state_dict()
-    max_w = max(float((state[k] - ref_state[k]).abs().max()) for k in ref_state)
-    max_rel_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-    return dict(ok=True, losses=losses, ref_losses=ref_losses,
-                max_weight_diff=max_w, max_rel_loss=max_rel_loss, ledger=ledger,
-                handed=handed, emulated=pmodel.ledger.emulated,
-                memory=memory,
-                keys_equal=sorted(state) == sorted(ref_state))
+    losses, memory, without_grad = train(
+        pmodel, opt, batches(cfg.vocab_size, variant.get("accum", 1)), grid.batch_shard,
+        variant.get("goldfish", False), variant.get("bf16", False))
+    result = dict(ok=True, memory=memory, without_grad=without_grad,
+                  **compare(pmodel, grid, counter, losses, ref))
+    return result, pmodel, opt
+
+
+def run_variant(shape: GridShape, grid: Grid, variant: dict, counter: DistCount) -> dict:
+    return train_on_grid(shape, grid, variant, counter)[0]
 
 
 def main() -> None:

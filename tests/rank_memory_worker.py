@@ -184,8 +184,8 @@ def instrument_trainer_run(phases: Phases, trainer: object) -> None:
     phases.wrap(trainer.pmodel.module, "forward", "forward")
     phases.wrap(trainer.pmodel, "finish_backward", "backward")
     phases.wrap(trainer.pmodel, "clip_grad_norm_", "clip_grad_norm")
-    if trainer.method.torch_optimizer is not None:
-        phases.wrap(trainer.method.torch_optimizer, "step", "optimizer.step")
+    if trainer.method.name == "adamw":
+        phases.wrap(trainer.method.optimizer, "step", "optimizer.step")
     phases.wrap(trainer.checkpoints, "save", "checkpoint.save")
     phases.wrap(trainer.checkpoints, "wait", "checkpoint.wait")
     phases.wrap(trainer_module, "save_weights_streamed", "export", before=True)

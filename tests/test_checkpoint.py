@@ -87,6 +87,19 @@ def eight_to_four_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"save": saved, "load": loaded}
 
 
+def check_save_phase(save: list[dict]) -> None:
+    """Everything a `save` launch checked, on each of its ranks."""
+    for rank, r in enumerate(save):
+        assert r["bad_offsets"] == [], f"rank {rank}: DTensor offsets differ from Layout.offsets"
+        assert r["split_params"] > 0, f"rank {rank}"
+        assert r["extra_step"] == worker.SAVE_AT
+        assert Path(r["loaded_path"]).name == f"step_{worker.SAVE_AT:08d}"
+        # every rank saw the same losses, and a fresh model with other weights, loaded on the
+        # same grid, continues bit for bit
+        assert r["losses"] == save[0]["losses"], f"rank {rank}"
+        assert r["resumed_losses"] == r["losses"][worker.SAVE_AT:], f"rank {rank}"
+
+
 def check_load_phase(save: list[dict], load: list[dict]) -> None:
     """Everything a `load` launch checked, on each of its ranks."""
     reference = save[0]["losses"][worker.SAVE_AT:]
@@ -99,7 +112,8 @@ def check_load_phase(save: list[dict], load: list[dict]) -> None:
             assert abs(a - b) <= 1e-5 * abs(b), (r["continued_losses"], reference)
         # saved after step SAVE_AT + 1 on this grid and resumed from it, bit for bit
         assert r["resumed_losses"] == r["continued_losses"][1:]
-        # then a byte of a file that rank 1 alone hashed was flipped: no rank takes it
+        # then a byte of a file that rank 1 alone hashes was flipped: no rank takes it
+        assert r["damage_seen_by"] == [1], f"rank {rank}: {r['damage_seen_by']}"
         assert r["after_damage"] == "None", f"rank {rank}"
         # the straggler report's all-gather: every rank's time, in rank order
         assert r["step_times"] == [0.25 + i for i in range(n)]
@@ -112,20 +126,13 @@ def check_load_phase(save: list[dict], load: list[dict]) -> None:
 @pytest.mark.ranks
 def test_reshard_eight_ranks_to_four_ranks(eight_to_four_run: dict) -> None:
     save = eight_to_four_run["save"]
-    reference = save[0]["losses"][worker.SAVE_AT:]
-    assert save[0]["resumed_losses"] == reference  # same grid: bit-exact
+    check_save_phase(save)
     check_load_phase(save, eight_to_four_run["load"])
 
 
 @pytest.mark.ranks
 def test_four_rank_stop_and_resume_is_exact(grids_run: dict) -> None:
-    r = grids_run["save"][0]
-    assert r["bad_offsets"] == [], "DTensor offsets differ from Layout.offsets"
-    assert r["split_params"] > 0
-    assert r["extra_step"] == worker.SAVE_AT
-    assert Path(r["loaded_path"]).name == f"step_{worker.SAVE_AT:08d}"
-    # a fresh model with other weights, loaded, continues bit for bit
-    assert r["resumed_losses"] == r["losses"][worker.SAVE_AT:]
+    check_save_phase(grids_run["save"])
 
 
 @pytest.mark.ranks
@@ -137,8 +144,9 @@ def test_four_ranks_to_two_ranks(grids_run: dict) -> None:
 def test_reshard_four_ranks_to_one_process(grids_run: dict) -> None:
     out = grids_run["out"]
     pmodel, optimizer = worker.build(Grid.single(), seed=11)
-    manager = CheckpointManager(out / "run_save", CheckpointConfig(), Grid.single())
-    extra = manager.load(manager.latest_valid(), pmodel, optimizer)
+    manager = CheckpointManager.for_model(out / "run_save", CheckpointConfig(), Grid.single(),
+                                          pmodel, optimizer)
+    extra = manager.load(manager.latest_valid())
     expected = torch.load(out / "full_at_save.pt")
     state = pmodel.module.state_dict()
     for name, tensor in expected.items():
@@ -165,14 +173,15 @@ def _train(pmodel, optimizer, steps: range) -> list[float]:
 @pytest.mark.parametrize("async_save", [True, False])
 def test_one_process_round_trip_is_bit_exact(tmp_path: Path, async_save: bool) -> None:
     pmodel, optimizer = worker.build(Grid.single(), seed=7)
-    manager = CheckpointManager(tmp_path, CheckpointConfig(every=2, keep=2,
-                                                           async_save=async_save), Grid.single())
+    manager = CheckpointManager.for_model(
+        tmp_path, CheckpointConfig(every=2, keep=2, async_save=async_save), Grid.single(),
+        pmodel, optimizer)
     losses = []
     for step in range(1, 7):
         losses.append(worker.train_step(pmodel, optimizer, step))
         if manager.due(step):
             torch.manual_seed(100 + step)  # the RNG state the checkpoint must restore
-            manager.save(step, pmodel, optimizer, {"step": step, "note": "hello"})
+            manager.save(step, {"step": step, "note": "hello"})
     manager.close()
     # keep = 2: the oldest of three is gone, and only complete checkpoints are visible
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000006", "step_00000004"]
@@ -180,7 +189,8 @@ def test_one_process_round_trip_is_bit_exact(tmp_path: Path, async_save: bool) -
 
     resumed, resumed_opt = worker.build(Grid.single(), seed=8)
     path = list_checkpoints(tmp_path)[1]
-    extra = manager.load(path, resumed, resumed_opt)
+    extra = CheckpointManager.for_model(tmp_path, CheckpointConfig(), Grid.single(), resumed,
+                                        resumed_opt).load(path)
     assert extra == {"step": 4, "note": "hello"}
     after_load = torch.rand(3)
     torch.manual_seed(104)
@@ -190,23 +200,32 @@ def test_one_process_round_trip_is_bit_exact(tmp_path: Path, async_save: bool) -
 
 def _save_two(tmp_path: Path) -> tuple[CheckpointManager, list[Path]]:
     pmodel, optimizer = worker.build(Grid.single(), seed=7)
-    manager = CheckpointManager(tmp_path, CheckpointConfig(every=1, keep=3, async_save=False),
-                                Grid.single())
+    manager = CheckpointManager.for_model(
+        tmp_path, CheckpointConfig(every=1, keep=3, async_save=False), Grid.single(), pmodel,
+        optimizer)
     for step in (1, 2):
         worker.train_step(pmodel, optimizer, step)
-        manager.save(step, pmodel, optimizer, {"step": step})
+        manager.save(step, {"step": step})
     return manager, list_checkpoints(tmp_path)
+
+
+def _recorded(checkpoint: Path, name: str) -> dict:
+    """What the checkpoint's manifest recorded of one of its files (sha256, bytes)."""
+    return json.loads((checkpoint / "manifest.json").read_text())["files"][name]
 
 
 def test_truncated_newest_checkpoint_falls_back_with_warning(tmp_path: Path) -> None:
     manager, (newest, previous) = _save_two(tmp_path)
-    data_file = next(newest.glob("*.distcp"))
+    data_file = sorted(newest.glob("*.distcp"))[0]
     data_file.write_bytes(data_file.read_bytes()[:-100])
+    # the damage is real: a file the manifest lists, now shorter than it recorded
+    assert data_file.stat().st_size == _recorded(newest, data_file.name)["bytes"] - 100
     fresh = CheckpointManager(tmp_path, CheckpointConfig(), Grid.single())
     with pytest.warns(UserWarning, match=f"{newest}.*truncated"):
         assert fresh.latest_valid() == previous
     pmodel, optimizer = worker.build(Grid.single(), seed=8)
-    assert fresh.load(previous, pmodel, optimizer) == {"step": 1}
+    assert CheckpointManager.for_model(tmp_path, CheckpointConfig(), Grid.single(), pmodel,
+                                       optimizer).load(previous) == {"step": 1}
 
 
 def test_verify_shares_split_the_hashing(tmp_path: Path) -> None:
@@ -229,11 +248,15 @@ def test_verify_shares_split_the_hashing(tmp_path: Path) -> None:
 
 def test_corrupted_checkpoint_fails_its_checksum(tmp_path: Path) -> None:
     manager, (newest, previous) = _save_two(tmp_path)
-    data_file = next(newest.glob("*.distcp"))
+    data_file = sorted(newest.glob("*.distcp"))[0]
     raw = bytearray(data_file.read_bytes())
     raw[len(raw) // 2] ^= 0xFF  # same size, one flipped byte
     data_file.write_bytes(bytes(raw))
-    assert "sha256" in (verify_checkpoint(newest) or "")
+    # the damage is real: a file the manifest lists, its size as recorded, its hash not
+    recorded = _recorded(newest, data_file.name)
+    assert data_file.stat().st_size == recorded["bytes"]
+    assert sha256_file(data_file) != recorded["sha256"]
+    assert f"{data_file.name} fails its sha256" in (verify_checkpoint(newest) or "")
     fresh = CheckpointManager(tmp_path, CheckpointConfig(), Grid.single())
     with pytest.warns(UserWarning, match=str(newest)):
         assert fresh.latest_valid() == previous
@@ -250,11 +273,12 @@ FAILED_WRITE = textwrap.dedent("""
 
     runs = [(Path({root!r}) / mode, mode == "async") for mode in ("sync", "async")]
     pmodel, optimizer = worker.build(Grid.single(), seed=7)
-    managers = [CheckpointManager(run, CheckpointConfig(keep=1, async_save=is_async),
-                                  Grid.single()) for run, is_async in runs]
+    managers = [CheckpointManager.for_model(run, CheckpointConfig(keep=1, async_save=is_async),
+                                            Grid.single(), pmodel, optimizer)
+                for run, is_async in runs]
     worker.train_step(pmodel, optimizer, 1)
     for manager in managers:
-        manager.save(1, pmodel, optimizer, {{"step": 1}})
+        manager.save(1, {{"step": 1}})
         manager.wait()
     # a full disk: files may not grow past 4 KiB from now on (applies to root too)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -262,7 +286,7 @@ FAILED_WRITE = textwrap.dedent("""
     worker.train_step(pmodel, optimizer, 2)
     for manager in managers:
         try:
-            manager.save(2, pmodel, optimizer, {{"step": 2}})
+            manager.save(2, {{"step": 2}})
             manager.wait()
         except CheckpointError as e:
             print("ERROR:" + str(e))
@@ -290,9 +314,10 @@ def test_failed_write_keeps_earlier_checkpoints(tmp_path: Path) -> None:
 def test_unwritable_checkpoint_directory_is_a_one_line_error(tmp_path: Path) -> None:
     (tmp_path / "checkpoints").write_text("not a directory")
     pmodel, optimizer = worker.build(Grid.single(), seed=7)
-    manager = CheckpointManager(tmp_path, CheckpointConfig(async_save=False), Grid.single())
+    manager = CheckpointManager.for_model(tmp_path, CheckpointConfig(async_save=False),
+                                          Grid.single(), pmodel, optimizer)
     with pytest.raises(CheckpointError) as info:
-        manager.save(1, pmodel, optimizer, {"step": 1})
+        manager.save(1, {"step": 1})
     assert "\n" not in str(info.value) and "step_00000001" in str(info.value)
 
 
@@ -300,11 +325,11 @@ def test_load_rejects_a_checkpoint_of_another_model(tmp_path: Path) -> None:
     from fourfold.config import model_config
 
     _save_two(tmp_path)
-    manager = CheckpointManager(tmp_path, CheckpointConfig(), Grid.single())
     wrong = parallelize(build_model(model_config("debug", bias=True, vocab_size=640), seed=1),
                         Grid.single())
+    manager = CheckpointManager.for_model(tmp_path, CheckpointConfig(), Grid.single(), wrong)
     with pytest.raises(CheckpointError, match="cannot load checkpoint") as info:
-        manager.load(manager.latest_valid(), wrong, None)
+        manager.load(manager.latest_valid())
     assert "\n" not in str(info.value)
 
 
@@ -324,9 +349,10 @@ def test_async_auto_writes_synchronously_on_a_cpu_rank_only(tmp_path: Path) -> N
         load_config(None, ["checkpoint.async=sometimes"])
 
     pmodel, optimizer = worker.build(Grid.single(), seed=7)
-    manager = CheckpointManager(tmp_path, CheckpointConfig(every=1), Grid.single())
+    manager = CheckpointManager.for_model(tmp_path, CheckpointConfig(every=1), Grid.single(),
+                                          pmodel, optimizer)
     worker.train_step(pmodel, optimizer, 1)
-    manager.save(1, pmodel, optimizer, {"step": 1})
+    manager.save(1, {"step": 1})
     # complete when save returns: no writer thread, the checkpoint already listed
     assert manager._thread is None
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001"]

@@ -12,7 +12,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-import torch
 
 from fourfold import cli
 from fourfold.cli import main
@@ -258,6 +257,7 @@ def test_prepare_mistakes(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert_one_line_error(err, "wordpiece")
 
 
+@pytest.mark.slow
 def test_train_prints_where_the_run_is(trained: tuple[Path, str, str]) -> None:
     run, out, err = trained
     for name in ("config.toml", "metrics.jsonl", "model.safetensors", "summary.json"):
@@ -269,6 +269,7 @@ def test_train_prints_where_the_run_is(trained: tuple[Path, str, str]) -> None:
     assert "sample" in out + err  # the trainer shows the final sample
 
 
+@pytest.mark.slow
 def test_generate(trained_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["generate", str(trained_run), "--prompt", "def f(", "--max-new-tokens", "12",
             "--seed", "3"]
@@ -289,20 +290,29 @@ def test_generate(trained_run: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert_one_line_error(err, "nope")
 
 
+@pytest.mark.slow
 def test_eval_memorization(trained_run: Path, data_dir: Path,
                            capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_main(capsys, "eval", "memorization", str(trained_run), "--data",
                               str(data_dir), "--docs", "2", "--prefix", "8", "--suffix", "4",
                               "--json")
     assert code == 0, err
+    # the command's report (what the audit measures: tests/test_memorization*.py): the
+    # documents and lengths asked for, each rate the mean of its rows
     report = json.loads(out)
-    assert isinstance(report, dict) and report
+    assert (report["documents_audited"], report["prefix"], report["suffix"]) == (2, 8, 4)
+    rows = report["rows"]
+    assert [row["document"] for row in rows] == [0, 1]
+    for rate, column in (("exact_match_rate", "exact_match"), ("token_match_rate", "token_match"),
+                         ("rouge_l", "rouge_l")):
+        assert report[rate] == pytest.approx(sum(row[column] for row in rows) / 2), rate
     code, _, err = run_main(capsys, "eval", "memorization", str(trained_run), "--data",
                             str(data_dir), "--docs", "0")
     assert code == 2
     assert_one_line_error(err, "--docs 0")
 
 
+@pytest.mark.slow
 def test_report_on_a_trained_run(trained_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_main(capsys, "report", str(trained_run))
     assert code == 0, err
@@ -311,66 +321,22 @@ def test_report_on_a_trained_run(trained_run: Path, capsys: pytest.CaptureFixtur
 
 
 # --------------------------------------------------------------------------------------------
-# convert
+# convert (more in test_hf.py)
 
 
-def _hf_logits(out_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import LlamaForCausalLM
-
-    hf = LlamaForCausalLM.from_pretrained(str(out_dir), torch_dtype=torch.float32)
-    hf.eval()
-    with torch.no_grad():
-        return hf(tokens).logits
-
-
-def _hand_written_run(run: Path, overrides: list[str]) -> torch.nn.Module:
-    from fourfold.config import load_config
-    from fourfold.models.llama import build_model
-    from fourfold.train.runs import save_weights
-
-    cfg = load_config(None, overrides)
-    run.mkdir(parents=True)
-    cfg.save(run / "config.toml")
-    model = build_model(cfg.model, seed=1)
-    with torch.no_grad():  # non-trivial norms and biases, so that a mix-up shows
-        for name, p in model.named_parameters():
-            if name.endswith(("bias", "norm.weight")):
-                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
-    save_weights(model.state_dict(), run / "model.safetensors", cfg.model.tie_embeddings)
-    return model.eval()
-
-
+@pytest.mark.slow
 def test_convert_trained_run_to_hf(trained_run: Path, tmp_path: Path,
                                    capsys: pytest.CaptureFixture[str]) -> None:
     from fourfold.train.runs import load_trained
 
+    from test_hf import EXPORT_FILES, assert_export_matches
+
     out_dir = tmp_path / "hf"
     code, out, err = run_main(capsys, "convert", str(trained_run), "--to", "hf", str(out_dir))
     assert code == 0, err
-    assert {Path(p).name for p in out.split()} == {"config.json", "model.safetensors"}
-    model, cfg = load_trained(trained_run)
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ours = model(tokens)
-    theirs = _hf_logits(out_dir, tokens)
-    assert ours.shape == theirs.shape
-    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
-
-
-def test_convert_tied_embeddings_and_biases(tmp_path: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
-    run = tmp_path / "run"
-    model = _hand_written_run(run, ["model.tie_embeddings=true", "model.bias=true",
-                                    "model.n_kv_heads=1"])
-    code, _, err = run_main(capsys, "convert", str(run), "--to", "hf", str(tmp_path / "hf"))
-    assert code == 0, err
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["tie_word_embeddings"] is True and config["num_key_value_heads"] == 1
-    vocab = config["vocab_size"]
-    tokens = torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ours = model(tokens)
-    torch.testing.assert_close(_hf_logits(tmp_path / "hf", tokens), ours, atol=1e-4, rtol=0)
+    assert {Path(p).name for p in out.split()} == EXPORT_FILES
+    model, _ = load_trained(trained_run)
+    assert_export_matches(out_dir, model, ["def f(x):\n    return x\n"])
 
 
 def test_convert_missing_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -184,10 +184,12 @@ def test_prepare_is_deterministic_and_rewrites_in_place(tmp_path, corpus, byte_d
     many = TokenDataset(out, "train")
     assert len(one) == len(many) and np.array_equal(one.window(0, len(one)),
                                                     many.window(0, len(many)))
-    second = prepare([corpus[0]], out, tokenizer="byte", val_fraction=0.1, progress=False)
+    second = prepare([corpus[0]], out, tokenizer="byte", val_fraction=0.1, progress=False,
+                     overwrite=True)
     assert len(second.splits["train"].shards) == 1
-    assert sorted(p.name for p in out.glob("*.bin")) == ["train_00000.bin", "val_00000.bin"]
-    assert not list(out.glob(".*tmp*"))  # no temporary files left behind
+    assert sorted(p.name for p in out.glob("*.bin")) == ["train_00000.bin", "train_documents.bin",
+                                                         "val_00000.bin", "val_documents.bin"]
+    assert not list(out.glob(".*")) and sorted(p.name for p in tmp_path.iterdir()) == ["again"]
     verify(out)
 
 
@@ -266,7 +268,7 @@ def test_prepare_user_mistakes(tmp_path):
         prepare([bad_jsonl], tmp_path / "out", tokenizer="bpe:x", progress=False)
     with pytest.raises(DataError, match="val_fraction = 0.9"):
         prepare([bad_jsonl], tmp_path / "out", val_fraction=0.9, progress=False)
-    assert not list((tmp_path / "out").glob("*.bin"))  # failures leave no shards behind
+    assert not (tmp_path / "out").exists()  # failures leave nothing behind
 
 
 def test_prepare_main_summary(tmp_path, corpus, capsys):
@@ -305,7 +307,7 @@ def test_reading_windows_leaves_no_shard_pages_mapped(tmp_path, shard_tokens):
     extra = {} if shard_tokens is None else {"shard_tokens": shard_tokens}
     prepare([tmp_path / "corpus"], out, tokenizer="byte", val_fraction=0.01, progress=False,
             **extra)
-    files = sorted(out.glob("train_*.bin"))
+    files = sorted(out.glob("train_0*.bin"))
     assert sum(f.stat().st_size for f in files) > 1 << 20
     assert (len(files) == 1) if shard_tokens is None else (len(files) > 3)
     loader = BatchLoader(out, "train", batch_size=16, seq_len=64, seed=1)
@@ -496,6 +498,191 @@ def test_output_inside_input_folder_is_not_read_back(tmp_path):
     (tmp_path / "a.txt").write_text("some text")
     (tmp_path / "b.txt").write_text("other text")
     first = prepare([tmp_path], tmp_path / "data", progress=False)
-    second = prepare([tmp_path], tmp_path / "data", progress=False)
+    second = prepare([tmp_path], tmp_path / "data", progress=False, overwrite=True)
     assert first.documents == second.documents == 2
     assert first.splits == second.splits
+
+
+# --------------------------------------------------------------------------------------------
+# Preparing over existing data: refused unless --overwrite, which swaps the new data in whole
+
+
+def _snapshot(data_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(data_dir.iterdir())}
+
+
+def test_prepare_refuses_a_non_empty_directory_unless_overwrite(tmp_path, corpus, capsys):
+    from fourfold.cli import main
+
+    out = tmp_path / "data"
+    prepare([corpus[0]], out, tokenizer="bpe:300", val_fraction=0.1, progress=False)
+    before = _snapshot(out)
+    with pytest.raises(DataError, match="already holds a prepared data directory; pass "
+                                        "--overwrite"):
+        prepare([corpus[0]], out, progress=False)
+    assert main(["prepare", str(corpus[0]), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "--overwrite" in err
+    assert _snapshot(out) == before  # nothing touched
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(DataError, match="already holds files"):
+        prepare([corpus[0]], tmp_path / "notes", progress=False)
+    (tmp_path / "empty").mkdir()
+    prepare([corpus[0]], tmp_path / "empty", progress=False)  # an empty directory is fine
+    # byte data over BPE data: nothing of the BPE data (its tokenizer.json) is left beside it
+    assert main(["prepare", str(corpus[0]), "--out", str(out), "--overwrite"]) == 0
+    assert not (out / "tokenizer.json").exists()
+    assert isinstance(load_tokenizer(out), ByteTokenizer) and Manifest.load(out).vocab_size == 257
+    verify(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "empty", "notes"]
+
+
+def test_an_interrupted_prepare_leaves_the_old_data_whole(tmp_path, corpus, monkeypatch):
+    import fourfold.files
+
+    prepare_module = importlib.import_module("fourfold.data.prepare")
+    out = tmp_path / "data"
+    prepare([corpus[0]], out, tokenizer="byte", val_fraction=0.1, progress=False)
+    before = _snapshot(out)
+    route = prepare_module._route_documents
+
+    def interrupted(documents, writers, *args):
+        def stop(*_):
+            raise KeyboardInterrupt
+
+        writers["train"].tokens.write(np.arange(100))  # some new tokens are on disk by then
+        monkeypatch.setattr(writers["train"], "write", stop)
+        return route(documents, writers, *args)
+
+    monkeypatch.setattr(prepare_module, "_route_documents", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([corpus[0]], out, tokenizer="bpe:300", progress=False, overwrite=True)
+    assert _snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+    monkeypatch.setattr(prepare_module, "_route_documents", route)
+
+    # Where the system cannot swap in one step: the second of two renames fails, and the old
+    # directory is moved back.
+    monkeypatch.setattr(fourfold.files, "_exchange", lambda a, b: False)
+    real_rename = os.rename
+
+    def failing_rename(src, dst):
+        if ".new-" in str(src):
+            raise KeyboardInterrupt
+        real_rename(src, dst)
+
+    monkeypatch.setattr(fourfold.files.os, "rename", failing_rename)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([corpus[0]], out, tokenizer="bpe:300", progress=False, overwrite=True)
+    assert _snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+    monkeypatch.setattr(fourfold.files.os, "rename", real_rename)
+    prepare([corpus[0]], out, tokenizer="bpe:300", progress=False, overwrite=True)
+    assert Manifest.load(out).tokenizer == "bpe:300"
+    verify(out)
+
+
+@pytest.mark.slow
+def test_a_killed_prepare_leaves_the_old_data_whole(tmp_path, corpus):
+    """A prepare killed outright (SIGKILL) while tokenizing, and one killed between the two
+    renames of a swap (its state made by hand): the old data is whole, and the next prepare
+    clears what the dead process left."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import outside_job_env
+
+    out = tmp_path / "data"
+    prepare([corpus[0]], out, tokenizer="byte", val_fraction=0.1, progress=False)
+    before = _snapshot(out)
+    big = tmp_path / "big.txt"
+    big.write_text("".join(_generated_texts(20_000, seed=3)) * 4)
+    proc = subprocess.Popen([sys.executable, "-m", "fourfold", "prepare", str(big), "--out",
+                             str(out), "--overwrite"], env=outside_job_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    staging = tmp_path / f".data.new-{proc.pid}"
+    deadline = time.monotonic() + 120
+    while not list(staging.glob("train_*.bin")) and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert _snapshot(out) == before and staging.exists()  # the new data never took its place
+
+    # killed between the renames: the old data under its hidden name, nothing at DATA_DIR
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out.rename(tmp_path / f".data.old-{dead.pid}")
+    prepare([corpus[0]], tmp_path / "other", progress=False)  # another directory: untouched
+    assert not out.exists()
+    with pytest.raises(DataError, match="already holds"):  # the old data is back in place
+        prepare([corpus[0]], out, progress=False)
+    assert _snapshot(out) == before and not staging.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt", "data", "other"]
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer fingerprints
+
+
+def test_the_manifest_records_the_tokenizer_fingerprint(tmp_path, corpus, byte_dir):
+    from fourfold.data.manifest import data_tokenizer_fingerprint
+    from fourfold.data.tokenizers import spec_fingerprint, tokenizer_fingerprint
+
+    assert Manifest.load(byte_dir).tokenizer_fingerprint == "byte"
+    assert data_tokenizer_fingerprint(byte_dir) == "byte" == spec_fingerprint("byte")
+    bpe = tmp_path / "bpe"
+    prepare([corpus[0]], bpe, tokenizer="bpe:300", progress=False)
+    fingerprint = Manifest.load(bpe).tokenizer_fingerprint
+    assert fingerprint.startswith("sha256:") and len(fingerprint) == 7 + 64
+    assert fingerprint == tokenizer_fingerprint(load_tokenizer(bpe))
+    assert fingerprint == spec_fingerprint(bpe / "tokenizer.json") == spec_fingerprint(bpe)
+    # the trained tokenizer as a file of its own: data prepared with it has the same one
+    again = tmp_path / "again"
+    prepare([corpus[0]], again, tokenizer=str(bpe / "tokenizer.json"), progress=False)
+    assert Manifest.load(again).tokenizer_fingerprint == fingerprint
+    assert (again / "tokenizer.json").read_bytes() == (bpe / "tokenizer.json").read_bytes()
+    # a directory prepared before manifests recorded fingerprints: computed from its files
+    manifest = json.loads((again / "manifest.json").read_text())
+    del manifest["tokenizer_fingerprint"]
+    (again / "manifest.json").write_text(json.dumps(manifest))
+    assert Manifest.load(again).tokenizer_fingerprint == ""
+    assert data_tokenizer_fingerprint(again) == fingerprint
+    verify(again)
+    assert data_tokenizer_fingerprint(byte_dir) != fingerprint
+
+
+def test_a_data_tokenizer_that_disagrees_with_the_prepared_data_is_refused(tmp_path, corpus,
+                                                                          byte_dir):
+    bpe = tmp_path / "bpe"
+    prepare([corpus[0]], bpe, tokenizer="bpe:300", progress=False)
+    other = tmp_path / "other.json"
+    _hf_word_tokenizer({"<unk>": 0, "<|endoftext|>": 1}).save(str(other))
+    refused = [(byte_dir, "bpe:4000", "data.tokenizer = 'bpe:4000' is not the tokenizer"),
+               (bpe, "byte", "data.tokenizer = 'byte' (byte) is not the tokenizer"),
+               (bpe, "bpe:400", "'bpe:400'"), (bpe, str(other), "other.json"),
+               (byte_dir, str(bpe), "data.tokenizer = ")]
+    for data_dir, spec, fragment in refused:
+        with pytest.raises(DataError) as e:
+            resolve_data_path(str(data_dir), spec)
+        message = str(e.value)
+        assert fragment in message and "\n" not in message, message
+        theirs = Manifest.load(data_dir)
+        assert f"({theirs.tokenizer!r}, {theirs.tokenizer_fingerprint[:19]})" in message
+    for data_dir, spec in [(byte_dir, "auto"), (byte_dir, "byte"), (bpe, "auto"),
+                           (bpe, "bpe:300"), (bpe, str(bpe / "tokenizer.json")),
+                           (bpe, str(bpe))]:
+        assert resolve_data_path(str(data_dir), spec) == data_dir
+
+
+@pytest.mark.slow
+def test_train_refuses_a_data_tokenizer_the_data_was_not_prepared_with(tmp_path, byte_dir,
+                                                                       capsys):
+    from fourfold.cli import main
+
+    code = main(["train", "--set", f"data.path={byte_dir}", "--set", "data.tokenizer=bpe:4000",
+                 "--set", "train.steps=1", "--set", "train.device=cpu", "--out",
+                 str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "data.tokenizer = 'bpe:4000' is not the tokenizer" in err and "('byte', byte)" in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -134,6 +135,7 @@ def test_gemm_tuner_ignores_a_stale_cache(tmp_path) -> None:
     assert list(tuner.choices) == ["forward:(32, 16)x(8, 16):torch.float32"]
 
 
+@pytest.mark.slow
 def test_tuned_single_process_model_trains_like_the_plain_one(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("FOURFOLD_CACHE", str(tmp_path))
     cfg = model_config("debug")
@@ -176,15 +178,23 @@ def test_without_a_z_axis_a_weight_gradient_is_final_at_its_gemm() -> None:
 
 
 def test_a_released_gradient_is_the_buffer_of_the_next_one_of_its_shape() -> None:
-    """A fused update's hand-off lets go of a host gradient (release_grad): the engine keeps
-    the largest such buffer and the next weight gradient of that shape is written into it (a
-    dW GEMM, the embedding's block, a cast from bfloat16), so the two largest gradients of a
-    step stop landing on top of the heap. A view, a smaller gradient and a buffer of the
-    wrong dtype (found at a request, or asked for so before) are not kept."""
+    """A fused update's hand-off lets go of a host gradient (release_grad): with a buffer
+    pool (what a host run gives its engine) the engine keeps the largest such buffer and the
+    next weight gradient of that shape is written into it (a dW GEMM, the embedding's block, a
+    cast from bfloat16), so the two largest gradients of a step stop landing on top of the
+    heap. A view, a smaller gradient and a buffer of the wrong dtype (found at a request, or
+    asked for so before) are not kept; without a pool nothing is."""
+    from fourfold.parallel.buffers import GradBufferPool
     from fourfold.parallel.comm import Comm
     from fourfold.parallel.engine import Engine, OverlapOptions
 
-    engine = Engine(Comm(Grid.single()), OverlapOptions())
+    plain = Engine(Comm(Grid.single()), OverlapOptions())
+    w = torch.nn.Parameter(torch.zeros(6, 5))
+    w.grad = torch.randn(6, 5)
+    released = weakref.ref(w.grad)
+    plain.release_grad(w)
+    assert w.grad is None and released() is None  # nothing holds it: freed at once
+    engine = Engine(Comm(Grid.single()), OverlapOptions(), GradBufferPool())
     big, small = torch.nn.Parameter(torch.zeros(6, 5)), torch.nn.Parameter(torch.zeros(2, 5))
     for p in (big, small):
         engine.register(SimpleNamespace(weight=p))
@@ -228,9 +238,94 @@ def test_a_released_gradient_is_the_buffer_of_the_next_one_of_its_shape() -> Non
     assert engine.grad_buffer((2, 5), torch.float32, cpu).data_ptr() == kept
     # a shape first asked for in another dtype is not kept from its first release on (the
     # blocked loss's bfloat16 dW on a grid: kept, the buffer sat through the next forward)
-    fresh = Engine(Comm(Grid.single()), OverlapOptions())
+    fresh = Engine(Comm(Grid.single()), OverlapOptions(), GradBufferPool())
     assert fresh.grad_buffer((2, 5), torch.bfloat16, cpu).dtype == torch.bfloat16
     small.grad = held = torch.randn(2, 5)
     fresh.release_grad(small)
     assert small.grad is None
     assert fresh.grad_buffer((2, 5), torch.float32, cpu).data_ptr() != held.data_ptr()
+
+
+def test_tensor_axis_groups_get_high_priority_streams_on_nccl(monkeypatch) -> None:
+    """The options Grid.build makes each process group with, as it hands them to
+    torch.distributed (stood in for here: a CPU build of torch has no NCCL): on NCCL the tensor
+    axes' groups (x, y, z, the tensor group, z's gather group) get high-priority streams, the
+    data axis's does not; on gloo none gets options. Both ways of making groups (split_group
+    where the default group is bound to a device, new_group otherwise) pass them."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from fourfold.parallel import grid as grid_module
+
+    class Options:  # ProcessGroupNCCL.Options
+        def __init__(self, is_high_priority_stream: bool = False) -> None:
+            self.is_high_priority_stream = is_high_priority_stream
+
+    made: list[tuple[str, object]] = []
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", SimpleNamespace(Options=Options),
+                        raising=False)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, pg_options=None, group_desc="", **k:
+                        made.append((group_desc, pg_options)) or group_desc)
+    monkeypatch.setattr(dist, "split_group", lambda pg_options=None, group_desc="", **k:
+                        made.append((group_desc, pg_options)) or group_desc)
+    shape = GridShape(data=2, z=2, y=2, x=2)
+    wanted = [(a, shape.axis_groups(a)) for a in ("x", "y", "z", "data")]
+    wanted += [("tensor", [list(range(8)), list(range(8, 16))]),
+               ("z-gather", shape.axis_groups("z"))]
+    high = {"fourfold_x", "fourfold_y", "fourfold_z", "fourfold_tensor", "fourfold_z-gather"}
+    for bound in (None, torch.device("cuda", 0)):  # new_group, then split_group
+        for backend in ("nccl", "gloo"):
+            made.clear()
+            monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+            monkeypatch.setattr(dist.distributed_c10d, "_get_default_group",
+                                lambda: SimpleNamespace(bound_device_id=bound))
+            grid_module._make_groups(wanted, 0, datetime.timedelta(seconds=1))
+            assert [name for name, _ in made] == [f"fourfold_{n}" for n, _ in wanted]
+            for name, options in made:
+                if backend == "nccl" and name in high:
+                    assert options.is_high_priority_stream, name
+                else:
+                    assert options is None, (backend, name)
+    assert grid_module.group_options("data", "nccl") == {}
+    assert grid_module.group_options("x", "gloo") == {}
+
+
+def test_an_nccl_rank_sets_cuda_device_max_connections_before_cuda(monkeypatch) -> None:
+    """CUDA_DEVICE_MAX_CONNECTIONS = 1 where the user has not set it, on an NCCL rank only,
+    set before the rank's CUDA context is made (torch.cuda.set_device makes it); a value the
+    user set stays."""
+    import os
+
+    import torch.distributed as dist
+
+    from fourfold.parallel import grid as grid_module
+    from fourfold.parallel.grid import init_distributed, nccl_environment
+
+    assert nccl_environment({}) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert nccl_environment({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) == {}
+    seen: list[str | None] = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: seen.append(
+        os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: None)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # a gloo rank's threads
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                       "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    for user_value in (None, "4"):
+        if user_value is None:
+            monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", user_value)
+        assert init_distributed("nccl")[:2] == (1, 2)
+        assert seen[-1] == (user_value or "1")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    init_distributed("gloo")
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ  # gloo ranks leave it alone
+    assert grid_module.NCCL_ENVIRONMENT == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}

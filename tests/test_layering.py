@@ -1,5 +1,6 @@
 """Layers keep their word: the parallel engine knows nothing of language models, training or
-the launcher (it reads imports, including those inside functions, without importing)."""
+the launcher; the planner never imports the trainer; what both share sits below both (it reads
+imports, including those inside functions, without importing)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import fourfold.parallel
 PACKAGE = Path(fourfold.parallel.__file__).parent.parent  # src/fourfold (a namespace package)
 FORBIDDEN_IN_PARALLEL = ("fourfold.models", "fourfold.train", "fourfold.launch",
                          "fourfold.cli", "fourfold.plan", "fourfold.eval", "fourfold.data")
+# the planner reads configs, models and grids; it predicts the trainer, never runs it
+FORBIDDEN_IN_PLAN = ("fourfold.train", "fourfold.launch", "fourfold.cli", "fourfold.eval")
+# modules the trainer and the planner both import (a fact defined once, below both)
+SHARED_BELOW_PLAN_AND_TRAIN = ("noise.py",)
 
 
 def imported_modules(source: str, package: str) -> set[str]:
@@ -31,13 +36,35 @@ def imported_modules(source: str, package: str) -> set[str]:
     return names
 
 
+def forbidden_imports(files: list[Path], package: str, forbidden: tuple[str, ...]) -> list[str]:
+    """'FILE imports NAME' for each import of `files` (modules of `package`) from `forbidden`."""
+    return [f"{path.name} imports {name}" for path in files
+            for name in imported_modules(path.read_text(), package)
+            if any(name == top or name.startswith(top + ".") for top in forbidden)]
+
+
 def test_parallel_imports_nothing_above_it() -> None:
     files = sorted((PACKAGE / "parallel").glob("*.py"))
     assert len(files) >= 8  # the engine's modules were found
-    bad = [f"{path.name} imports {name}" for path in files
-           for name in imported_modules(path.read_text(), "fourfold.parallel")
-           if any(name == top or name.startswith(top + ".") for top in FORBIDDEN_IN_PARALLEL)]
+    bad = forbidden_imports(files, "fourfold.parallel", FORBIDDEN_IN_PARALLEL)
     assert not bad, "; ".join(bad)
+
+
+def test_the_planner_never_imports_the_trainer() -> None:
+    files = sorted((PACKAGE / "plan").glob("*.py"))
+    assert len(files) >= 10  # the planner's modules were found
+    bad = forbidden_imports(files, "fourfold.plan", FORBIDDEN_IN_PLAN)
+    assert not bad, "; ".join(bad)
+
+
+def test_what_plan_and_train_share_sits_below_both() -> None:
+    files = [PACKAGE / name for name in SHARED_BELOW_PLAN_AND_TRAIN]
+    bad = forbidden_imports(files, "fourfold", ("fourfold.train", "fourfold.plan"))
+    assert not bad, "; ".join(bad)
+    uses = {layer: [p.name for p in sorted((PACKAGE / layer).rglob("*.py"))
+                    if "fourfold.noise" in imported_modules(p.read_text(), f"fourfold.{layer}")]
+            for layer in ("train", "plan")}
+    assert uses["train"] and uses["plan"], uses  # both layers read the one definition
 
 
 def test_the_check_sees_nested_and_relative_imports() -> None:

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import outside_job_env, run_grid_worker
+from conftest import outside_job_env
 from fourfold.methods import method_options, method_spec
+from grid_cases import launch_grid_cases
 
 WORKER = Path(__file__).with_name("lean_worker.py")
 
@@ -32,12 +33,13 @@ class Refuse:
 
 
 def run_worker(nproc: int, grids: list, checks: list, tmp_path: Path) -> list[dict]:
-    return run_grid_worker(WORKER, nproc, grids, checks, "FOURFOLD_TEST_CHECKS",
-                           tmp_path / f"lean_{nproc}.jsonl")
+    """Every rank's result of every (grid, check): see grid_cases.launch_grid_cases."""
+    return launch_grid_cases(WORKER, nproc, grids, "FOURFOLD_TEST_CHECKS", "check", checks,
+                             tmp_path / f"lean_{nproc}.jsonl", timeout=900)
 
 
 def check_frozen(r: dict) -> None:
-    label = f"grid {r['shape']} frozen"
+    label = f"grid {r['shape']} rank {r['rank']} frozen"
     assert r["frozen_with_grad"] == [], label
     assert r["unchanged"], label
     assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], r["ref_losses"])) < 1e-5, label
@@ -47,6 +49,7 @@ def check_frozen(r: dict) -> None:
     assert frozen < full, f"{label}: saved {frozen} bytes frozen vs {full}"
 
 
+@pytest.mark.ranks
 def test_frozen_parameters_cost_nothing_on_grids(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     for r in run_worker(2, grids, [{"name": "frozen"}], tmp_path):
@@ -59,7 +62,7 @@ ES = {"name": "es", "steps": 20, "freeze": True,
 
 
 def check_trains_as_one_process(r: dict) -> None:
-    label = f"grid {r['shape']} {r['check']['name']}"
+    label = f"grid {r['shape']} rank {r['rank']} {r['check']['name']}"
     assert r["max_rel_loss"] < 1e-5, f"{label}: losses {r['losses']} vs {r['ref_losses']}"
     assert r["max_weight_diff"] < 1e-5 * max(1.0, r["weight_change"] * 100), \
         f"{label}: weights differ by {r['max_weight_diff']} (moved {r['weight_change']})"
@@ -68,12 +71,13 @@ def check_trains_as_one_process(r: dict) -> None:
     assert last < first, f"{label}: did not learn {r['ref_losses']}"
 
 
+@pytest.mark.ranks
 def test_zeroth_order_methods_train_as_one_process(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     for r in run_worker(2, grids, [MEZO, ES], tmp_path):
         check_trains_as_one_process(r)
         data, z, y, x = r["shape"]
-        label = f"grid {r['shape']} {r['check']['name']}"
+        label = f"grid {r['shape']} rank {r['rank']} {r['check']['name']}"
         assert r["state_bytes"] == 0, label  # no optimizer state: a step count only
         # the batch axes carry scalars only: per step, MeZO's two losses; ES's population
         per_step = 2 * 8 if r["check"]["name"] == "mezo" else 4 * 8
@@ -93,7 +97,7 @@ def test_zeroth_order_methods_train_as_one_process(tmp_path: Path) -> None:
 def test_noise_of_a_shard_is_its_part_of_the_full_tensors_noise() -> None:
     import random
 
-    from fourfold.train.methods.noise import ShardNoise, mix32, mix32_int, noise_key
+    from fourfold.noise import ShardNoise, mix32, mix32_int, noise_key
 
     values = [random.Random(3).getrandbits(32) for _ in range(500)] + [0, 1, 2**31, 2**32 - 1]
     as_int32 = torch.tensor([v - 2**32 if v >= 2**31 else v for v in values], dtype=torch.int32)
@@ -109,7 +113,7 @@ def test_noise_of_a_shard_is_its_part_of_the_full_tensors_noise() -> None:
     assert torch.equal(parts, full[32:48, 24:48])
     assert abs(float(full.mean())) < 0.1 and abs(float(full.std()) - 1) < 0.05
     # a GPU makes bigger chunks (launches, not bytes, cost there): the same values
-    from fourfold.train.methods.noise import chunk_elements
+    from fourfold.noise import chunk_elements
 
     assert chunk_elements(torch.device("cuda")) > chunk_elements(cpu)
 
@@ -279,6 +283,7 @@ def test_frozen_parameters_have_no_optimizer_state() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["mezo", "es", "adalomo", "adamw", "blockllm", "galore"])
 def test_state_dict_resumes_exactly(optimizer: str) -> None:
     from fourfold.config import TrainConfig, model_config
@@ -355,7 +360,7 @@ def check_subset_method(r: dict) -> None:
     rounding into visible weight noise (test_parallel compares AdamW by its losses only);
     BlockLLM restarts Adam on each newly selected block, so its weights are not compared;
     GaLore's stay within a fifth of one step (lr)."""
-    label = f"grid {r['shape']} {r['check']['name']}"
+    label = f"grid {r['shape']} rank {r['rank']} {r['check']['name']}"
     assert r["max_rel_loss"] < 1e-5, f"{label}: losses {r['losses']} vs {r['ref_losses']}"
     first, last = sum(r["ref_losses"][:2]), sum(r["ref_losses"][-2:])
     assert last < first, f"{label}: did not learn {r['ref_losses']}"
@@ -484,6 +489,7 @@ def test_blockllm_choose_rows() -> None:
             [None if c is None else c.tolist() for c in chosen], k
 
 
+@pytest.mark.slow
 def test_blockllm_selection_streams_gradient_norms() -> None:
     """One process, at the default sparsity and with two micro-steps per step (the hand-off
     waits for their sum): the streamed selection picks the rows the full backward picks, from
@@ -538,6 +544,7 @@ def test_blockllm_selection_streams_gradient_norms() -> None:
         assert kept[0] != kept[1], label
 
 
+@pytest.mark.slow
 def test_galore_basis_spans_the_svds_subspace() -> None:
     """GaLore's projection from the small side's float64 Gram: the subspace of the top r
     singular vectors (projectors against a float64 SVD's), on either side, in chunks of the
@@ -594,6 +601,7 @@ def test_galore_basis_spans_the_svds_subspace() -> None:
                 torch.testing.assert_close(low.diagonal().abs(), s[:r], rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_galore_updates_bfloat16_weights_as_float32_ones() -> None:
     """A library user's model cast to bfloat16: GaLore's float32 step is added through the
     weight's own dtype (the GEMM cannot write float32 into bfloat16), and each matrix moves
@@ -631,151 +639,84 @@ def test_galore_updates_bfloat16_weights_as_float32_ones() -> None:
         assert cosine > 0.9, f"{name}: {float(cosine):.3f}"
 
 
-def test_galore_hands_free_host_pages_back_at_each_phase(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A refresh's Gram and eigh workspace (~4 s^2 float64), and each phase's temporaries,
-    would otherwise sit above the heap's free holes, all resident under the ranks' malloc
-    tuning: on the host each matrix's refresh trims the heap first, and on a CPU rank of a grid
-    (here pretended) every step trims it at its forward and at its update (a step the guard
-    skips has no update)."""
-    import fourfold.train.methods.galore as galore
+class PhaseCounts:
+    """PhaseHooks (train/methods/base.py) that count each call, and note for after_forward
+    whether the forward's autocast had ended and the weights were still the step's first."""
+
+    def __init__(self, pmodel) -> None:
+        from fourfold.train.methods import PhaseHooks
+
+        self.pmodel, self.calls, self.clean = pmodel, [], []
+        self.start: list[torch.Tensor] = []
+        self.hooks = PhaseHooks(**{name: self._counter(name) for name in (
+            "step_start", "after_forward", "before_forward", "before_update",
+            "before_transient")})
+
+    def _counter(self, name: str):
+        def call() -> None:
+            self.calls.append(name)
+            if name == "after_forward":
+                self.clean.append(not torch.is_autocast_enabled("cpu") and all(
+                    torch.equal(p, q) for p, q in zip(self.pmodel.parameters(), self.start)))
+        return call
+
+    def step(self, method, tokens: torch.Tensor, dtype: str = "float32", guard=None) -> dict:
+        """One step; the calls it made, by phase."""
+        from fourfold.train.methods import StepData
+
+        self.calls.clear()
+        self.start = [p.detach().clone() for p in self.pmodel.parameters()]
+        method.step(self.pmodel, StepData.one_batch(self.pmodel, tokens, dtype), lr=1e-3,
+                    guard=guard)
+        return {name: self.calls.count(name) for name in set(self.calls)}
+
+
+@pytest.mark.parametrize("optimizer, options, dtype, expected", [
+    # a GaLore refresh (steps 0 and 2 of gap 2): one transient per matrix ("M")
+    ("galore", {"gap": 2}, "float32", [
+        {"step_start": 1, "after_forward": 1, "before_transient": "M", "before_update": 1},
+        {"step_start": 1, "after_forward": 1, "before_update": 1}]),
+    ("lomo", {"clip_mode": "value"}, "bfloat16", [{"step_start": 1, "after_forward": 1}] * 2),
+    ("lomo", {"clip_mode": "two_pass"}, "float32", [{"step_start": 1, "after_forward": 2}] * 2),
+    ("adalomo", {}, "float32", [{"step_start": 1, "after_forward": 1}] * 2),
+    ("mezo", {}, "float32", [{"before_forward": 2}] * 2),
+    ("es", {"population": 3}, "float32", [{"before_forward": 3}] * 2),
+    ("blockllm", {}, "float32", [{"step_start": 1}] * 2),
+    ("adamw", {}, "float32", [{}] * 2)])
+def test_methods_call_their_phase_hooks(optimizer: str, options: dict, dtype: str,
+                                        expected: list) -> None:
+    """Each method calls its hooks at its phases' boundaries, once each (the host-memory
+    policy hands them what it does there: tests/test_host_memory.py): after_forward once a
+    micro-step's forward (two_pass: two forwards), after autocast ended and before a weight
+    moved; a step the guard skips has no update."""
     from fourfold.config import TrainConfig, model_config
     from fourfold.models import build_model
     from fourfold.parallel import Grid, parallelize
-    from fourfold.train.methods import StepData, build_method
+    from fourfold.train.methods import build_method
 
-    trims: list[int] = []
-    monkeypatch.setattr(galore, "trim_host_memory", lambda device: trims.append(1))
-    monkeypatch.setattr(galore, "trim_on_host_grid", lambda device, world: lambda: trims.append(1))
     cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
-    pmodel = parallelize(build_model(cfg, seed=1), Grid.single())
-    method = build_method(pmodel, TrainConfig(optimizer="galore",
-                                              method=method_options("galore", gap=2)))
-    matrices = sum(1 for v in method.views if method.sides[v.name])  # the projected ones
+    pmodel = parallelize(build_model(cfg, seed=1), Grid.single(), blocked_loss=True)
+    counts = PhaseCounts(pmodel)
+    method = build_method(pmodel, TrainConfig(optimizer=optimizer, dtype=dtype,
+                                              method=method_options(optimizer, **options)),
+                          hooks=counts.hooks)
+    # "M": GaLore's projected matrices (its targets)
+    matrices = (sum(1 for v in method.views if method.sides[v.name])
+                if optimizer == "galore" else 0)
     tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
-    per_step = []
-    for _ in range(3):  # steps 0 and 2 refresh
-        before = len(trims)
-        method.step(pmodel, StepData.one_batch(pmodel, tokens), lr=1e-3)
-        per_step.append(len(trims) - before)
-    before = len(trims)
-    method.step(pmodel, StepData.one_batch(pmodel, tokens), lr=1e-3,
-                guard=Refuse())
-    per_step.append(len(trims) - before)
-    assert per_step == [matrices + 2, 2, matrices + 2, 1], (per_step, matrices)
+    for want in expected:
+        assert counts.step(method, tokens, dtype) == {
+            k: matrices if v == "M" else v for k, v in want.items()}
+    if any("after_forward" in want for want in expected):
+        assert counts.clean and all(counts.clean)
+    if optimizer == "galore":  # a skipped step: no update (step 2 refreshes)
+        assert counts.step(method, tokens, guard=Refuse()) == {
+            "step_start": 1, "after_forward": 1, "before_transient": matrices}
+    if optimizer in ("mezo", "es", "blockllm"):  # skipped steps evaluate all the same
+        assert counts.step(method, tokens, guard=Refuse()) == expected[0]
 
 
-@pytest.mark.parametrize("optimizer", ["lomo", "adalomo"])
-def test_fused_methods_hand_free_host_pages_back_once_a_step(
-        monkeypatch: pytest.MonkeyPatch, optimizer: str) -> None:
-    """LOMO and AdaLomo trim the heap at each step's start on a CPU rank of a grid (here
-    pretended): the last step's freed blocks are not resident beside the next one's tensors
-    (two_pass: still once a step)."""
-    import fourfold.train.methods.lomo as lomo
-    from fourfold.config import TrainConfig, model_config
-    from fourfold.models import build_model
-    from fourfold.parallel import Grid, parallelize
-    from fourfold.train.methods import StepData, build_method
-
-    trims: list[int] = []
-    monkeypatch.setattr(lomo, "trim_on_host_grid", lambda device, world: lambda: trims.append(1))
-    cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
-    pmodel = parallelize(build_model(cfg, seed=1), Grid.single())
-    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
-    for clip_mode in ("value", "two_pass"):
-        method = build_method(pmodel, TrainConfig(
-            optimizer=optimizer, method=method_options(optimizer, clip_mode=clip_mode)))
-        before = len(trims)
-        for _ in range(3):
-            method.step(pmodel, StepData.one_batch(pmodel, tokens), lr=1e-3)
-        assert len(trims) - before == 3, (clip_mode, len(trims) - before)
-
-
-@pytest.mark.parametrize("optimizer", ["lomo", "galore"])
-def test_bfloat16_on_one_host_process_trims_between_forward_and_backward(
-        monkeypatch: pytest.MonkeyPatch, optimizer: str) -> None:
-    """Autocast frees its cached bfloat16 weight copies as the forward ends: on one host
-    process LOMO (AdaLomo shares its step) and GaLore hand those pages back before backward,
-    once a forward (two_pass: two), and never in float32."""
-    import fourfold.train.host_memory as host_memory
-    from fourfold.config import TrainConfig, model_config
-    from fourfold.models import build_model
-    from fourfold.parallel import Grid, parallelize
-    from fourfold.train.methods import StepData, build_method
-    from fourfold.train.methods import galore, lomo  # noqa: F401  before the patch: GaLore's
-    # refresh trims keep the function they imported
-
-    trims: list[bool] = []  # per trim: whether the weights were still the step's first
-
-    def trim(device: torch.device) -> None:
-        assert not torch.is_autocast_enabled("cpu")  # the forward's autocast has ended
-        trims.append(all(torch.equal(p, q) for p, q in zip(pmodel.parameters(), before)))
-
-    monkeypatch.setattr(host_memory, "trim_host_memory", trim)
-    cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
-    pmodel = parallelize(build_model(cfg, seed=1), Grid.single())
-    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
-    cases = [("bfloat16", "value", 2), ("float32", "value", 0)]
-    if optimizer == "lomo":
-        cases.append(("bfloat16", "two_pass", 4))
-    for dtype, clip_mode, expected in cases:
-        extra = {"clip_mode": clip_mode} if optimizer == "lomo" else {}
-        method = build_method(pmodel, TrainConfig(optimizer=optimizer, dtype=dtype,
-                                                  method=method_options(optimizer, **extra)))
-        trims.clear()
-        for _ in range(2):
-            before = [p.detach().clone() for p in pmodel.parameters()]
-            method.step(pmodel, StepData.one_batch(pmodel, tokens, dtype), lr=1e-3)
-            assert not all(torch.equal(p, q) for p, q in zip(pmodel.parameters(), before))
-        assert len(trims) == expected, (dtype, clip_mode, trims)
-        assert all(trims)  # before the backward moved any weight
-    assert host_memory.trim_after_autocast_forward(torch.device("cpu"), 4, "bfloat16") is None
-    assert host_memory.trim_after_autocast_forward(torch.device("cuda"), 1, "bfloat16") is None
-
-
-@pytest.mark.parametrize("optimizer", ["mezo", "es", "blockllm"])
-def test_mezo_es_and_blockllm_trim_on_a_host_grid(
-        monkeypatch: pytest.MonkeyPatch, optimizer: str) -> None:
-    """On a CPU rank of a grid MeZO and ES hand the heap's free pages back before each forward
-    they evaluate (the weights already perturbed): MeZO twice a step, ES once per member of its
-    replica; BlockLLM once at each step's start. Skipped steps too. One process and an
-    accelerator do not trim."""
-    import importlib
-
-    import fourfold.train.host_memory as host_memory
-    from fourfold.config import TrainConfig, model_config
-    from fourfold.models import build_model
-    from fourfold.parallel import Grid, parallelize
-    from fourfold.train.methods import StepData, build_method
-
-    cpu = torch.device("cpu")
-    assert host_memory.trim_on_host_grid(cpu, 1) is None
-    assert host_memory.trim_on_host_grid(torch.device("cuda"), 4) is None
-    assert host_memory.trim_on_host_grid(cpu, 4) is not None
-    trims: list[bool] = []  # per trim: whether the weights were moved from the step's start
-
-    def on_grid(device: torch.device, world_size: int):
-        assert (device, world_size) == (cpu, 1)  # the method asks about its own grid
-        return lambda: trims.append(
-            not all(torch.equal(p, q) for p, q in zip(pmodel.parameters(), start)))
-
-    module = "blockllm" if optimizer == "blockllm" else "zeroth"
-    monkeypatch.setattr(importlib.import_module(f"fourfold.train.methods.{module}"),
-                        "trim_on_host_grid", on_grid)
-    cfg = model_config("debug", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
-    pmodel = parallelize(build_model(cfg, seed=1), Grid.single())
-    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
-    method = build_method(pmodel, TrainConfig(optimizer=optimizer,
-                                              method=method_options(optimizer, **(
-                                                  {"population": 3} if optimizer == "es" else {}))))
-    expected = {"mezo": [True] * 2, "es": [True] * 3, "blockllm": [False]}[optimizer]
-    for guard in (None, Refuse(), None):
-        trims.clear()
-        start = [p.detach().clone() for p in pmodel.parameters()]
-        method.step(pmodel, StepData.one_batch(pmodel, tokens), lr=1e-3, guard=guard)
-        assert trims == expected, (guard, trims)
-
-
+@pytest.mark.ranks
 def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     for r in run_worker(2, grids, LOMO_CHECKS + ADALOMO_CHECKS + [BLOCKLLM, GALORE], tmp_path):
@@ -784,7 +725,8 @@ def test_fused_methods_train_as_one_process(tmp_path: Path) -> None:
             check_subset_method(r)
             continue
         check_trains_as_one_process(r)
-        label = f"grid {r['shape']} {name} {r['check'].get('method', {}).get('clip_mode', 'none')}"
+        label = (f"grid {r['shape']} rank {r['rank']} {name} "
+                 f"{r['check'].get('method', {}).get('clip_mode', 'none')}")
         if name == "adalomo":  # row and column statistics: far less than AdamW's two moments
             assert 0 < r["state_bytes"] < 0.1 * r["trainable_bytes"], label
             assert r["meta"]["steps_done"] == r["check"]["steps"], label
@@ -834,6 +776,7 @@ def test_lomo_refuses_what_it_cannot_do() -> None:
                        "train.method.clip_mode=two_pass"])
 
 
+@pytest.mark.ranks
 def test_every_method_on_four_rank_grids(tmp_path: Path) -> None:
     """Several axes at once: z and y split the same matrices' rows, data with x."""
     checks = [{"name": "frozen"}, MEZO, ES, LOMO_CHECKS[0], ADALOMO_CHECKS[1], BLOCKLLM, GALORE]
@@ -844,12 +787,13 @@ def test_every_method_on_four_rank_grids(tmp_path: Path) -> None:
             check_subset_method(r)
         else:
             check_trains_as_one_process(r)
-            assert r["grads_left"] == [], r["shape"]
+            assert r["grads_left"] == [], (r["shape"], r["rank"])
 
 
 # ---- the planner's memory per method, and train.memory_report ----------------------------------
 
 
+@pytest.mark.slow
 def test_planner_state_bytes_follow_the_method() -> None:
     """Each method's planner model (plan/methods): its gradients and state, against what the
     method itself holds after a step (one process, the tiny model)."""
@@ -1041,6 +985,7 @@ def test_a_step_peak_is_the_larger_of_the_loss_and_a_block_backward() -> None:
         assert zo.step == max(zo.logits, zo.block_transient)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
 @pytest.mark.parametrize("optimizer,vocab,batch,dtype", [
     ("adamw", 512, 4, "float32"), ("adamw", 32000, 1, "float32"), ("lomo", 512, 4, "float32"),
@@ -1078,6 +1023,7 @@ def test_planner_peak_matches_the_heap_at_many_tokens(optimizer: str, vocab: int
     assert abs(predicted / measured - 1) < 0.10, (optimizer, vocab, dtype, predicted, measured)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
 def test_planner_lets_autocast_copies_go_before_the_loss_backward() -> None:
     """125m at 2 x 128 tokens, LOMO, bfloat16, one process: autocast's cached weight copies
@@ -1100,6 +1046,7 @@ def test_planner_lets_autocast_copies_go_before_the_loss_backward() -> None:
     assert abs(predicted / measured - 1) < 0.06, (predicted, measured)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_blocks_saved_bytes_are_the_planners_on_one_process(dtype: str) -> None:
@@ -1185,7 +1132,8 @@ def test_preflight_check_uses_the_methods_memory() -> None:
     from fourfold.config import load_config
     from fourfold.parallel import GridShape
     from fourfold.plan.errors import PlanError
-    from fourfold.train.build import check_method_fits, predicted_memory
+    from fourfold.plan.memory import predicted_memory
+    from fourfold.plan.search import check_grid_fits
 
     shape = GridShape(1, 1, 1, 1)
     need = {o: predicted_memory(load_config(None, ["model.preset=125m",
@@ -1194,11 +1142,11 @@ def test_preflight_check_uses_the_methods_memory() -> None:
     assert need["mezo"] < need["lomo"] < need["blockllm"] < need["adamw"]
     assert need["galore"] < need["adamw"]
     capacity = (need["mezo"] + need["adamw"]) // 2
-    check_method_fits(load_config(None, ["model.preset=125m", "train.optimizer=mezo"]), shape,
-                      True, capacity)
+    check_grid_fits(load_config(None, ["model.preset=125m", "train.optimizer=mezo"]), shape,
+                    True, capacity)
     with pytest.raises(PlanError, match="under train.optimizer = 'blockllm': a rank needs"):
-        check_method_fits(load_config(None, ["model.preset=125m", "train.optimizer=blockllm"]),
-                          shape, True, need["blockllm"] - 1)
+        check_grid_fits(load_config(None, ["model.preset=125m", "train.optimizer=blockllm"]),
+                        shape, True, need["blockllm"] - 1)
 
 
 # a small run that writes its memory report (train.memory_report)
@@ -1253,7 +1201,7 @@ def test_memory_report_in_summary(tmp_path: Path, optimizer: str) -> None:
     # the process's whole peak (this pytest process's VmHWM: the imports and more) beside the
     # planner's total for the run
     from fourfold.parallel import GridShape
-    from fourfold.train.build import predicted_memory
+    from fourfold.plan.memory import predicted_memory
 
     summary = json.loads((tmp_path / "summary.json").read_text())
     (peak,) = report["peak_bytes_per_rank"]
@@ -1270,7 +1218,7 @@ def test_memory_report_of_a_resumed_run_counts_the_checkpoint_library(tmp_path: 
     from fourfold.parallel import GridShape
     from fourfold.plan.memory import CHECKPOINT_LIBRARY_BYTES
     from fourfold.train import Trainer
-    from fourfold.train.build import predicted_memory
+    from fourfold.plan.memory import predicted_memory
 
     common = [*REPORT_RUN, "train.optimizer=lomo"]
     Trainer(load_config(None, [*common, "train.steps=2", "checkpoint.every=2"]), tmp_path,
@@ -1314,6 +1262,7 @@ def test_adalomo_row_blocks_change_nothing_but_rounding(monkeypatch: pytest.Monk
     assert any(not torch.equal(blocks[n], whole[n]) for n in whole)  # the blocks did differ
 
 
+@pytest.mark.slow
 def test_memory_lean_bench_runs_and_predicts_at_its_dtype() -> None:
     """bench/memory_lean.py --dtype: a run's train.dtype reaches the step (its forward under
     bfloat16 autocast) and the planner's prediction (it asked for float32 whatever the run's
@@ -1341,41 +1290,7 @@ def test_memory_lean_bench_runs_and_predicts_at_its_dtype() -> None:
     assert f32["loss"] != row["loss"] and abs(f32["loss"] - row["loss"]) < 0.1
 
 
-def test_lean_step_time_bench_runs() -> None:
-    """bench/lean_step_time.py end to end at a tiny size: its float32 runs, probes and the
-    planner's step for each method (its share of memory_lean's helpers once failed here:
-    method_sets read a --dtype that only memory_lean's parser had)."""
-    bench = Path(__file__).resolve().parent.parent / "bench"
-    proc = subprocess.run([sys.executable, str(bench / "lean_step_time.py"), "--preset", "debug",
-                           "--steps", "2", "--batch", "1", "--seq", "32", "--methods", "lomo",
-                           "--repeat", "1"], capture_output=True, text=True, timeout=300,
-                          env=outside_job_env())
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines()
-            if line.startswith("| adamw") or line.startswith("| lomo")}
-    assert set(rows) == {"adamw", "lomo"}, proc.stdout
-    for line in rows.values():  # measured and planned seconds, both positive
-        cells = [c.strip() for c in line.split("|")[2:4]]
-        assert all(c.endswith(" s") and float(c[:-2]) > 0 for c in cells), line
-
-
-def test_trim_cost_bench_runs() -> None:
-    """bench/trim_cost.py end to end at a tiny size, one process: each method's steps with and
-    without the trims, timed, and their page faults counted."""
-    bench = Path(__file__).resolve().parent.parent / "bench"
-    proc = subprocess.run([sys.executable, str(bench / "trim_cost.py"), "--preset", "debug",
-                           "--steps", "4", "--warmup", "1", "--batch", "1", "--seq", "32",
-                           "--methods", "lomo", "mezo"], capture_output=True, text=True,
-                          timeout=300, env=outside_job_env())
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:7]]
-            for line in proc.stdout.splitlines() if line.startswith(("| lomo", "| mezo"))}
-    assert set(rows) == {"lomo", "mezo"}, proc.stdout
-    for cells in rows.values():
-        assert all(c.endswith(" ms") and float(c[:-3]) > 0 for c in cells[:2]), cells
-        assert float(cells[2]) > 0 and all(float(c) >= 0 for c in cells[3:]), cells
-
-
+@pytest.mark.slow
 def test_memory_lean_phases_census_counts_the_tensors_in_the_heap() -> None:
     """bench/memory_lean.py --phases: at the largest heap a named call began with, the bytes
     of the tensors Python reaches hold at least the model's weights and the method's state,

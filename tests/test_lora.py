@@ -45,11 +45,8 @@ GRIDS = {  # (data, z, y, x)
 @pytest.mark.ranks
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_adapters_train_the_same_on_every_grid(nproc: int, tmp_path: Path) -> None:
-    results = run_worker(nproc, GRIDS[nproc], VARIANTS, tmp_path, WORKER, timeout=900)
-    assert len(results) == len(GRIDS[nproc]) * len(VARIANTS)
-    for r in results:
-        label = f"grid {r['shape']} variant {r['variant']}"
-        assert r["ok"], f"{label}:\n{r.get('error')}"
+    for r in run_worker(nproc, GRIDS[nproc], VARIANTS, tmp_path, WORKER, timeout=900):
+        label = f"grid {r['shape']} variant {r['variant']} rank {r['rank']}"
         assert r["same_trainable"] and r["n_trainable"] > 0, label
         assert r["max_frozen_change"] == 0.0, f"{label}: the frozen base moved"
         assert r["replica_spread"] == 0.0, f"{label}: replicas differ by {r['replica_spread']}"

@@ -171,6 +171,7 @@ def test_greedy_next_takes_the_last_position():
     assert greedy_next(logits).tolist() == [4, 2]
 
 
+@pytest.mark.slow
 def test_llama_decoding_with_kv_cache_equals_full_recompute():
     cfg = ModelConfig(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
                       vocab_size=VOCAB, max_seq_len=64)

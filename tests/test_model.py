@@ -172,6 +172,7 @@ def test_loss_without_backward_works_by_row_blocks_and_equals_the_loss_with_it()
                        torch.exp(logits - shift.unsqueeze(-1)).sum(-1))
 
 
+@pytest.mark.slow
 def test_blocked_output_loss_equals_the_loss_over_whole_logits() -> None:
     """parallel.output_loss = "blocks" (what "auto" gives the lean methods): the output
     layer and the loss a block of the vocabulary at a time (several blocks here), the logits
@@ -233,6 +234,7 @@ def test_blocked_output_loss_equals_the_loss_over_whole_logits() -> None:
         parallelize(build_model(cfg, seed=0), Grid.single(), ParallelConfig(output_loss="rows"))
 
 
+@pytest.mark.slow
 def test_blocked_output_loss_writes_every_block_into_one_buffer_per_pass() -> None:
     """float32 blocks of the blocked loss are written into one block's buffer that each pass
     (forward, backward) makes once: a fresh block per GEMM is a fresh malloc on a host, and
@@ -295,6 +297,7 @@ def _hidden(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
     return h
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("autocast", [False, True])
 def test_activation_checkpointing_gives_the_plain_backward_bit_for_bit(autocast: bool) -> None:
     """train.activation_checkpointing: each block keeps only its input and runs again in the
@@ -343,6 +346,7 @@ def test_recompute_replays_the_forwards_random_draws() -> None:
     assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], w.grad)
 
 
+@pytest.mark.slow
 def test_a_meta_build_and_a_checkpointed_step_leave_torch_dynamo_unimported() -> None:
     """torch._dynamo costs about 70 MiB resident in every process, sympy (with torch's
     symbolic shapes) about 30: building a model on the meta device, parallelizing it and a

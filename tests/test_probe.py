@@ -72,7 +72,7 @@ def test_probe_on_two_gloo_ranks_writes_a_machine_plan_reads(tmp_path, capsys, m
 def test_a_noisy_probe_still_fits_a_positive_latency() -> None:
     """A busy host that slows the larger calls tilts the fitted line below the origin; the
     latency is then the smallest call's time (it is bound by latency), never zero."""
-    from fourfold.plan.machines import fit_latency_bandwidth
+    from fourfold.plan.host_probe import fit_latency_bandwidth
 
     latency, per_byte = fit_latency_bandwidth([(4096, 10e-6), (65536, 500e-6)])
     assert latency == 10e-6 and per_byte > 0

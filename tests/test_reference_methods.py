@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_grid_worker
+from grid_cases import launch_grid_cases
 
 WORKER = Path(__file__).with_name("reference_worker.py")
 TOLERANCE = 1e-6  # of the tensor's largest weight, after every step
@@ -98,8 +98,8 @@ def test_method_on_a_grid_steps_as_the_reference_on_one_process(tmp_path: Path) 
     side's basis, R's reduce-scatter) are those of the full tensors."""
     cases = [LOMO[2], LOMO[1], ADALOMO[0], ADALOMO[2], GALORE[0], GALORE[1], GALORE[4]]
     grids = [[1, 1, 2, 2], [2, 2, 1, 1]]
-    results = run_grid_worker(WORKER, 4, grids, cases, "FOURFOLD_TEST_CASES",
-                              tmp_path / "reference.jsonl")
+    results = launch_grid_cases(WORKER, 4, grids, "FOURFOLD_TEST_CASES", "case", cases,
+                                tmp_path / "reference.jsonl", timeout=900)
     failed = []
     for r in results:
         try:

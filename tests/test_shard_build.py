@@ -66,6 +66,7 @@ def _gathered_on_every_rank(cfg: ModelConfig, shape: GridShape) -> dict[str, tor
     return full
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grid", sorted(GRIDS))
 @pytest.mark.parametrize("variant", [{}, {"bias": True, "tie_embeddings": True}])
 def test_every_grid_starts_from_the_one_process_weights(grid: str, variant: dict,
@@ -114,19 +115,27 @@ def test_meta_build_without_seed_cannot_materialise() -> None:
         parallelize(build_model(model_config("debug"), device="meta"), Grid.single())
 
 
+def _run_ranks(worker: str, nproc: int, variables: dict[str, str],
+               timeout: int) -> subprocess.CompletedProcess:
+    """torchrun `worker` (a file beside this one) on `nproc` local ranks with `variables`;
+    it must exit 0."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **variables)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(nproc), str(Path(__file__).with_name(worker))],
+        env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
 @pytest.mark.ranks
 def test_eight_ranks_gather_and_export_as_one_process(tmp_path: Path) -> None:
     shapes = [([1, 2, 2, 2], {}), ([2, 2, 2, 1], {"bias": True, "tie": True}),
               ([2, 1, 1, 4], {"tie": True})]
-    env = dict(os.environ, FOURFOLD_SHARD_SHAPES=json.dumps(shapes),
-               FOURFOLD_SHARD_OUT=str(tmp_path), OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
-         str(Path(__file__).with_name("shard_worker.py"))],
-        env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _run_ranks("shard_worker.py", 8, {"FOURFOLD_SHARD_SHAPES": json.dumps(shapes),
+                                       "FOURFOLD_SHARD_OUT": str(tmp_path)}, timeout=600)
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(results) == 8 * len(shapes)
     for r in results:
@@ -137,6 +146,25 @@ def test_eight_ranks_gather_and_export_as_one_process(tmp_path: Path) -> None:
             assert r["same_file"], label
             assert r["leftovers"] == [], label
 
+
+
+@pytest.mark.ranks
+def test_a_slow_writer_does_not_time_out_the_other_ranks(tmp_path: Path) -> None:
+    """The job's collectives time out after 3 s; rank 0 takes 5 s to write the first tensor
+    and 5 s the last. No rank waits on the writer in a collective (a send, or what it would
+    queue after its last send): the export completes, every rank leaves it once the file is
+    in place (after the last slow write), and the job goes on."""
+    timeout_s, slow_s = 3.0, 5.0
+    proc = _run_ranks("export_worker.py", 4, {
+        "FOURFOLD_EXPORT_OUT": str(tmp_path), "FOURFOLD_EXPORT_SHAPE": json.dumps([1, 1, 2, 2]),
+        "FOURFOLD_EXPORT_TIMEOUT_S": str(timeout_s), "FOURFOLD_EXPORT_SLOW_S": str(slow_s)},
+        timeout=300)
+    results = sorted((json.loads(line) for line in proc.stdout.splitlines()
+                      if line.startswith("{")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1, 2, 3], proc.stdout
+    for r in results:
+        assert r["complete"] and r["same"] and r["after"] == 4, r
+        assert r["left_s"] >= 2 * slow_s, r  # no rank left before the writer was done
 
 
 # 80M parameters, 320 MB of float32 weights: big enough to stand out of a process's baseline

@@ -40,15 +40,19 @@ def test_parser_has_no_prefix_matching_and_raises_its_usage_error() -> None:
 
 
 def test_python_3_10_reads_toml_through_tomli(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fourfold.files picks the stdlib's tomllib from 3.11 and tomli (a dependency there) on
+    3.10; this test runs on either (the stdlib module is imported only where it exists)."""
     import importlib.util
     import sys
-    import tomllib
     import types
 
     import fourfold.files
 
-    tomli = types.ModuleType("tomli")
-    tomli.loads = tomllib.loads  # type: ignore[attr-defined]
+    this_interpreter = "tomllib" if sys.version_info >= (3, 11) else "tomli"
+    assert fourfold.files.tomllib.__name__ == this_interpreter
+    assert fourfold.files.tomllib.loads('a = 1\n[b]\nc = "d"\n') == {"a": 1, "b": {"c": "d"}}
+
+    tomli = types.ModuleType("tomli")  # a stand-in: which module is taken, not how it parses
     monkeypatch.setitem(sys.modules, "tomli", tomli)
     monkeypatch.setattr(sys, "version_info", (3, 10, 12, "final", 0))
     spec = importlib.util.spec_from_file_location("files_on_310", fourfold.files.__file__)
@@ -56,4 +60,3 @@ def test_python_3_10_reads_toml_through_tomli(monkeypatch: pytest.MonkeyPatch) -
     files_on_310 = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(files_on_310)
     assert files_on_310.tomllib is tomli
-    assert fourfold.files.tomllib is tomllib  # this interpreter (3.11+) uses the stdlib

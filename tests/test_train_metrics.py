@@ -12,8 +12,9 @@ import torch
 
 from fourfold.config import ModelConfig
 from fourfold.parallel.grid import GridShape
-from fourfold.plan import machines
-from fourfold.plan.machines import load_machine
+from fourfold.plan import host_probe
+from fourfold.plan.catalog import Machine
+from fourfold.plan.machine_file import load_machine
 from fourfold.plan.memory import Precision
 from fourfold.plan.perf import predict_step
 from fourfold.train import metrics
@@ -50,7 +51,7 @@ def test_cpu_peak_is_the_planners_probe_measured_once_and_cached(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FOURFOLD_CACHE", str(tmp_path))
     calls: list[float] = []
-    monkeypatch.setattr(machines, "_probe_cpu", _fake_cpu_probe([1.5e11, 1.0e11], calls))
+    monkeypatch.setattr(host_probe, "_probe_cpu", _fake_cpu_probe([1.5e11, 1.0e11], calls))
     cpu = torch.device("cpu")
     assert job_peak_flops(cpu, "float32", 1) == 1.5e11
     assert job_peak_flops(cpu, "float32", 1) == 1.5e11
@@ -76,7 +77,7 @@ def test_cpu_peak_is_the_planners_probe_measured_once_and_cached(
 TINY = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
 
 
-def _planned_peak(machine: machines.Machine, shape: GridShape, dtype: str) -> float:
+def _planned_peak(machine: Machine, shape: GridShape, dtype: str) -> float:
     """The denominator the planner's MFU used: model FLOPs / (MFU x step time)."""
     pred = predict_step(TINY, shape, global_batch=8, seq_len=16, grad_accum=1,
                         activation_checkpointing=False, machine=machine,
@@ -101,11 +102,11 @@ def test_logged_and_planned_mfu_share_one_denominator_on_a_gpu(
 def test_logged_and_planned_mfu_share_one_denominator_on_the_cpu(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FOURFOLD_CACHE", str(tmp_path))
-    monkeypatch.setattr(machines, "_probe_cpu", _fake_cpu_probe([2e11], []))
+    monkeypatch.setattr(host_probe, "_probe_cpu", _fake_cpu_probe([2e11], []))
     # a made-up host calibration: the denominator must not depend on it
-    monkeypatch.setattr(machines, "host_calibration", lambda world, cores, gemm_half_dim:
-                        machines.HostCalibration(world, cores, ((1, (1e-5, 1e-9)),),
-                                                 1e10, 1e10, 1e-5))
+    monkeypatch.setattr(host_probe, "host_calibration", lambda world, cores, gemm_half_dim:
+                        host_probe.HostCalibration(world, cores, ((1, (1e-5, 1e-9)),),
+                                                   1e10, 1e10, 1e-5))
     for world in (1, 2):
         shape = GridShape(data=world)
         logged = job_peak_flops(torch.device("cpu"), "float32", world)
@@ -124,6 +125,7 @@ def test_peak_memory_on_cpu_is_the_resident_set() -> None:
     assert 50 * 2**20 < peak < 64 * 2**30
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 def test_peak_memory_on_cpu_is_the_process_own_not_its_launchers() -> None:
     """A process started by one that holds far more (as a launcher starts its ranks) reports

@@ -1,9 +1,9 @@
 """Typed run configuration: TOML files, `--set section.key=value` overrides, validation.
 
-A config has the sections [model], [data], [train], [parallel], [checkpoint], [adapter]. Every
-key has a type and a default; an unknown key, a wrong type or an impossible value raises
-ConfigError with one line that names the key and what is allowed. The CLI turns ConfigError
-into exit code 2.
+A config has the sections [model], [data], [train], [parallel], [checkpoint], [adapter],
+[logging]. Every key has a type and a default; an unknown key, a wrong type or an impossible
+value raises ConfigError with one line that names the key and what is allowed. The CLI turns
+ConfigError into exit code 2.
 """
 
 from __future__ import annotations
@@ -47,19 +47,27 @@ def write_cache_json(path: Path, obj: Any) -> None:
 
 @dataclass
 class ModelConfig:
-    preset: str = "small"
-    n_layers: int = 4
-    dim: int = 256
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    ffn_dim: int = 768
-    vocab_size: int = 512
-    max_seq_len: int = 512
-    rope_theta: float = 10000.0
-    tie_embeddings: bool = False
-    norm_eps: float = 1e-5
-    bias: bool = False  # biases on the attention and MLP projections (Qwen2-style uses q/k/v bias)
-    init_std: float = 0.02
+    preset: str = "small"  # a named size (PRESETS; custom: the keys below)
+    n_layers: int = 4  # transformer blocks
+    dim: int = 256  # hidden size
+    n_heads: int = 8  # attention heads
+    n_kv_heads: int = 4  # key/value heads (grouped-query attention)
+    ffn_dim: int = 768  # SwiGLU hidden size
+    vocab_size: int = 512  # tokens in the vocabulary
+    max_seq_len: int = 512  # longest sequence the model takes
+    rope_theta: float = 10000.0  # RoPE base frequency
+    # how RoPE's frequencies are stretched for a longer context (HF's rope_type): none |
+    # linear (every frequency / rope_factor) | llama3 (low frequencies / rope_factor, high ones
+    # kept, a smooth blend between; Llama 3.1-3.3)
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0  # linear, llama3
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_seq_len: int = 8192  # llama3: the context the model was pretrained for
+    tie_embeddings: bool = False  # output layer shares the embedding's weight
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    bias: bool = False  # biases on every attention and MLP projection
+    init_std: float = 0.02  # std of the initial weights
     init_from: str = ""  # a local Hugging Face checkpoint directory to start from
 
     @property
@@ -70,39 +78,50 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = "builtin:stdlib"  # a DATA_DIR made by `fourfold prepare`, or the built-in corpus
-    tokenizer: str = "byte"  # byte | bpe:VOCAB_SIZE | PATH/tokenizer.json (for the built-in corpus)
+    # auto (a prepared directory's own; byte for a built-in corpus) | byte | bpe:VOCAB_SIZE |
+    # PATH/tokenizer.json: a built-in corpus is prepared with it; a prepared directory must
+    # have been made with it
+    tokenizer: str = "auto"
+    # auto | documents | none: "documents" packs whole documents into each sequence, attention
+    # never crossing from one to another and positions restarting at each; "none" draws
+    # windows at random offsets, across documents; "auto": documents for chat and instruction
+    # data, none for text
+    packing: str = "auto"
+    # what a run records of the tokenizer it trained with ("byte" or sha256:... of its
+    # tokenizer.json); when set, the data must have been made with that very tokenizer
+    tokenizer_fingerprint: str = ""
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 400
+    steps: int = 400  # optimizer steps
     batch_size: int = 16  # sequences per optimizer step, whole job
-    seq_len: int = 128
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
+    seq_len: int = 128  # tokens per sequence
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr x this
+    warmup_steps: int = 30  # linear warmup to lr
     weight_decay: Union[float, str] = "auto"  # "auto": the method's own (fourfold.methods)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    grad_accum: int = 1
-    dtype: str = "float32"
-    seed: int = 1337
-    compile: bool = False
-    activation_checkpointing: bool = False
-    eval_every: int = 100
-    eval_batches: int = 4
-    log_every: int = 10
+    beta1: float = 0.9  # first-moment decay (AdamW, BlockLLM, GaLore)
+    beta2: float = 0.95  # second-moment decay (AdamW, AdaLomo, BlockLLM, GaLore)
+    grad_clip: float = 1.0  # gradient-norm clip (0: none)
+    grad_accum: int = 1  # micro-batches per step
+    dtype: str = "float32"  # float32 | bfloat16 (autocast, float32 weights)
+    seed: int = 1337  # model init, data order and noise
+    compile: bool = False  # torch.compile each block
+    activation_checkpointing: bool = False  # recompute each block in backward
+    eval_every: int = 100  # steps between validations (0: none)
+    eval_batches: int = 4  # batches per validation
+    log_every: int = 10  # steps between log lines
     sample_every: int = 0  # 0: only at the end
-    sample_tokens: int = 64
-    loss: str = "cross_entropy"
-    goldfish_k: int = 4
-    goldfish_h: int = 13
+    sample_tokens: int = 64  # tokens generated per sample (0: no samples)
+    loss: str = "cross_entropy"  # cross_entropy | goldfish
+    goldfish_k: int = 4  # goldfish: drop one token in k from the loss
+    goldfish_h: int = 13  # goldfish: tokens of context hashed to choose it
     device: str = "auto"  # auto | cpu | cuda
-    tensorboard: bool = False
+    tensorboard: bool = False  # true: the same as "tensorboard" in logging.trackers
     nan_policy: str = "stop"  # stop | skip | rollback
     spike_threshold: float = 0.0  # 0 disables; else a loss above threshold x running mean is a spike
-    max_restarts: int = 0
+    max_restarts: int = 0  # times the launcher restarts a failed job
     optimizer: str = "adamw"  # the training method: adamw, lomo, adalomo, mezo, es, blockllm, galore
     memory_report: bool = False  # peak bytes per rank by category into summary.json
     # [train.method]: train.optimizer's own options (fourfold.methods); None: its defaults
@@ -125,18 +144,18 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    x: int = 1
-    y: int = 1
-    z: int = 1
+    x: int = 1  # grid axis x (docs/parallelism.md)
+    y: int = 1  # grid axis y
+    z: int = 1  # grid axis z (weights and batch split over it)
     data: Union[int, str] = "auto"  # "auto" fills the world size
     auto: bool = False  # ask the planner for the grid
     backend: str = "auto"  # auto | gloo | nccl
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0  # collective timeout, seconds
     overlap_input_grad: bool = True  # dI all-reduce under the dW GEMM
     overlap_weight_grad: bool = True  # dW reduce-scatter under earlier layers' backward
     prefetch_weights: bool = True  # next layer's z all-gather one layer ahead
     overlap_data_grad: bool = True  # bucketed data-parallel all-reduce during backward
-    bucket_mb: float = 25.0
+    bucket_mb: float = 25.0  # data-parallel gradient buckets (parallel/data_parallel.py)
     gemm_tuning: bool = False  # time the equivalent matmuls per GEMM shape once, keep the fastest
     reduce_dtype: str = "float32"  # float32 | bfloat16: dW reduce-scatter and data all-reduce
     overlap_forward: bool = False  # forward GEMMs in two token halves, all-reduce under GEMM
@@ -144,13 +163,22 @@ class ParallelConfig:
     # logits made again in backward ("auto": blocks for lomo, adalomo, mezo, es, blockllm)
     output_loss: str = "auto"
     machine: str = "cpu"  # planner machine preset or MACHINE.toml, for parallel.auto
+    # auto | always: "always" runs a one-process job through the whole engine as a one-rank
+    # grid (a one-rank process group, fourfold's parallel layers and collectives, the
+    # data-parallel buckets, the sharded checkpoint), to check that code on one device
+    engine: str = "auto"
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
 
 
 @dataclass
 class CheckpointConfig:
     every: int = 0  # 0 disables periodic checkpoints
-    keep: int = 3
-    # TOML key `async`: true, false or "auto" (true on GPUs, false on CPU ranks: see is_async)
+    keep: int = 3  # checkpoints kept (older are deleted)
+    # TOML key `async`: write checkpoints in the background: true, false or "auto" (true on
+    # GPUs; false on CPU ranks, where the snapshot would share the training's memory and cores)
     async_save: Union[bool, str] = "auto"
     resume: bool = True  # resume automatically when RUN_DIR holds a checkpoint
 
@@ -173,13 +201,28 @@ ADAPTER_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "output")
 @dataclass
 class AdapterConfig:
     kind: str = "none"  # none | lora | norm
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
+    r: int = 8  # lora: rank
+    alpha: float = 16.0  # lora: scale alpha / r
+    dropout: float = 0.0  # lora: dropout on the adapter's input
+    # lora: the layers adapted (q, k, v, o, gate, up, down, output)
     targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up",
                                                         "down"])
     train_norms: bool = False  # lora: the RMSNorm gains train too
     train_output: bool = False  # norm: the output layer trains too
+
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # logging.trackers: train/trackers.py
+
+
+@dataclass
+class LoggingConfig:
+    # experiment trackers that receive every scalar of metrics.jsonl and the config: any of
+    # tensorboard (into RUN_DIR/tensorboard), wandb, mlflow; each needs its package installed
+    trackers: list[str] = field(default_factory=list)
+    project: str = "fourfold"  # wandb: the project; mlflow: the experiment
+    run_name: str = ""  # the run's name in the trackers; "": the run directory's name
+    # mlflow: the tracking URI; "": $MLFLOW_TRACKING_URI, else sqlite:///RUN_DIR/mlflow.db
+    mlflow_uri: str = ""
 
 
 # TOML key -> field name where they differ (`async` is a Python keyword).
@@ -197,6 +240,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every section's keys; [train.method] as the dict under train's "method" key."""
@@ -224,6 +268,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "adapter": AdapterConfig,
+    "logging": LoggingConfig,
 }
 
 # --------------------------------------------------------------------------------------------
@@ -253,6 +298,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("model", "preset"): tuple(PRESETS) + ("custom",),
+    ("model", "rope_scaling"): ("none", "linear", "llama3"),
+    ("data", "packing"): ("auto", "documents", "none"),
     ("train", "dtype"): ("float32", "bfloat16"),
     ("train", "loss"): ("cross_entropy", "goldfish"),
     ("train", "device"): ("auto", "cpu", "cuda"),
@@ -260,6 +307,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
     ("parallel", "output_loss"): ("auto", "blocks", "whole"),
+    ("parallel", "engine"): ("auto", "always"),
     ("adapter", "kind"): ("none", "lora", "norm"),
 }
 
@@ -371,17 +419,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Build a validated Config from an optional TOML file and `section.key=value` overrides
     (train.method.KEY=value for an option of train.optimizer's method).
 
-    Precedence: defaults < preset (model.preset) < file < overrides. `saved`: the file is a
-    run's own config.toml, which an older version wrote with every method's options as
-    [train] keys: those of other methods are dropped (they were that version's defaults, not
-    choices) and its own method's read without a notice.
+    Precedence: defaults < preset (model.preset) < file < overrides. `saved` (and `path` a
+    run directory): the file is a run's own config.toml, which an older version wrote with
+    every method's options as [train] keys: those of other methods are dropped (they were
+    that version's defaults, not choices) and its own method's read without a notice.
     """
     raw: dict[str, dict[str, Any]] = {}
     method_raw: dict[str, Any] = {}  # [train.method]
     if path is not None:
         p = Path(path)
         if p.is_dir() and (p / "config.toml").exists():
-            p = p / "config.toml"
+            p, saved = p / "config.toml", True  # a run directory's own config
         if not p.exists():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
@@ -493,6 +541,10 @@ def validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), _KEY_ALIASES.get((section, key), key))
         if value not in allowed:
             raise ConfigError(f"{section}.{key} = {value!r}: choose one of {', '.join(allowed)}")
+    for name in cfg.logging.trackers:
+        if name not in TRACKERS:
+            raise ConfigError(f"logging.trackers: {name!r} is not a tracker; choose from "
+                              f"{', '.join(TRACKERS)}")
     m, t, p = cfg.model, cfg.train, cfg.parallel
     positive = [("model", "n_layers", m.n_layers), ("model", "dim", m.dim),
                 ("model", "n_heads", m.n_heads), ("model", "n_kv_heads", m.n_kv_heads),
@@ -535,6 +587,7 @@ def validate(cfg: Config) -> None:
     if m.head_dim % 2:
         raise ConfigError(f"model.dim / model.n_heads = {m.head_dim}: RoPE needs an even head "
                           "dimension")
+    _validate_rope_scaling(m)
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len = {t.seq_len} is longer than model.max_seq_len = "
                           f"{m.max_seq_len}; use at most {m.max_seq_len}")
@@ -549,6 +602,42 @@ def validate(cfg: Config) -> None:
     if isinstance(p.data, int) and p.data < 1:
         raise ConfigError(f"parallel.data = {p.data}: must be at least 1 or \"auto\"")
     _validate_adapter(cfg)
+
+
+# model.<key> -> the rope_scaling kinds it applies to (set under another, it is refused)
+ROPE_SCALING_OPTIONS: dict[str, tuple[str, ...]] = {
+    "rope_factor": ("linear", "llama3"),
+    "rope_low_freq_factor": ("llama3",),
+    "rope_high_freq_factor": ("llama3",),
+    "rope_original_max_seq_len": ("llama3",),
+}
+
+
+def _refuse_options_of_other_kinds(section: str, obj: Any, kind: str,
+                                   options: dict[str, tuple[str, ...]]) -> None:
+    """ConfigError for the first option of `options` (key -> the values of section.kind it
+    applies to) set away from its default while `kind` is something else: refused rather
+    than silently ignored."""
+    defaults = type(obj)()
+    for key, users in options.items():
+        if getattr(obj, kind) not in users and getattr(obj, key) != getattr(defaults, key):
+            raise ConfigError(f"{section}.{key} = {getattr(obj, key)!r} applies only to "
+                              f"{section}.{kind} = {' or '.join(map(repr, users))}, not "
+                              f"{getattr(obj, kind)!r}; remove it")
+
+
+def _validate_rope_scaling(m: ModelConfig) -> None:
+    _refuse_options_of_other_kinds("model", m, "rope_scaling", ROPE_SCALING_OPTIONS)
+    if not (m.rope_factor >= 1.0 and math.isfinite(m.rope_factor)):
+        raise ConfigError(f"model.rope_factor = {m.rope_factor}: must be a number of at least 1")
+    if m.rope_scaling == "llama3":
+        if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+            raise ConfigError(f"model.rope_low_freq_factor = {m.rope_low_freq_factor} and "
+                              f"model.rope_high_freq_factor = {m.rope_high_freq_factor}: need "
+                              "0 < low < high")
+        if m.rope_original_max_seq_len < 1:
+            raise ConfigError(f"model.rope_original_max_seq_len = "
+                              f"{m.rope_original_max_seq_len}: must be at least 1")
 
 
 def adapter_layer_dims(m: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -68,13 +68,15 @@ def write_streamed(path: Path | None, specs: Sequence[TensorSpec],
     names = {s.name: (rename[s.name] if rename is not None else s.name) for s in specs
              if rename is None or s.name in rename}
     out_specs = [TensorSpec(names[s.name], s.dtype, s.shape) for s in specs if s.name in names]
-    pending = iter(s for s in specs if s.name in names)
+    expected_specs = [s for s in specs if s.name in names]
+    stream = iter(tensors)
     with atomic_path(path, durable=True) as tmp, open(tmp, "wb") as f:
         f.write(header_bytes(out_specs, metadata))
-        for spec, tensor in tensors:
+        done = 0
+        for spec, tensor in stream if expected_specs else ():
             if spec.name not in names:
                 continue
-            expected = next(pending, None)
+            expected = expected_specs[done] if done < len(expected_specs) else None
             if expected is None or expected.name != spec.name or tensor is None:
                 raise RuntimeError(f"streamed export: got {spec.name}, expected "
                                    f"{expected.name if expected else 'nothing'}")
@@ -84,9 +86,16 @@ def write_streamed(path: Path | None, specs: Sequence[TensorSpec],
                                    f"{expected.dtype}")
             f.write(_raw_bytes(tensor))
             del tensor  # hold one tensor at a time
-        missing = [s.name for s in pending]
+            done += 1
+            if done == len(expected_specs):
+                break
+        missing = [s.name for s in expected_specs[done:]]
         if missing:
             raise RuntimeError(f"streamed export: no data for {missing[:3]}")
+    # The file is complete and in place: only now the rest of the stream (its items this file
+    # leaves out and, on a grid, its end, where the other ranks wait for the writer)
+    for _ in stream:
+        pass
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:

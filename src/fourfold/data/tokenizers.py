@@ -11,6 +11,7 @@ the tokenizer its shards were made with, trained BPE included.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -30,6 +31,7 @@ BPE_EOS = "<|endoftext|>"
 # Tried in order when tokenizer_config.json does not name the EOS token.
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>",
                   "[SEP]")
+BYTE_FINGERPRINT = "byte"
 BPE_MIN_VOCAB = 257  # 256 byte symbols + EOS
 BPE_MAX_VOCAB = 1_000_000
 
@@ -96,13 +98,24 @@ class ByteTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """A `tokenizers.Tokenizer`: a trained byte-level BPE or a model's tokenizer.json."""
+    """A `tokenizers.Tokenizer`: a trained byte-level BPE or a model's tokenizer.json. One read
+    from a file (`source`) is saved as that file's bytes, so that a copy keeps its fingerprint
+    (see tokenizer_fingerprint)."""
 
-    def __init__(self, hf_tokenizer, spec: str, eos_id: int) -> None:  # noqa: ANN001 (HF type)
+    def __init__(self, hf_tokenizer, spec: str, eos_id: int,  # noqa: ANN001 (HF type)
+                 source: Path | None = None) -> None:
         self.hf = hf_tokenizer
         self.spec = spec
         self.eos_id = eos_id
+        self.source = source
         self.vocab_size = int(hf_tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def file_bytes(self) -> bytes:
+        """The tokenizer.json this tokenizer is saved as: its source file's bytes, or the
+        tokenizers library's serialization of one trained here."""
+        if self.source is not None:
+            return self.source.read_bytes()
+        return self.hf.to_str(pretty=True).encode("utf-8")
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.hf.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -120,7 +133,7 @@ class HFTokenizer(Tokenizer):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         with atomic_path(directory / HF_FILE) as tmp:
-            self.hf.save(str(tmp))
+            tmp.write_bytes(self.file_bytes())
         self._write_meta(directory, "hf")
 
 
@@ -176,6 +189,59 @@ def load_tokenizer(spec_or_data_dir: str | Path) -> Tokenizer:
     return _load_hf_file(path, spec=spec)
 
 
+# --------------------------------------------------------------------------------------------
+# Fingerprints: which tokenizer made a token id, whatever the tokenizer is called
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """"byte" for the byte tokenizer, else "sha256:" and the hash of the tokenizer.json it is
+    saved as (the very file it was read from): equal fingerprints encode text alike."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return BYTE_FINGERPRINT
+    if isinstance(tokenizer, HFTokenizer):
+        return _sha256(tokenizer.file_bytes())
+    raise TypeError(f"no fingerprint for {type(tokenizer).__name__}")
+
+
+def spec_fingerprint(spec: str | Path) -> str | None:
+    """The fingerprint of the tokenizer a spec names (byte, PATH/tokenizer.json, or a
+    directory holding one or a saved fourfold tokenizer), read without loading it; None for a
+    `bpe:N` spec, which names no tokenizer until `prepare` trains one."""
+    spec = str(spec)
+    check_spec(spec)
+    if spec == "byte":
+        return BYTE_FINGERPRINT
+    if parse_bpe_spec(spec) is not None:
+        return None
+    path = Path(spec).expanduser()
+    return stored_fingerprint(path) if path.is_dir() else _sha256(path.read_bytes())
+
+
+def stored_fingerprint(directory: str | Path) -> str:
+    """The fingerprint of the tokenizer saved in `directory` (a DATA_DIR, a HF model folder)."""
+    directory = Path(directory)
+    if (directory / META_FILE).is_file():
+        try:
+            kind = json.loads((directory / META_FILE).read_text())["kind"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DataError(f"{directory / META_FILE}: unreadable tokenizer description "
+                            f"({exc})") from None
+        if kind == "byte":
+            return BYTE_FINGERPRINT
+    if not (directory / HF_FILE).is_file():
+        raise DataError(f"{directory}: no tokenizer there (neither {HF_FILE} nor {META_FILE})")
+    return _sha256((directory / HF_FILE).read_bytes())
+
+
+def short_fingerprint(fingerprint: str) -> str:
+    """A fingerprint shortened for a message ("byte", or "sha256:" and 12 hex digits)."""
+    return fingerprint[:len("sha256:") + 12]
+
+
+def _sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
 def train_bpe(vocab_size: int, texts: Iterable[str]) -> HFTokenizer:
     """Train a byte-level BPE (vocab <= vocab_size, EOS included) on `texts`."""
     from tokenizers import Tokenizer as HFTok
@@ -196,6 +262,75 @@ def train_bpe(vocab_size: int, texts: Iterable[str]) -> HFTokenizer:
     hf.train_from_iterator(texts, trainer=trainer)
     eos_id = hf.token_to_id(BPE_EOS)
     return HFTokenizer(hf, spec=f"bpe:{vocab_size}", eos_id=int(eos_id))
+
+
+# --------------------------------------------------------------------------------------------
+# A tokenizer as the files transformers' AutoTokenizer reads (fourfold convert --to hf)
+
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+HF_SPECIAL_TOKENS = "special_tokens_map.json"
+
+
+def byte_level_hf_tokenizer():  # noqa: ANN201 (a tokenizers.Tokenizer)
+    """A `tokenizers.Tokenizer` that encodes as ByteTokenizer does: byte b of the UTF-8 text is
+    id b, EOS (<|endoftext|>) is 256. Byte-level pre-tokenization maps each byte to one
+    printable character, and a BPE without merges maps each character to its byte's id."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTok
+
+    hf = HFTok(models.BPE(vocab={char: byte for byte, char in _byte_characters().items()},
+                          merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([AddedToken(BPE_EOS, special=True)])
+    return hf
+
+
+def _byte_characters() -> dict[int, str]:
+    """Byte -> the character byte-level tokenizers write it as (GPT-2's table: printable
+    Latin-1 bytes stand for themselves, the others for characters from U+0100 on)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
+
+
+def write_hf_tokenizer(tokenizer: Tokenizer, directory: str | Path, model_max_length: int,
+                       chat_template: str | None = None,
+                       template_tokens: dict[str, str] | None = None) -> list[Path]:
+    """Write `tokenizer` as tokenizer.json, tokenizer_config.json and special_tokens_map.json,
+    which `transformers.AutoTokenizer.from_pretrained(directory)` loads to encode text to the
+    same ids (the byte tokenizer as byte_level_hf_tokenizer). fourfold's documents are
+    separated by EOS and nothing else, so EOS also serves as the BOS token (as in GPT-2), and
+    nothing is added around an encoded text. A `chat_template` (the one the run's chat data
+    was rendered with) goes into tokenizer_config.json with the special tokens it was
+    rendered with (`template_tokens`), so that apply_chat_template gives the same ids.
+    Returns the paths written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if isinstance(tokenizer, ByteTokenizer):
+        data = byte_level_hf_tokenizer().to_str(pretty=True).encode("utf-8")
+        eos = BPE_EOS
+    elif isinstance(tokenizer, HFTokenizer):
+        data = tokenizer.file_bytes()
+        eos = tokenizer.hf.id_to_token(tokenizer.eos_id)
+    else:
+        raise TypeError(f"cannot write {type(tokenizer).__name__} for transformers")
+    special = {"bos_token": eos, "eos_token": eos, **(template_tokens or {})}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special,
+              "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    files = {HF_FILE: data, HF_TOKENIZER_CONFIG: _json_bytes(config),
+             HF_SPECIAL_TOKENS: _json_bytes(special)}
+    for name, content in files.items():
+        with atomic_path(directory / name) as tmp:
+            tmp.write_bytes(content)
+    return [directory / name for name in files]
+
+
+def _json_bytes(obj: object) -> bytes:
+    return (json.dumps(obj, indent=2) + "\n").encode("utf-8")
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,7 +360,7 @@ def _load_hf_file(path: Path, spec: str, eos_id: int | None = None) -> HFTokeniz
         raise DataError(f"tokenizer = {spec!r}: cannot read {path} ({exc})") from None
     if eos_id is None:
         eos_id = _find_eos(hf, path)
-    return HFTokenizer(hf, spec=spec, eos_id=eos_id)
+    return HFTokenizer(hf, spec=spec, eos_id=eos_id, source=path)
 
 
 def _find_eos(hf, path: Path) -> int:  # noqa: ANN001 (HF type)

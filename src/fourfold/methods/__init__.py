@@ -39,6 +39,7 @@ def _builtin() -> dict[str, MethodSpec]:
 # The registry: the built-in methods, and those register_method adds. Only ever added to (a
 # key is never replaced), so a name means one method for the life of the process.
 _REGISTRY: dict[str, MethodSpec] = _builtin()
+BUILTIN_METHODS: tuple[str, ...] = tuple(_REGISTRY)  # those that come with fourfold
 
 
 def register_method(spec: MethodSpec) -> None:

@@ -96,8 +96,8 @@ def projected_sides(full_shape: tuple[int, ...], proj_type: str) -> tuple[str, .
     return (proj_type,)
 
 
-# its peak holds the logits at a batch worth a GPU: the output layer and the loss a block of
-# the vocabulary at a time (blocked_loss)
+# at a batch worth a GPU its peak holds the logits, which the blocked loss keeps to a block of
+# the vocabulary; at a few hundred tokens it comes later, with R
 METHODS = (MethodSpec("galore", GaLoreOptions, "fourfold.train.methods.galore:GaLore",
                       "fourfold.plan.methods.galore:GALORE", weight_decay=0.0,
                       blocked_loss=True, renamed={"galore_rank": "rank", "galore_gap": "gap"}),)

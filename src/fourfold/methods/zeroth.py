@@ -12,7 +12,7 @@ from fourfold.methods.base import MethodOptions, MethodSpec, at_least, positive
 if TYPE_CHECKING:
     from fourfold.config import TrainConfig
 
-# Seeded noise (train/methods/noise.py) is made a row block at a time: this many float32
+# Seeded noise (fourfold/noise.py) is made a row block at a time: this many float32
 # elements per temporary on a CPU (1 MiB: the generator's ~30 element-wise passes then run in
 # a core's L2 cache), and on an accelerator, where those passes cost their launches more
 # than their bytes, this many (16 MiB). The values do not depend on the chunking. Other

@@ -300,10 +300,12 @@ def write_adapter_run(pmodel: Any, cfg: Any, run_dir: str | Path, weights_path: 
                           base_model=cfg.model.init_from, tie_embeddings=tie)
 
 
-def export_base_and_adapter(cfg: Any, run_dir: str | Path, out_dir: str | Path) -> list[Path]:
+def export_base_and_adapter(cfg: Any, run_dir: str | Path, out_dir: str | Path,
+                            named: str | Path | None = None) -> list[Path]:
     """`fourfold convert RUN --to hf OUT` of an adapter run without --merge: OUT holds the
-    frozen base as a Hugging Face checkpoint (model.init_from's config.json and safetensors,
-    copied) and OUT/adapter the run's peft files, whose base_model_name_or_path is OUT."""
+    frozen base as a Hugging Face checkpoint (model.init_from's JSON and safetensors files,
+    copied) and OUT/adapter the run's peft files, whose base_model_name_or_path is `named`
+    (where OUT will be, when it is written elsewhere first), else OUT."""
     import shutil
 
     base, adapter = cfg.model.init_from, Path(run_dir) / "adapter"
@@ -326,7 +328,7 @@ def export_base_and_adapter(cfg: Any, run_dir: str | Path, out_dir: str | Path) 
         written.append(out / f.name)
     shutil.copy2(adapter / "adapter_model.safetensors", out / "adapter")
     config = json.loads((adapter / "adapter_config.json").read_text())
-    config["base_model_name_or_path"] = str(out)
+    config["base_model_name_or_path"] = str(out if named is None else named)
     (out / "adapter" / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return written + [out / "adapter" / "adapter_model.safetensors",
                       out / "adapter" / "adapter_config.json"]

@@ -18,6 +18,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fourfold.config import ModelConfig
+from fourfold.models.attention import PackedDocuments, packed_attention
 from fourfold.models.init import normal_block
 from fourfold.models.recompute import recompute_in_backward
 from fourfold.parallel.embedding import CrossEntropy
@@ -36,15 +37,40 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables (max_seq_len, head_dim) in the rotate-half layout that HF uses, with
-    the sign of rotate-half folded into sin: sin's first half is negated."""
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE's inverse frequencies (head_dim/2,), float64 on the CPU, stretched as
+    cfg.rope_scaling says, by the formulas of Hugging Face transformers' rope_type of that
+    name: "linear" divides every frequency by rope_factor; "llama3" divides those whose
+    wavelength exceeds rope_original_max_seq_len / rope_low_freq_factor by rope_factor, keeps
+    those shorter than rope_original_max_seq_len / rope_high_freq_factor, and blends the ones
+    between."""
+    head_dim = cfg.head_dim
     # on the CPU even inside a meta-device build: buffers are small and computed, not drawn
     cpu = torch.device("cpu")
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu)
-                                / head_dim))
-    t = torch.arange(max_seq_len, dtype=torch.float64, device=cpu)
-    freqs = torch.outer(t, inv_freq)  # (T, head_dim/2)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64,
+                                                       device=cpu) / head_dim))
+    factor = cfg.rope_factor
+    if cfg.rope_scaling == "linear":
+        return inv_freq / factor
+    if cfg.rope_scaling == "llama3":
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        context = cfg.rope_original_max_seq_len
+        wavelength = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+        smooth = (context / wavelength - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        between = (wavelength >= context / high) & (wavelength <= context / low)
+        return torch.where(between, blended, scaled)
+    return inv_freq
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (max_seq_len, head_dim) in the rotate-half layout that HF uses, with
+    the sign of rotate-half folded into sin: sin's first half is negated."""
+    head_dim = cfg.head_dim
+    cpu = torch.device("cpu")
+    t = torch.arange(cfg.max_seq_len, dtype=torch.float64, device=cpu)
+    freqs = torch.outer(t, rope_frequencies(cfg))  # (T, head_dim/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (T, head_dim)
     sign = torch.cat([-torch.ones(head_dim // 2, device=cpu),
                       torch.ones(head_dim // 2, device=cpu)]).double()
@@ -123,8 +149,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+                cache: KVCache | None = None, layer: int = 0,
+                documents: PackedDocuments | None = None) -> torch.Tensor:
         B, T, _ = x.shape
+        if documents is not None:  # packed rows: cos and sin are per position (B * T, 1, hd)
+            q = self.q_proj(x).view(B * T, -1, self.head_dim)  # (B * T, n_head, hd)
+            k = self.k_proj(x).view(B * T, -1, self.head_dim)  # (B * T, n_kv, hd)
+            v = self.v_proj(x).view(B * T, -1, self.head_dim)  # (B * T, n_kv, hd)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            y = packed_attention(q, k, v, documents)  # (B * T, n_head, hd)
+            return self.o_proj(y.reshape(B, T, -1))
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_head, T, hd)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
@@ -260,8 +294,9 @@ class Block(nn.Module):
         self.ffn = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = residual_add(x, self.attn(self.attn_norm(x), cos, sin, cache, layer))
+                cache: KVCache | None = None, layer: int = 0,
+                documents: PackedDocuments | None = None) -> torch.Tensor:
+        x = residual_add(x, self.attn(self.attn_norm(x), cos, sin, cache, layer, documents))
         return residual_add(x, self.ffn(self.ffn_norm(x)))
 
 
@@ -298,7 +333,7 @@ class Llama(nn.Module):
         # a block of the vocabulary at a time, never whole logits
         self.output_loss: nn.Module | None = None
         self.activation_checkpointing = False
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if not self.embed.weight.is_meta:
@@ -340,21 +375,36 @@ class Llama(nn.Module):
         return n
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, V), or per-token losses (B, T) when targets are given."""
+                cache: KVCache | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V), or per-token losses (B, T) when targets are given.
+
+        `documents` (B, T): the document of each position of packed rows, numbered in each row
+        (a loader batch's `documents`, on the host): attention stays inside each document and
+        positions restart at each (models/attention.py)."""
         B, T = tokens.shape
         start = cache.length if cache is not None else 0
         if start + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start + T} tokens is longer than max_seq_len "
                              f"{self.cfg.max_seq_len}")
-        cos = self.rope_cos[start:start + T]
-        sin = self.rope_sin[start:start + T]
+        packed = None
+        if documents is not None:
+            if cache is not None:
+                raise ValueError("packed documents and a KV cache do not go together")
+            packed = PackedDocuments.from_ids(documents, tokens.device)
+            if packed.one_per_row:  # plain causal rows: the unpacked path is the same
+                packed = None
+        if packed is not None:
+            cos, sin = packed.rope(self.rope_cos, self.rope_sin)  # (B * T, 1, hd)
+        else:
+            cos = self.rope_cos[start:start + T]
+            sin = self.rope_sin[start:start + T]
         h = self.embed(tokens)  # (B, T, dim)
         for i, layer in enumerate(self.layers):
             if self.activation_checkpointing and self.training and cache is None:
-                h = recompute_in_backward(layer, h, cos, sin)
+                h = recompute_in_backward(layer, h, cos, sin, None, i, packed)
             else:
-                h = layer(h, cos, sin, cache, i)
+                h = layer(h, cos, sin, cache, i, packed)
         h = self.norm(h)
         if targets is not None and self.output_loss is not None:
             return self.output_loss(h, self.output, targets)

@@ -4,7 +4,9 @@ group, records the bytes in the `CommLedger`, and turns a failure or timeout int
 
 Ledger convention (the planner predicts the same numbers): per rank, the bytes of the buffer
 handed to the collective — the input of an all-reduce or reduce-scatter, the output of an
-all-gather. A collective over an axis of size 1 is not issued and records nothing.
+all-gather. A collective over an axis of size 1 moves nothing and records nothing; it is issued
+only where the grid has a group for the axis all the same (a one-process run that forces the
+engine, Grid.build's `force_groups`, so that the backend's code runs), otherwise skipped.
 
 A caller may name a `wire_dtype`: the buffer is cast to it before the collective and the
 result cast back, so the ledger counts the cast buffer (what torch.distributed is handed).
@@ -134,6 +136,10 @@ class Comm:
             return self.grid.shape.tensor_size
         return self.grid.size(axis)  # type: ignore[arg-type]
 
+    def _record(self, ledger_axis: str, nbytes: int, axis: str) -> None:
+        if self._size(axis) > 1:  # a one-rank group's collective moves nothing
+            self.ledger.record(ledger_axis, nbytes)
+
     @staticmethod
     def _cast(t: torch.Tensor, wire_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.dtype]:
         """`t` in the caller's wire dtype, and the dtype the result goes back to."""
@@ -150,23 +156,24 @@ class Comm:
 
     def all_reduce(self, t: torch.Tensor, axis: str, op: str = "sum",
                    async_op: bool = False, wire_dtype: torch.dtype | None = None) -> Handle:
-        """Sum (or max) `t` over `axis` (sent as `wire_dtype` if given); the result is a tensor
-        of t's dtype (maybe t itself)."""
+        """Sum (or max) `t` over `axis` (sent as `wire_dtype` if given), in place: the result
+        is t."""
         group = self._group(axis)
-        if group is None or self._size(axis) == 1:
+        if group is None:
             return Handle(self, None, t, "all-reduce", axis)
-        t, result_dtype = self._cast(t, wire_dtype)
-        ledger_axis = "all" if axis == "tensor" else axis
-        self.ledger.record(ledger_axis, t.numel() * t.element_size())
-        buf, dtype = self._to_wire(t.contiguous())
-        dtype = result_dtype
+        source = t
+        t, _ = self._cast(t, wire_dtype)
+        self._record("all" if axis == "tensor" else axis, t.numel() * t.element_size(), axis)
+        buf, _ = self._to_wire(t.contiguous())
         reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
         try:
             work = dist.all_reduce(buf, op=reduce_op, group=group, async_op=True)
         except RuntimeError as e:
             raise self.error("all-reduce", axis, e) from None
+        # the result goes back into the caller's tensor: no second buffer of its dtype where
+        # the wire carried another (or a contiguous copy)
         handle = Handle(self, work, buf, "all-reduce", axis,
-                        finish=(lambda r: r.to(dtype)) if buf.dtype != dtype else None)
+                        finish=(lambda r: source.copy_(r)) if buf is not source else None)
         if not async_op:
             handle.wait()
         return handle
@@ -176,11 +183,11 @@ class Comm:
         # z's gathers (weight prefetch) have their own group: see Grid.gather_groups.
         group = self.grid.gather_group("z") if axis == "z" else self._group(axis)
         size = self._size(axis)
-        if group is None or size == 1:
+        if group is None:
             return Handle(self, None, t, "all-gather", axis)
         buf, dtype = self._to_wire(t.contiguous())
         out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=buf.dtype, device=t.device)
-        self.ledger.record(axis, out.numel() * t.element_size())
+        self._record(axis, out.numel() * t.element_size(), axis)
         try:
             work = _all_gather_tensor(out, buf, group)
         except RuntimeError as e:
@@ -194,7 +201,7 @@ class Comm:
     def all_gather_objects(self, obj: object, axis: str) -> list[object]:
         """Every rank's picklable `obj` over `axis`, in axis order (small things: reports)."""
         group = self._group(axis)
-        if group is None or self._size(axis) == 1:
+        if group is None:
             return [obj]
         out: list[object] = [None] * self._size(axis)
         try:
@@ -207,9 +214,9 @@ class Comm:
         """Sum `t` over `axis` and keep this rank's 1/size slice of dim 0 (in t's dtype)."""
         group = self._group(axis)
         size = self._size(axis)
-        if group is None or size == 1:
+        if group is None:
             return Handle(self, None, t, "reduce-scatter", axis)
-        self.ledger.record(axis, t.numel() * t.element_size())
+        self._record(axis, t.numel() * t.element_size(), axis)
         buf, dtype = self._to_wire(t.contiguous())
         out = torch.empty((t.shape[0] // size, *t.shape[1:]), dtype=buf.dtype, device=t.device)
         try:

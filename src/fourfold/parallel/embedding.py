@@ -243,8 +243,8 @@ def _block_logits(rows: torch.Tensor, w: torch.Tensor, output: nn.Module,
 class _OutputCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of h W^T, a block of the vocabulary at a time: neither pass
     holds logits-sized tensors. Forward sums each row's exponentials block by block (a running
-    maximum rescales the sum, as in an online softmax) and keeps h (which the output layer
-    keeps anyway) and each row's log-sum-exp; backward makes each block's logits again (one
+    maximum rescales the sum, as in an online softmax) and keeps h in the compute dtype (as
+    the output layer would) and each row's log-sum-exp; backward makes each block's logits again (one
     more GEMM, and one more all-reduce over x where the output layer's input is split over it),
     turns them into their gradient in place, writes that block's rows of dW and adds its share
     of dh. With a comm, the rows of W are this y-rank's vocabulary slice from vocab_start and
@@ -292,12 +292,14 @@ class _OutputCrossEntropy(torch.autograd.Function):
                 and keeps_output_block(w.numel() * w.element_size(),
                                        n * vocab * w.element_size(), n * vocab):
             ctx.kept_block = w  # the same rule as the output layer's own (Linear3D)
-        ctx.save_for_backward(h, weight if engine is None else None, lse, local, owned)
+        # h is kept as the GEMMs read it, in the compute dtype (rows, a view of h in float32)
+        ctx.h_shape, ctx.h_dtype = h.shape, h.dtype
+        ctx.save_for_backward(rows, weight if engine is None else None, lse, local, owned)
         return loss.view(targets.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        h, weight, lse, local, owned = ctx.saved_tensors
+        rows, weight, lse, local, owned = ctx.saved_tensors
         output: nn.Module = ctx.output
         engine: Engine | None = getattr(output, "engine", None)
         dtype = ctx.dtype
@@ -307,12 +309,11 @@ class _OutputCrossEntropy(torch.autograd.Function):
             w = (engine.gather_weight(output, "backward", dtype, kept=ctx.kept_block)
                  if engine is not None else weight).to(dtype)
             ctx.kept_block = None
-            rows = h.reshape(-1, h.shape[-1]).to(dtype)
             n, vocab = rows.shape[0], w.shape[0]
             g = grad.reshape(-1, 1).float()
             # dh sums over the blocks (float32); partial over y where the vocabulary is split
             # there, which the fan-out that made h sums
-            grad_h = torch.zeros(rows.shape, dtype=torch.float32, device=h.device) \
+            grad_h = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device) \
                 if need_h else None
             dw = None
             if need_w:
@@ -322,8 +323,8 @@ class _OutputCrossEntropy(torch.autograd.Function):
                 # float32 it raised a 2 x 2 LOMO rank's bfloat16 heap peak from about 52 to 55
                 # MB, small preset, 2 x 512 tokens: the engine's released buffer then lasts
                 # through the forward.)
-                dw = (engine.grad_buffer(tuple(w.shape), dtype, h.device) if engine is not None
-                      else torch.empty(w.shape, dtype=weight.dtype, device=h.device))
+                dw = (engine.grad_buffer(tuple(w.shape), dtype, rows.device) if engine is not None
+                      else torch.empty(w.shape, dtype=weight.dtype, device=rows.device))
             step = output_loss_columns(n)
             space = _block_space(rows, vocab, dtype, engine)
             for a in range(0, vocab, step):
@@ -344,7 +345,7 @@ class _OutputCrossEntropy(torch.autograd.Function):
                 elif dw is not None:
                     dw[a:a + step] = torch.matmul(d.t(), rows)
                 del d
-        grad_h = grad_h.to(h.dtype).view(h.shape) if grad_h is not None else None
+        grad_h = grad_h.to(ctx.h_dtype).view(ctx.h_shape) if grad_h is not None else None
         if engine is None:
             return grad_h, dw, None, None, None, None  # dw: in the weight's dtype already
         if dw is not None:

@@ -12,7 +12,8 @@ import os
 import socket
 import sys
 import uuid
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -23,6 +24,8 @@ import torch.distributed as dist
 from fourfold.errors import FourfoldError
 from fourfold.host import cores_available, threads_per_rank
 from fourfold.intmath import divisors
+from fourfold.slurm import (expand_counts, first_host, is_slurm_step,  # noqa: F401 (here
+                            local_task_count, slurm_port, slurm_rank_env)  # as they were)
 
 Axis = Literal["x", "y", "z", "data"]
 AXES: tuple[Axis, ...] = ("x", "y", "z", "data")  # the rank order, innermost first
@@ -134,6 +137,9 @@ class Grid:
     # operations in order, so a prefetching gather of the next layer's weights on z would
     # otherwise wait behind the reduce-scatter of this layer's gradient.
     gather_groups: dict[Axis, object] = field(default_factory=dict)
+    # every axis has a group, also where it has one rank (build's force_groups): the engine's
+    # collectives are issued on them, moving nothing, so that one process runs the backend's code
+    force_groups: bool = False
 
     @property
     def world_size(self) -> int:
@@ -167,9 +173,14 @@ class Grid:
 
     @classmethod
     def build(cls, shape: GridShape, device: torch.device | None = None,
-              timeout_s: float = 300.0) -> "Grid":
+              timeout_s: float = 300.0, *, force_groups: bool = False) -> "Grid":
         """Create the per-axis process groups; torch.distributed must be initialized.
-        A collective that waits longer than timeout_s fails (a rank died or hangs)."""
+        A collective that waits longer than timeout_s fails (a rank died or hangs).
+        `force_groups`: a group for every axis, also of one rank (a one-rank job that runs the
+        engine's collectives: parallel.engine = "always")."""
+        if force_groups and not dist.is_initialized():
+            raise GridError("a grid with a group for every axis needs torch.distributed "
+                            "initialized (init_distributed(..., one_rank_group=True))")
         if not dist.is_initialized():
             if shape.size != 1:
                 raise GridError(f"grid {shape} needs {shape.size} ranks, but this is a single "
@@ -185,19 +196,43 @@ class Grid:
         # keeps group creation with local synchronisation free of deadlocks).
         wanted: list[tuple[str, list[list[int]]]] = [(a, shape.axis_groups(a)) for a in AXES]
         wanted += [("tensor", tensor_groups), ("z-gather", shape.axis_groups("z"))]
-        made = _make_groups(wanted, rank, timeout)
+        made = _make_groups(wanted, rank, timeout, force_groups)
         groups: dict[Axis, object] = {axis: made[axis] for axis in AXES if made.get(axis)}
         gather_groups: dict[Axis, object] = {"z": made["z-gather"]} if made.get("z-gather") else {}
         return cls(shape=shape, rank=rank, device=device or torch.device("cpu"),
                    backend=dist.get_backend(), groups=groups, tensor_group=made.get("tensor"),
-                   world_group=dist.group.WORLD if world > 1 else None,
-                   gather_groups=gather_groups)
+                   world_group=dist.group.WORLD if world > 1 or force_groups else None,
+                   gather_groups=gather_groups, force_groups=force_groups)
+
+
+# The groups of the tensor axes carry the layers' own collectives, which the next GEMM waits for
+# (x, y: the output and input-gradient all-reduces; z: the weight gathers, prefetched one layer
+# ahead, and the weight-gradient reduce-scatters; the tensor group: the gradient norm). On NCCL
+# their streams are made with high priority, so that the GPU's block scheduler runs their
+# kernels ahead of the GEMMs they overlap (as Megatron-LM and torchtitan do for the groups
+# whose traffic is on the critical path); the data axis's all-reduce runs behind the backward
+# and keeps normal priority.
+HIGH_PRIORITY_GROUPS = ("x", "y", "z", "tensor", "z-gather")
+
+
+def group_options(name: str, backend: str) -> dict[str, bool]:
+    """The options a grid's process group `name` (an axis, "tensor" or "z-gather") is made
+    with on `backend`, as keyword arguments of ProcessGroupNCCL.Options (none elsewhere)."""
+    if backend == "nccl" and name in HIGH_PRIORITY_GROUPS:
+        return {"is_high_priority_stream": True}
+    return {}
+
+
+def _pg_options(options: dict[str, bool]) -> object | None:
+    if not options:
+        return None
+    return dist.ProcessGroupNCCL.Options(**options)
 
 
 def _make_groups(wanted: list[tuple[str, list[list[int]]]], rank: int,
-                 timeout: datetime.timedelta) -> dict[str, object]:
+                 timeout: datetime.timedelta, force_groups: bool = False) -> dict[str, object]:
     """name -> this rank's process group among each partition of the ranks (None where its
-    part has one rank).
+    part has one rank, unless `force_groups`), made with `group_options`.
 
     `new_group` for every group on every rank costs one world-wide store barrier per group:
     O(world / group size) groups per axis, each waited on by all ranks, so starting thousands
@@ -206,21 +241,25 @@ def _make_groups(wanted: list[tuple[str, list[list[int]]]], rank: int,
     partition), otherwise a `new_group` of its own part that only that part's ranks synchronise.
     """
     default = dist.distributed_c10d._get_default_group()
+    backend = dist.get_backend()
     can_split = (getattr(default, "bound_device_id", None) is not None
-                 and dist.get_backend() == "nccl" and hasattr(dist, "split_group"))  # torch 2.5+
+                 and backend == "nccl" and hasattr(dist, "split_group"))  # torch 2.5+
     made: dict[str, object] = {}
     for name, parts in wanted:
-        if all(len(part) == 1 for part in parts):
+        if all(len(part) == 1 for part in parts) and not force_groups:
             continue
         mine = next(part for part in parts if rank in part)
+        wanted_here = len(mine) > 1 or force_groups
+        options = _pg_options(group_options(name, backend))
         if can_split:
-            group = dist.split_group(split_ranks=parts, timeout=timeout,
+            group = dist.split_group(split_ranks=parts, timeout=timeout, pg_options=options,
                                      group_desc=f"fourfold_{name}")
-            made[name] = group if len(mine) > 1 else None
-        elif len(mine) > 1:
+            made[name] = group if wanted_here else None
+        elif wanted_here:
             # The group's name hashes its ranks and how many groups this process has: the
             # same on every member, since every rank makes one group per partition.
-            made[name] = dist.new_group(mine, timeout=timeout, use_local_synchronization=True,
+            made[name] = dist.new_group(mine, timeout=timeout, pg_options=options,
+                                        use_local_synchronization=True,
                                         group_desc=f"fourfold_{name}")
     if not can_split and made:
         # Locally synchronised groups let a rank leave while a peer still connects its groups
@@ -232,11 +271,14 @@ def _make_groups(wanted: list[tuple[str, list[list[int]]]], rank: int,
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = 300.0, *,
-                     device: str = "auto") -> tuple[int, int, torch.device]:
+                     device: str = "auto", one_rank_group: bool = False
+                     ) -> tuple[int, int, torch.device]:
     """Join the job described by torchrun (RANK, WORLD_SIZE, MASTER_ADDR) or Slurm (SLURM_*)
-    variables; a no-op on a single process. Returns (rank, world_size, device). Backend "auto"
-    is gloo for a run asked to use the CPU (`device`, as in train.device), otherwise NCCL when
-    CUDA is there and gloo when not. Ranks that cannot meet within timeout_s raise a
+    variables; a no-op on a single process unless `one_rank_group`, which makes it a job of one
+    rank (parallel.engine = "always": the engine's collectives then reach the backend).
+    Returns (rank, world_size, device). Backend "auto" is gloo for a run asked to use the CPU
+    (`device`, as in train.device), otherwise NCCL when CUDA is there and gloo when not. An
+    NCCL rank sets `nccl_environment` first. Ranks that cannot meet within timeout_s raise a
     RendezvousError (one line)."""
     if backend == "auto" and device == "cpu":
         backend = "gloo"
@@ -244,7 +286,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, *,
     if "RANK" not in env:
         env.update(slurm_rank_env(env))
     world = int(env.get("WORLD_SIZE", "1"))
-    if world == 1 and not dist.is_initialized():
+    if world == 1 and not dist.is_initialized() and not one_rank_group:
         device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
         return 0, 1, device
     local_rank = int(env.get("LOCAL_RANK", "0"))
@@ -253,6 +295,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, *,
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     bound: torch.device | None = None
     if backend == "nccl":
+        set_nccl_environment(env)  # before the rank's CUDA context exists (set_device makes it)
         index = cuda_index(local_rank, local_world, torch.cuda.device_count())
         torch.cuda.set_device(index)
         device = bound = torch.device("cuda", index)
@@ -260,87 +303,48 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, *,
         device = torch.device("cpu")
         torch.set_num_threads(threads_for_rank(env, local_world or world))
     if not dist.is_initialized():
+        # one process on its own meets no one: an in-process store stands in for the rendezvous
+        alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} \
+            if world == 1 and "MASTER_ADDR" not in env else {}
         try:
             # device_id binds the communicator to the device now, which lets Grid.build split
             # it instead of creating each group from scratch.
             dist.init_process_group(backend=backend, device_id=bound,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+                                    timeout=datetime.timedelta(seconds=timeout_s), **alone)
         except (RuntimeError, ValueError) as error:  # DistStoreError, DistNetworkError
             raise rendezvous_error(error, env, timeout_s) from None
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def slurm_rank_env(env: Mapping[str, str]) -> dict[str, str]:
-    """torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT) for a task of a Slurm job step of several tasks; {} for anything else.
-
-    The step's variables decide, not the job's: a batch script sees SLURM_PROCID = 0 and
-    SLURM_NTASKS = 4 of its job, but it is one process, not rank 0 of 4; and a step
-    (`srun -N1 -w n2` inside a two-node job) runs on its own nodes with its own task count.
-    MASTER_ADDR and MASTER_PORT already set (by the user) are kept.
-    """
-    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "0") or 0)
-    if not is_slurm_step(env) or tasks <= 1 or "SLURM_PROCID" not in env:
-        return {}
-    local = local_task_count(env)
-    out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": str(tasks),
-           "LOCAL_RANK": env.get("SLURM_LOCALID", "0"), "LOCAL_WORLD_SIZE": str(local),
-           "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(
-               env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-               or env.get("SLURM_NODELIST") or "localhost"),
-           "MASTER_PORT": env.get("MASTER_PORT") or str(slurm_port(
-               int(env.get("SLURM_JOB_ID", "0") or 0), int(env.get("SLURM_STEP_ID", "0") or 0)))}
-    return out
+# CUDA_DEVICE_MAX_CONNECTIONS = 1: one hardware queue from the host to the GPU, so that kernels
+# start in the order they are issued, whatever their stream. The engine issues each collective
+# before the GEMMs it should run under (the input-gradient all-reduce before the weight-gradient
+# GEMMs, the next layer's z gather before this layer's GEMM, a bucket's all-reduce before the
+# next layers' backward); with several queues a GEMM issued later may take every SM first and
+# the collective waits for it. Megatron-LM requires the setting for its tensor parallelism,
+# whose overlap is the same (up to Hopper; from Blackwell on it no longer asks for it);
+# torchtitan, whose FSDP relies on several copy streams, leaves the variable alone, and so does
+# fourfold where the user has set it.
+NCCL_ENVIRONMENT = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
-# Step ids Slurm reserves (the batch script, the extern and interactive steps, a pending step);
-# none of them is a step of tasks that srun started.
-_SPECIAL_STEPS = {"4294967290", "4294967291", "4294967292", "4294967293", "4294967294",
-                  "batch", "extern", "interactive"}
+def nccl_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables an NCCL rank sets for itself: those of NCCL_ENVIRONMENT not in `env`."""
+    return {k: v for k, v in NCCL_ENVIRONMENT.items() if k not in env}
 
 
-def is_slurm_step(env: Mapping[str, str]) -> bool:
-    """Whether this process is a task that srun started (not a batch script or salloc shell)."""
-    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
-    return step is not None and step not in _SPECIAL_STEPS and "SLURM_STEP_NUM_TASKS" in env
-
-
-def slurm_port(job_id: int, step_id: int) -> int:
-    """A rendezvous port for one step of one job, in 10000-32750 (below Linux's ephemeral
-    ports). Steps of one job, and jobs whose ids differ by less than about 350, never get the
-    same port (the key job*64 + step taken modulo a prime)."""
-    return 10000 + (job_id * 64 + step_id % 64) % 22751
-
-
-def local_task_count(env: Mapping[str, str]) -> int:
-    """Tasks of this step on this node: SLURM_STEP_TASKS_PER_NODE ("2(x3),1") at this node's
-    index, else the global task ids listed for this node, else the job's tasks per node."""
-    per_node = expand_counts(env.get("SLURM_STEP_TASKS_PER_NODE", ""))
-    node = int(env.get("SLURM_NODEID", "0") or 0)
-    if 0 <= node < len(per_node):
-        return per_node[node]
-    if env.get("SLURM_GTIDS"):
-        return len(env["SLURM_GTIDS"].split(","))
-    return int(env.get("SLURM_NTASKS_PER_NODE", "1") or 1)
-
-
-def expand_counts(text: str) -> list[int]:
-    """Slurm's compressed counts: "2(x3),1" -> [2, 2, 2, 1]; "" -> []."""
-    counts: list[int] = []
-    for item in filter(None, text.split(",")):
-        value, _, repeat = item.partition("(x")
-        counts += [int(value)] * (int(repeat.rstrip(")")) if repeat else 1)
-    return counts
-
-
-def first_host(nodelist: str) -> str:
-    """The first name of a Slurm node list: "gpu[07-09,12],cpu1" -> "gpu07"."""
-    head, _, rest = nodelist.strip().partition("[")
-    if "," in head or not rest:
-        return head.split(",")[0]
-    first = rest.split(",")[0].split("-")[0].rstrip("]")
-    suffix = rest.split("]", 1)[1].split(",")[0] if "]" in rest else ""
-    return head + first + suffix
+def set_nccl_environment(env: MutableMapping[str, str]) -> None:
+    """Set `nccl_environment` in `env` (os.environ). The CUDA driver reads them when the
+    process's CUDA context is made: where CUDA is initialised already they come too late,
+    which is said once, loudly, rather than left to show as lost overlap."""
+    missing = nccl_environment(env)
+    if not missing:
+        return
+    env.update(missing)
+    if torch.cuda.is_initialized():
+        warnings.warn(f"{', '.join(f'{k}={v}' for k, v in missing.items())} was set after CUDA "
+                      "was initialised in this process and may not take effect; set it before "
+                      "the process starts", stacklevel=3)
 
 
 def threads_for_rank(env: Mapping[str, str], local_world: int, cores: int | None = None) -> int:

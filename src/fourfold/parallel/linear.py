@@ -129,14 +129,17 @@ class _Linear3DFunction(torch.autograd.Function):
         dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             w = engine.gather_weight(module, "forward", dtype)  # (out_local, in_local)
+            xc = x.to(dtype)  # what the GEMMs read, and what backward keeps (see below)
             # partial sums over in_axis, all-reduced
-            y = _forward_gemm(engine, x.to(dtype), w.to(dtype), module.in_axis)
+            y = _forward_gemm(engine, xc, w.to(dtype), module.in_axis)
         ctx.module, ctx.dtype, ctx.x_dtype = module, dtype, x.dtype
         ctx.kept_block = None
         if engine.is_last(module) and engine.comm.grid.size("z") > 1 and keeps_output_block(
                 w.numel() * w.element_size(), y.numel() * y.element_size(), y.numel()):
             ctx.kept_block = w  # its backward comes next: no second gather
-        # a frozen weight needs no dW, so its input is not kept for backward
+        # a frozen weight needs no dW, so its input is not kept for backward; a trainable one's
+        # is kept in the compute dtype, which the dW GEMM reads (under autocast a float32
+        # residual-stream input is kept at half its bytes and not cast again in backward)
         ctx.recompute_fn = None
         if not ctx.needs_input_grad[1]:
             ctx.save_for_backward(None)
@@ -144,7 +147,7 @@ class _Linear3DFunction(torch.autograd.Function):
             ctx.recompute_fn = recompute[0]
             ctx.save_for_backward(*recompute[1])
         else:
-            ctx.save_for_backward(x)
+            ctx.save_for_backward(xc)
         return y
 
     @staticmethod
@@ -166,7 +169,7 @@ class _Linear3DFunction(torch.autograd.Function):
                 grad_in = engine.matmul("input_grad", dy, w.to(dtype)).to(ctx.x_dtype)
 
             def weight_grad() -> None:
-                block = engine.matmul("weight_grad", dy, x.to(dtype))
+                block = engine.matmul("weight_grad", dy, x.to(dtype))  # kept in dtype: no copy
                 engine.reduce_scatter_weight_grad(module.weight, block)
 
             if x is not None:  # None: the weight is frozen (no GEMM, no reduce-scatter)
@@ -295,10 +298,12 @@ class _FusedLinear3DFunction(torch.autograd.Function):
         dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             w = engine.gather_weight(group, "forward", dtype)  # (sum of out_local, in_local)
-            y = _forward_gemm(engine, x.to(dtype), w.to(dtype), group.in_axis)
+            xc = x.to(dtype)
+            y = _forward_gemm(engine, xc, w.to(dtype), group.in_axis)
         ctx.group, ctx.dtype, ctx.x_dtype = group, dtype, x.dtype
-        # frozen members need no dW: with all of them frozen the input is not kept
-        ctx.save_for_backward(x if any(ctx.needs_input_grad[2:]) else None)
+        # frozen members need no dW: with all of them frozen the input is not kept; else it is
+        # kept in the compute dtype, as Linear3D's
+        ctx.save_for_backward(xc if any(ctx.needs_input_grad[2:]) else None)
         return tuple(y.split(group.rows, dim=-1))
 
     @staticmethod
@@ -319,12 +324,12 @@ class _FusedLinear3DFunction(torch.autograd.Function):
 
             def weight_grad() -> None:
                 if all(trainable):
-                    block = engine.matmul("weight_grad", dy, x.to(dtype))
+                    block = engine.matmul("weight_grad", dy, x)
                     blocks = list(block.split(group.rows))
                     params = [m.weight for m in group.members]
                 else:  # only the trainable members' rows: a frozen weight runs no dW GEMM
                     rows = dy.split(group.rows, dim=-1)
-                    blocks = [engine.matmul("weight_grad", d.contiguous(), x.to(dtype))
+                    blocks = [engine.matmul("weight_grad", d.contiguous(), x)
                               for d, t in zip(rows, trainable) if t]
                     params = [m.weight for m, t in zip(group.members, trainable) if t]
                 engine.reduce_scatter_weight_grads(params, blocks)

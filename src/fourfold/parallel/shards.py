@@ -10,6 +10,18 @@ Streaming: the owners of a tensor's blocks (one rank per distinct block: coordin
 axes that replicate it) send them to the destination rank, which assembles the full tensor on
 the CPU. Peak memory there is about the largest tensor; the other ranks send from their
 parameters and hold nothing extra.
+
+While the destination writes a tensor (as long as its file system takes), no other rank may
+have a collective waiting on it: a send, or whatever a rank would queue after its last one,
+is failed by the backend's timeout (NCCL's watchdog aborts the job) once a write outlasts
+parallel.timeout_s. So every hand-off waits outside the backend, on the job's key-value store
+(`WriterHandoff`): the owners of tensor i send once the destination has written tensor i - 1,
+and every rank leaves the stream once the destination has written the last one (and closed
+and renamed its file: safetensors_stream.write_streamed ends the stream after that), through
+a barrier that no one waits at for long. The
+destination receives the next tensor only after writing the last, so its memory stays at one
+tensor; an acknowledgement or a barrier through the backend would itself be a collective
+waiting on the write.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fourfold.parallel.comm import CollectiveError
 from fourfold.parallel.grid import Grid, GridError
 from fourfold.parallel.layout import REPLICATED, Layout
 from fourfold.safetensors_stream import TensorSpec
@@ -78,32 +91,95 @@ def _persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def stream_full(module: nn.Module, layouts: dict[str, Layout], grid: Grid, dst: int = 0
                 ) -> Iterator[tuple[TensorSpec, torch.Tensor | None]]:
     """Each full tensor of `full_specs`, one at a time: on rank `dst` the whole tensor on the
-    CPU, on the other ranks None. Collective: every rank must run the iterator to its end."""
+    CPU, on the other ranks None. Collective: every rank must run the iterator to its end; on
+    rank `dst` the caller's work between two items (writing the tensor) is waited for by the
+    others outside the backend (see the module docstring)."""
     shape = grid.shape
-    for spec, tensor in zip(full_specs(module, layouts, grid), _tensors(module)):
-        layout = layouts.get(spec.name, REPLICATED)
-        if grid.world_size == 1:
+    specs = full_specs(module, layouts, grid)
+    if grid.world_size == 1:
+        for spec, tensor in zip(specs, _tensors(module)):
             yield spec, tensor.detach().to("cpu")
-            continue
-        out = torch.empty(spec.shape, dtype=spec.dtype) if grid.rank == dst else None
-        split = layout.split_axes
-        ranges = [range(getattr(shape, a)) if a in split else range(1) for a in _AXIS_ORDER]
-        for values in itertools.product(*ranges):
-            coords = dict(zip(_AXIS_ORDER, values))
-            owner = shape.rank_of(coords)
-            index = layout.block_index(spec.shape, shape, coords)
-            if owner == grid.rank == dst:
-                out[index] = tensor.detach().cpu()  # type: ignore[index]
-            elif grid.rank == owner:
-                dist.send(tensor.detach().contiguous(), dst)
-            elif grid.rank == dst:
-                block = torch.empty(tuple(s.stop - s.start for s in index), dtype=spec.dtype,
-                                    device=grid.device)
-                dist.recv(block, owner)
-                out[index] = block.cpu()  # type: ignore[index]
-                del block
-        yield spec, out
-        del out  # before the next tensor is allocated: one full tensor at a time
+        return
+    handoff = WriterHandoff(grid, dst)
+    written = -1  # the last tensor rank dst has written
+    try:
+        for i, (spec, tensor) in enumerate(zip(specs, _tensors(module))):
+            layout = layouts.get(spec.name, REPLICATED)
+            out = torch.empty(spec.shape, dtype=spec.dtype) if grid.rank == dst else None
+            split = layout.split_axes
+            ranges = [range(getattr(shape, a)) if a in split else range(1) for a in _AXIS_ORDER]
+            for values in itertools.product(*ranges):
+                coords = dict(zip(_AXIS_ORDER, values))
+                owner = shape.rank_of(coords)
+                index = layout.block_index(spec.shape, shape, coords)
+                if owner == grid.rank == dst:
+                    out[index] = tensor.detach().cpu()  # type: ignore[index]
+                elif grid.rank == owner:
+                    handoff.wait_written(i - 1)
+                    dist.send(tensor.detach().contiguous(), dst)
+                elif grid.rank == dst:
+                    block = torch.empty(tuple(s.stop - s.start for s in index),
+                                        dtype=spec.dtype, device=grid.device)
+                    dist.recv(block, owner)
+                    out[index] = block.cpu()  # type: ignore[index]
+                    del block
+            yield spec, out
+            del out  # before the next tensor is allocated: one full tensor at a time
+            if grid.rank == dst:
+                handoff.written(i)
+            written = i
+        handoff.finish(len(specs) - 1)
+    finally:
+        if grid.rank == dst and written < len(specs) - 1:
+            handoff.abandon(written + 1, len(specs))  # the writer failed: no one waits on
+
+
+class WriterHandoff:
+    """The hand-offs of a streamed export between its writer (rank `dst`) and the other
+    ranks, through the job's key-value store (the one torch.distributed met through): the
+    writer marks each tensor written; a rank waits for a mark as long as the writer takes,
+    since the wait is no collective that a timeout fails. The export ends with a barrier once
+    every rank has seen the last mark (quick then: no one waits on a write any more), so that
+    the writer, which may serve the store, outlives the others' last look at it. If the writer
+    stops early it marks the rest abandoned and the waiting ranks raise; a writer that dies
+    ends the job through its launcher (torchrun stops every rank) or the store it served."""
+
+    def __init__(self, grid: Grid, dst: int) -> None:
+        self.grid, self.dst = grid, dst
+        self.store = dist.distributed_c10d._get_default_store()
+        # every rank runs every export, so each one's count of them names this one alike
+        count = self.store.add(f"fourfold/exports/rank{grid.rank}", 1)
+        self.prefix = f"fourfold/export{count}"
+
+    def written(self, index: int) -> None:
+        self.store.set(f"{self.prefix}/{index}", "written")
+
+    def abandon(self, first: int, end: int) -> None:
+        for index in range(first, end):
+            self.store.set(f"{self.prefix}/{index}", "abandoned")
+
+    def wait_written(self, index: int) -> None:
+        """Wait until the writer has written tensor `index` (-1: nothing to wait for)."""
+        if index < 0 or self.grid.rank == self.dst:
+            return
+        stopped = (f"rank {self.grid.rank}: the streamed export's writer (rank {self.dst}) "
+                   f"stopped at tensor {index}")
+        while True:
+            try:
+                # waits for the key up to the store's timeout; the writer may take longer
+                mark = self.store.get(f"{self.prefix}/{index}")
+                break
+            except dist.DistStoreError:  # the store's timeout ran out: still writing
+                continue
+            except dist.DistNetworkError:  # the store went with the writer's process
+                raise CollectiveError(f"{stopped} and is gone; see its log") from None
+        if mark != b"written":
+            raise CollectiveError(f"{stopped}; see its log")
+
+    def finish(self, last: int) -> None:
+        """Every rank: wait until the writer has written tensor `last`, then meet."""
+        self.wait_written(last)
+        dist.barrier()
 
 
 _AXIS_ORDER = ("data", "z", "y", "x")

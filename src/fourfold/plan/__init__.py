@@ -2,7 +2,8 @@
 laws. It reads model configs and grid shapes, and never imports the trainer."""
 
 from fourfold.plan.errors import PlanError
-from fourfold.plan.machines import DEVICES, MACHINE_NAMES, Device, Machine, Network, load_machine
+from fourfold.plan.catalog import DEVICES, MACHINE_NAMES, Device, Machine, Network
+from fourfold.plan.machine_file import load_machine
 from fourfold.plan.memory import MemoryBreakdown, Precision, predict_memory, predict_param_memory
 from fourfold.plan.perf import Overlap, StepPrediction, predict_step
 from fourfold.plan.schedule import Collective, collective_schedule, predict_comm_bytes

@@ -15,21 +15,26 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import shlex
 import sys
 from pathlib import Path
 
-from fourfold.config import (PRESETS, ConfigError, ModelConfig, TrainConfig, load_config,
-                             model_config)
+from fourfold.config import (PRESETS, Config, ConfigError, ModelConfig, TrainConfig,
+                             load_config, model_config)
 from fourfold.errors import FourfoldError
+from fourfold.methods import method_names
 from fourfold.parsing import ArgumentParser
 from fourfold.parallel.grid import AXES, RANK_ORDER
 from fourfold.plan.errors import PlanError
-from fourfold.plan.machines import GIB, Machine, load_machine
+from fourfold.plan.catalog import DEVICES, GIB, Machine, match_name
+from fourfold.plan.machine_file import load_machine
 from fourfold.plan.perf import Overlap
 from fourfold.plan.scaling import (count_params, data_constrained_optimum, dataset_tokens,
                                    dataset_vocab_size, format_count, get_law, model_for_params,
                                    training_config)
-from fourfold.plan.search import OPTIMIZERS, Plan, model_label, plan
+from fourfold.plan.search import (Candidate, Plan, grid_problem, grid_shapes,
+                                  model_label, plan)
 from fourfold.plan.sweep import format_sweep, gpu_counts, plot_sweep, run_sweep
 
 
@@ -47,12 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="fourfold plan", description="Predict time and memory of every 4D "
                 "configuration and pick the best; scaling-law answers; weak-scaling sweeps.",
                        usage_error=PlanError)
-    p.add_argument("--model", help="a preset (" + ", ".join(PRESETS) + ") or a CONFIG.toml")
+    p.add_argument("--model", help="a preset (" + ", ".join(PRESETS) + "; any case, e.g. "
+                   "70B) or a CONFIG.toml")
     p.add_argument("--gpus", type=int, help="GPU count (for --sweep: the largest)")
-    p.add_argument("--machine", help="preset (perlmutter, frontier, alps, dgx-h100, cpu), a "
-                   "device name, or a MACHINE.toml")
+    p.add_argument("--machine", help="a preset (perlmutter, frontier, alps, dgx-h100, cpu: "
+                   "this host, probed), a device (" + ", ".join(DEVICES) + "; any case, short "
+                   "names such as h100, a100, mi250x), or a MACHINE.toml (default: cpu)")
     p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: "
-                   "the config's train.batch_size, else about 1M tokens on GPUs)")
+                   "the config's train.batch_size, else 2^20 tokens (about 1M) on GPUs and "
+                   "2^14 on cpu, whatever the GPU count: the nearest batch a grid can split)")
     p.add_argument("--seq", type=int, help="sequence length (default: the config's "
                    "train.seq_len, else the model's max_seq_len)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
@@ -67,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parallel.overlap_forward: forward GEMMs in two token halves, one "
                    "half's output all-reduce under the other's GEMM (auto: the faster per grid)")
     p.add_argument("--optimizer", help="train.optimizer whose step, gradients and state the "
-                   "time and memory columns model: " + ", ".join(OPTIMIZERS) + " (default: the "
+                   "time and memory columns model: " + ", ".join(method_names()) + " (default: the "
                    "config's train.optimizer, else adamw)")
     p.add_argument("--top", type=int, default=10, help="rows to show (0: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -101,9 +109,11 @@ def resolve_model(spec: str) -> tuple[ModelConfig, int | None, int | None, Train
     train.batch_size, train.seq_len and its [train] table, None for a preset). A file whose
     model keys change its preset's shape describes another model: its preset reads "custom",
     not the name it started from."""
-    if spec in PRESETS:
-        return model_config(spec), None, None, None
     path = Path(spec)
+    preset = None if path.suffix == ".toml" or os.sep in spec else \
+        match_name(spec, tuple(PRESETS), "model")
+    if preset is not None:
+        return model_config(preset), None, None, None
     if path.suffix == ".toml" or path.is_file() or path.is_dir():
         try:
             cfg = load_config(path)
@@ -121,33 +131,50 @@ def resolve_model(spec: str) -> tuple[ModelConfig, int | None, int | None, Train
 
 def resolve_train(optimizer: str | None, config_train: TrainConfig | None) -> TrainConfig:
     """The train config whose optimizer the memory is planned for: --optimizer over the
-    config file's train.optimizer (keeping its block_sparsity, galore_rank), else adamw."""
-    if optimizer is not None and optimizer not in OPTIMIZERS:
-        raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    config file's train.optimizer (keeping its [train.method] options), else adamw."""
+    if optimizer is not None and optimizer not in method_names():
+        raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(method_names())}")
     if config_train is None:
         return TrainConfig(optimizer=optimizer or "adamw")
     return dataclasses.replace(config_train, optimizer=optimizer or config_train.optimizer)
 
 
-def _default_batch(world: int, seq_len: int, machine: Machine) -> int:
-    target = 2**14 if machine.device.shared_host else 2**20  # tokens per step
-    return world * max(1, target // (seq_len * world))
+# The global batch when neither --global-batch nor a config gives one: a number of tokens, not
+# of GPUs, since the batch is a training choice (what the optimizer sees) and not a hardware
+# one. On a host's cores (cpu) a smaller one: its runs are small.
+DEFAULT_BATCH_TOKENS = 2**20
+DEFAULT_HOST_BATCH_TOKENS = 2**14
+
+
+def default_batch(model: ModelConfig, world: int, seq_len: int, machine: Machine,
+                  optimizer: str) -> int:
+    """Sequences per step by default: of the batches within a factor of two of
+    DEFAULT_BATCH_TOKENS tokens (on a shared host DEFAULT_HOST_BATCH_TOKENS), the nearest one
+    that some grid of `world` ranks can split (3 GPUs take 129 sequences of 8192 tokens, not
+    128); at least one sequence."""
+    tokens = DEFAULT_HOST_BATCH_TOKENS if machine.device.shared_host else DEFAULT_BATCH_TOKENS
+    target = max(1, tokens // seq_len)
+    shapes = grid_shapes(world)
+    nearest = sorted(range(max(1, target // 2), 2 * target + 1),
+                     key=lambda b: (abs(math.log(b / target)), b))
+    return next((b for b in nearest
+                 if any(grid_problem(model, s, b, optimizer) is None for s in shapes)), target)
 
 
 # --------------------------------------------------------------------------------------------
 # Output
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}" if seconds < 10 else f"{seconds:.1f}s"
+def time_unit(seconds: list[float]) -> tuple[str, float, int]:
+    """One unit for every time column of a table (name, scale from seconds, decimals): seconds
+    when its longest step takes 10 s or more, else milliseconds."""
+    return ("s", 1.0, 2) if max(seconds, default=0.0) >= 10 else ("ms", 1e3, 1)
 
 
-def describe_model(model: ModelConfig, spec: str | None = None) -> str:
+def describe_model(model: ModelConfig, config_path: str | None = None) -> str:
     """How the plan names a model: its preset, or "custom", with the config file it came from."""
     label = model_label(model)
-    if spec is None or spec in PRESETS:
-        return label
-    return f"{label} ({Path(spec).name})"
+    return label if config_path is None else f"{label} ({Path(config_path).name})"
 
 
 def _placement(machine: Machine, world: int) -> str:
@@ -157,27 +184,32 @@ def _placement(machine: Machine, world: int) -> str:
     return f"{machine.gpus_per_node} per node"
 
 
-def format_plan(result: Plan, top: int, model_name: str | None = None) -> str:
+def format_plan(result: Plan, top: int, model_name: str | None = None,
+                command: str | None = None) -> str:
+    """The plan as a table, best first; under it `command` (the line that runs the top row,
+    `train_command`) when the top row fits, else why nothing fits and what would."""
     m, model = result.machine, result.model
     rows = result.candidates if top <= 0 else result.candidates[:top]
-    header = [f"model {model_name or describe_model(model)} ({format_count(count_params(model))} params, "
-              f"{model.n_layers} layers, dim {model.dim}) on {result.world_size} x "
+    unit, scale, decimals = time_unit([c.prediction.step_s for c in rows])
+    per = "rank" if m.device.shared_host else "GPU"
+    tokens = result.global_batch * result.seq_len
+    header = [f"model {model_name or describe_model(model)} ({format_count(count_params(model))} "
+              f"params, {model.n_layers} layers, dim {model.dim}) on {result.world_size} x "
               f"{m.device.name} ({m.name}: {_placement(m, result.world_size)}, "
-              f"{result.machine.usable_memory_bytes(result.world_size) / GIB:.1f} GiB usable "
-              "per rank)",
-              f"batch {result.global_batch} x {result.seq_len} tokens, {result.precision.name}; "
-              f"{len(result.candidates)} grids, {len(result.rejected)} cannot split the model; "
-              f"comm columns: ms per step (hidden %); red: parallel.reduce_dtype, ovf: "
-              "parallel.overlap_forward",
+              f"{m.usable_memory_bytes(result.world_size) / GIB:.1f} GiB usable per {per})",
+              f"batch {result.global_batch} x {result.seq_len} tokens ({format_count(tokens)}), "
+              f"{result.precision.name}; {len(result.candidates)} grids, "
+              f"{len(result.rejected)} cannot split the model; comm columns: {unit} per step "
+              "(hidden %); red: parallel.reduce_dtype, ovf: parallel.overlap_forward",
               "ranked by predicted step time (so by MFU: model FLOPs, 6N + attention per token); "
               "HFU also counts the forward that activation checkpointing (AC) recomputes",
               f"memory planned for train.optimizer = {result.optimizer} (its gradients and "
               "state)" + (f"; {result.time_note}" if result.time_note else ""),
               f"{m.device.note}; {m.note}" if m.note else m.device.note]
     columns = (f"{'#':>3} {'data,z,y,x':>12} {'mb x acc':>9} {'AC':>3} {'red':>4} {'ovf':>3} "
-               f"{'step ms':>9} {'tokens/s':>11} {'MFU':>5} {'HFU':>5} "
-               + " ".join(f"{a + ' ms':>13}" for a in AXES)
-               + f" {'GiB/GPU':>8}  fits")
+               f"{'step ' + unit:>9} {'tokens/s':>11} {'MFU':>5} {'HFU':>5} "
+               + " ".join(f"{a + ' ' + unit:>13}" for a in AXES)
+               + f" {'GiB/' + per:>8}  fits")
     lines = header + [columns]
     for i, c in enumerate(rows, 1):
         p = c.prediction
@@ -186,21 +218,57 @@ def format_plan(result: Plan, top: int, model_name: str | None = None) -> str:
         for a in AXES:
             total = p.comm_s[a]
             share = f"({p.hidden_s[a] / total:.0%})" if total > 0 else ""
-            comm.append(f"{_ms(total) + share:>13}" if total > 0 else f"{'-':>13}")
+            cell = f"{total * scale:.{decimals}f}{share}" if total > 0 else "-"
+            comm.append(f"{cell:>13}")
         fits = "fits" if c.fits else f"OOM by {c.oom_gib:.1f} GiB"
         lines.append(f"{i:>3} {grid:>12} {f'{c.micro_batch}x{c.grad_accum}':>9} "
                      f"{'on' if c.activation_checkpointing else 'off':>3} "
                      f"{'bf16' if c.reduce_dtype == 'bfloat16' else 'f32':>4} "
-                     f"{'on' if c.overlap_forward else 'off':>3} {_ms(p.step_s):>9} "
+                     f"{'on' if c.overlap_forward else 'off':>3} "
+                     f"{p.step_s * scale:>9.{decimals}f} "
                      f"{p.tokens_per_s:>11,.0f} {p.mfu:>5.0%} {p.hfu:>5.0%} " + " ".join(comm)
                      + f" {c.memory.total / GIB:>8.2f}  {fits}")
-    if not any(c.fits for c in result.candidates):
-        lines.append("no grid fits in memory: add GPUs, use a bigger device, shrink the batch, "
-                     "or plan a leaner --optimizer")
+    if not result.best.fits:
+        lines.append(result.why_nothing_fits())
+    elif command is not None:
+        ranks = "" if m.probed_host else \
+            f" (every one of the {result.world_size} ranks runs it: torchrun or srun)"
+        lines += [f"to run #1{ranks}:", f"  {command}"]
     return "\n".join(lines)
 
 
-def plan_json(result: Plan, top: int, model_name: str | None = None) -> dict:
+def train_command(result: Plan, row: Candidate, overlap: Overlap,
+                  config_path: str | None = None) -> str:
+    """The `fourfold train` line that runs `row` as the planner predicted it: the model (its
+    preset, or `config_path`), the grid, the batch and its micro-batches, activation
+    checkpointing, the dtypes, the overlaps and the optimizer. The grid is always set; the
+    rest only where the config file (or the defaults) says otherwise."""
+    base = load_config(config_path) if config_path else Config()
+    grid = [(f"parallel.{a}", getattr(row.shape, a)) for a in RANK_ORDER]
+    settings: list[tuple[str, object]] = [
+        ("train.batch_size", result.global_batch), ("train.seq_len", result.seq_len),
+        ("train.grad_accum", row.grad_accum),
+        ("train.activation_checkpointing", row.activation_checkpointing),
+        ("train.dtype", result.precision.name), ("train.optimizer", result.optimizer),
+        ("parallel.reduce_dtype", row.reduce_dtype),
+        ("parallel.overlap_forward", row.overlap_forward),
+        *((f"parallel.{f.name}", getattr(overlap, f.name)) for f in dataclasses.fields(overlap)
+          if f.name != "overlap_forward")]
+    model = [] if config_path else [("model.preset", result.model.preset)]
+    wanted = model + grid + [(key, value) for key, value in settings
+                             if getattr(getattr(base, key.split(".")[0]), key.split(".")[1])
+                             != value]
+    words = ["fourfold", "train"] + ([config_path] if config_path else [])
+    if result.machine.probed_host and result.world_size > 1:
+        words += ["--nproc", str(result.world_size)]
+    for key, value in wanted:
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        words += ["--set", f"{key}={text}"]
+    return shlex.join(words)
+
+
+def plan_json(result: Plan, top: int, model_name: str | None = None,
+              command: str | None = None) -> dict:
     rows = result.candidates if top <= 0 else result.candidates[:top]
     m = result.machine
     return {
@@ -218,6 +286,8 @@ def plan_json(result: Plan, top: int, model_name: str | None = None) -> dict:
         "configurations": [c.to_json() for c in rows],
         "rejected": [{"grid": {a: getattr(s, a) for a in RANK_ORDER},
                       "reason": why} for s, why in result.rejected],
+        "train_command": command if result.best.fits else None,
+        "nothing_fits": result.why_nothing_fits() or None,
     }
 
 
@@ -238,7 +308,7 @@ def _plan_mode(args: argparse.Namespace) -> int:
     machine = load_machine(args.machine or "cpu")
     seq = args.seq or config_seq or model.max_seq_len
     batch = args.global_batch if args.global_batch is not None else \
-        (config_batch or _default_batch(args.gpus, seq, machine))
+        (config_batch or default_batch(model, args.gpus, seq, machine, train.optimizer))
     dtype = args.dtype or ("float32" if machine.device.shared_host else "bfloat16")
     checkpointing = {"auto": (False, True), "on": (True,), "off": (False,)}[
         args.activation_checkpointing]
@@ -251,11 +321,14 @@ def _plan_mode(args: argparse.Namespace) -> int:
     splits = {"auto": (False, True), "on": (True,), "off": (False,)}[args.overlap_forward]
     result = plan(model, args.gpus, machine, batch, seq, dtype, overlap, checkpointing,
                   args.grad_accum, reduce_dtypes, splits, train)
+    config_path = None if config_train is None else args.model
+    command = train_command(result, result.best, overlap, config_path) \
+        if result.best.fits else None
+    name = describe_model(model, config_path)
     if args.json:
-        print(json.dumps(plan_json(result, args.top, describe_model(model, args.model)),
-                         indent=2))
+        print(json.dumps(plan_json(result, args.top, name, command), indent=2))
     else:
-        print(format_plan(result, args.top, describe_model(model, args.model)))
+        print(format_plan(result, args.top, name, command))
     return 0
 
 

@@ -1,59 +1,38 @@
 """Memory per rank of a 4D configuration: parameters, gradients, AdamW states, activations
 (with and without activation checkpointing), gathered-weight buffers, the data-parallel
 gradient buckets, the transients of building the model in shards and of exporting it, an
-asynchronous checkpoint's snapshot, and (on a host) the runtime's own growth.
+asynchronous checkpoint's snapshot, and (on a host) the runtime's own growth. A training
+method's own gradients, state and update transient come from its planner model
+(plan/methods, `predict_method_memory`).
 
-`predict_memory` is the rank model: one MemoryBreakdown, each term named below with the
-measurement it rests on (bench/memory.py, whose --phases table gives VmRSS, VmHWM and glibc's
-heap in use at each phase of a run; float32, 2 steps of 8 x 64 tokens, sync and async
-checkpoint, the streamed export):
-- params, grads, optimizer: local_param_numel x bytes (tests/test_parallel.py checks them
-  against the built model); the heap in use after the first optimizer step equals them plus
-  a few MiB on every preset;
-- activations, logits: autograd's saved tensors (tests/test_memory_model.py); the forward's
-  end in --phases is the model state plus these;
-- block_transient: one block's temporaries beyond what it saves (its backward's, at the
-  SwiGLU's gradient; MeZO's and ES's no-grad forward). The logits are gone before any block's
-  backward, so a step counts the larger of the logits and one block's recompute plus these:
-  at thousands of tokens a block outweighs a blocked loss (tests/test_lean_optim.py checks
-  the total against the heap in use at every op of a 2,048-token step; on an H200, 125m at
-  16 x 512 tokens, bench/memory_lean.py --device cuda);
-- loss_grads: the gradients alive at the loss, none unless micro-steps accumulate them (AdamW
-  sets them to None before the forward; the other methods free theirs within a step): with
-  whole logits larger than a block's backward the loss is the peak, and counting every
-  gradient there read +18.8% against the heap (tests/test_lean_optim.py, a 32,000-token
-  vocabulary) and +11.9% on an H200 (125m, 16 x 512 tokens; -1.1% now, from the same
-  measurement: the GPU was not lent again);
+`predict_memory` is the rank model, one MemoryBreakdown; what each term models, and what
+checks it:
+- params, grads, optimizer: local_param_numel x bytes (tests/test_parallel.py, against the
+  built model);
+- activations, logits: autograd's saved tensors and the loss's workspace
+  (tests/test_memory_model.py);
+- block_transient: one block's temporaries beyond what it saves (its backward's at the
+  SwiGLU's gradient; a forward-only method's no-grad forward); the logits are gone before any
+  block's backward, so a step counts the larger of the two (MemoryBreakdown.step;
+  tests/test_lean_optim.py holds the total against the heap in use at every op of a step);
+- loss_grads: the gradients alive at the loss, none unless micro-steps accumulate them
+  (every method frees or hands off its gradients within a step);
 - gathered_weights: the z all-gather buffers (current + prefetched) and one dW block;
-- comm_buffers: the data-parallel buckets in flight;
+- comm_buffers: what the data all-reduce holds beyond the gradients, which are views of
+  their buckets' buffers (parallel/data_parallel.py): a lower reduce_dtype's casts;
 - startup: one init tile (on a host); export: one block, and the export writer's full tensor
   (on a host);
-- checkpoint: the async snapshot (params and AdamW states copied to host memory), which is
-  alive through the next step: on a CPU rank it alone is 0.375x the model's float32 weights
-  on 8 ranks, so an async checkpoint keeps such a rank above 0.5 + 0.375 = 0.875x;
+- checkpoint: an asynchronous snapshot (params and AdamW states copied to host memory), alive
+  through the next step, where it shares the rank's memory (a CPU rank);
 - runtime (on a host): what a rank touches beyond a process that imported fourfold, not as
-  tensors: library code and data first used by a step, gloo's and the checkpoint writer's threads,
-  the interpreter's objects; a constant ~40 MiB per rank on every preset measured (15m: 37-59 MiB
-  above the other terms on 1-8 ranks), 27 MiB for MeZO and ES (HOST_FORWARD_ONLY_RUNTIME_BYTES:
-  no backward; on a grid rank with torch's flight recorder off, as `fourfold train` runs CPU
-  ranks, fourfold.host.FLIGHT_RECORDER_ENVIRONMENT). Under bfloat16 it includes
-  oneDNN's primitive cache (each bfloat16 GEMM's kernel, kept from its first call: 5 MiB of heap
-  on one process, 6.5 on a 2 x 2 rank, small preset; none in float32, whose GEMMs are MKL's),
-  which bench/heap_peak.py's heap reads beside the tensors. Not MKL's buffers: CPU ranks run with
-  its cache off (fourfold.host.MKL_ENVIRONMENT; it kept up to 23 MiB of heap on a GaLore rank, 5
-  after one float64 GEMM). AdamW's runs (torch.optim) and compiled ones add torch._dynamo's
-  import, 70 MiB (TORCH_DYNAMO_BYTES), which the other methods load only on a grid that writes
-  checkpoints (a DTensor imports it). A run that writes checkpoints adds the checkpoint library's
-  import (library_bytes): 45 MiB, 2 once torch._dynamo is in. `fourfold train` on 2x2, 15m, 8 x
-  128 tokens, rank 0's peak with checkpoints every 2 steps against none: AdamW 246 against 247
-  MiB, LOMO 136 against 189, MeZO 63 against 139, GaLore 145 against 222.
-On CPU the allocator keeps freed blocks for reuse (train/host_memory.py) and, so tuned, its
-resident memory stays within a few percent of the heap in use. Measured with it, 350m preset,
-8 ranks (x2 y2 z2): 1,019-1,042 MiB per rank with a sync checkpoint (predicted 1,010),
-1,533-1,561 with an async one (predicted 1,545); 15m: within 7% on 1-8 ranks here; but what
-the heap cannot reuse depends on when gloo's threads allocate: 15m at z = 2, whose heap in use
-peaks at the same 160 MiB in every run, read 188-207 MiB on one machine and 225 (18% over the
-predicted 191) on another.
+  tensors (library code and data first used by a step, gloo's and the checkpoint writer's
+  threads, the interpreter's objects, under bfloat16 oneDNN's primitive cache): a constant
+  per rank, less without a backward, plus the libraries a run imports (`library_bytes`:
+  torch._dynamo, the checkpoint library).
+bench/memory.py (--phases: VmRSS, VmHWM and the heap in use at each phase of a run),
+bench/memory_lean.py and bench/train_memory.py compare the total with what ranks hold; their
+current figures are in docs/results.md. On a host the allocator is tuned to reuse freed blocks
+(train/host_memory.py), so that a rank's resident memory follows the heap in use.
 
 What a rank holds that the model leaves out, and why:
 - the runtime's import itself (Python, torch's libraries, on a GPU the CUDA context): the
@@ -63,17 +42,7 @@ What a rank holds that the model leaves out, and why:
 - the optimizer step's and the gradient norm's temporaries (a few tensors of one layer's size);
 - on a GPU, the caching allocator's slack (its fragmentation is not modelled);
 - on a CPU rank of a grid, the heap pages that a step's blocks wander onto beyond the heap in
-  use. Since stop 51 the ranks run with torch's flight recorder off (fourfold.host), whose
-  per-collective blocks did most of the scattering: 15m, 2x2, 12 steps, every method within
-  8.5% (ES 49.4-51.5 MiB over seven runs, planned 48.5). Before it (where glibc places them,
-  which gloo's late frees and MKL's per-GEMM buffers move: ES's heap in use flat at 24 MiB,
-  its extent 43-59; train/host_memory.py's trim_on_host_grid):
-  15m, 2x2, 8 x 128 tokens, after 12 steps rank 0 read up to 15.4% above the prediction
-  (stop 49: two runs of each method, AdaLomo and GaLore 12.7-14.4%; at 30 steps GaLore
-  14.7-16.1%, three runs; stop 51: AdaLomo above 15% in one of ten runs, its statistics'
-  all-reduces during backward leaving it 9-14 MiB above LOMO) and ES up to 28.5% (above 15%
-  in five runs of nineteen at stop 49, up to 21.9%, and five of fifteen at stop 50) (within
-  10% at 4 steps); 125m's ranks stay within 7% at 10.
+  use (where glibc places them depends on when gloo's threads free theirs).
 
 The search compares the total with `Machine.usable_memory_bytes`, which divides a memory shared
 by several ranks (a host's) among them and takes `reserved_gib` per rank off for the runtime.
@@ -86,9 +55,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fourfold.config import ModelConfig
+from fourfold.config import Config, ModelConfig, ParallelConfig
+from fourfold.parallel.data_parallel import in_flight_wire_bytes
 from fourfold.parallel.embedding import (NO_GRAD_LOSS_BLOCK_ELEMENTS, output_loss_columns,
-                                         uses_blocked_loss)
+                                         resolve_output_loss, uses_blocked_loss)
 from fourfold.parallel.grid import GridShape
 from fourfold.methods import method_spec
 from fourfold.plan.errors import PlanError
@@ -98,7 +68,6 @@ from fourfold.plan.schedule import block_linears, local_param_numel
 if TYPE_CHECKING:
     from fourfold.config import TrainConfig
 
-GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -143,7 +112,7 @@ class MemoryBreakdown:
     activations: int
     gathered_weights: int  # prefetched z all-gather buffers and the full dW before its scatter
     logits: int  # output-layer logits and the loss's fp32 workspace
-    comm_buffers: int = 0  # data-parallel gradient buckets in flight (flat copies)
+    comm_buffers: int = 0  # the data all-reduce's wire-dtype casts of its buckets in flight
     startup: int = 0  # building in shards: one block of the largest tensor and one init tile
     export: int = 0  # streaming the model out: the writer's full tensor (host), a block
     checkpoint: int = 0  # an asynchronous checkpoint's snapshot, when it shares this memory
@@ -172,8 +141,7 @@ class MemoryBreakdown:
         compute-dtype copy, which the cache gathers through the forward.
         Autocast lets its copies go as the forward ends, the loss's forward included: they
         meet only `loss_forward` of the loss, where that is less than `logits` (the blocked
-        loss, whose backward makes the output layer's dW and casts its weight anew; 125m, 2 x
-        128 tokens, bfloat16 LOMO: the heap's peak 15% below the planner before)."""
+        loss, whose backward makes the output layer's dW and casts its weight anew)."""
         alive = (self.activations - self.recompute + self.gathered_weights + self.comm_buffers
                  + self.checkpoint)
         loss = max(self.cast_weights + (self.loss_forward or self.logits), self.logits)
@@ -231,26 +199,26 @@ def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
     d, f = model.dim, model.ffn_dim
     heads_dim = model.n_heads * model.head_dim
     # per norm: its input (with a per-token rstd: parallel/norm.py recomputes the normalized
-    # tensor in backward) and its output, which the next GEMM keeps
-    residual_like = 4 * d // gx
+    # tensor in backward) in the residual stream's dtype, and its output, which the next GEMMs
+    # keep in the compute dtype (Linear3D keeps the cast it multiplies, once for q/k/v and once
+    # for gate/up; the float32 output goes)
+    norm_inputs, norm_outputs = 2 * d // gx, 2 * d // gx
     act, residual = precision.act_bytes, precision.residual_bytes
     # under autocast on torch's own layers each GEMM keeps its own compute-dtype cast of the
-    # norm's output (q, k and v three, gate and up two), and the float32 output goes;
-    # measured on the heap, small preset, bfloat16: 2 d bytes a token a block more than one
-    # float32 output a norm
-    casts = 0
+    # norm's output (q, k and v three, gate and up two), and the float32 output goes: 2 d bytes
+    # a token a block more than one float32 output a norm (tests/test_memory_model.py)
     if autocast_on_torch_layers(shape, precision):
-        residual_like, casts = 2 * d, 5 * d
+        norm_outputs = 5 * d
     # k and v are saved after the GQA repeat, so they are as wide as q
     attention = 4 * heads_dim // gy
     # gate out and up out: models/llama.py's swiglu recomputes silu, and down recomputes its
     # input silu(gate) * up from them (Linear3D's `recompute`)
     mlp = 2 * f // gy
     stats = 4 * (2 + model.n_heads // gy)  # an fp32 rstd per norm, an fp32 lse per local head
-    # final norm (input, output) and its rstd; token ids (int64) and the
-    # embedding's ownership mask (bool)
-    outside = 2 * d // gx * residual + 4 + 9
-    return {"block": residual_like * residual + (attention + mlp + casts) * act + stats,
+    # final norm: its input, its output (kept by the output layer or the blocked loss in the
+    # compute dtype) and its rstd; token ids (int64) and the embedding's ownership mask (bool)
+    outside = d // gx * (residual + act) + 4 + 9
+    return {"block": norm_inputs * residual + (norm_outputs + attention + mlp) * act + stats,
             "checkpoint": d // gx * residual, "outside": outside}
 
 
@@ -262,29 +230,25 @@ def block_transient_bytes_per_token(model: ModelConfig, shape: GridShape, precis
     backward: at the SwiGLU's gradient (models/llama.py: dy, d_up, the bracket and dy * up
     beside gate and up), three ffn-wide tensors on top of the recompute's saved ones, a figure
     fitted to measurement. Without a backward (mezo, es): the block's input, the residual after
-    attention and the normalized input, with gate, up, silu(gate) and their product. Checked:
-    tests/test_lean_optim.py (the small preset at 2,048 tokens, the heap in use after every
-    op, within 10%) and, on an H200, bench/memory_lean.py --device cuda --preset 125m --batch
-    16 --seq 512 (max_memory_allocated: LOMO 1,443 MiB, planner +2.6%; MeZO 875, -4.0%)."""
+    attention and the normalized input, with gate, up, silu(gate) and their product. Checked by
+    tests/test_lean_optim.py (the heap in use after every op of a step) and, on a GPU, by
+    bench/memory_lean.py --device cuda."""
     d, f = model.dim // shape.x, model.ffn_dim // shape.y
     if backward:
         return 3 * f * precision.act_bytes
     return 3 * d * precision.residual_bytes + 4 * f * precision.act_bytes
 
 
-HOST_RUNTIME_BYTES = 40 * 2**20  # measured: see the module docstring (runtime)
-# ... and for MeZO and ES (no backward): `fourfold train`, 8 x 128 tokens, 4 steps, read 27-28
-# MiB above the other terms in one process at the small and 15m presets (the backward methods
-# 32-39 there); on a CPU rank of a grid, since its flight recorder is off (fourfold.host), ES
-# and MeZO read 27-32 (15m 2x2, 12 steps; 125m 2x2, bench/memory_lean.py --steps 4)
+# The runtime term (see the module docstring), per host rank: with a backward, and without
+# one (MeZO, ES); bench/memory_lean.py --cli reads both beside `fourfold train`'s ranks
+HOST_RUNTIME_BYTES = 40 * 2**20
 HOST_FORWARD_ONLY_RUNTIME_BYTES = 27 * 2**20
-# torch._dynamo, which torch.optim (AdamW) and train.compile import at their first use: 70.6
-# MiB resident (a process that imported fourfold, then torch._dynamo); so does a grid's
-# checkpoint (loads_dynamo), nothing else in a run (models/recompute.py, meta builds)
+# torch._dynamo, which torch.optim (AdamW) and train.compile import at their first use, and a
+# grid's checkpoint (loads_dynamo); nothing else in a run does (models/recompute.py, meta
+# builds): resident bytes above `import fourfold`
 TORCH_DYNAMO_BYTES = 70 * 2**20
 # torch.distributed.checkpoint (with DTensor, sympy and torch.fx), imported at a run's first
-# checkpoint: 44.5 MiB resident above `import fourfold`, 1.7 MiB where torch._dynamo is in
-# already (they share sympy and torch.fx); torch._dynamo after it adds 28 MiB, not 70.
+# checkpoint; far less where torch._dynamo is in already (they share sympy and torch.fx)
 CHECKPOINT_LIBRARY_BYTES = 45 * 2**20
 CHECKPOINT_LIBRARY_AFTER_DYNAMO_BYTES = 2 * 2**20
 
@@ -309,7 +273,6 @@ def loads_dynamo(train: "TrainConfig", shape: GridShape, checkpoints: bool) -> b
 
 
 INIT_TILE_BYTES = 1024 * 1024 * 4  # fourfold.models.init: one float32 tile drawn at a time
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb
 
 
 def largest_tensor_numel(model: ModelConfig, shape: GridShape) -> tuple[int, int]:
@@ -328,13 +291,13 @@ def logits_bytes(model: ModelConfig, shape: GridShape, tokens: int, precision: P
 
     Whole logits: the loss's forward holds the logits (this rank's vocabulary slice) in the
     compute dtype, below float32 also their float32 copy, and the exponentials it makes in
-    float32 (against the heap, bfloat16: -22% before the copy counted).
+    float32.
     The blocked loss: one block of columns of them in float32 (below float32 also its two
     copies in the compute dtype), plus two floats a token kept for backward; with a
     `backward`, the output layer's backward also holds its weight gradient (float32), and
-    below float32 the weight's compute-dtype copy (bfloat16, against the heap: LOMO -14% before
-    it counted) and, on a grid, the gradient made in that dtype, cast to float32 after the
-    block loop (on one process it is made in float32 block by block)."""
+    below float32 the weight's compute-dtype copy and, on a grid, the gradient made in that
+    dtype, cast to float32 after the block loop (on one process it is made in float32 block by
+    block)."""
     width = model.vocab_size // shape.y
     act = precision.act_bytes
     if not uses_blocked_loss(output_loss):
@@ -345,9 +308,8 @@ def logits_bytes(model: ModelConfig, shape: GridShape, tokens: int, precision: P
         block = model.vocab_size * model.dim // (shape.x * shape.y)
         if act < 4 and shape.size > 1:
             # dW made in the compute dtype beside the weight's copy through the block loop, its
-            # float32 gradient after it, when the blocks' transients are gone (the heap's peak,
-            # 2 x 2 LOMO rank, small preset, bfloat16: in the loop; counting the gradient there
-            # too read +17%)
+            # float32 gradient after it, when the blocks' transients are gone: the peak is in
+            # the loop
             return max(out, block * precision.grad_bytes + 8 * tokens) + block * 2 * act
         out += block * (precision.grad_bytes + (act if act < 4 else 0))
     return out
@@ -355,7 +317,7 @@ def logits_bytes(model: ModelConfig, shape: GridShape, tokens: int, precision: P
 
 def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int,
                    activation_checkpointing: bool, precision: Precision, *,
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, on_host: bool = False,
+                   bucket_bytes: int = ParallelConfig().bucket_bytes, on_host: bool = False,
                    writer: bool = False, async_checkpoint: bool = False,
                    checkpoints: bool = False, output_loss: str = "auto",
                    grad_accum: int = 1) -> MemoryBreakdown:
@@ -402,10 +364,8 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     # under autocast on torch's own layers autocast caches each weight's compute-dtype copy
     # from its first GEMM to the end of the forward, the loss included: those of every linear
     # that autocast runs (models/llama.py's down projection casts its own) and the whole
-    # output layer's. Without
-    # activation checkpointing each layer also saves its copy for backward, until its own
-    # backward: saved activations then (measured: a block's saved bytes less its weights'
-    # copies match `block` within 1%)
+    # output layer's. Without activation checkpointing each layer also saves its copy for
+    # backward, until its own backward: saved activations then
     cast_weights = 0
     if autocast_on_torch_layers(shape, precision):
         cast = sum(autocast_weight_copies(model, precision, output_loss, down=False))
@@ -413,14 +373,15 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
             cast_weights = cast
         else:
             activations += cast
-    # one bucket being filled (its flat copy) and one in flight over data
-    comm_buffers = 2 * bucket_bytes if shape.data > 1 else 0
+    # the gradients are views of their buckets' buffers, all-reduced in place: beyond them only
+    # a lower reduce_dtype's casts of the buckets in flight
+    comm_buffers = (in_flight_wire_bytes(bucket_bytes, precision.grad_bytes,
+                                         precision.reduce_bytes) if shape.data > 1 else 0)
     full_numel, block_numel = largest_tensor_numel(model, shape)
     # parallel/shards.py materialize: each block is drawn on the host a tile at a time into
     # the float32 tensor that becomes the parameter (on a GPU it is moved there: the device
     # holds it once, as the parameter), so beyond the weights only the tile is alive, on the
-    # host. Measured (125m, bench/memory_lean.py --phases --tuned-malloc): the build's heap
-    # peaks at the weights + 7 MiB on one process and on 2x2 alike
+    # host (bench/memory_lean.py --phases reads the build's peak)
     startup = INIT_TILE_BYTES if on_host else 0
     export = block_numel * precision.param_bytes  # the receive (or send) buffer of one block
     if on_host and writer:
@@ -485,6 +446,26 @@ def vector_layouts(model: ModelConfig) -> list[tuple[str, ...]]:
     return out
 
 
+def predicted_memory(cfg: Config, shape: GridShape, on_host: bool,
+                     resumed: bool = False) -> MemoryBreakdown:
+    """The peak bytes per rank of cfg's run on `shape`, under its training method
+    (predict_memory with predict_method_memory), as build_run's fits check and
+    train.memory_report take it. `on_host`: a CPU run; `resumed`: the run loads a checkpoint,
+    which imports the checkpoint library as writing one does."""
+    t, p = cfg.train, cfg.parallel
+    precision = Precision.of(t.dtype)
+    micro_tokens = t.batch_size // (shape.data * shape.z) // t.grad_accum * t.seq_len
+    output_loss = resolve_output_loss(p.output_loss, method_spec(t.optimizer).blocked_loss)
+    writes = cfg.checkpoint.every > 0
+    checkpoints = writes or resumed  # the checkpoint library is in
+    mem = predict_memory(cfg.model, shape, micro_tokens, t.activation_checkpointing, precision,
+                         bucket_bytes=p.bucket_bytes, on_host=on_host, writer=True,
+                         async_checkpoint=cfg.checkpoint.is_async(on_host) and writes,
+                         checkpoints=checkpoints, output_loss=output_loss,
+                         grad_accum=t.grad_accum)
+    return predict_method_memory(mem, cfg.model, shape, t, precision, output_loss, checkpoints)
+
+
 def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape: GridShape,
                           train: "TrainConfig", precision: Precision | None = None,
                           output_loss: str = "auto", checkpoints: bool = False
@@ -495,11 +476,8 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
     `output_loss`, `checkpoints`: as predict_memory had them (on a host the runtime counts the
     libraries this run imports: library_bytes).
 
-    Checked with bench/memory_lean.py (125m, 2 x 128 tokens; --phases gives the heap in use at
-    each method's peak): the live tensors at each peak are these terms. Resident memory under
-    glibc's default tuning reads up to ~200 MiB above them on one process (freed blocks it
-    keeps: AdaLomo's row blocks, ES's noise chunks) and more on gloo ranks (an arena per
-    thread); with the tuning `fourfold train` gives CPU ranks (--tuned-malloc) it does not."""
+    bench/memory_lean.py (--phases: the heap in use at each method's peak) holds these terms
+    against the live tensors at each peak."""
     p = precision or Precision.of("float32")
     model_of_method = method_model(train.optimizer)
     forward_only = method_spec(train.optimizer).forward_only
@@ -518,9 +496,7 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
         # a no-grad forward's peak is its loss or one block's forward, whichever is larger
         # (MemoryBreakdown.step). The loss: the logits (and their float32 copy when they are
         # not float32) and one block of rows of the loss's temporaries (parallel/embedding.py
-        # works a loss without backward block by block). Before the blocks:
-        # bench/memory_lean.py --phases, 125m, 256 tokens read 96 MiB in use above the
-        # weights, 3 x the 31 MiB of logits
+        # works a loss without backward block by block)
         if not uses_blocked_loss(output_loss):
             numel = breakdown.tokens * (model.vocab_size // shape.y)
             logits = (numel * (p.act_bytes + (4 if p.act_bytes < 4 else 0))
@@ -533,9 +509,8 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
         # under autocast on torch's own layers the no-grad forward's down projections run
         # through autocast too (no recomputing linear casts its own), so the cache ends up with
         # every block linear's copy, and it grows through the whole forward: at the last
-        # block's SwiGLU (the peak) all of them but one are alive. Found on the heap (15m,
-        # bfloat16, 8 x 512): -12% before; on an H200 (125m, 16 x 512) MeZO and ES read -22.6%
-        # (the output layer's copy, with whole logits, only from the loss on)
+        # block's SwiGLU (the peak) all of them but one are alive (the output layer's copy,
+        # with whole logits, only from the loss on)
         cast = output_cast = 0
         if autocast_on_torch_layers(shape, p):
             cast, output_cast = autocast_weight_copies(model, p, output_loss, down=True)

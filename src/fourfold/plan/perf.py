@@ -9,12 +9,12 @@ bandwidth its group's placement sees (group size = the axis size; stride between
 faster (`collective_seconds`), minus the part the engine's overlap hides. Hidden communication
 costs the compute it runs under the SMs its kernels hold: compute overlapped by a collective for
 t seconds takes `Device.comm_sm_fraction` x t longer (NCCL's CTAs hold their SMs exclusively;
-the constants and their sources are in machines.py), the `contention_s` of a prediction. (The
+the constants and their sources are in catalog.py), the `contention_s` of a prediction. (The
 0.1-of-hidden-time "interference" term that was here rested on no measurement and is gone;
 contention for memory bandwidth is not modelled.)
 
 On the `cpu` machine (N ranks time-sharing this host's cores) the rates come from its probe
-(`Machine.calibration(N)`, see fourfold.plan.machines): GEMM, memory and per-op rates with all N
+(`Machine.calibration(N)`, see fourfold.plan.host_probe): GEMM, memory and per-op rates with all N
 ranks busy, each collective call a fitted latency + ring volume x seconds per byte of its group
 size, and overlap scaled down to what spare cores can hide (none when N >= cores).
 """
@@ -25,11 +25,13 @@ import math
 from dataclasses import dataclass, field
 
 from fourfold.config import ModelConfig, TrainConfig
+from fourfold.data.balance import SequenceCost
 from fourfold.models.llama import flops_per_token
 from fourfold.parallel.embedding import uses_blocked_loss
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.parallel.linear import split_rows
-from fourfold.plan.machines import HostCalibration, Machine, ring_volume
+from fourfold.plan.catalog import Machine, ring_volume
+from fourfold.plan.host_probe import HostCalibration
 from fourfold.plan.memory import Precision
 from fourfold.plan.methods.base import MethodCost, spec_of
 from fourfold.plan.schedule import Collective, block_linears, collective_schedule
@@ -240,6 +242,35 @@ def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
                                                precision)
 
 
+def sequence_cost(model: ModelConfig, seq_len: int, machine: Machine | None = None,
+                  dtype: str = "float32") -> SequenceCost:
+    """What a packed row of seq_len positions costs a rank, for the loader to balance its
+    ranks (data/balance.py): seconds per position (the GEMMs, element-wise work and loss of a
+    forward and backward) and per squared document length (causal attention), as this model
+    predicts them on one rank of `machine`; without one, their FLOPs (the same law at one
+    rate). Read from the step's prediction at two document lengths, s and s/2 (the attention
+    the difference scales with s^2, the rest not)."""
+    shape = GridShape(data=1, z=1, y=1, x=1)
+    precision = Precision.of(dtype)
+    if machine is None:
+        d, L = model.dim, model.n_layers
+        attention_flops = 12.0 * L * d / 2  # forward + backward, causal: half the scores
+        return SequenceCost(token=flops_per_token(model, 0), square=attention_flops)
+    rates = _rates(machine, precision.name, 1, None)  # no host probe: ratios are what count
+    half = max(1, seq_len // 2)
+
+    def step(length: int) -> float:
+        comp = _compute_times(model, shape, seq_len, length, rates, precision)
+        return comp.forward + comp.backward
+
+    whole, halves = step(seq_len), step(half)
+    # attention of one document of s against two of s/2: a (s^2 - s^2 / 2)
+    square = max(whole - halves, 0.0) / (seq_len * seq_len - 2 * half * half)
+    token = max(whole - square * seq_len * seq_len, 0.0) / seq_len
+    return SequenceCost(token=token, square=square)
+
+
+
 def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig | None
                        ) -> list[Collective]:
     """A training method's own collectives in one step, per rank, beyond the model's schedule
@@ -334,10 +365,7 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
         hide(phase("step_data"), cost.passes * (comp.backward + recompute), share)
 
     comm = {a: sum(p[a] for p in by_phase.values()) for a in AXES}
-    # AdamW: the trainer's fused AdamW reads parameters, gradients and both states and writes
-    # parameters and states, one pass (measured here at copy speed: 28 B per fp32 parameter
-    # in 1.5 ns); clipping first reads the gradients for their norm, then scales them in
-    # place. Other methods: method_cost.
+    # the method's own work (method_cost: its planner model's)
     compute = fwd_window + bwd_window + cost.update_s
     # while a hidden collective runs, its kernels hold comm_sm_fraction of the SMs: the compute
     # under it runs that much slower (W of work overlapped for t takes W + f t), summed over

@@ -6,8 +6,8 @@ Run under torchrun or srun, one process per device, on the nodes a training job 
     fourfold plan --model 8b --gpus 8 --machine mine.toml
 
 Every rank times square GEMMs at a few sizes on its device (the cpu machine's probe's
-`_time_matmul`; the slowest rank's rate counts), fitted to rate(d) = peak * (d/(d+h))^3 as
-the cpu machine is (`_fit_half_dim`): gemm_efficiency = fitted peak / the datasheet peak of
+`time_matmul`; the slowest rank's rate counts), fitted to rate(d) = peak * (d/(d+h))^3 as
+the cpu machine is (`fit_gemm_shape_law`): gemm_efficiency = fitted peak / the datasheet peak of
 `--base`'s device, gemm_half_dim = h. Then, for every stride s and group size p of the grid
 axes a job of this size can have (s * p dividing the world; all groups of one
 (s, p) at once, as an axis's groups run), all-reduce, all-gather and reduce-scatter at a few
@@ -30,12 +30,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
+from fourfold.parsing import ArgumentParser
+from fourfold.plan.catalog import catalog_key_for_gpu, ring_volume
 from fourfold.plan.errors import PlanError
-from fourfold.plan.machines import (_PROBE_OPS, _fit_half_dim, _time_matmul,
-                                    fit_latency_bandwidth, load_machine, ring_volume,
-                                    time_collective)
+from fourfold.plan.host_probe import (PROBE_OPS, fit_gemm_shape_law, fit_latency_bandwidth,
+                                      time_collective, time_matmul)
+from fourfold.plan.machine_file import load_machine
 
 _GPU_SIZES = (512, 1024, 2048, 4096, 8192)
 _CPU_SIZES = (128, 256, 512)
@@ -43,14 +44,10 @@ _BUFFER_BYTES = (64 * 1024, 4 * 1024 * 1024, 64 * 1024 * 1024)
 _REPEATS = (9, 5, 3)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise PlanError(f"{message} (see `fourfold probe --help`)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="fourfold probe", description="Measure GEMM rates and collective "
-                "bandwidth/latency of this job's ranks; write a MACHINE.toml for the planner.")
+    p = ArgumentParser(prog="fourfold probe", description="Measure GEMM rates and collective "
+                       "bandwidth/latency of this job's ranks; write a MACHINE.toml for the "
+                       "planner.", usage_error=PlanError)
     p.add_argument("--machine-out", required=True, help="the MACHINE.toml to write")
     p.add_argument("--base", help="preset or catalog device whose datasheet peaks and memory "
                    "the file keeps (default: cpu on CPU, else guessed from the device name)")
@@ -75,14 +72,11 @@ def _ints(text: str | None, default: tuple[int, ...], what: str) -> tuple[int, .
 
 
 def _guess_base(device_name: str) -> str:
-    name = device_name.lower()
-    for key, needle in (("h200", "h200"), ("gh200", "gh200"), ("h100-sxm", "h100"),
-                        ("b200", "b200"), ("mi300x", "mi300"), ("mi250x-gcd", "mi250"),
-                        ("a100-80gb", "a100-sxm4-80"), ("a100-80gb", "a100 80"),
-                        ("a100-40gb", "a100")):
-        if needle in name:
-            return key
-    raise PlanError(f"cannot tell which catalog device {device_name!r} is: pass --base")
+    """The catalog device of a GPU by torch's name for it (as the trainer's MFU reads it)."""
+    key = catalog_key_for_gpu(device_name)
+    if key is None:
+        raise PlanError(f"cannot tell which catalog device {device_name!r} is: pass --base")
+    return key
 
 
 def group_specs(world: int, max_group: int) -> list[tuple[int, int]]:
@@ -107,7 +101,7 @@ def probe(gemm_sizes: tuple[int, ...] | None, buffer_bytes: tuple[int, ...],
     threads = torch.get_num_threads()
     if not cuda:
         torch.set_num_threads(1)  # as the cpu machine's probe: per-core rate, no wake-up noise
-    rates = {s: _time_matmul(s, 0.2, device, dtype) for s in sizes}
+    rates = {s: time_matmul(s, 0.2, device, dtype) for s in sizes}
     torch.set_num_threads(threads)
     repeats = (_REPEATS * len(buffer_bytes))[:len(buffer_bytes)]
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
@@ -117,7 +111,7 @@ def probe(gemm_sizes: tuple[int, ...] | None, buffer_bytes: tuple[int, ...],
                  for base in range(0, world, stride * p) for offset in range(stride)]
         group, _ = dist.new_subgroups_by_enumeration(ranks)
         points = []
-        for op in _PROBE_OPS:
+        for op in PROBE_OPS:
             for nbytes, t in time_collective(op, group, p, buffer_bytes, repeats, device,
                                              dtype):
                 points.append((ring_volume(op, p, nbytes), t, op))
@@ -145,7 +139,7 @@ def probe(gemm_sizes: tuple[int, ...] | None, buffer_bytes: tuple[int, ...],
 def machine_toml(result: dict, base: str, name: str) -> str:
     """The MACHINE.toml text for a probe's result."""
     base_machine = load_machine(base)
-    peak, half_dim = _fit_half_dim(result["rates"])
+    peak, half_dim = fit_gemm_shape_law(result["rates"])
     cpu = result["device"].type != "cuda"
     dtype = "float32" if cpu else "bfloat16"
     if cpu:

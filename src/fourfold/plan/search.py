@@ -8,22 +8,23 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fourfold.config import PRESETS, ModelConfig, model_config
+from fourfold.config import PRESETS, ModelConfig, TrainConfig, model_config
 from fourfold.intmath import divisors
 from fourfold.methods import method_names, method_spec
 from fourfold.parallel.embedding import resolve_output_loss
 from fourfold.parallel.grid import AXES, RANK_ORDER, GridShape
 from fourfold.plan.errors import PlanError
-from fourfold.plan.machines import GIB, Machine
+from fourfold.intmath import GIB
+from fourfold.plan.catalog import Machine
 from fourfold.plan.memory import (MemoryBreakdown, Precision, predict_memory,
-                                  predict_method_memory)
+                                  predict_method_memory, predicted_memory)
 from fourfold.plan.methods.base import method_model, spec_of
 from fourfold.plan.perf import Overlap, StepPrediction, predict_step
 
 if TYPE_CHECKING:
     import torch
 
-    from fourfold.config import Config, TrainConfig
+    from fourfold.config import Config
 
 
 @dataclass
@@ -79,6 +80,10 @@ class Plan:
     candidates: list[Candidate]  # best first: those that fit by time, then the rest by memory
     rejected: list[tuple[GridShape, str]] = field(default_factory=list)
     optimizer: str = "adamw"  # train.optimizer the memory column was planned for
+    # what the search was given beyond the above (for `why_nothing_fits`)
+    train: TrainConfig | None = None
+    grad_accum: int | None = None  # fixed by the caller; None: searched
+    checkpointing: tuple[bool, ...] = (False, True)
 
     @property
     def best(self) -> Candidate:
@@ -89,9 +94,11 @@ class Plan:
         """What the step-time column is for this optimizer (None for AdamW's own step)."""
         return method_model(self.optimizer).time_note
 
-
-# the training methods the planner knows (fourfold.methods), each with its planner model
-OPTIMIZERS: tuple[str, ...] = method_names()
+    def why_nothing_fits(self) -> str:
+        """When no grid fits, one line: why, and what would make one fit (the batch,
+        accumulation, activation checkpointing, more GPUs, a leaner optimizer); "" when one
+        fits. Each fix offered is checked: the job with it fits on some grid."""
+        return "" if self.best.fits else nothing_fits_advice(self)
 
 
 def batch_axes(optimizer: str = "adamw") -> tuple[str, ...]:
@@ -212,12 +219,8 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
     for ac in checkpointing:
         for micro in micro_options:  # largest first: bigger GEMMs, fewer repeated gathers
             accum = local_batch // micro
-            mem = predict_memory(model, shape, micro * seq_len, ac, precision,
-                                 output_loss=loss_mode, grad_accum=accum)
-            if train is not None:  # the method's gradients as this micro-batch accumulates them
-                mem = predict_method_memory(mem, model, shape,
-                                            dataclasses.replace(train, grad_accum=accum),
-                                            precision, loss_mode)
+            mem = candidate_memory(model, shape, micro, accum, ac, seq_len, precision,
+                                   loss_mode, train)
             if smallest is None or mem.total < smallest[2].total:
                 smallest = (micro, ac, mem)
             if mem.total <= usable:
@@ -227,6 +230,20 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
         assert smallest is not None
         fitting = candidates(*smallest)
     return min(fitting, key=lambda c: c.prediction.step_s)
+
+
+def candidate_memory(model: ModelConfig, shape: GridShape, micro_batch: int, grad_accum: int,
+                     activation_checkpointing: bool, seq_len: int, precision: Precision,
+                     output_loss: str, train: TrainConfig | None) -> MemoryBreakdown:
+    """A rank's peak running micro-batches of `micro_batch` sequences, `grad_accum` of them a
+    step: AdamW's (predict_memory), or with `train`, its method's gradients and state as this
+    micro-batch accumulates them."""
+    mem = predict_memory(model, shape, micro_batch * seq_len, activation_checkpointing,
+                         precision, output_loss=output_loss, grad_accum=grad_accum)
+    if train is None:
+        return mem
+    method = dataclasses.replace(train, grad_accum=grad_accum)
+    return predict_method_memory(mem, model, shape, method, precision, output_loss)
 
 
 _REDUCE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -247,7 +264,7 @@ def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: in
     `dtype` is a name (`Precision.of`) or a Precision (e.g. another wire dtype);
     `reduce_dtypes` / `overlap_forward`: the parallel.reduce_dtype / overlap_forward settings
     the search may pick from (None: the precision's reduce dtype, `overlap`'s split);
-    `train`: plan the memory of its train.optimizer (with its block_sparsity, galore_rank),
+    `train`: plan the memory of its train.optimizer (with its [train.method] options),
     None: AdamW's."""
     optimizer = "adamw" if train is None else train.optimizer
     if optimizer not in method_names():
@@ -287,7 +304,106 @@ def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: in
     # those that fit by time; the rest by how much memory they need, the closest miss first
     candidates.sort(key=lambda c: (0, c.prediction.step_s) if c.fits else (1, c.memory.total))
     return Plan(model, machine, world_size, global_batch, seq_len, precision, candidates,
-                rejected, optimizer)
+                rejected, optimizer, train, grad_accum, checkpointing)
+
+
+# Training methods from the most state per parameter to the least, for the advice that a leaner
+# one fits (es is left out: its population changes what a step is).
+LEANER_ORDER: tuple[str, ...] = ("adamw", "galore", "blockllm", "adalomo", "lomo", "mezo")
+# How far the advice looks for a GPU count that fits: up to this many times the job's.
+_ADVICE_GPU_FACTOR = 64
+
+
+def leanest_fits(model: ModelConfig, world_size: int, global_batch: int, seq_len: int,
+                 machine: Machine, precision: Precision, train: TrainConfig | None,
+                 grad_accum: int | None = None,
+                 checkpointing: tuple[bool, ...] = (False, True)) -> bool:
+    """Whether some grid of `world_size` ranks holds this job at its leanest: each of
+    `checkpointing`, the smallest micro-batch its method and a fixed `grad_accum` allow. Memory
+    only (no step times), so the advice can ask it of many variants of a job. Only grids
+    without data-parallel replicas are tried: moving a grid's data ranks onto z splits the
+    batch alike and shards the weights and states too, so the leanest grids have data = 1."""
+    optimizer = "adamw" if train is None else train.optimizer
+    usable = machine.usable_memory_bytes(world_size)
+    loss_mode = resolve_output_loss("auto", method_spec(optimizer).blocked_loss)
+    for shape in grid_shapes(world_size):
+        if shape.data > 1 or grid_problem(model, shape, global_batch, optimizer) is not None:
+            continue
+        local_batch = global_batch // batch_split(shape, optimizer)
+        accum = (grad_accum or local_batch) if method_spec(optimizer).accumulates else 1
+        if local_batch % accum:
+            continue
+        if any(candidate_memory(model, shape, local_batch // accum, accum, ac, seq_len, precision,
+                                loss_mode, train).total <= usable for ac in checkpointing):
+            return True
+    return False
+
+
+def _either(options: list[str]) -> str:
+    return options[0] if len(options) == 1 else f"{', '.join(options[:-1])} or {options[-1]}"
+
+
+def nothing_fits_advice(result: Plan) -> str:
+    """Why no grid of `result` fits (from its leanest candidate) and the fixes that would make
+    one fit, each checked by `leanest_fits`, in one line."""
+    best, optimizer = result.best, result.optimizer
+    accumulates = method_spec(optimizer).accumulates
+    model, world = result.model, result.world_size
+    batch, seq = result.global_batch, result.seq_len
+    mem, usable = best.memory, best.usable_bytes / GIB
+    need = f"{mem.total / GIB:.1f} GiB per rank on the leanest grid ({best.shape}), " \
+           f"{usable:.1f} GiB usable"
+
+    def fits(world: int = world, global_batch: int = batch,
+             train: TrainConfig | None = result.train,
+             grad_accum: int | None = result.grad_accum,
+             checkpointing: tuple[bool, ...] = result.checkpointing) -> bool:
+        return leanest_fits(model, world, global_batch, seq, result.machine, result.precision,
+                            train, grad_accum, checkpointing)
+
+    state = (mem.params + mem.grads + mem.optimizer) / GIB
+    micro = f"{best.micro_batch} sequence{'s' if best.micro_batch > 1 else ''}"
+    if not accumulates and best.micro_batch > 1:
+        why = (f"{optimizer} updates each weight inside backward, so it cannot accumulate "
+               f"micro-batches: the batch of {batch} x {seq} tokens runs whole, {micro} a "
+               f"rank, {need}")
+    elif result.grad_accum is not None and best.micro_batch > 1:
+        why = f"--grad-accum {result.grad_accum} makes micro-batches of {micro} a rank, {need}"
+    elif state > usable:
+        held = ["the weights"] + (["gradients"] if mem.grads else []) + \
+            ([f"{optimizer}'s state"] if mem.optimizer else [])
+        why = (f"{', '.join(held[:-1]) + ' and ' if len(held) > 1 else ''}{held[-1]} alone "
+               f"take {state:.1f} GiB per rank on the leanest grid ({best.shape}), "
+               f"{usable:.1f} GiB usable")
+    else:
+        why = (f"at a micro-batch of {micro}, activation checkpointing "
+               f"{'on' if best.activation_checkpointing else 'off'}, a rank needs {need}")
+    fixes = []  # the batch and its micro-batches first: they change nothing else
+    if result.grad_accum is not None and accumulates and fits(grad_accum=None):
+        fixes.append("leave out --grad-accum (the search accumulates)")
+    if not accumulates or result.grad_accum is not None:
+        smaller = next((b for b in (batch >> k for k in range(1, batch.bit_length()))
+                        if fits(global_batch=b)), None)
+        if smaller is not None:
+            fixes.append(f"--global-batch {smaller}")
+    batch_fixed = bool(fixes)
+    if True not in result.checkpointing and fits(checkpointing=(True,)):
+        fixes.append("--activation-checkpointing on")
+    if not result.machine.device.shared_host:  # ranks on one host share its memory
+        more = next((world << k for k in range(1, _ADVICE_GPU_FACTOR.bit_length())
+                     if fits(world=world << k)), None)
+        if more is not None:
+            fixes.append(f"{more} GPUs")
+    if not batch_fixed and optimizer in LEANER_ORDER:  # the state is what does not fit
+        for name in LEANER_ORDER[LEANER_ORDER.index(optimizer) + 1:]:
+            lean = dataclasses.replace(result.train or TrainConfig(), optimizer=name)
+            accum = result.grad_accum if method_spec(name).accumulates else None
+            if fits(train=lean, grad_accum=accum):
+                fixes.append(f"--optimizer {name}")
+                break
+    fix = f"fix: {_either(fixes)}" if fixes else \
+        f"no fix up to {world * _ADVICE_GPU_FACTOR} GPUs: a device with more memory"
+    return f"no grid of {world} x {result.machine.device.name} fits: {why}; {fix}"
 
 
 def _no_grid_message(model: ModelConfig, world_size: int, global_batch: int,
@@ -317,7 +433,7 @@ def choose_grid(model_cfg: ModelConfig, world_size: int, machine: Machine | str,
     the run's train config, whose train.optimizer's memory the grid must fit (None: AdamW's).
     Raises PlanError when no grid fits in memory.
     """
-    from fourfold.plan.machines import load_machine
+    from fourfold.plan.machine_file import load_machine
 
     m = load_machine(machine)
     checkpointing = (False, True) if activation_checkpointing is None else \
@@ -362,34 +478,22 @@ def rank_memory_capacity(device: "torch.device", local_ranks: int) -> int:
     raise PlanError("cannot read the host's memory size from /proc/meminfo")
 
 
-def check_grid_fits(cfg: "Config", shape: GridShape, device: "torch.device",
-                    local_ranks: int) -> None:
-    """Raise a one-line PlanError, before anything is built, when a rank of `shape` cannot
-    hold the run of `cfg` (its peak per plan/memory.py), naming the bytes needed and a grid
-    that would fit (the planner's grid search, on as many ranks as it takes)."""
-    t, p = cfg.train, cfg.parallel
-    capacity = rank_memory_capacity(device, local_ranks)
-
-    def need(s: GridShape) -> MemoryBreakdown:
-        micro_tokens = t.batch_size // (s.data * s.z) // t.grad_accum * t.seq_len
-        return predict_memory(cfg.model, s, micro_tokens, t.activation_checkpointing,
-                              Precision.of(t.dtype), bucket_bytes=int(p.bucket_mb * 2**20),
-                              on_host=device.type == "cpu", writer=True,
-                              async_checkpoint=cfg.checkpoint.is_async(device.type == "cpu")
-                              and cfg.checkpoint.every > 0,
-                              checkpoints=cfg.checkpoint.every > 0,
-                              output_loss=resolve_output_loss(
-                                  p.output_loss, method_spec(t.optimizer).blocked_loss),
-                              grad_accum=t.grad_accum)
-
-    mem = need(shape)
+def check_grid_fits(cfg: "Config", shape: GridShape, on_host: bool, capacity: int,
+                    resumed: bool = False) -> None:
+    """Raise a one-line PlanError, before anything is built, when a rank of `shape` with
+    `capacity` bytes cannot hold the run of `cfg` under its training method (its peak:
+    memory.predicted_memory, `on_host` and `resumed` as it takes them), naming the bytes needed
+    and a grid that would fit (the planner's grid search, on as many ranks as it takes)."""
+    t = cfg.train
+    mem = predicted_memory(cfg, shape, on_host, resumed)
     if mem.total <= capacity:
         return
     suggestion = "no grid of up to 2^20 ranks does"
     world = shape.size
     while world <= 2**20:
-        fitting = [(need(s).total, s) for s in grid_shapes(world)
-                   if grid_problem(cfg.model, s, t.batch_size) is None]
+        fitting = [(predicted_memory(cfg, s, on_host, resumed).total, s)
+                   for s in grid_shapes(world)
+                   if grid_problem(cfg.model, s, t.batch_size, t.optimizer) is None]
         fitting = [(n, s) for n, s in fitting if n <= capacity]
         if fitting:
             n, s = min(fitting, key=lambda f: (f[0], str(f[1])))
@@ -398,7 +502,8 @@ def check_grid_fits(cfg: "Config", shape: GridShape, device: "torch.device",
             break
         world *= 2
     state = mem.params + mem.grads + mem.optimizer
-    raise PlanError(f"grid {shape} cannot hold model {cfg.model.preset!r}: a rank needs "
-                    f"{mem.total / GIB:.2f} GiB ({state / GIB:.2f} GiB weights, gradients and "
-                    f"AdamW states + {(mem.total - state) / GIB:.2f} GiB at the peak of a step, "
-                    f"build or export) and has {capacity / GIB:.2f} GiB; {suggestion}")
+    raise PlanError(f"grid {shape} cannot hold model {cfg.model.preset!r} under "
+                    f"train.optimizer = {t.optimizer!r}: a rank needs {mem.total / GIB:.2f} GiB "
+                    f"({state / GIB:.2f} GiB weights, gradients and optimizer state + "
+                    f"{(mem.total - state) / GIB:.2f} GiB at the peak of a step, build or "
+                    f"export) and has {capacity / GIB:.2f} GiB; {suggestion}")

@@ -10,7 +10,8 @@
   own hooks: what is counted there is the block's input (a forward pre-hook), not one block's
   recompute during backward;
 - communication buffers: the engine's gathered weight blocks (the largest, and the one
-  prefetched beside it) and, with data > 1, the two flat data-parallel buckets in flight.
+  prefetched beside it) and, with data > 1, what the data all-reduce holds beyond the gradients
+  (parallel/data_parallel.py in_flight_wire_bytes).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+
+from fourfold.parallel import ParallelModel
+from fourfold.parallel.data_parallel import in_flight_wire_bytes
 
 
 class _Saved:
@@ -35,7 +39,7 @@ class _Saved:
 
 
 class MemoryMeter:
-    def __init__(self, pmodel: Any, method: Any, activation_checkpointing: bool) -> None:
+    def __init__(self, pmodel: ParallelModel, method: Any, activation_checkpointing: bool) -> None:
         self.pmodel, self.method = pmodel, method
         self._param_storages = {p.untyped_storage().data_ptr() for p in pmodel.parameters()}
         self._live: dict[int, list[int]] = {}  # storage -> [references, bytes]
@@ -113,7 +117,9 @@ class MemoryMeter:
                              for m in engine.sharded), reverse=True)
             total += sum(blocks[:2] if engine.prefetch_enabled else blocks[:1])
         if grid.size("data") > 1 and self.peak["gradients"]:
-            total += 2 * min(engine.options.bucket_bytes, self.peak["gradients"])
+            grad_bytes = next(self.pmodel.parameters()).element_size()
+            total += in_flight_wire_bytes(min(engine.options.bucket_bytes, self.peak["gradients"]),
+                                          grad_bytes, engine.options.reduce_dtype.itemsize)
         return total
 
     def close(self) -> None:

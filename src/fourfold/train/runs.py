@@ -15,12 +15,13 @@ from safetensors.torch import load_file, save_file
 from fourfold.config import Config, ConfigError, load_config
 from fourfold.files import atomic_path
 from fourfold.models.llama import Llama, build_model
+from fourfold.rundir import CONFIG_FILE
 from fourfold.safetensors_stream import TensorSpec, write_streamed
 
 if TYPE_CHECKING:
+    from fourfold.data import Tokenizer
     from fourfold.parallel.parallelize import ParallelModel
 
-CONFIG_FILE = "config.toml"
 WEIGHTS_FILE = "model.safetensors"
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
@@ -153,11 +154,10 @@ def _adapter_model_from_checkpoint(path: Path, cfg: Config) -> Llama:
     if cfg.model.init_from:
         load_hf_into(pmodel, cfg.model.init_from)
     apply_adapter(pmodel, cfg.adapter, cfg.train.seed)
-    manager = CheckpointManager(path.parent.parent, CheckpointConfig(), grid,
-                                states={"base": BaseReference(cfg.model.init_from,
-                                                              cfg.train.seed)},
-                                trainable_only=True)
-    manager.load(path, pmodel, None, restore_rng=False)
+    manager = CheckpointManager.for_model(path.parent.parent, CheckpointConfig(), grid, pmodel,
+                                          trainable_only=True)
+    manager.register("base", BaseReference(cfg.model.init_from, cfg.train.seed))
+    manager.load(path, restore_rng=False)
     merged = Llama(cfg.model)
     state = merged_state_dict(model.state_dict(), cfg.adapter)
     if cfg.model.tie_embeddings:
@@ -190,6 +190,53 @@ def trained_tensors(run_dir: str | Path
                 yield spec, f.get_tensor(spec.name)
 
     return cfg, specs, tensors()
+
+
+def run_tokenizer(run_dir: str | Path, cfg: Config) -> "Tokenizer":
+    """The tokenizer whose ids a run (`cfg`, its config.toml) was trained on: the copy in
+    RUN_DIR/tokenizer; for a run that has none, its data directory's own (a built-in corpus's
+    for its data.tokenizer), which must be the one the run recorded."""
+    from fourfold.data import ByteTokenizer, load_tokenizer
+    from fourfold.data.tokenizers import tokenizer_fingerprint
+    from fourfold.rundir import TOKENIZER_DIR, tokenizer_mismatch
+
+    own = Path(run_dir) / TOKENIZER_DIR
+    if own.is_dir():
+        tokenizer = load_tokenizer(own)
+    elif cfg.data.path.startswith("builtin:") and cfg.data.tokenizer in ("auto", "byte"):
+        tokenizer = ByteTokenizer()  # without building the corpus
+    else:
+        tokenizer = load_tokenizer(run_data_dir(cfg))
+    recorded, found = cfg.data.tokenizer_fingerprint, tokenizer_fingerprint(tokenizer)
+    if recorded and recorded != found:
+        where = own if own.is_dir() else cfg.data.path
+        raise RunDirError(tokenizer_mismatch(f"the run {str(run_dir)!r}", recorded, found,
+                                             f"its tokenizer ({where})"))
+    return tokenizer
+
+
+def run_template_dir(run_dir: str | Path, cfg: Config) -> Path:
+    """Where a run's chat template is kept (data.chat_template.TEMPLATE_FILE; none there: the
+    run's data was text): RUN_DIR, which a run copies it into, or, for a run that kept no
+    files of its data (from before it did), its DATA_DIR."""
+    from fourfold.data.chat_template import TEMPLATE_FILE
+    from fourfold.rundir import TOKENIZER_DIR
+
+    run = Path(run_dir)
+    if (run / TEMPLATE_FILE).is_file() or (run / TOKENIZER_DIR).is_dir():
+        return run
+    return run_data_dir(cfg)
+
+
+def run_data_dir(cfg: Config) -> Path:
+    """The DATA_DIR a run (`cfg`, its config.toml) was trained on (a built-in corpus is
+    prepared again, for its data.tokenizer, where the cache lost it)."""
+    from fourfold.data import resolve_data_path
+
+    path, spec = cfg.data.path, cfg.data.tokenizer
+    if not path.startswith("builtin:"):
+        spec = "auto"  # the data's own: an older run recorded "byte" whatever its data held
+    return resolve_data_path(path, spec)
 
 
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,

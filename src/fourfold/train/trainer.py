@@ -23,25 +23,30 @@ from typing import Any, Iterator
 import torch
 
 from fourfold.config import Config
-from fourfold.data import Tokenizer
+from fourfold.data import Batch, Tokenizer
 from fourfold.errors import EXIT_FAILED, FourfoldError
-from fourfold.models.adapter import write_adapter_run
+from fourfold.models.adapter import apply_adapter, write_adapter_run
 from fourfold.models.llama import Llama, build_model
-from fourfold.parallel import Grid, Layout, ParallelModel
+from fourfold.parallel import Grid, ParallelModel
 from fourfold.parallel.grid import check_shared_directory
-from fourfold.train.build import Run, build_run, predicted_memory
-from fourfold.train.checkpoint import BaseReference, CheckpointError, CheckpointManager
-from fourfold.train.host_memory import to_device, trim_host_memory
+from fourfold.plan.memory import predicted_memory
+from fourfold.rundir import resume_point, run_identity, save_run_tokenizer, step_of
+from fourfold.signals import StopSignals, Stopped
+from fourfold.train.build import Run, build_run
+from fourfold.train.checkpoint import (BaseReference, CheckpointError, CheckpointManager,
+                                       ModelState)
 from fourfold.train.memory_report import MemoryMeter, gather_reports, predicted_report
 from fourfold.train.methods import StepData, TrainingMethod
 from fourfold.train.loop import Periodic, RunLog
 from fourfold.train.metrics import peak_memory_bytes
 from fourfold.train.optim import LRSchedule
+from fourfold.train.progress import describe_run
 from fourfold.train.resilience import (DeviceJudgement, LossGuard, UpdateGate, restart_count,
                                        resume_record)
 from fourfold.train.runs import (CONFIG_FILE, SAMPLES_FILE, WEIGHTS_FILE,
                                  save_weights_streamed, write_summary)
 from fourfold.train.sampling import generate, generate_on_grid
+from fourfold.train.stopping import StopAgreement
 
 SAMPLE_PROMPT_TOKENS = 16
 SAMPLE_TEMPERATURE = 0.8
@@ -129,6 +134,19 @@ def read_steps(steps: list[StepStats]) -> None:
         s._set_read(row)
 
 
+def time_completed_steps(steps: list[StepStats], started: float, device: torch.device) -> None:
+    """Give `steps` (run back to back since `started`) their share of the wall clock until the
+    device has finished them. A step's own timer stops when the host has queued its work, which
+    on a GPU is long before the work is done: tokens/s, MFU and the straggler report read the
+    completed time instead."""
+    read_steps(steps)  # waits for the device's numbers of the last step
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # and for its update, queued after them
+    seconds = (time.perf_counter() - started) / max(len(steps), 1)
+    for s in steps:
+        s.seconds = seconds
+
+
 @dataclass
 class TrainResult:
     final_loss: float
@@ -184,7 +202,7 @@ class Trainer:
                                          self.cfg.train.activation_checkpointing)
                              if self.cfg.train.memory_report else None)
         t = self.cfg.train
-        self._val_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._val_cache: list[Batch] | None = None
 
         self.step = 0
         self.tokens_per_step = t.batch_size * t.seq_len
@@ -195,19 +213,14 @@ class Trainer:
         self.skipped_steps: list[int] = []
         self.train_seconds = 0.0
 
-        # What a resumed run needs besides weights and optimizer state to go on exactly (the
-        # manager adds each rank's RNG states).
-        self.checkpoints = CheckpointManager(
-            self.run_dir, self.cfg.checkpoint, self.grid,
-            states={"trainer": self, "loader": self.loader, "guard": self.guard,
-                    "schedule": self.schedule, **self._adapter_base()},
-            sharded_states=({"method": _MethodState(self.method)}
-                            if self.method.torch_optimizer is None else None),
-            trainable_only=self.cfg.adapter.kind != "none")
+        # what the run must be to resume at all (checked against a checkpoint's manifest)
+        self.identity = run_identity(self.cfg, self.data_dir, self.cfg.data.tokenizer_fingerprint)
+        self.checkpoints = self._checkpoint_manager()
+        self.stop: StopAgreement | None = None  # asked after every step, when set
         self.resumed_from: Path | None = None
         self._rollbacks: tuple[Path | None, int] = (None, 0)  # (checkpoint, rollbacks to it)
         if self.cfg.checkpoint.resume:
-            path = self.checkpoints.latest_valid()  # collective on a grid
+            path = resume_point(self.checkpoints, self.identity)  # collective on a grid
             if path is not None:
                 self._restore(path)
                 self.resumed_from = path
@@ -219,11 +232,21 @@ class Trainer:
             Periodic(self.cfg.checkpoint.every, t.steps, lambda step: self.save_checkpoint()),
         ]
 
-    def _adapter_base(self) -> dict[str, BaseReference]:
-        # An adapter run's checkpoints hold the adapter alone, and which base it belongs to.
-        if self.cfg.adapter.kind == "none":
-            return {}
-        return {"base": BaseReference(self.cfg.model.init_from, self.cfg.train.seed)}
+    def _checkpoint_manager(self) -> CheckpointManager:
+        """The run's checkpoints, holding what a resumed run needs to go on exactly (the
+        manager adds each rank's RNG states)."""
+        manager = CheckpointManager(self.run_dir, self.cfg.checkpoint, self.grid)
+        manager.identity = self.identity
+        adapter = self.cfg.adapter.kind != "none"
+        manager.register("model", ModelState(self.pmodel, trainable_only=adapter))
+        manager.register("method", self.method.checkpoint_part(self.pmodel))
+        for name, part in (("trainer", self), ("loader", self.loader), ("guard", self.guard),
+                           ("schedule", self.schedule)):
+            manager.register(name, part)
+        if adapter:  # its checkpoints hold the adapter alone, and which base it belongs to
+            manager.register("base", BaseReference(self.cfg.model.init_from,
+                                                   self.cfg.train.seed))
+        return manager
 
     # ---- building blocks ----------------------------------------------------------------
 
@@ -231,18 +254,27 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16,
                               enabled=self.cfg.train.dtype == "bfloat16")
 
-    def _loss_mask(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss_mask(self, batch: Batch) -> torch.Tensor:
+        """1.0 where a target counts in the loss: a trained one (every target of raw text; the
+        answers of chat data), unless the goldfish loss drops it."""
         t = self.cfg.train
+        mask = batch.loss_weights()
         if t.loss == "goldfish":
             from fourfold.train.goldfish import goldfish_mask  # only runs that ask for it
 
-            return goldfish_mask(inputs, targets, t.goldfish_k, t.goldfish_h).float()
-        return torch.ones(targets.shape, dtype=torch.float32, device=targets.device)
+            mask = mask * goldfish_mask(batch.inputs, batch.targets, t.goldfish_k,
+                                        t.goldfish_h).float()
+        return mask
 
-    def _val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        """Per-token losses (b, T) of a micro-batch; packed rows attend within documents."""
+        with self._autocast():
+            return self.pmodel(batch.inputs, batch.targets, documents=batch.documents)
+
+    def _val_batches(self) -> list[Batch]:
         if self._val_cache is None:
             batches = self.val_loader.eval_batches(self.cfg.train.eval_batches)
-            self._val_cache = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+            self._val_cache = [b.to(self.device) for b in batches]
         return self._val_cache
 
     # ---- one step -----------------------------------------------------------------------
@@ -274,8 +306,9 @@ class Trainer:
         self.gate.begin_step()
         result = self.method.step(self.pmodel, data, lr, self.gate)
         judged = self.gate.judgement
-        if judged is None:  # a method that did not ask: judged after its update
-            self.gate.check(float(result.loss), float(result.grad_norm))
+        if judged is None:  # a method that did not ask: judged after its update (a NaN norm
+            norm = float(result.grad_norm)  # is one it does not know)
+            self.gate.check(float(result.loss), None if math.isnan(norm) else norm)
             judged = self.gate.judgement
         fraction = global_count.double() / self.tokens_per_step
         if isinstance(judged, DeviceJudgement):
@@ -298,17 +331,15 @@ class Trainer:
         micro-batches' losses, each normalized by the counted tokens of the whole job's step
         (returned too, on the device)."""
         t = self.cfg.train
-        inputs, targets = self.loader.next_batch()  # (B / shards, T)
-        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
-        micro = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
-        masks = [self._loss_mask(x, y) for x, y in micro]
+        batch = self.loader.next_batch().to(self.device)  # (B / shards, T)
+        micro = batch.split(t.grad_accum)
+        masks = [self._loss_mask(b) for b in micro]
         local_count = torch.stack([m.sum() for m in masks]).sum()
         global_count = self._count_over_batch(local_count).clamp(min=1.0)
 
         def losses() -> Iterator[torch.Tensor]:
-            for (x, y), mask in zip(micro, masks):
-                with self._autocast():
-                    per_token = self.pmodel(x, y)  # (b, T)
+            for batch, mask in zip(micro, masks):
+                per_token = self._forward(batch)  # (b, T)
                 yield (per_token.float() * mask).sum() / global_count
 
         return StepData(len(micro), losses), global_count
@@ -328,8 +359,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss per token over train.eval_batches fixed batches (the same
-        batches every time), reduced over the batch axes. Collective on a grid."""
+        """Mean validation loss per trained token over train.eval_batches fixed batches (the
+        same batches every time), reduced over the batch axes. Collective on a grid."""
         module = self.pmodel.module
         was_training = module.training
         module.eval()
@@ -337,21 +368,19 @@ class Trainer:
             loss_sum = torch.zeros((), device=self.device)
             count = torch.zeros((), device=self.device)
             micro_steps = self.cfg.train.grad_accum
-            for inputs, targets in self._val_batches():
-                for x, y in zip(inputs.chunk(micro_steps), targets.chunk(micro_steps)):
-                    with self._autocast():
-                        per_token = self.pmodel(x, y)
-                    loss_sum += per_token.float().sum()
-                    count += per_token.numel()
+            for batch in self._val_batches():
+                for micro in batch.split(micro_steps):
+                    weights = micro.loss_weights()
+                    loss_sum += (self._forward(micro).float() * weights).sum()
+                    count += weights.sum()
             totals = self.pmodel.reduce_over_batch(torch.stack([loss_sum, count]))
         finally:
             module.train(was_training)
         return float(totals[0] / totals[1].clamp(min=1.0))
 
     def _sample_prompt(self) -> list[int]:
-        batches = self._val_batches() or [
-            tuple(b.to(self.device) for b in self.val_loader.eval_batches(1)[0])]
-        return batches[0][0][0, :SAMPLE_PROMPT_TOKENS].tolist()
+        batches = self._val_batches() or [self.val_loader.eval_batches(1)[0].to(self.device)]
+        return batches[0].inputs[0, :SAMPLE_PROMPT_TOKENS].tolist()
 
     def sample_text(self) -> str:
         """A continuation of a validation-text prompt by the model. Collective on a grid: every
@@ -392,16 +421,24 @@ class Trainer:
             if t.eval_batches > 0 and t.eval_every > 0 and self.step == 0:
                 self._validate(0)
             pending: list[StepStats] = []  # steps whose numbers are still on the device
+            window = time.perf_counter()  # when the first of the pending steps began
             while self.step < t.steps:
                 pending.append(self.train_step())
+                self.log.stepped(pending[-1])
                 due = [part for part in self.periodic if part.due(self.step)]
-                if not (due or self.log.due(self.step) or t.nan_policy == "rollback"):
+                stopping = self.stop is not None and self.stop.requested()  # SIGTERM
+                if not (due or stopping or self.log.due(self.step)
+                        or t.nan_policy == "rollback"):
                     continue
                 done, pending = pending, []
-                if not self._account(done):  # rolled back: a step to take again
-                    continue
-                for part in due:
-                    part.run(self.step)
+                time_completed_steps(done, window, self.device)
+                accounted = self._account(done)
+                if accounted:  # else rolled back: a step to take again
+                    for part in due:
+                        part.run(self.step)
+                    if stopping:
+                        self._stop_on_signal()
+                window = time.perf_counter()
             self._wait_for_checkpoints()
             return self.finish(started)
         finally:
@@ -413,6 +450,7 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.cfg.save(self.run_dir / CONFIG_FILE)
+            save_run_tokenizer(self.run_dir, self.tokenizer, self.data_dir)
             if self.step == 0:  # a fresh run in a reused directory: drop the old samples
                 (self.run_dir / SAMPLES_FILE).unlink(missing_ok=True)
         check_shared_directory(self.run_dir, self.grid)  # before any rank writes a shard
@@ -422,7 +460,8 @@ class Trainer:
         long, and where a resumed run goes on from."""
         assert self.log is not None
         if self.is_main:
-            self.log.message(self._describe())
+            for line in self._describe():
+                self.log.message(line)
         if self.compiler.pending:  # both make the first step long
             self.log.message("train.compile: the transformer blocks compile at their first use")
         tuner = self.pmodel.engine.tuner if self.pmodel.engine is not None else None
@@ -455,7 +494,7 @@ class Trainer:
         final sample, summary.json (with train.memory_report's figures). Collective."""
         assert self.log is not None
         t = self.cfg.train
-        trim_host_memory(self.device)  # the steps' freed blocks, before the writer's
+        self.run.host.release()  # the steps' freed blocks, before the writer's
         if self.cfg.adapter.kind == "none":
             # Collective: the weights stream to the main rank one tensor at a time.
             save_weights_streamed(self.pmodel, self.run_dir / WEIGHTS_FILE,
@@ -525,9 +564,21 @@ class Trainer:
         """Checkpoint the state after the current step (collective on a grid; written in the
         background with checkpoint.async). Raises TrainingError for a failed write."""
         try:
-            self.checkpoints.save(self.step, self.pmodel, self.method.torch_optimizer)
+            self.checkpoints.save(self.step)
         except CheckpointError as e:
             raise TrainingError(str(e), self.step) from None
+
+    def _stop_on_signal(self) -> None:
+        """After a SIGTERM: this step's checkpoint complete (written here unless it was due
+        anyway), stop with Stopped (one line naming it)."""
+        self._wait_for_checkpoints()
+        written = self.checkpoints.wait()
+        if written is None or step_of(written) != self.step:
+            self.save_checkpoint()
+            self._wait_for_checkpoints()
+            written = self.checkpoints.wait()
+        raise Stopped(f"stopped by SIGTERM after step {self.step}, checkpoint {written}; "
+                      f"`fourfold train {self.run_dir}` resumes it")
 
     def _wait_for_checkpoints(self) -> None:
         try:
@@ -552,7 +603,7 @@ class Trainer:
         """Load a checkpoint (from any grid) into this trainer and its parts. Collective on a
         grid."""
         try:
-            self.checkpoints.load(path, self.pmodel, self.method.torch_optimizer)
+            self.checkpoints.load(path)
         except CheckpointError as e:
             raise TrainingError(str(e), self.step) from None
 
@@ -590,12 +641,10 @@ class Trainer:
         self.log.record({"event": "rollback", "step": stats.step, "to_step": self.step,
                          "reason": stats.reason, "checkpoint": str(path)})
 
-    def _describe(self) -> str:
-        n = count_parameters(self.cfg)
-        return (f"fourfold: {self.cfg.model.preset} model ({n / 1e6:.1f}M parameters), grid "
-                f"{self.grid.shape}, {self.device.type}, {self.cfg.train.dtype}, "
-                f"{self.cfg.train.steps} steps of {self.tokens_per_step:,} tokens, "
-                f"data {self.data_dir}")
+    def _describe(self) -> list[str]:
+        return describe_run(self.cfg, str(self.grid.shape), self.device.type,
+                            self.tokens_per_step, self.data_dir, count_parameters(self.cfg),
+                            count_parameters(self.cfg, trainable_only=True))
 
     def _result(self, elapsed: float) -> TrainResult:
         finite = [x for x in self.losses if math.isfinite(x)]
@@ -617,44 +666,35 @@ class Trainer:
             "skipped_steps": result.skipped_steps, "grid": str(self.grid.shape),
             "world_size": self.world_size, "device": str(self.device),
             "peak_mem_bytes": peak_memory_bytes(self.device), "sample": sample,
+            "tokenizer_fingerprint": self.cfg.data.tokenizer_fingerprint,
         }
 
 
-def count_parameters(cfg: Config) -> int:
-    """Parameters of the whole (unsplit) model in cfg; no weights are allocated."""
-    return build_model(cfg.model, device="meta").num_params()
+def count_parameters(cfg: Config, trainable_only: bool = False) -> int:
+    """Parameters of the whole (unsplit) model in cfg, or only those that train (an adapter
+    run's adapter); no weights are allocated."""
+    model = build_model(cfg.model, device="meta")
+    if not trainable_only:
+        return model.num_params()
+    trainable = set(apply_adapter(model, cfg.adapter, cfg.train.seed))
+    return sum(p.numel() for name, p in model.named_parameters() if name in trainable)
 
 
-def train(cfg: Config, run_dir: Path, *, progress: bool | None = None) -> TrainResult:
+def train(cfg: Config, run_dir: Path, *, progress: bool | None = None,
+          signals: StopSignals | None = None) -> TrainResult:
     """Train the model described by cfg, writing config.toml, metrics.jsonl,
     model.safetensors and summary.json into run_dir. On a grid every rank calls this.
 
     progress: True for a tqdm bar, False for plain log lines, None to decide by whether stderr
     is a terminal. Raises ConfigError / GridError / DataError for user mistakes and
-    TrainingError when training diverges.
+    TrainingError when training diverges. signals: this process's SIGTERM handler (see
+    fourfold.signals); a SIGTERM then stops the run after a checkpoint, with Stopped.
     """
-    return Trainer(cfg, run_dir, progress=progress).fit()
+    trainer = Trainer(cfg, run_dir, progress=progress)
+    if signals is not None:
+        trainer.stop = StopAgreement(signals, trainer.grid)  # collective on a grid
+    return trainer.fit()
 
 
 __all__ = ["Run", "StepStats", "TrainResult", "Trainer", "TrainingError", "build_run",
            "count_parameters", "train"]
-
-
-class _MethodState:
-    """A training method's state as a sharded checkpoint part: each tensor a shard of the
-    global tensor the method's state_layout names (any grid reads it back), JSON for the rest."""
-
-    def __init__(self, method: TrainingMethod) -> None:
-        self.method = method
-
-    def describe(self) -> str:
-        return f"train.optimizer = {self.method.name!r}"
-
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return self.method.state_dict()
-
-    def layout_of(self, key: str) -> Layout | None:
-        return self.method.state_layout(key)
-
-    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        self.method.load_state_dict(tensors, meta)

@@ -12,9 +12,8 @@ from fourfold.plan.schedule import local_param_numel
 
 def adamw_bytes_per_element(precision: Precision) -> int:
     """Bytes AdamW's update moves per parameter: it reads parameters, gradients and both
-    moments and writes parameters and moments, one pass (measured here at copy speed: 28 B per
-    float32 parameter in 1.5 ns); clipping first reads the gradients for their norm, then
-    scales them in place."""
+    moments and writes parameters and moments, one pass, at copy speed; clipping first reads
+    the gradients for their norm, then scales them in place."""
     return (2 * precision.param_bytes + precision.grad_bytes + 2 * precision.optimizer_bytes
             + 3 * precision.grad_bytes)
 

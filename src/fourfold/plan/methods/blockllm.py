@@ -25,7 +25,7 @@ ROW_NORM_BYTES_PER_ELEMENT = 20
 ROW_NORM_OPS_PER_CHUNK = 4
 # The streamed choice (blockllm.choose_rows) on the host, each time the held rows outgrow the
 # budget by HOLD_SLACK and once at the end over every row: per call, per tensor and per row
-# ranked (bench/blockllm_choice.py measures them)
+# ranked, timed on a 2-core CPU host
 CHOOSE_S_PER_CALL = 1.5e-4
 CHOOSE_S_PER_TENSOR = 7e-6
 CHOOSE_S_PER_ROW = 1.5e-7
@@ -33,7 +33,7 @@ CHOOSE_S_PER_ROW = 1.5e-7
 # steepest row a ranking dropped) are gathered at its hand-off, CHOICE_FLOOR_PASS of its
 # elements; each ranking gathers the kept rows of the held tensors that lost some,
 # CHOICE_COPIED_SHARE of the budget; gathers run at CHOICE_GATHER_RATE of the copy rate
-# (cold rows into new blocks). bench/blockllm_choice.py counts them.
+# (cold rows into new blocks).
 CHOICE_FLOOR_PASS = 0.4
 CHOICE_COPIED_SHARE = 0.55
 CHOICE_GATHER_RATE = 0.22

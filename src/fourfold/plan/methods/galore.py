@@ -19,7 +19,7 @@ from fourfold.plan.perf import Rates, gemm_seconds
 from fourfold.plan.schedule import Collective, block_linears, local_param_numel
 
 # The refresh's eigh of an s x s float64 Gram matrix: about 9 s^3 FLOPs, at this share of the
-# float32 GEMM rate (measured on a CPU: 0.135 s at s = 768, one thread)
+# float32 GEMM rate (a CPU's; bench/lean_step_time.py compares the step)
 EIGH_FLOPS_PER_CUBE = 9.0
 EIGH_RATE_OF_GEMM = 0.36
 
@@ -75,8 +75,8 @@ def galore_update_bytes(model: ModelConfig, shape: GridShape, train: TrainConfig
     - a projection refresh (the first step and every gap-th), s = min(m, n): the s x s float64
       Gram while a chunk of the shard is gathered to its full small side (float32, CHUNK_BYTES
       at most, and its float64 copy), then eigh's input, output and workspace (syevd: about
-      2 s^2), 4 s^2 float64 in all (measured on CPU for s = 3072: 4.2 s^2 at eigh's peak); a
-      larger side's basis adds its shard's rows x r twice in float64;
+      2 s^2), 4 s^2 float64 in all; a larger side's basis adds its shard's rows x r twice in
+      float64;
     - an update, a block of the other side at a time (w of its columns for P, rows for Q, the
       update back in the shard's basis CHUNK_BYTES at most): P (Q) gathered to its r columns
       where they are split, and per block R (r x w) before its reduce-scatter, this rank's

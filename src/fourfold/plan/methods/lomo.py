@@ -1,5 +1,5 @@
 """LOMO's and AdaLomo's planner model: one tensor's gradient alive at a time (the largest
-block; with data > 1 up to two buckets are in flight, not counted), the update inside
+block; with data > 1 the buffers of up to two buckets, not counted), the update inside
 backward; AdaLomo's factored statistics and their all-reduces."""
 
 from __future__ import annotations

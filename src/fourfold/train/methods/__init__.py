@@ -6,20 +6,22 @@ each declared in fourfold.methods (its options, defaults and what it asks of the
 
 from __future__ import annotations
 
-from typing import Any
-
 from fourfold.config import TrainConfig
 from fourfold.methods import method_spec
-from fourfold.train.methods.base import (ParamView, StepData, StepResult, TrainingMethod,
-                                         batch_shard, param_views)
+from fourfold.parallel import ParallelModel
+from fourfold.train.methods.base import (ParamView, PhaseHooks, StepData, StepResult,
+                                         TrainingMethod, batch_shard, param_views)
 
 
-def build_method(pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> TrainingMethod:
-    """The training method named by cfg.optimizer, over pmodel's trainable local shards."""
-    method = method_spec(cfg.optimizer).build_class()(pmodel, cfg, tied_output)
+def build_method(pmodel: ParallelModel, cfg: TrainConfig, tied_output: bool = False,
+                 hooks: PhaseHooks | None = None) -> TrainingMethod:
+    """The training method named by cfg.optimizer, over pmodel's trainable local shards;
+    `hooks`: what it calls at its phases' boundaries (the run's host-memory policy's)."""
+    method = method_spec(cfg.optimizer).build_class()(pmodel, cfg, tied_output,
+                                                      hooks or PhaseHooks())
     assert isinstance(method, TrainingMethod)
     return method
 
 
-__all__ = ["ParamView", "StepData", "StepResult", "TrainingMethod", "batch_shard",
+__all__ = ["ParamView", "PhaseHooks", "StepData", "StepResult", "TrainingMethod", "batch_shard",
            "build_method", "param_views"]

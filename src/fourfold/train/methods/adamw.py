@@ -10,26 +10,32 @@ from typing import Any
 import torch
 
 from fourfold.config import TrainConfig
-from fourfold.parallel import Layout
-from fourfold.train.methods.base import (StepData, StepGuard, StepResult, TrainingMethod,
-                                         backward_pass, check_meta)
+from fourfold.parallel import Layout, ParallelModel
+from fourfold.train.checkpoint import OptimizerState
+from fourfold.train.methods.base import (PhaseHooks, StepData, StepGuard, StepResult,
+                                         TrainingMethod, backward_pass, check_meta)
 from fourfold.train.optim import build_optimizer, set_lr
 
 
 class AdamW(TrainingMethod):
+    """AdamW over every trainable parameter. It calls no phase hooks: its peak is its
+    gradients and moments, which nothing at a phase's boundary would lower."""
+
     name = "adamw"
 
-    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+    def __init__(self, pmodel: ParallelModel, cfg: TrainConfig, tied_output: bool = False,
+                 hooks: PhaseHooks | None = None) -> None:
         self.optimizer = build_optimizer(pmodel.named_parameters(), cfg, tied_output)
         self.grad_clip = cfg.grad_clip
         self._names = {id(p): n for n, p in pmodel.named_parameters()}
         self._layouts = pmodel.layouts()
 
-    @property
-    def torch_optimizer(self) -> torch.optim.Optimizer:
-        return self.optimizer
+    def checkpoint_part(self, pmodel: ParallelModel) -> OptimizerState:
+        """torch's optimizer state by parameter (optim/NAME/FIELD), as checkpoints have always
+        kept AdamW's."""
+        return OptimizerState(self.optimizer, pmodel)
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: StepGuard | None = None
+    def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         """The loss and gradient norm stay on the device (0-d tensors): the update is decided
         there (StepGuard.allow)."""

@@ -18,10 +18,27 @@ import torch
 from torch import nn
 
 from fourfold.methods import MethodSpec, method_spec
-from fourfold.parallel import Axis, Layout
-from fourfold.train.methods.noise import CHUNK_ELEMENTS, ShardNoise
+from fourfold.parallel import Axis, Layout, ParallelModel
+from fourfold.noise import CHUNK_ELEMENTS, ShardNoise
 from fourfold.train.optim import uses_weight_decay
 
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class PhaseHooks:
+    """Calls a training method makes at the boundaries of its phases, for what acts there
+    without the method knowing what it does (the run's host-memory policy:
+    train/host_memory.py). Each does nothing unless given."""
+
+    step_start: Callable[[], None] = _nothing  # before a step's first forward
+    after_forward: Callable[[], None] = _nothing  # between a micro-step's forward and backward
+    before_forward: Callable[[], None] = _nothing  # before each forward of a forward-only step
+    before_update: Callable[[], None] = _nothing  # after backward, before the update's work
+    before_transient: Callable[[], None] = _nothing  # before a large short-lived allocation
 
 
 class StepGuard(Protocol):
@@ -84,7 +101,7 @@ class ParamView:
     noise: ShardNoise
 
 
-def param_views(pmodel: Any, tied_output: bool = False) -> list[ParamView]:
+def param_views(pmodel: ParallelModel, tied_output: bool = False) -> list[ParamView]:
     """The trainable parameters (requires_grad) of a ParallelModel, with their global place."""
     layouts = pmodel.layouts()
     shape, coords = pmodel.grid.shape, pmodel.grid.shape.coords(pmodel.grid.rank)
@@ -123,17 +140,18 @@ class TrainingMethod(ABC):
     """One way of turning a step's losses into an update of the trainable local shards.
 
     `name` is the key of its declaration (fourfold.methods), which says when the weights change
-    (`spec.update_time`) and the grid axes the step's batch is split over (`batch_axes`).
+    (`spec.update_time`) and the grid axes the step's batch is split over (`batch_axes`). A
+    method is built as Method(pmodel, train_config, tied_output, hooks): `hooks` (PhaseHooks)
+    are what it calls at its phases' boundaries.
     """
 
     name: str = ""
     peak_grad_bytes: int = 0  # the most gradient bytes alive at once (train.memory_report)
 
-    @property
-    def torch_optimizer(self) -> torch.optim.Optimizer | None:
-        """A torch optimizer whose state a checkpoint keeps by parameter, in place of
-        state_dict()'s (AdamW's); None for the others."""
-        return None
+    def checkpoint_part(self, pmodel: ParallelModel) -> Any:
+        """What a checkpoint keeps of this method (CheckpointManager.register): by default its
+        state_dict(), each tensor placed by state_layout (MethodShards)."""
+        return MethodShards(self)
 
     @property
     def spec(self) -> MethodSpec:
@@ -143,14 +161,14 @@ class TrainingMethod(ABC):
     def batch_axes(self) -> tuple[Axis, ...]:
         return self.spec.batch_axes  # type: ignore[return-value]
 
-    def note_gradients(self, pmodel: Any) -> None:
+    def note_gradients(self, pmodel: ParallelModel) -> None:
         """Record the gradient bytes alive now (call where they peak: after backward)."""
         live = sum(p.grad.numel() * p.grad.element_size() for p in pmodel.parameters()
                    if p.grad is not None)
         self.peak_grad_bytes = max(self.peak_grad_bytes, live)
 
     @abstractmethod
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: StepGuard | None = None
+    def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         """One training step. Collective: every rank calls it with its own shard of the batch.
         `guard` is asked once, with the step's loss and gradient norm, before an update that
@@ -176,7 +194,28 @@ class TrainingMethod(ABC):
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def on_final_gradients(pmodel: Any, views: list[ParamView],
+class MethodShards:
+    """A training method's state as a sharded checkpoint part (checkpoint.ShardedStateful):
+    each tensor a shard of the global tensor the method's state_layout names (any grid reads
+    it back), JSON for the rest."""
+
+    def __init__(self, method: TrainingMethod) -> None:
+        self.method = method
+
+    def describe(self) -> str:
+        return f"train.optimizer = {self.method.name!r}"
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return self.method.state_dict()
+
+    def layout_of(self, key: str) -> Layout | None:
+        return self.method.state_layout(key)
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        self.method.load_state_dict(tensors, meta)
+
+
+def on_final_gradients(pmodel: ParallelModel, views: list[ParamView],
                        hook: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
     """Call `hook(param)` the moment each view's gradient is final for the step: on a grid
     after its z reduce-scatter and data all-reduce (Engine.set_grad_ready_hook), on one process
@@ -281,7 +320,7 @@ class PerParameterState:
                       for name, s in unflatten_state(tensors).items()}
 
 
-def backward_pass(pmodel: Any, data: StepData,
+def backward_pass(pmodel: ParallelModel, data: StepData,
                   after_forward: Callable[[], None] | None = None) -> torch.Tensor:
     """Forward and backward over the step's micro-batches, the data all-reduce on the last one
     only: the one micro-batch loop of every method with a backward. Returns this rank's summed
@@ -300,6 +339,6 @@ def backward_pass(pmodel: Any, data: StepData,
     return total
 
 
-def reduce_loss(pmodel: Any, local: torch.Tensor) -> float:
+def reduce_loss(pmodel: ParallelModel, local: torch.Tensor) -> float:
     """A loss summed over the batch axes (data and z): only a scalar crosses them."""
     return float(pmodel.reduce_over_batch(local.detach().double()))

@@ -30,8 +30,8 @@ tentative choice (the steepest held blocks, as the final choice takes them) is m
 the rows in it keep their gradient. A block that leaves the tentative choice never comes back
 into it (blocks seen later only add to the elements ranked above it), so the final choice's
 gradients are all at hand without a second backward; and a later tensor's blocks below the
-steepest block that left are dropped at its hand-off (at sparsity 0.9 with row blocks about 8
-rankings a selection on 125m, against one per tensor, 112, when every hand-off ranked).
+steepest block that left are dropped at its hand-off (a few rankings a selection, not one per
+tensor).
 
 Checkpoints: the selection (global rows per tensor) is in the state's facts; each tensor's
 moments and step counts are saved as (its chosen rows, the shard's columns), the rows gathered
@@ -52,14 +52,14 @@ import torch
 from torch import nn
 
 from fourfold.config import TrainConfig
-from fourfold.parallel import Axis, Layout
 from fourfold.methods.blockllm import EMBED_OUTPUT, HOLD_SLACK, BlockLLMOptions
-from fourfold.train.host_memory import trim_on_host_grid
-from fourfold.train.methods.base import (CHUNK_ELEMENTS, ParamView, StepData, StepGuard,
-                                         StepResult, TrainingMethod, arm_on_last_micro_step,
-                                         backward_pass, check_meta, live_grad_bytes,
-                                         on_final_gradients, padded_dims, param_views, reduce_loss)
-from fourfold.train.methods.noise import chunk_elements
+from fourfold.noise import chunk_elements
+from fourfold.parallel import Axis, Layout, ParallelModel
+from fourfold.train.methods.base import (CHUNK_ELEMENTS, ParamView, PhaseHooks, StepData,
+                                         StepGuard, StepResult, TrainingMethod,
+                                         arm_on_last_micro_step, backward_pass, check_meta,
+                                         live_grad_bytes, on_final_gradients, padded_dims,
+                                         param_views, reduce_loss)
 
 EPS = 1e-8  # AdamW's, as train/optim.build_optimizer
 
@@ -153,7 +153,8 @@ def choose_rows(norms: list[torch.Tensor | None], sizes: list[int], budget: floa
 class BlockLLM(TrainingMethod):
     name = "blockllm"
 
-    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+    def __init__(self, pmodel: ParallelModel, cfg: TrainConfig, tied_output: bool = False,
+                 hooks: PhaseHooks | None = None) -> None:
         options = cfg.options()
         assert isinstance(options, BlockLLMOptions)
         self.options = options
@@ -166,7 +167,7 @@ class BlockLLM(TrainingMethod):
             else:
                 v.param.requires_grad_(False)
         self.grid, self.comm = pmodel.grid, pmodel.comm
-        self._trim = trim_on_host_grid(self.grid.device, self.grid.world_size)
+        self.hooks = hooks or PhaseHooks()
         self.cands = candidates(self.views, self.grid)
         self._index = {id(c.view.param): i for i, c in enumerate(self.cands)}
         self._by_name = {c.view.name: c for c in self.cands}
@@ -326,7 +327,7 @@ class BlockLLM(TrainingMethod):
         # index_select: about 4x the speed of g[index] on a CPU (a gather of whole rows)
         return g.index_select(0, torch.searchsorted(local_held, local_keep).to(g.device))
 
-    def _backward(self, pmodel: Any, data: StepData, selecting: bool) -> float:
+    def _backward(self, pmodel: ParallelModel, data: StepData, selecting: bool) -> float:
         self.grads, self._selecting = {}, selecting
         if selecting:
             self._seen, self._held, self._held_elements = [None] * len(self.cands), {}, 0
@@ -337,7 +338,7 @@ class BlockLLM(TrainingMethod):
         finally:
             self._armed = self._selecting = False
 
-    def _select(self, pmodel: Any, data: StepData) -> float:
+    def _select(self, pmodel: ParallelModel, data: StepData) -> float:
         """The selection's backward (every candidate trainable): returns its loss and leaves
         the chosen rows' gradients in self.grads and the new selection in self.rows."""
         self._set_trainable(True)
@@ -427,10 +428,9 @@ class BlockLLM(TrainingMethod):
                 w.sub_(m / denom * (lr / (1 - b1 ** t)))
                 weights.index_copy_(0, rows, w)
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: StepGuard | None = None
+    def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
-        if self._trim is not None:  # the last step's freed blocks, before this step's
-            self._trim()
+        self.hooks.step_start()
         if self.rows is None and self.options.first_choice == "random":
             self._choose([self._rows_of(i, b) for i, b in enumerate(self._random_choice())])
             self.selecting_next = False

@@ -37,10 +37,9 @@ their full small side (CHUNK_BYTES, float32) and its float64 copy, and the basis
 side's (proj_type "reverse_std", "full", or "left"/"right" on that side) follows from it as
 the SVD's does, U = G V / sigma (V = G^T U / sigma), in float64, a direction whose singular
 value is zero to working precision left at zero (its partner is arbitrary in an SVD too). It
-runs inside backward, when the later layers' gradients are already projected and freed; on the
-host the heap's free pages are handed back first, so that they are not resident beside it (and
-at every step's forward and update: under the ranks' malloc tuning nothing else does, so each
-phase would land its temporaries in holes the one before left resident beside it).
+runs inside backward, when the later layers' gradients are already projected and freed, after
+the method's before_transient hook (PhaseHooks: on a host, the memory policy hands the heap's
+free pages back there, so that they are not resident beside it).
 Eigenvalues that tie at the r-th leave the basis of their eigenspace to eigh (as to an SVD);
 zero rows or columns (vocab padding) add nothing to the Gram.
 
@@ -71,7 +70,6 @@ all r columns.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -79,14 +77,13 @@ from fourfold.config import TrainConfig
 from fourfold.errors import ConfigError
 from fourfold.methods.galore import (CHUNK_BYTES, GaLoreOptions, is_target, projected_sides,
                                      projection_rank)
-from fourfold.parallel import Layout
+from fourfold.parallel import Layout, ParallelModel
 from fourfold.parallel.comm import Comm
 from fourfold.parallel.grid import Axis
-from fourfold.train.host_memory import (trim_after_autocast_forward, trim_host_memory,
-                                        trim_on_host_grid)
-from fourfold.train.methods.base import (ParamView, PerParameterState, StepData, StepGuard,
-                                         StepResult, TrainingMethod, arm_on_last_micro_step,
-                                         backward_pass, check_meta, on_final_gradients,
+from fourfold.train.methods.base import (ParamView, PerParameterState, PhaseHooks, StepData,
+                                         StepGuard, StepResult, TrainingMethod,
+                                         arm_on_last_micro_step, backward_pass, check_meta,
+                                         on_final_gradients,
                                          padded_dims, param_views, reduce_loss, shard_norm_sq)
 
 # a singular value at most this share of the largest has no partner on the larger side to
@@ -149,7 +146,8 @@ def top_eigenvectors(gram: torch.Tensor, r: int) -> torch.Tensor:
 class GaLore(PerParameterState, TrainingMethod):
     name = "galore"
 
-    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+    def __init__(self, pmodel: ParallelModel, cfg: TrainConfig, tied_output: bool = False,
+                 hooks: PhaseHooks | None = None) -> None:
         options = cfg.options()
         assert isinstance(options, GaLoreOptions)
         self.options = options
@@ -163,10 +161,10 @@ class GaLore(PerParameterState, TrainingMethod):
         self.sides = {v.name: self._projected_sides(v) for v in self.views}
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.steps_done = 0
-        # the state is made up front, before any gradient: it then lies below them in the
-        # heap, and the blocks every step's gradients and temporaries free are reused by the
-        # next step's (made at the first update, between the freed gradients, it left holes
-        # the later, differently sized tensors could not fill)
+        # the state is made up front, before any gradient: on a host it then lies below them
+        # in the heap, and the blocks every step's gradients and temporaries free are reused
+        # by the next step's (made at the first update, between the freed gradients, it would
+        # leave holes the later, differently sized tensors could not fill)
         for v in self.views:
             if v.param.requires_grad:
                 self.state[v.name] = self._new_state(v)
@@ -175,9 +173,7 @@ class GaLore(PerParameterState, TrainingMethod):
         self._low: dict[str, torch.Tensor] = {}
         self._new_bases: dict[str, dict[str, torch.Tensor]] = {}
         self._norm_sq = torch.zeros((), dtype=torch.float64, device=self.grid.device)
-        self._after_forward = trim_after_autocast_forward(self.grid.device,
-                                                          self.grid.world_size, cfg.dtype)
-        self._trim = trim_on_host_grid(self.grid.device, self.grid.world_size)
+        self.hooks = hooks or PhaseHooks()
         self._armed = False  # on the last micro-step of a backward
         self._refresh = False
         # a refreshed basis replaces the old one at once, unless a step the guard rejects can
@@ -272,9 +268,8 @@ class GaLore(PerParameterState, TrainingMethod):
         (m, n), split = view.full_shape, padded_dims(view)
         r = projection_rank(view.full_shape, self.rank)
         small = 0 if m < n else 1  # the side the Gram is made of (std's for a square)
-        # the refresh's transient (Gram, chunks, eigh's workspace: ~4 s^2 float64) would
-        # land above the heap's free holes: handed back first, they are not resident beside it
-        trim_host_memory(self.grid.device)
+        # the refresh's transient: Gram, chunks, eigh's workspace (~4 s^2 float64)
+        self.hooks.before_transient()
         # the small side first: G's shard for G G^T, its transpose for G^T G
         gram = small_side_gram(grad if small == 0 else grad.T, split[small], split[1 - small],
                                self.comm)
@@ -481,17 +476,16 @@ class GaLore(PerParameterState, TrainingMethod):
             coef = min(1.0, self.grad_clip / (norm + 1e-6))
         return norm, coef
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: StepGuard | None = None
+    def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         for v in self.views:
             v.param.grad = None
         self._refresh = self.steps_done % self.gap == 0
-        if self._trim is not None:  # the last update's blocks, before the forward
-            self._trim()
+        self.hooks.step_start()
         self._norm_sq.zero_()
         try:
             loss = reduce_loss(pmodel, backward_pass(pmodel, arm_on_last_micro_step(
-                data, lambda on: setattr(self, "_armed", on)), self._after_forward))
+                data, lambda on: setattr(self, "_armed", on)), self.hooks.after_forward))
         finally:
             self._armed = False
         self.peak_grad_bytes = max(self.peak_grad_bytes, self._live_grad_bytes())
@@ -499,8 +493,7 @@ class GaLore(PerParameterState, TrainingMethod):
         reason = guard.check(loss, norm) if guard is not None else None
         if reason is None:
             t = self.steps_done + 1
-            if self._trim is not None:  # backward's, before the update's temporaries
-                self._trim()
+            self.hooks.before_update()
             for v in self.views:
                 if v.name in self._low or (not self.sides[v.name] and v.param.grad is not None):
                     self._update(v, lr, t, coef)

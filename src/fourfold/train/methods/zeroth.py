@@ -1,6 +1,6 @@
 """Training from forward passes alone: MeZO (zeroth-order SGD) and evolution strategies.
 
-Both perturb the weights in place with seeded noise (methods/noise.py) and never hold a
+Both perturb the weights in place with seeded noise (fourfold/noise.py) and never hold a
 gradient or a second copy of the weights: memory is inference memory. The noise of an element
 depends only on (seed, step, parameter name, member, global position), so every grid perturbs the
 same global weights identically and the batch axes carry only scalar losses.
@@ -16,10 +16,10 @@ import torch
 
 from fourfold.config import TrainConfig
 from fourfold.methods.zeroth import ESOptions, MeZOOptions
-from fourfold.train.host_memory import trim_on_host_grid
-from fourfold.train.methods.base import (ParamView, StepData, StepGuard, StepResult,
+from fourfold.parallel import ParallelModel
+from fourfold.train.methods.base import (ParamView, PhaseHooks, StepData, StepGuard, StepResult,
                                          TrainingMethod, check_meta, param_views)
-from fourfold.train.methods.noise import noise_key
+from fourfold.noise import noise_key
 
 
 @torch.no_grad()
@@ -43,9 +43,8 @@ def add_noise(views: list[ParamView], seed: int, step: int, coefs: dict[int, flo
                 flat[start:stop].add_(delta.reshape(stop - start, -1).to(p.dtype))
 
 
-def _forward_loss(data: StepData, before: Callable[[], None] | None = None) -> torch.Tensor:
-    if before is not None:
-        before()
+def _forward_loss(data: StepData, before: Callable[[], None]) -> torch.Tensor:
+    before()
     with torch.no_grad():
         total = torch.zeros((), dtype=torch.float64)
         for loss in data.losses():
@@ -59,22 +58,23 @@ class MeZO(TrainingMethod):
 
     name = "mezo"
 
-    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+    def __init__(self, pmodel: ParallelModel, cfg: TrainConfig, tied_output: bool = False,
+                 hooks: PhaseHooks | None = None) -> None:
         options = cfg.options()
         assert isinstance(options, MeZOOptions)
         self.views = param_views(pmodel, tied_output)
         self.seed, self.eps = cfg.seed, options.eps
         self.weight_decay = cfg.effective_weight_decay()
         self.steps_done = 0
-        self._before_forward = trim_on_host_grid(pmodel.grid.device, pmodel.grid.world_size)
+        self.hooks = hooks or PhaseHooks()
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: StepGuard | None = None
+    def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         step, eps = self.steps_done, self.eps
         add_noise(self.views, self.seed, step, {0: eps})
-        plus = _forward_loss(data, self._before_forward)
+        plus = _forward_loss(data, self.hooks.before_forward)
         add_noise(self.views, self.seed, step, {0: -2.0 * eps})
-        minus = _forward_loss(data, self._before_forward)
+        minus = _forward_loss(data, self.hooks.before_forward)
         # two scalars cross the batch axes (data, z); x/y replicas already agree
         both = pmodel.reduce_over_batch(torch.stack([plus, minus]).to(pmodel.grid.device))
         plus_v, minus_v = float(both[0]), float(both[1])
@@ -120,16 +120,17 @@ class EvolutionStrategies(TrainingMethod):
 
     name = "es"
 
-    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+    def __init__(self, pmodel: ParallelModel, cfg: TrainConfig, tied_output: bool = False,
+                 hooks: PhaseHooks | None = None) -> None:
         options = cfg.options()
         assert isinstance(options, ESOptions)
         self.views = param_views(pmodel, tied_output)
         self.seed, self.sigma, self.population = cfg.seed, options.sigma, options.population
         self.weight_decay = cfg.effective_weight_decay()
         self.steps_done = 0
-        self._before_forward = trim_on_host_grid(pmodel.grid.device, pmodel.grid.world_size)
+        self.hooks = hooks or PhaseHooks()
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: StepGuard | None = None
+    def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         grid, step, n = pmodel.grid, self.steps_done, self.population
         replica, replicas = grid.coord("data"), grid.size("data")
@@ -137,7 +138,7 @@ class EvolutionStrategies(TrainingMethod):
         for m in range(n):
             add_noise(self.views, self.seed, step, {m: self.sigma})
             if m % replicas == replica:
-                losses[m] = _forward_loss(data, self._before_forward)
+                losses[m] = _forward_loss(data, self.hooks.before_forward)
             add_noise(self.views, self.seed, step, {m: -self.sigma})
         # n floats over the whole grid: z sums the batch shards, data gathers the members;
         # x and y hold copies

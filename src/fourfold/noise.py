@@ -6,6 +6,10 @@ every grid perturbs the same global weights identically, and nothing but the key
 generator is MurmurHash3's 32-bit finaliser folded over the coordinates (int32 tensors, whose
 products wrap), then Box-Muller in float32; it owns no state and never touches torch's global
 generator.
+
+It sits below train/ and plan/: MeZO and ES (train/methods/zeroth.py) perturb weights with it,
+and the planner models its cost (plan/perf.py, from its chunk sizes) and the cpu machine's
+probe times it.
 """
 
 from __future__ import annotations
