@@ -121,8 +121,10 @@ def test_blockllm_chooses_as_the_papers_rule() -> None:
     authors' code's rules: reference_worker.blockllm_transcription) on one process: the same
     tensors chosen at every step, choices by gradient among them. The weights: a fresh Adam's
     first step is lr g / (|g| + eps) per element, so an element whose gradient is near eps
-    (1e-10 here) steps by its rounding noise (measured: 4 of 8,192 elements of one matrix,
-    0.3 of a step; 1.5e-3 of the weights' norm); every other weight is as the reference's."""
+    steps by its rounding noise, and the next forwards carry that difference into every
+    tensor trained after it (measured: a few elements per matrix by the sixth step, at most
+    1.8e-3 of a tensor's norm by the last); a wrong step (one Adam step is lr = 0.02 per
+    element, weights of about 0.05) would be hundreds of times that."""
     from reference_worker import blockllm_transcription, fourfold_run
 
     from fourfold.parallel import Grid
@@ -137,5 +139,5 @@ def test_blockllm_chooses_as_the_papers_rule() -> None:
     assert not any(n.startswith(("embed", "output")) for c in ref_chosen for n in c)
     for step, (a, b) in enumerate(zip(ours, ref)):
         for name, w in b.items():
-            off = (a[name] - w).abs() > 1e-3 * BLOCKLLM["train"]["lr"]
-            assert int(off.sum()) <= max(1, w.numel() // 1000), f"step {step} {name}"
+            off = float((a[name] - w).norm() / w.norm())
+            assert off < 5e-3, f"step {step} {name}: {off:.2e} of its norm"
