@@ -14,7 +14,7 @@ checks it:
 - block_transient: one block's temporaries beyond what it saves (its backward's at the
   SwiGLU's gradient; a forward-only method's no-grad forward); the logits are gone before any
   block's backward, so a step counts the larger of the two (MemoryBreakdown.step;
-  tests/test_lean_optim.py holds the total against the heap in use at every op of a step);
+  tests/test_lean_heap.py holds the total against the heap in use at every op of a step);
 - loss_grads: the gradients alive at the loss, none unless micro-steps accumulate them
   (every method frees or hands off its gradients within a step);
 - gathered_weights: the z all-gather buffers (current + prefetched) and one dW block;
@@ -231,7 +231,7 @@ def block_transient_bytes_per_token(model: ModelConfig, shape: GridShape, precis
     beside gate and up), three ffn-wide tensors on top of the recompute's saved ones, a figure
     fitted to measurement. Without a backward (mezo, es): the block's input, the residual after
     attention and the normalized input, with gate, up, silu(gate) and their product. Checked by
-    tests/test_lean_optim.py (the heap in use after every op of a step) and, on a GPU, by
+    tests/test_lean_heap.py (the heap in use after every op of a step) and, on a GPU, by
     bench/memory_lean.py --device cuda."""
     d, f = model.dim // shape.x, model.ffn_dim // shape.y
     if backward:
