@@ -364,7 +364,7 @@ def test_a_meta_build_and_a_checkpointed_step_leave_torch_dynamo_unimported() ->
             "    model = build_model(model_config('debug'), seed=0, device='meta')\n"
             "    model.activation_checkpointing = True\n"
             "    pmodel = parallelize(model, Grid.single('cpu'),\n"
-            "                         ParallelConfig(gemm_tuning=tuned), optimizer='lomo')\n"
+            "                         ParallelConfig(gemm_tuning=tuned), blocked_loss=True)\n"
             "    tokens = torch.randint(0, 100, (2, 9))\n"
             "    pmodel(tokens[:, :-1], tokens[:, 1:]).mean().backward()\n"
             "    assert all(p.grad is not None for p in pmodel.parameters())\n"

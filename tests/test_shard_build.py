@@ -98,6 +98,8 @@ def test_a_meta_build_holds_one_tile_beyond_the_weights() -> None:
     `startup` on a host, not a block more (15m: its embedding is 9 MiB, a tile of it 1 MiB)."""
     from fourfold.plan.memory import Precision, predict_memory
 
+    import torch._dynamo  # noqa: F401  HeapPeak's dispatch mode imports it (26 MiB of heap)
+
     cfg = model_config("15m")
     model = build_model(cfg, seed=0, device="meta")
     with rank_memory_worker.HeapPeak() as heap:

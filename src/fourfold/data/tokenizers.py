@@ -199,7 +199,7 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     if isinstance(tokenizer, ByteTokenizer):
         return BYTE_FINGERPRINT
     if isinstance(tokenizer, HFTokenizer):
-        return _sha256(tokenizer.file_bytes())
+        return _hf_file_fingerprint(tokenizer.file_bytes())
     raise TypeError(f"no fingerprint for {type(tokenizer).__name__}")
 
 
@@ -214,7 +214,7 @@ def spec_fingerprint(spec: str | Path) -> str | None:
     if parse_bpe_spec(spec) is not None:
         return None
     path = Path(spec).expanduser()
-    return stored_fingerprint(path) if path.is_dir() else _sha256(path.read_bytes())
+    return stored_fingerprint(path) if path.is_dir() else _hf_file_fingerprint(path.read_bytes())
 
 
 def stored_fingerprint(directory: str | Path) -> str:
@@ -230,7 +230,16 @@ def stored_fingerprint(directory: str | Path) -> str:
             return BYTE_FINGERPRINT
     if not (directory / HF_FILE).is_file():
         raise DataError(f"{directory}: no tokenizer there (neither {HF_FILE} nor {META_FILE})")
-    return _sha256((directory / HF_FILE).read_bytes())
+    return _hf_file_fingerprint((directory / HF_FILE).read_bytes())
+
+
+def _hf_file_fingerprint(data: bytes) -> str:
+    """The fingerprint of a tokenizer.json's bytes: "byte" for the byte tokenizer as fourfold
+    writes it for transformers (an HF export of a byte-level run), which encodes text to the
+    byte tokenizer's ids; else the file's hash."""
+    if data == byte_level_hf_tokenizer().to_str(pretty=True).encode("utf-8"):
+        return BYTE_FINGERPRINT
+    return _sha256(data)
 
 
 def short_fingerprint(fingerprint: str) -> str:
