@@ -123,16 +123,38 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
             f"{tokenizer.vocab_size} tokens ({data_dir}); set model.vocab_size to at least "
             f"{tokenizer.vocab_size}")
 
-    if model is None:  # on the meta device: parallelize builds only this rank's shards
-        model = build_model(cfg.model, seed=t.seed, device="meta")
-    elif model.cfg != cfg.model:
+    if model is not None and model.cfg != cfg.model:
         raise ConfigError("the model passed to Trainer does not match cfg.model; build it "
                           "with build_model(cfg.model)")
-    else:
+    if model is not None:
         model.to(device)
+    pmodel, compiler, optimizer, method = build_model_parts(cfg, grid, model, init_from)
+
+    # The loader hands out whole steps; micro-batches are slices of them, so the data a step
+    # sees does not depend on grad_accum. Validation batches are whole steps too (evaluated in
+    # micro-batch slices), so the validation set depends neither on grad_accum nor on the grid.
+    loader = BatchLoader(data_dir, "train", t.batch_size, t.seq_len, t.seed,
+                         shard_index=shard_index, num_shards=shard_count)
+    val_loader = BatchLoader(data_dir, "val", t.batch_size, t.seq_len, t.seed,
+                             shard_index=shard_index, num_shards=shard_count)
+    return Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world_size=world_size, device=device,
+               grid=grid, data_dir=data_dir, tokenizer=tokenizer, pmodel=pmodel,
+               compiler=compiler, optimizer=optimizer, method=method, loader=loader,
+               val_loader=val_loader,
+               guard=LossGuard(t.spike_threshold))
+
+
+def build_model_parts(cfg: Config, grid: Grid, model: Llama | None = None, init_from: str = ""
+                      ) -> tuple[ParallelModel, BlockCompiler, torch.optim.Optimizer | None,
+                                 TrainingMethod | None]:
+    """This rank's parallel model (its shards of cfg.model, or of `model`), the block compiler
+    and the optimizer or training method of cfg.train; HF weights from `init_from`."""
+    t = cfg.train
+    if model is None:  # on the meta device: parallelize builds only this rank's shards
+        model = build_model(cfg.model, seed=t.seed, device="meta")
     # Set before parallelize, which converts the layers in place and keeps the flag.
     model.activation_checkpointing = t.activation_checkpointing
-    pmodel = parallelize(model, grid, p, optimizer=cfg.train.optimizer)
+    pmodel = parallelize(model, grid, cfg.parallel, optimizer=t.optimizer)
     if init_from:
         from fourfold.models.hf import load_hf_into
 
@@ -147,19 +169,7 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
                                     tied_output=cfg.model.tie_embeddings)
     else:
         method = build_method(pmodel, t, tied_output=cfg.model.tie_embeddings)
-
-    # The loader hands out whole steps; micro-batches are slices of them, so the data a step
-    # sees does not depend on grad_accum. Validation batches are whole steps too (evaluated in
-    # micro-batch slices), so the validation set depends neither on grad_accum nor on the grid.
-    loader = BatchLoader(data_dir, "train", t.batch_size, t.seq_len, t.seed,
-                         shard_index=shard_index, num_shards=shard_count)
-    val_loader = BatchLoader(data_dir, "val", t.batch_size, t.seq_len, t.seed,
-                             shard_index=shard_index, num_shards=shard_count)
-    return Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world_size=world_size, device=device,
-               grid=grid, data_dir=data_dir, tokenizer=tokenizer, pmodel=pmodel,
-               compiler=compiler, optimizer=optimizer, method=method, loader=loader,
-               val_loader=val_loader,
-               guard=LossGuard(t.spike_threshold))
+    return pmodel, compiler, optimizer, method
 
 
 def predicted_memory(cfg: Config, shape: GridShape, on_host: bool,
@@ -237,4 +247,4 @@ def _planned_grid(cfg: Config, world_size: int, rank: int) -> GridShape:
     return GridShape(data=data, z=z, y=y, x=x)
 
 
-__all__ = ["Run", "build_run"]
+__all__ = ["Run", "build_model_parts", "build_run"]

@@ -427,7 +427,9 @@ class CheckpointManager:
         if clash:  # both keep their JSON under state/NAME/
             raise ValueError(f"{clash[0]!r} names a part in states and in sharded_states")
         # a one-rank grid that forces the engine (Grid.force_groups) takes the grid's path too
-        self.distributed = (grid.world_size > 1 or grid.force_groups) and dist.is_initialized()
+        # a simulated job (torch's fake process group, no data behind it) never saves
+        self.distributed = ((grid.world_size > 1 or grid.force_groups) and dist.is_initialized()
+                            and grid.backend != "fake")
         # A group of its own: the writer thread's collectives never meet training traffic.
         self.group = dist.new_group(backend="gloo") if self.distributed else None
         self.mesh = build_mesh(grid) if self.distributed else None
