@@ -68,7 +68,8 @@ class LiveBytes(TorchDispatchMode):
                            kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            # a meta tensor (the model declared before its shards are built) holds nothing
+            if isinstance(t, torch.Tensor) and not t.is_meta:
                 self.track(t)
         return out
 
