@@ -35,7 +35,7 @@ from common import Table, header
 
 from fourfold.config import load_config
 from fourfold.parallel import GridShape
-from fourfold.train.build import predicted_memory
+from fourfold.plan.memory import predicted_memory
 
 header("GPU smoke: the presets in bfloat16 on one GPU and on all of them",
        command="bash bench/gpu_smoke.sh",

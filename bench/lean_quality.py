@@ -252,7 +252,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--set", dest="extra", action="append", type=parse_extra, default=[],
                     metavar="METHOD:SECTION.KEY=VALUE",
-                    help="an extra key for one method's runs (e.g. lomo:train.clip_mode=two_pass)")
+                    help="an extra key for one method's runs (e.g. lomo:train.method.clip_mode=two_pass)")
     ap.add_argument("--out-dir", type=Path, default=Path("runs/lean_quality"))
     ap.add_argument("--keep-weights", action="store_true",
                     help="keep each run's model.safetensors and checkpoint")

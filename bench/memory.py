@@ -34,6 +34,7 @@ from common import MIB, Table, fail, header, mib, parser  # noqa: E402
 
 from fourfold.config import load_config  # noqa: E402
 from fourfold.parallel import GridShape  # noqa: E402
+from fourfold.methods import method_spec  # noqa: E402
 from fourfold.parallel.embedding import resolve_output_loss  # noqa: E402
 from fourfold.plan.memory import Precision, predict_memory  # noqa: E402
 
@@ -107,7 +108,8 @@ def predicted(cfg_path: Path, rank: int) -> int:
                           on_host=True, writer=rank == 0,
                           async_checkpoint=cfg.checkpoint.is_async(True)
                           and cfg.checkpoint.every > 0,
-                          output_loss=resolve_output_loss(p.output_loss, t.optimizer),
+                          output_loss=resolve_output_loss(
+                              p.output_loss, method_spec(t.optimizer).blocked_loss),
                           grad_accum=t.grad_accum).total
 
 

@@ -32,7 +32,7 @@ C++ holds, such as autograd's saved inputs).
 [--nproc N]` (--config's data and model, with --preset, the method and the grid set on it),
 with a checkpoint every --every steps (0: none); rank 0's peak from the run's summary.json
 (VmHWM) above a process that only imports torch and fourfold, beside the planner's total for
-a CPU rank (fourfold.train.build.predicted_memory of the run's own config.toml: what the run's
+a CPU rank (fourfold.plan.memory.predicted_memory of the run's own config.toml: what the run's
 fits-check uses).
 """
 
@@ -68,14 +68,16 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
     if method == "none":
         return {"rss_kib": peak_kib()}
     from fourfold.config import ParallelConfig, model_config
+    from fourfold.methods import method_spec
     from fourfold.models import build_model
     from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
+    from fourfold.train.host_memory import HostMemory
     from fourfold.train.methods import StepData, build_method
 
+    cfg = train_config(method, seq, population, sets)
+    policy = HostMemory(device == "cpu", grid[0] * grid[1], cfg.dtype)  # as build_run makes it
     if tuned:  # as build_run tunes a CPU run (the environment part comes from measure*)
-        from fourfold.train.host_memory import keep_freed_host_memory
-
-        keep_freed_host_memory()
+        policy.tune()
     # what the process holds after the imports, before it joins the job (--phases prints it)
     base_kib = peak_kib()
     torch.set_num_threads(1)
@@ -88,12 +90,12 @@ def child(preset: str, method: str, steps: int, batch: int, seq: int, population
         the_grid = Grid.single(device)
     sampler = PeakSampler() if phases else None
     # on the meta device, as build_run does: parallelize makes this rank's shard of each tensor
-    cfg = train_config(method, seq, population, sets)
     model = build_model(model_config(preset), seed=0, device="meta")
     model.activation_checkpointing = cfg.activation_checkpointing
     pmodel = parallelize(model, the_grid, ParallelConfig(x=x, y=y, output_loss=output_loss),
-                         optimizer=method)
-    trainer = build_method(pmodel, cfg)
+                         blocked_loss=method_spec(method).blocked_loss,
+                         grad_buffers=policy.grad_buffers())
+    trainer = build_method(pmodel, cfg, hooks=policy.hooks())
     if sampler is not None:
         sampler.label("built")
         sampler.instrument(pmodel, trainer)
@@ -268,7 +270,7 @@ def train_config(method: str, seq: int, population: int, sets: tuple[str, ...] |
     keys = [f"train.optimizer={method}", "train.lr=1e-4", f"train.seq_len={seq}",
             "train.activation_checkpointing=true"]
     if method == "es":
-        keys.append(f"train.es_population={population}")
+        keys.append(f"train.method.population={population}")
     return load_config(overrides=[*keys, *sets]).train
 
 
@@ -305,11 +307,13 @@ def predicted_bytes(model_cfg, train_cfg, tokens: int, shape, output_loss: str =
     train_cfg.dtype), without the final export's term: these runs train and stop, writing no
     model (a forward-only method's planned peak would be the export's block: MeZO's and ES's
     one process read +14.9% with it, 125m)."""
+    from fourfold.methods import method_spec
     from fourfold.parallel.embedding import resolve_output_loss
     from fourfold.plan.memory import Precision, predict_memory, predict_method_memory
 
     precision = Precision.of(train_cfg.dtype)
-    output_loss = resolve_output_loss(output_loss, train_cfg.optimizer)
+    output_loss = resolve_output_loss(output_loss,
+                                      method_spec(train_cfg.optimizer).blocked_loss)
     mem = predict_memory(model_cfg, shape, tokens, train_cfg.activation_checkpointing,
                          precision, on_host=on_host, output_loss=output_loss)
     mem = dataclasses.replace(mem, export=0)
@@ -425,7 +429,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--set", dest="extra", action="append", type=parse_extra, default=[],
                     metavar="METHOD:SECTION.KEY=VALUE",
                     help="an extra key for one method's runs "
-                    "(e.g. blockllm:train.block_patience=3)")
+                    "(e.g. blockllm:train.method.patience=3)")
     ap.add_argument("--dtype", default="float32", choices=CHOICES[("train", "dtype")],
                     help="train.dtype of every run (bfloat16: the forward under autocast)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
@@ -582,7 +586,7 @@ def measure_cli(args: argparse.Namespace, method: str, grid: tuple[int, int],
 
     from fourfold.config import load_config
     from fourfold.parallel import GridShape
-    from fourfold.train.build import predicted_memory
+    from fourfold.plan.memory import predicted_memory
 
     shutil.rmtree(out, ignore_errors=True)  # a run directory with a checkpoint would resume
     cmd = [sys.executable, "-m", "fourfold", "train", args.config, "--out", str(out)]

@@ -97,7 +97,11 @@ def field_comments(cls: type) -> dict[str, str]:
 
 def description(cls: type, f: dataclasses.Field) -> str:
     doc = f.metadata.get("doc") if f.metadata else None
-    return str(doc) if doc else field_comments(cls).get(f.name, "")
+    if doc:
+        return str(doc)
+    # the class that declares the field holds its comments (a subclass may inherit it)
+    return next((text for base in cls.__mro__ if dataclasses.is_dataclass(base)
+                 and (text := field_comments(base).get(f.name))), "")
 
 
 def dataclass_options(typ: Any) -> list[type]:
@@ -111,8 +115,10 @@ def dataclass_options(typ: Any) -> list[type]:
 
 def concrete(cls: type) -> list[type]:
     """`cls` itself when it has no subclasses, else its dataclass subclasses that have none
-    (in the order they were defined), each once."""
-    subs = [s for s in cls.__subclasses__() if dataclasses.is_dataclass(s)]
+    (in the order they were defined), each once: fourfold's own (a method a program registers
+    is not in fourfold's reference)."""
+    subs = [s for s in cls.__subclasses__()
+            if dataclasses.is_dataclass(s) and s.__module__.startswith("fourfold.")]
     if not subs:
         return [cls]
     found: list[type] = []

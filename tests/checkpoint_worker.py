@@ -83,13 +83,13 @@ def phase_save(grid: Grid, run_dir: Path, out_dir: Path) -> dict:
     pmodel, optimizer = build(grid, seed=7)
     result["split_params"] = sum(1 for l in pmodel.layouts().values() if l.split_axes)
     result["bad_offsets"] = offsets_match(pmodel, grid)
-    manager = CheckpointManager(run_dir, CheckpointConfig(every=SAVE_AT, keep=2, async_save=True),
-                                grid)
+    manager = CheckpointManager.for_model(
+        run_dir, CheckpointConfig(every=SAVE_AT, keep=2, async_save=True), grid, pmodel, optimizer)
     losses = []
     for step in range(1, STEPS + 1):
         losses.append(train_step(pmodel, optimizer, step))
         if manager.due(step):
-            manager.save(step, pmodel, optimizer, {"step": step})
+            manager.save(step, {"step": step})
             full = pmodel.full_state_dict()  # the weights the checkpoint must hold
             if grid.rank == 0:
                 torch.save(full, out_dir / "full_at_save.pt")
@@ -100,7 +100,8 @@ def phase_save(grid: Grid, run_dir: Path, out_dir: Path) -> dict:
     resumed, resumed_opt = build(grid, seed=8)
     path = manager.latest_valid()
     result["loaded_path"] = str(path)
-    extra = manager.load(path, resumed, resumed_opt)
+    extra = CheckpointManager.for_model(run_dir, CheckpointConfig(), grid, resumed,
+                                        resumed_opt).load(path)
     result["extra_step"] = extra["step"]
     result["resumed_losses"] = [train_step(resumed, resumed_opt, s)
                                 for s in range(extra["step"] + 1, STEPS + 1)]
@@ -110,9 +111,9 @@ def phase_save(grid: Grid, run_dir: Path, out_dir: Path) -> dict:
 def phase_load(grid: Grid, run_dir: Path, out_dir: Path, save_dir: Path) -> dict:
     result: dict = {}
     pmodel, optimizer = build(grid, seed=8)
-    source = CheckpointManager(save_dir, CheckpointConfig(), grid)
+    source = CheckpointManager.for_model(save_dir, CheckpointConfig(), grid, pmodel, optimizer)
     path = source.latest_valid()
-    extra = source.load(path, pmodel, optimizer)
+    extra = source.load(path)
     expected = torch.load(out_dir / "full_at_save.pt")
     full = pmodel.full_state_dict()
     result["max_weight_diff"] = max(float((full[k] - expected[k]).abs().max()) for k in expected)
@@ -122,14 +123,15 @@ def phase_load(grid: Grid, run_dir: Path, out_dir: Path, save_dir: Path) -> dict
 
     # stop and resume on this grid (synchronous save this time)
     pmodel, optimizer = build(grid, seed=8)
-    source.load(path, pmodel, optimizer)
-    manager = CheckpointManager(run_dir, CheckpointConfig(every=1, keep=1, async_save=False),
-                                grid)
+    CheckpointManager.for_model(save_dir, CheckpointConfig(), grid, pmodel, optimizer).load(path)
+    manager = CheckpointManager.for_model(
+        run_dir, CheckpointConfig(every=1, keep=1, async_save=False), grid, pmodel, optimizer)
     for step in range(extra["step"] + 1, extra["step"] + 2):
         train_step(pmodel, optimizer, step)
-        manager.save(step, pmodel, optimizer, {"step": step})
+        manager.save(step, {"step": step})
     resumed, resumed_opt = build(grid, seed=9)
-    resumed_extra = manager.load(manager.latest_valid(), resumed, resumed_opt)
+    resumed_extra = CheckpointManager.for_model(run_dir, CheckpointConfig(), grid, resumed,
+                                                resumed_opt).load(manager.latest_valid())
     result["resumed_losses"] = [train_step(resumed, resumed_opt, s)
                                 for s in range(resumed_extra["step"] + 1, STEPS + 1)]
 

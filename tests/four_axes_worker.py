@@ -37,8 +37,9 @@ def run_dir() -> Path:
 
 def check_train(shape: GridShape, grid: Grid, check: dict, counter: DistCount) -> dict:
     result, pmodel, opt = train_on_grid(shape, grid, check["variant"], counter)
-    manager = CheckpointManager(run_dir(), CheckpointConfig(keep=1, async_save=False), grid)
-    manager.save(STEPS, pmodel, opt, {"step": STEPS})
+    manager = CheckpointManager.for_model(run_dir(), CheckpointConfig(keep=1, async_save=False),
+                                          grid, pmodel, opt)
+    manager.save(STEPS, {"step": STEPS})
     manager.close()
     full = pmodel.full_state_dict()
     if grid.rank == 0:
@@ -52,8 +53,8 @@ def check_resume(shape: GridShape, grid: Grid, check: dict, counter: DistCount) 
     ref_losses, ref_state = one_process_run(variant, STEPS + more)
     pmodel = parallelize(build(cfg, variant), grid, parallel_config(shape, variant))
     opt = make_optimizer(pmodel, variant.get("opt", "sgd"))
-    manager = CheckpointManager(run_dir(), CheckpointConfig(), grid)
-    extra = manager.load(manager.latest_valid(), pmodel, opt)
+    manager = CheckpointManager.for_model(run_dir(), CheckpointConfig(), grid, pmodel, opt)
+    extra = manager.load(manager.latest_valid())
     saved = torch.load(run_dir() / SAVED_WEIGHTS)
     loaded = pmodel.full_state_dict()
     loaded_diff = max(float((loaded[k] - saved[k]).abs().max()) for k in saved)

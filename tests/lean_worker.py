@@ -15,6 +15,7 @@ import math
 import torch
 
 from fourfold.config import ParallelConfig, TrainConfig, model_config
+from fourfold.methods import method_options
 from fourfold.models import build_model
 from fourfold.parallel import Grid, GridShape, parallelize
 from grid_cases import one_process_reference, run_grid_cases
@@ -200,10 +201,12 @@ def run_method(pmodel, cfg: TrainConfig, data, method_class=None
 
 
 def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
-    """`check`: {"name": optimizer, "steps": n, "accum": k, "train": {TrainConfig fields}}."""
+    """`check`: {"name": optimizer, "steps": n, "accum": k, "train": {TrainConfig fields},
+    "method": {its [train.method] options}}."""
     # smaller than `debug`: the zeroth-order methods make noise for every weight many times
     cfg = model_config("debug", bias=True, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
     tcfg = TrainConfig(optimizer=check["name"], grad_accum=check.get("accum", 1),
+                       method=method_options(check["name"], **check.get("method", {})),
                        **check.get("train", {}))
     # two batches in turn: a loss that goes down shows the method learns
     data = batches(cfg.vocab_size, 2, tcfg.grad_accum) * (check["steps"] // 2)
@@ -252,7 +255,7 @@ def check_method(shape: GridShape, grid: Grid, check: dict) -> dict:
         extra = dict(refreshes=galore_refreshes(method, ref_method, pmodel),
                      own_collectives=own_collectives(method, "adamw", pmodel, tcfg, data[0],
                                                      cfg, shape))
-    if check["name"] == "adalomo" and not frozen and tcfg.clip_mode == "none":
+    if check["name"] == "adalomo" and not frozen and tcfg.options().clip_mode == "none":
         extra = dict(own_collectives=own_collectives(method, "lomo", pmodel, tcfg, data[0],
                                                      cfg, shape))
     result = dict(ok=True, losses=losses, ref_losses=ref_losses, ledger=ledger, **extra,
@@ -287,7 +290,8 @@ def own_collectives(method, baseline: str, pmodel, tcfg: TrainConfig, micro, cfg
     batch: the ledger's difference per axis is the method's own, beside the planner's
     `method_collectives` for this model and grid. GaLore: also a refresh step against the
     step before it, beside `galore_refresh_collectives`."""
-    from fourfold.plan.perf import galore_refresh_collectives, method_collectives
+    from fourfold.plan.methods.galore import galore_refresh_collectives
+    from fourfold.plan.perf import method_collectives
     from fourfold.train.methods import StepData, batch_shard, build_method
 
     index, count = batch_shard(pmodel.grid, method.batch_axes)
@@ -360,7 +364,7 @@ def galore_refreshes(method, ref_method, pmodel) -> list[dict]:
     ranks against one process's and against a float64 SVD's subspace, and the bytes this
     rank's refresh moved."""
     from fourfold.parallel.parallelize import _gather_full
-    from fourfold.plan.memory import galore_rank
+    from fourfold.methods.galore import projection_rank as galore_rank
     from fourfold.train.methods.base import padded_dims
 
     refs = {v.name: v for v in ref_method.views}

@@ -113,6 +113,7 @@ def run_method_steps(model_cfg: ModelConfig, grid: Grid, cfg: TrainConfig, batch
     tokens/s), and torch._dynamo (about 44 MiB of heap) is imported by torch.optim (AdamW)
     and by HeapPeak's own dispatch mode through torch's Python meta kernels. The planner's
     host runtime term is where such memory counts in a run's resident memory."""
+    from fourfold.methods import method_spec
     from fourfold.train.methods import StepData, build_method
 
     shape, seq = grid.shape, cfg.seq_len
@@ -122,7 +123,7 @@ def run_method_steps(model_cfg: ModelConfig, grid: Grid, cfg: TrainConfig, batch
             model.activation_checkpointing = True
             pmodel = parallelize(model, grid, ParallelConfig(x=shape.x, y=shape.y, z=shape.z,
                                                              data=shape.data),
-                                 optimizer=cfg.optimizer)
+                                 blocked_loss=method_spec(cfg.optimizer).blocked_loss)
             method = build_method(pmodel, cfg)
             tokens = torch.randint(0, model_cfg.vocab_size, (batch, seq + 1),
                                    generator=torch.Generator().manual_seed(0))
@@ -183,8 +184,8 @@ def instrument_trainer_run(phases: Phases, trainer: object) -> None:
     phases.wrap(trainer.pmodel.module, "forward", "forward")
     phases.wrap(trainer.pmodel, "finish_backward", "backward")
     phases.wrap(trainer.pmodel, "clip_grad_norm_", "clip_grad_norm")
-    if trainer.optimizer is not None:
-        phases.wrap(trainer.optimizer, "step", "optimizer.step")
+    if trainer.method.name == "adamw":
+        phases.wrap(trainer.method.optimizer, "step", "optimizer.step")
     phases.wrap(trainer.checkpoints, "save", "checkpoint.save")
     phases.wrap(trainer.checkpoints, "wait", "checkpoint.wait")
     phases.wrap(trainer_module, "save_weights_streamed", "export", before=True)

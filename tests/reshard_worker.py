@@ -28,11 +28,11 @@ BASE = ["model.preset=debug", "model.dim=64", "model.n_heads=4", "model.n_kv_hea
         "train.warmup_steps=2", "train.eval_every=0", "train.eval_batches=0",
         "train.sample_tokens=0", "train.log_every=1", "checkpoint.keep=0"]
 # blockllm reselects every other step and galore refreshes its projection after the resume
-METHODS = {"lomo": ["train.clip_mode=none"], "adalomo": [],
+METHODS = {"lomo": ["train.method.clip_mode=none"], "adalomo": [],
            "mezo": ["train.lr=1e-4", "train.grad_clip=0"],
-           "es": ["train.lr=1e-4", "train.grad_clip=0", "train.es_population=4"],
-           "blockllm": ["train.block_sparsity=0.5", "train.block_patience=1"],
-           "galore": ["train.galore_gap=2"]}
+           "es": ["train.lr=1e-4", "train.grad_clip=0", "train.method.population=4"],
+           "blockllm": ["train.method.sparsity=0.5", "train.method.patience=1"],
+           "galore": ["train.method.gap=2"]}
 STEPS, SAVE_AT = 6, 3
 
 

@@ -77,3 +77,23 @@ def test_lora_bench_trains_a_small_share() -> None:
                      "32")
     share = {r["mode"]: float(r["share"].rstrip("%")) for r in rows}
     assert share["full"] == 100 and share["norm"] < 1 < share["lora"] < 10, share
+
+
+@pytest.mark.slow
+def test_packing_bench_times_packed_rows_against_causal() -> None:
+    """Three layouts, the packed ones on the CPU's per-document kernel."""
+    rows = run_bench("packing.py", "--preset", "debug", "--seq", "64", "--docs", "4",
+                     "--batch", "2", "--steps", "3")
+    assert [r["kernel"] for r in rows] == ["sdpa causal", "split", "split"], rows
+    assert rows[0]["vs causal"] == "1.00x"
+    assert all(float(r["vs causal"].rstrip("x")) > 0 for r in rows)
+
+
+@pytest.mark.ranks
+def test_balance_bench_balanced_rows_predict_less_imbalance() -> None:
+    """On 2 ranks, rows dealt by cost are predicted no more unequal than rows dealt in order."""
+    rows = run_bench("balance.py", "--nproc", "2", "--seq", "256", "--batch", "8", "--micro",
+                     "2", "--steps", "2", "--texts", "400")
+    by_way = {r["rows dealt"]: float(r["predicted imbalance"].split("%")[0]) for r in rows}
+    assert set(by_way) == {"in order", "balanced"}
+    assert by_way["balanced"] <= by_way["in order"], rows

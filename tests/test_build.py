@@ -72,10 +72,11 @@ def test_the_fits_check_counts_the_checkpoint_library_where_the_run_will_resume(
     import fourfold.train.build as build
     from fourfold.parallel import GridShape
     from fourfold.plan.errors import PlanError
+    from fourfold.plan.memory import predicted_memory
     from fourfold.train.checkpoint import MANIFEST_FILE, checkpoint_root
 
     cfg = load_config(None, [*OVERRIDES, "train.optimizer=mezo", "checkpoint.every=0"])
-    fresh, resumed = (build.predicted_memory(cfg, GridShape(1, 1, 1, 1), True, r).total
+    fresh, resumed = (predicted_memory(cfg, GridShape(1, 1, 1, 1), True, r).total
                       for r in (False, True))
     assert resumed > fresh
     monkeypatch.setattr(build, "rank_memory_capacity", lambda device, ranks: fresh)
@@ -92,3 +93,18 @@ def test_the_fits_check_counts_the_checkpoint_library_where_the_run_will_resume(
         build_run(cfg, tmp_path)
     build_run(load_config(None, [*OVERRIDES, "train.optimizer=mezo", "checkpoint.every=0",
                                  "checkpoint.resume=false"]), tmp_path)
+
+
+def test_build_run_refuses_a_seq_len_beyond_init_froms_context(tmp_path: Path) -> None:
+    from fourfold.config import ConfigError
+
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, '
+        '"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1, '
+        '"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16}')
+    cfg = load_config(None, [*OVERRIDES, f"model.init_from={hf_dir}"])
+    with pytest.raises(ConfigError, match="train.seq_len = 32 is longer than the "
+                                          "max_position_embeddings = 16 of model.init_from"):
+        build_run(cfg, tmp_path / "run")

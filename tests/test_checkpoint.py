@@ -144,8 +144,9 @@ def test_four_ranks_to_two_ranks(grids_run: dict) -> None:
 def test_reshard_four_ranks_to_one_process(grids_run: dict) -> None:
     out = grids_run["out"]
     pmodel, optimizer = worker.build(Grid.single(), seed=11)
-    manager = CheckpointManager(out / "run_save", CheckpointConfig(), Grid.single())
-    extra = manager.load(manager.latest_valid(), pmodel, optimizer)
+    manager = CheckpointManager.for_model(out / "run_save", CheckpointConfig(), Grid.single(),
+                                          pmodel, optimizer)
+    extra = manager.load(manager.latest_valid())
     expected = torch.load(out / "full_at_save.pt")
     state = pmodel.module.state_dict()
     for name, tensor in expected.items():
@@ -172,14 +173,15 @@ def _train(pmodel, optimizer, steps: range) -> list[float]:
 @pytest.mark.parametrize("async_save", [True, False])
 def test_one_process_round_trip_is_bit_exact(tmp_path: Path, async_save: bool) -> None:
     pmodel, optimizer = worker.build(Grid.single(), seed=7)
-    manager = CheckpointManager(tmp_path, CheckpointConfig(every=2, keep=2,
-                                                           async_save=async_save), Grid.single())
+    manager = CheckpointManager.for_model(
+        tmp_path, CheckpointConfig(every=2, keep=2, async_save=async_save), Grid.single(),
+        pmodel, optimizer)
     losses = []
     for step in range(1, 7):
         losses.append(worker.train_step(pmodel, optimizer, step))
         if manager.due(step):
             torch.manual_seed(100 + step)  # the RNG state the checkpoint must restore
-            manager.save(step, pmodel, optimizer, {"step": step, "note": "hello"})
+            manager.save(step, {"step": step, "note": "hello"})
     manager.close()
     # keep = 2: the oldest of three is gone, and only complete checkpoints are visible
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000006", "step_00000004"]
@@ -187,7 +189,8 @@ def test_one_process_round_trip_is_bit_exact(tmp_path: Path, async_save: bool) -
 
     resumed, resumed_opt = worker.build(Grid.single(), seed=8)
     path = list_checkpoints(tmp_path)[1]
-    extra = manager.load(path, resumed, resumed_opt)
+    extra = CheckpointManager.for_model(tmp_path, CheckpointConfig(), Grid.single(), resumed,
+                                        resumed_opt).load(path)
     assert extra == {"step": 4, "note": "hello"}
     after_load = torch.rand(3)
     torch.manual_seed(104)
@@ -197,11 +200,12 @@ def test_one_process_round_trip_is_bit_exact(tmp_path: Path, async_save: bool) -
 
 def _save_two(tmp_path: Path) -> tuple[CheckpointManager, list[Path]]:
     pmodel, optimizer = worker.build(Grid.single(), seed=7)
-    manager = CheckpointManager(tmp_path, CheckpointConfig(every=1, keep=3, async_save=False),
-                                Grid.single())
+    manager = CheckpointManager.for_model(
+        tmp_path, CheckpointConfig(every=1, keep=3, async_save=False), Grid.single(), pmodel,
+        optimizer)
     for step in (1, 2):
         worker.train_step(pmodel, optimizer, step)
-        manager.save(step, pmodel, optimizer, {"step": step})
+        manager.save(step, {"step": step})
     return manager, list_checkpoints(tmp_path)
 
 
@@ -220,7 +224,8 @@ def test_truncated_newest_checkpoint_falls_back_with_warning(tmp_path: Path) -> 
     with pytest.warns(UserWarning, match=f"{newest}.*truncated"):
         assert fresh.latest_valid() == previous
     pmodel, optimizer = worker.build(Grid.single(), seed=8)
-    assert fresh.load(previous, pmodel, optimizer) == {"step": 1}
+    assert CheckpointManager.for_model(tmp_path, CheckpointConfig(), Grid.single(), pmodel,
+                                       optimizer).load(previous) == {"step": 1}
 
 
 def test_verify_shares_split_the_hashing(tmp_path: Path) -> None:
@@ -268,11 +273,12 @@ FAILED_WRITE = textwrap.dedent("""
 
     runs = [(Path({root!r}) / mode, mode == "async") for mode in ("sync", "async")]
     pmodel, optimizer = worker.build(Grid.single(), seed=7)
-    managers = [CheckpointManager(run, CheckpointConfig(keep=1, async_save=is_async),
-                                  Grid.single()) for run, is_async in runs]
+    managers = [CheckpointManager.for_model(run, CheckpointConfig(keep=1, async_save=is_async),
+                                            Grid.single(), pmodel, optimizer)
+                for run, is_async in runs]
     worker.train_step(pmodel, optimizer, 1)
     for manager in managers:
-        manager.save(1, pmodel, optimizer, {{"step": 1}})
+        manager.save(1, {{"step": 1}})
         manager.wait()
     # a full disk: files may not grow past 4 KiB from now on (applies to root too)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -280,7 +286,7 @@ FAILED_WRITE = textwrap.dedent("""
     worker.train_step(pmodel, optimizer, 2)
     for manager in managers:
         try:
-            manager.save(2, pmodel, optimizer, {{"step": 2}})
+            manager.save(2, {{"step": 2}})
             manager.wait()
         except CheckpointError as e:
             print("ERROR:" + str(e))
@@ -308,9 +314,10 @@ def test_failed_write_keeps_earlier_checkpoints(tmp_path: Path) -> None:
 def test_unwritable_checkpoint_directory_is_a_one_line_error(tmp_path: Path) -> None:
     (tmp_path / "checkpoints").write_text("not a directory")
     pmodel, optimizer = worker.build(Grid.single(), seed=7)
-    manager = CheckpointManager(tmp_path, CheckpointConfig(async_save=False), Grid.single())
+    manager = CheckpointManager.for_model(tmp_path, CheckpointConfig(async_save=False),
+                                          Grid.single(), pmodel, optimizer)
     with pytest.raises(CheckpointError) as info:
-        manager.save(1, pmodel, optimizer, {"step": 1})
+        manager.save(1, {"step": 1})
     assert "\n" not in str(info.value) and "step_00000001" in str(info.value)
 
 
@@ -318,11 +325,11 @@ def test_load_rejects_a_checkpoint_of_another_model(tmp_path: Path) -> None:
     from fourfold.config import model_config
 
     _save_two(tmp_path)
-    manager = CheckpointManager(tmp_path, CheckpointConfig(), Grid.single())
     wrong = parallelize(build_model(model_config("debug", bias=True, vocab_size=640), seed=1),
                         Grid.single())
+    manager = CheckpointManager.for_model(tmp_path, CheckpointConfig(), Grid.single(), wrong)
     with pytest.raises(CheckpointError, match="cannot load checkpoint") as info:
-        manager.load(manager.latest_valid(), wrong, None)
+        manager.load(manager.latest_valid())
     assert "\n" not in str(info.value)
 
 
@@ -342,9 +349,10 @@ def test_async_auto_writes_synchronously_on_a_cpu_rank_only(tmp_path: Path) -> N
         load_config(None, ["checkpoint.async=sometimes"])
 
     pmodel, optimizer = worker.build(Grid.single(), seed=7)
-    manager = CheckpointManager(tmp_path, CheckpointConfig(every=1), Grid.single())
+    manager = CheckpointManager.for_model(tmp_path, CheckpointConfig(every=1), Grid.single(),
+                                          pmodel, optimizer)
     worker.train_step(pmodel, optimizer, 1)
-    manager.save(1, pmodel, optimizer, {"step": 1})
+    manager.save(1, {"step": 1})
     # complete when save returns: no writer thread, the checkpoint already listed
     assert manager._thread is None
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001"]

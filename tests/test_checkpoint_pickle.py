@@ -61,9 +61,9 @@ def test_checkpoint_with_a_pickled_object_is_refused_unread(tmp_path: Path) -> N
     state["state/extra/json"] = Planted(marker)  # what the trainer's extra state used to be
     _dcp_save(state, path)
 
-    manager = CheckpointManager(tmp_path, CheckpointConfig(), Grid.single())
+    manager = CheckpointManager.for_model(tmp_path, CheckpointConfig(), Grid.single(), pmodel)
     with pytest.raises(CheckpointError) as info:
-        manager.load(path, pmodel, None)
+        manager.load(path)
     _assert_one_line_refusal(info.value, str(path), "pickled", "state/extra/json")
     assert not marker.exists()
 
@@ -78,14 +78,15 @@ def test_checkpoint_with_a_pickled_object_is_refused_unread(tmp_path: Path) -> N
 
 def test_checkpoint_index_that_would_run_code_is_refused(tmp_path: Path) -> None:
     pmodel, optimizer = worker.build(Grid.single(), seed=7)
-    manager = CheckpointManager(tmp_path, CheckpointConfig(async_save=False), Grid.single())
+    manager = CheckpointManager.for_model(tmp_path, CheckpointConfig(async_save=False),
+                                          Grid.single(), pmodel, optimizer)
     worker.train_step(pmodel, optimizer, 1)
-    manager.save(1, pmodel, optimizer, {"step": 1})
+    manager.save(1, {"step": 1})
     path = list_checkpoints(tmp_path)[0]
     marker = tmp_path / "planted-code-ran"
     (path / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
     with pytest.raises(CheckpointError) as info:
-        manager.load(path, pmodel, optimizer)
+        manager.load(path)
     _assert_one_line_refusal(info.value, str(path), ".metadata", "mkdir")
     assert not marker.exists()
 
@@ -98,21 +99,22 @@ def test_extra_state_is_tensors_and_json(tmp_path: Path) -> None:
     from fourfold.train.checkpoint import read_metadata
 
     pmodel, optimizer = worker.build(Grid.single(), seed=7)
-    manager = CheckpointManager(tmp_path, CheckpointConfig(async_save=False), Grid.single())
+    manager = CheckpointManager.for_model(tmp_path, CheckpointConfig(async_save=False),
+                                          Grid.single(), pmodel, optimizer)
     worker.train_step(pmodel, optimizer, 1)
     extra = {"step": 1, "losses": [2.5, float("nan")], "note": "hi",
              "nested": {"t": torch.arange(3)}}
-    manager.save(1, pmodel, optimizer, extra)
+    manager.save(1, extra)
     path = list_checkpoints(tmp_path)[0]
     saved = read_metadata(path).state_dict_metadata
     assert all(isinstance(v, TensorStorageMetadata) for v in saved.values())
     assert any(k.startswith("rank0/rng/") for k in saved)
-    back = manager.load(path, pmodel, optimizer)
+    back = manager.load(path)
     assert back["step"] == 1 and back["note"] == "hi" and back["losses"][0] == 2.5
     assert back["losses"][1] != back["losses"][1]  # NaN
     assert torch.equal(back["nested"]["t"], torch.arange(3))
     with pytest.raises(CheckpointError, match="cannot be saved"):
-        manager.save(2, pmodel, optimizer, {"step": object()})
+        manager.save(2, {"step": object()})
 
 
 def _rehash(path: Path) -> None:

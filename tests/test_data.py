@@ -187,7 +187,8 @@ def test_prepare_is_deterministic_and_rewrites_in_place(tmp_path, corpus, byte_d
     second = prepare([corpus[0]], out, tokenizer="byte", val_fraction=0.1, progress=False,
                      overwrite=True)
     assert len(second.splits["train"].shards) == 1
-    assert sorted(p.name for p in out.glob("*.bin")) == ["train_00000.bin", "val_00000.bin"]
+    assert sorted(p.name for p in out.glob("*.bin")) == ["train_00000.bin", "train_documents.bin",
+                                                         "val_00000.bin", "val_documents.bin"]
     assert not list(out.glob(".*")) and sorted(p.name for p in tmp_path.iterdir()) == ["again"]
     verify(out)
 
@@ -306,7 +307,7 @@ def test_reading_windows_leaves_no_shard_pages_mapped(tmp_path, shard_tokens):
     extra = {} if shard_tokens is None else {"shard_tokens": shard_tokens}
     prepare([tmp_path / "corpus"], out, tokenizer="byte", val_fraction=0.01, progress=False,
             **extra)
-    files = sorted(out.glob("train_*.bin"))
+    files = sorted(out.glob("train_0*.bin"))
     assert sum(f.stat().st_size for f in files) > 1 << 20
     assert (len(files) == 1) if shard_tokens is None else (len(files) > 3)
     loader = BatchLoader(out, "train", batch_size=16, seq_len=64, seed=1)
@@ -544,21 +545,21 @@ def test_an_interrupted_prepare_leaves_the_old_data_whole(tmp_path, corpus, monk
     out = tmp_path / "data"
     prepare([corpus[0]], out, tokenizer="byte", val_fraction=0.1, progress=False)
     before = _snapshot(out)
-    tokenize = prepare_module._tokenize_into
+    route = prepare_module._route_documents
 
-    def interrupted(sources, tok, writers, *args):
+    def interrupted(documents, writers, *args):
         def stop(*_):
             raise KeyboardInterrupt
 
-        writers["train"].write(np.arange(100))  # some new tokens are on disk by then
+        writers["train"].tokens.write(np.arange(100))  # some new tokens are on disk by then
         monkeypatch.setattr(writers["train"], "write", stop)
-        return tokenize(sources, tok, writers, *args)
+        return route(documents, writers, *args)
 
-    monkeypatch.setattr(prepare_module, "_tokenize_into", interrupted)
+    monkeypatch.setattr(prepare_module, "_route_documents", interrupted)
     with pytest.raises(KeyboardInterrupt):
         prepare([corpus[0]], out, tokenizer="bpe:300", progress=False, overwrite=True)
     assert _snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
-    monkeypatch.setattr(prepare_module, "_tokenize_into", tokenize)
+    monkeypatch.setattr(prepare_module, "_route_documents", route)
 
     # Where the system cannot swap in one step: the second of two renames fails, and the old
     # directory is moved back.

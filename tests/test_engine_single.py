@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -177,15 +178,23 @@ def test_without_a_z_axis_a_weight_gradient_is_final_at_its_gemm() -> None:
 
 
 def test_a_released_gradient_is_the_buffer_of_the_next_one_of_its_shape() -> None:
-    """A fused update's hand-off lets go of a host gradient (release_grad): the engine keeps
-    the largest such buffer and the next weight gradient of that shape is written into it (a
-    dW GEMM, the embedding's block, a cast from bfloat16), so the two largest gradients of a
-    step stop landing on top of the heap. A view, a smaller gradient and a buffer of the
-    wrong dtype (found at a request, or asked for so before) are not kept."""
+    """A fused update's hand-off lets go of a host gradient (release_grad): with a buffer
+    pool (what a host run gives its engine) the engine keeps the largest such buffer and the
+    next weight gradient of that shape is written into it (a dW GEMM, the embedding's block, a
+    cast from bfloat16), so the two largest gradients of a step stop landing on top of the
+    heap. A view, a smaller gradient and a buffer of the wrong dtype (found at a request, or
+    asked for so before) are not kept; without a pool nothing is."""
+    from fourfold.parallel.buffers import GradBufferPool
     from fourfold.parallel.comm import Comm
     from fourfold.parallel.engine import Engine, OverlapOptions
 
-    engine = Engine(Comm(Grid.single()), OverlapOptions())
+    plain = Engine(Comm(Grid.single()), OverlapOptions())
+    w = torch.nn.Parameter(torch.zeros(6, 5))
+    w.grad = torch.randn(6, 5)
+    released = weakref.ref(w.grad)
+    plain.release_grad(w)
+    assert w.grad is None and released() is None  # nothing holds it: freed at once
+    engine = Engine(Comm(Grid.single()), OverlapOptions(), GradBufferPool())
     big, small = torch.nn.Parameter(torch.zeros(6, 5)), torch.nn.Parameter(torch.zeros(2, 5))
     for p in (big, small):
         engine.register(SimpleNamespace(weight=p))
@@ -229,7 +238,7 @@ def test_a_released_gradient_is_the_buffer_of_the_next_one_of_its_shape() -> Non
     assert engine.grad_buffer((2, 5), torch.float32, cpu).data_ptr() == kept
     # a shape first asked for in another dtype is not kept from its first release on (the
     # blocked loss's bfloat16 dW on a grid: kept, the buffer sat through the next forward)
-    fresh = Engine(Comm(Grid.single()), OverlapOptions())
+    fresh = Engine(Comm(Grid.single()), OverlapOptions(), GradBufferPool())
     assert fresh.grad_buffer((2, 5), torch.bfloat16, cpu).dtype == torch.bfloat16
     small.grad = held = torch.randn(2, 5)
     fresh.release_grad(small)

@@ -69,8 +69,8 @@ big = torch.ones(30_000_000)  # 120 MB in the heap (no mmap under the tuning)
 above = torch.ones(1000)  # so that big's pages lie inside the heap, not at its top
 del big
 kept = rss_kib()
-trim_host_memory(torch.device("cpu"))
-trim_host_memory(torch.device("cpu"))  # the second call reuses the first's lookup of libc
+trim_host_memory()
+trim_host_memory()  # the second call reuses the first's lookup of libc
 print(kept - rss_kib())
 """
 
@@ -123,6 +123,46 @@ def test_mkl_hands_its_buffers_back_in_the_ranks_environment():
     assert kept["ranks"] < 2**20 and 64 * kept["ranks"] < kept["cached"], kept
 
 
+def test_the_policy_acts_on_the_host_only(monkeypatch):
+    """HostMemory (built once per run) hands the training method's phase hooks the trim where
+    the host needs it, and the engine a buffer pool; on a GPU nothing (a no-op policy)."""
+    import torch
+
+    from fourfold.parallel.buffers import GradBufferPool
+    from fourfold.train import host_memory
+    from fourfold.train.methods import PhaseHooks
+
+    trims = []
+    monkeypatch.setattr(host_memory, "trim_host_memory", lambda: trims.append(1))
+    phases = ("step_start", "after_forward", "before_forward", "before_update",
+              "before_transient")
+
+    def trimming(policy: host_memory.HostMemory) -> list[str]:
+        hooks = policy.hooks()
+        out = []
+        for phase in phases:
+            trims.clear()
+            getattr(hooks, phase)()
+            if trims:
+                out.append(phase)
+        return out
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    grid = host_memory.HostMemory.for_run(cpu, 4, "float32")
+    assert trimming(grid) == ["step_start", "before_forward", "before_update",
+                              "before_transient"]
+    assert trimming(host_memory.HostMemory.for_run(cpu, 1, "bfloat16")) == [
+        "after_forward", "before_transient"]
+    assert trimming(host_memory.HostMemory.for_run(cpu, 1, "float32")) == ["before_transient"]
+    on_gpu = host_memory.HostMemory.for_run(gpu, 4, "bfloat16")
+    assert trimming(on_gpu) == [] and on_gpu.hooks() == PhaseHooks()
+    assert isinstance(grid.grad_buffers(), GradBufferPool) and on_gpu.grad_buffers() is None
+    trims.clear()
+    on_gpu.release()
+    grid.release()
+    assert trims == [1]
+
+
 def test_user_malloc_settings_are_left_alone(monkeypatch):
     from fourfold.train import host_memory
 
@@ -133,7 +173,7 @@ def test_user_malloc_settings_are_left_alone(monkeypatch):
 
 def _reexec_target(monkeypatch, argv, env, gpus=False):
     """What `fourfold` would exec into for this argv and environment (None: it goes on)."""
-    from fourfold import cli, host
+    from fourfold import host
 
     for name in list(os.environ):
         if name.startswith(("MALLOC_", "GLIBC_", "MKL_", "TORCH_FR_", "WORLD_SIZE", "SLURM_")):
@@ -144,7 +184,7 @@ def _reexec_target(monkeypatch, argv, env, gpus=False):
     monkeypatch.setattr(host, "has_accelerator_devices", lambda: gpus)
     calls = []
     monkeypatch.setattr(os, "execve", lambda path, args, environ: calls.append((args, environ)))
-    cli._retune_malloc_for_cpu_training()
+    host.restart_for_cpu_training(argv)
     return calls[0] if calls else None
 
 

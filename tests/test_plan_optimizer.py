@@ -9,13 +9,14 @@ import math
 import pytest
 
 from fourfold.cli import main
-from fourfold.config import CHOICES, Config, ParallelConfig, TrainConfig, model_config
+from fourfold.config import Config, ParallelConfig, TrainConfig, model_config
+from fourfold.methods import BUILTIN_METHODS, method_names, method_options, method_spec
 from fourfold.parallel.embedding import resolve_output_loss
 from fourfold.plan import PlanError, Precision, choose_grid, load_machine, plan, predict_memory
 from fourfold.plan.cli import plan_main
 from fourfold.plan.memory import predict_method_memory
-from fourfold.plan.perf import blockllm_choice_seconds, predict_step
-from fourfold.plan.search import METHOD_BATCH_AXES, NO_ACCUMULATION, OPTIMIZERS
+from fourfold.plan.methods.blockllm import blockllm_choice_seconds
+from fourfold.plan.perf import predict_step
 
 from fake_host import use_fake_probes
 
@@ -65,7 +66,7 @@ def test_table_names_the_planned_optimizer(capsys):
     assert "forward+backward" not in out  # adamw's time is its own: no caveat
 
 
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("optimizer", BUILTIN_METHODS)
 def test_candidate_memory_is_the_method_model(optimizer):
     model, machine = model_config("125m"), load_machine("perlmutter")
     train = TrainConfig(optimizer=optimizer)
@@ -73,13 +74,13 @@ def test_candidate_memory_is_the_method_model(optimizer):
     result = plan(model, 4, machine, 8, 512, precision, train=train)
     assert result.optimizer == optimizer
     candidates = list(result.candidates)
-    if optimizer not in NO_ACCUMULATION:  # and with micro-steps that accumulate gradients
+    if method_spec(optimizer).accumulates:  # and with micro-steps that accumulate gradients
         candidates += plan(model, 4, machine, 8, 512, precision, train=train,
                            grad_accum=2).candidates
         assert any(c.grad_accum == 2 for c in candidates)
     for c in candidates:
         # parallel.output_loss at its default, as a run of the method resolves it
-        loss = resolve_output_loss("auto", optimizer)
+        loss = resolve_output_loss("auto", method_spec(optimizer).blocked_loss)
         base = predict_memory(model, c.shape, c.micro_batch * 512, c.activation_checkpointing,
                               precision, output_loss=loss, grad_accum=c.grad_accum)
         assert c.memory == predict_method_memory(
@@ -87,7 +88,7 @@ def test_candidate_memory_is_the_method_model(optimizer):
             precision, loss)
         # with accumulation every method's gradients are alive at the later micro-steps' loss
         assert c.memory.loss_grads == (c.memory.grads if c.grad_accum > 1 else 0)
-        if optimizer in NO_ACCUMULATION:
+        if not method_spec(optimizer).accumulates:
             assert c.grad_accum == 1
     adamw = plan(model, 4, machine, 8, 512, precision)
     assert adamw.optimizer == "adamw" and adamw.time_note is None
@@ -97,7 +98,7 @@ def test_candidate_memory_is_the_method_model(optimizer):
 def test_method_options_from_the_config_reach_the_memory(tmp_path, capsys):
     def state_gib(sparsity: float | None) -> float:
         path = tmp_path / "block.toml"
-        extra = f"block_sparsity = {sparsity}\n" if sparsity is not None else ""
+        extra = f"[train.method]\nsparsity = {sparsity}\n" if sparsity is not None else ""
         path.write_text('[model]\npreset = "125m"\n[train]\nbatch_size = 8\nseq_len = 256\n'
                         f'optimizer = "blockllm"\n{extra}')
         assert plan_main(["--model", str(path), "--gpus", "1", "--machine", "perlmutter",
@@ -140,11 +141,9 @@ def test_bad_optimizer_is_one_line_exit_2(capsys):
 
 
 def test_es_splits_its_batch_over_z_only(capsys):
-    from fourfold.train.methods import method_batch_axes
-
-    for name in OPTIMIZERS:  # the planner's copy of each method's batch axes
-        assert METHOD_BATCH_AXES.get(name, ("data", "z")) == method_batch_axes(name)
-    assert OPTIMIZERS == CHOICES[("train", "optimizer")]
+    # the planner plans every method the trainer runs: each has its planner model
+    assert all(method_spec(name).planner_model() for name in method_names())
+    assert method_spec("es").batch_axes == ("z",)
     # a batch of 2 on 4 ranks: data=4 cannot split it for adamw, es gives each replica all of it
     model, machine = model_config("debug"), load_machine("perlmutter")
     es = plan(model, 4, machine, 2, 64, "float32", train=TrainConfig(optimizer="es"))
@@ -175,14 +174,15 @@ def test_choose_grid_and_parallel_auto_fit_the_method():
         _planned_grid(cfg, 1, 0)
 
 
-def _step(optimizer: str, shape=None, machine: str = "perlmutter", batch: int = 4, **train):
+def _step(optimizer: str, shape=None, machine: str = "perlmutter", batch: int = 4, **options):
     """The planner's step of 15m (`batch` x 256 tokens) on `shape` (default one GPU) under
-    `optimizer`."""
+    `optimizer` with its [train.method] `options`."""
     from fourfold.parallel import GridShape
 
     return predict_step(model_config("15m"), shape or GridShape(), batch, 256, 1, True,
                         load_machine(machine), Precision.of("float32"), output_loss="whole",
-                        train=TrainConfig(optimizer=optimizer, **train))
+                        train=TrainConfig(optimizer=optimizer,
+                                          method=method_options(optimizer, **options)))
 
 
 @pytest.mark.slow
@@ -201,7 +201,7 @@ def test_step_time_is_each_methods_own():
     # blockllm, a selection every step: AdamW's passes, every gradient's row norms, the
     # selected fraction of AdamW's update, and the streamed choice's ranking of rows on the
     # host, which on a GPU outweighs a 15m model's whole step (a sparser choice holds fewer)
-    sparse, half = _step("blockllm"), _step("blockllm", block_sparsity=0.5)
+    sparse, half = _step("blockllm"), _step("blockllm", sparsity=0.5)
     host = blockllm_choice_seconds(model_config("15m"), 0.9, math.inf)
     assert host > adamw.step_s
     assert adamw.step_s + host < sparse.step_s < half.step_s
@@ -215,7 +215,7 @@ def test_step_time_is_each_methods_own():
     # projections are a third of the passes' GEMMs; a refresh every step costs more
     galore = _step("galore")
     assert galore.step_s > adamw.step_s
-    assert _step("galore", galore_gap=1).step_s > galore.step_s
+    assert _step("galore", gap=1).step_s > galore.step_s
     # on a grid its own collectives (plan/perf.py method_collectives, which tests/
     # test_lean_optim.py holds against the ledger) come on top of the model's
     grid = GridShape(y=2, x=2)
@@ -231,11 +231,11 @@ def test_step_time_is_each_methods_own():
     assert forward_s > 0 and mezo.compute_s > forward_s  # noise: a fixed cost per step
     assert mezo.flops_per_step == pytest.approx(2 * adamw.flops_per_step / 3)
     # es: a replica's members; 8 members on 2 replicas are 4 forwards each
-    es = _step("es", machine="cpu", es_population=8)
+    es = _step("es", machine="cpu", population=8)
     assert es.flops_per_step == pytest.approx(8 * adamw.flops_per_step / 3)
     # on 2 replicas (the search hands es every replica's copy of the batch) each runs 4
-    two_replicas = _step("es", GridShape(data=2), batch=8, es_population=8)
-    one = _step("es", batch=4, es_population=8)
+    two_replicas = _step("es", GridShape(data=2), batch=8, population=8)
+    one = _step("es", batch=4, population=8)
     assert two_replicas.flops_per_step == pytest.approx(one.flops_per_step)
     assert two_replicas.compute_s < one.compute_s  # the same noise, half the forwards
 
@@ -268,7 +268,7 @@ def test_host_runtime_counts_the_libraries_each_run_imports():
     `fourfold train` 2x2 15m, LOMO, rank 0 read 136 MiB without checkpoints and 189 with."""
     from fourfold.parallel.grid import GridShape
     from fourfold.plan.memory import HOST_RUNTIME_BYTES, library_bytes
-    from fourfold.train.build import predicted_memory
+    from fourfold.plan.memory import predicted_memory
 
     mib = 2**20
 

@@ -58,7 +58,7 @@ def test_steps_read_the_host_only_when_they_log(tmp_path: Path,
     trainer = Trainer(_config("train.log_every=3", "train.grad_clip=0.5",
                               "train.spike_threshold=3", "train.nan_policy=skip"),
                       tmp_path, progress=False)
-    assert trainer.optimizer.defaults.get("fused")  # the device-side skip needs it
+    assert trainer.method.optimizer.defaults.get("fused")  # the device-side skip needs it
     inside: list[tuple[int, str]] = []  # reads during train_step: (step, what)
     between: dict[int, list[str]] = {}  # reads after step N, before step N + 1
     in_step = [False]
@@ -102,7 +102,7 @@ def _poison(trainer: Trainer, bad_step: int) -> None:
 def _state(trainer: Trainer) -> dict[str, torch.Tensor]:
     out = {n: p.detach().clone() for n, p in trainer.pmodel.named_parameters()}
     names = {id(p): n for n, p in trainer.pmodel.named_parameters()}
-    for p, state in trainer.optimizer.state.items():
+    for p, state in trainer.method.optimizer.state.items():
         for key, value in state.items():
             out[f"{names[id(p)]}/{key}"] = value.detach().clone()
     return out
@@ -115,13 +115,13 @@ def test_a_skip_on_the_device_equals_a_skip_on_the_host(tmp_path: Path) -> None:
                      progress=False)
     host = Trainer(_config("train.log_every=1", "train.nan_policy=skip"), tmp_path / "host",
                    progress=False)
-    optimizer = host.optimizer
+    optimizer = host.method.optimizer
 
     def host_skip(applied: torch.Tensor) -> None:  # what the trainer did before: ask the host
         if bool(applied):
             optimizer.step()
 
-    host._optimizer_step_if = host_skip  # type: ignore[method-assign]
+    host.method._step_if = host_skip  # type: ignore[attr-defined]
     for trainer in (device, host):
         _poison(trainer, 3)
     results = [device.fit(), host.fit()]

@@ -200,14 +200,14 @@ def test_a_bad_galore_refresh_step_is_stopped_or_skipped_whole(tmp_path: Path) -
     # a small side under 32, where eigh of a NaN Gram raises (larger ones return NaN vectors)
     galore = ("train.optimizer=galore", "model.dim=24", "model.n_heads=2", "model.n_kv_heads=1",
               "model.ffn_dim=64")
-    stopped = Trainer(small_config(*galore, "train.galore_gap=2"), tmp_path / "stop",
+    stopped = Trainer(small_config(*galore, "train.method.gap=2"), tmp_path / "stop",
                       progress=False)  # steps 1, 3, 5 refresh
     _poison_step(stopped, 3)
     with pytest.raises(TrainingError, match=r"^step 3: loss is nan"):
         stopped.fit()
 
     # every step after the first five is a spike; step 6 (5 steps done) refreshes
-    trainer = Trainer(small_config(*galore, "train.galore_gap=5", "train.steps=7",
+    trainer = Trainer(small_config(*galore, "train.method.gap=5", "train.steps=7",
                                    "train.spike_threshold=0.5", "train.nan_policy=skip"),
                       tmp_path / "skip", progress=False)
     snapshots: dict[int, dict[str, torch.Tensor]] = {}

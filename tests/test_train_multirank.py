@@ -102,8 +102,8 @@ def test_compiled_tensor_parallel_ranks_match_one_process(tmp_path: Path,
 @pytest.mark.ranks
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("method, grid", [
-    (["train.optimizer=lomo", "train.clip_mode=none"], "parallel.z=2"),
-    (["train.optimizer=es", "train.es_population=4", "train.lr=1e-4", "train.grad_clip=0"],
+    (["train.optimizer=lomo", "train.method.clip_mode=none"], "parallel.z=2"),
+    (["train.optimizer=es", "train.method.population=4", "train.lr=1e-4", "train.grad_clip=0"],
      "parallel.data=2")])
 def test_lean_method_through_fourfold_train_on_a_grid_matches_one_process(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: list[str], grid: str) -> None:

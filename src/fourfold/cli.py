@@ -12,8 +12,10 @@ import argparse
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from fourfold.errors import EXIT_FAILED, EXIT_USAGE, FourfoldError, first_line
 from fourfold.parsing import ArgumentParser
@@ -169,7 +171,8 @@ def _print_train_summary(run_dir: Path) -> None:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from fourfold.data.prepare import prepare_main
 
-    return prepare_main(args.inputs, args.out, args.tokenizer, overwrite=args.overwrite)
+    return prepare_main(args.inputs, args.out, args.tokenizer, overwrite=args.overwrite,
+                        data_format=args.format, train_on=args.train_on)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -186,6 +189,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--top-k {args.top_k}: must not be negative (0 keeps every token)")
     model, cfg = load_trained(args.run_dir)
     tokenizer = run_tokenizer(args.run_dir, cfg)
+    if args.chat:
+        return _generate_chat(args, model, cfg, tokenizer)
     prompt_ids = [int(i) for i in tokenizer.encode(args.prompt)]
     if not prompt_ids:
         raise ConfigError("--prompt '': the prompt must hold at least one token")
@@ -193,6 +198,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
                        top_k=args.top_k, seed=args.seed, eos_id=tokenizer.eos_id,
                        vocab_size=tokenizer.vocab_size)
     print(args.prompt + tokenizer.decode(new_ids), flush=True)
+    return EXIT_OK
+
+
+def _generate_chat(args: argparse.Namespace, model, cfg, tokenizer) -> int:  # noqa: ANN001
+    """`generate --chat`: the prompt as a user's turn in the run's chat template (its data's,
+    or the documented default), the answer generated to the template's end of turn."""
+    from fourfold.data.chat_template import TEMPLATE_FILE, data_template, encode_with_offsets
+    from fourfold.train.runs import run_data_dir
+    from fourfold.train.sampling import generate
+
+    run_dir = Path(args.run_dir)
+    where = run_dir if (run_dir / TEMPLATE_FILE).is_file() else run_data_dir(cfg)
+    template = data_template(where, tokenizer)
+    prompt_ids = template.prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+    stop = template.end_of_turn()
+    stop_ids = encode_with_offsets(tokenizer, stop)[0] if stop else []
+    eos = int(stop_ids[0]) if len(stop_ids) == 1 else tokenizer.eos_id
+    new_ids = generate(model, [int(i) for i in prompt_ids], args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                       eos_id=eos, vocab_size=tokenizer.vocab_size)
+    answer = tokenizer.decode(new_ids)
+    print(answer.split(stop)[0] if stop else answer, flush=True)
     return EXIT_OK
 
 
@@ -315,6 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--overwrite", action="store_true",
                          help="replace what DATA_DIR holds (the old data stays whole until the "
                               "new is complete)")
+    prepare.add_argument("--format", default="text", metavar="FORMAT",
+                         help="text | chat (records with 'messages') | instruct (prompt/"
+                              "completion or instruction/input/output) (default text)")
+    prepare.add_argument("--train-on", default="assistant", metavar="WHAT",
+                         help="chat and instruct data: assistant (its answers; the prompt is "
+                              "not trained) | all (default assistant)")
     prepare.set_defaults(handler=cmd_prepare)
 
     gen = sub.add_parser("generate", help="continue a prompt with a trained model")
@@ -325,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="0 picks the most likely token every time")
     gen.add_argument("--top-k", type=int, default=50, metavar="K", help="0 keeps every token")
     gen.add_argument("--seed", type=int, default=1337, metavar="S")
+    gen.add_argument("--chat", action="store_true",
+                     help="the prompt is a user's message: put it in the run's chat template "
+                          "and print the answer")
     gen.set_defaults(handler=cmd_generate)
 
     evaluate = sub.add_parser("eval", help="evaluate a trained model")
@@ -395,39 +431,42 @@ def main(argv: list[str] | None = None) -> int:
     `_leave_job` instead of returning: see there why.
     """
     if argv is None:
-        _retune_malloc_for_cpu_training()
+        from fourfold.host import restart_for_cpu_training
+
+        restart_for_cpu_training(sys.argv)
     code = _run(sys.argv[1:] if argv is None else list(argv))
     if argv is None:
         _leave_job(code)
     return code
 
 
-def _retune_malloc_for_cpu_training() -> None:
-    """`fourfold train` on a host without GPUs restarts itself once with the heap tuning that
-    fourfold's own launcher gives its ranks (fourfold.host.RANK_TUNABLES: glibc reads it only
-    at a process's start; and MKL's buffer cache off, MKL_ENVIRONMENT, read as MKL starts):
-    a rank that torchrun or srun started, and one process as well.
-    Without it a 350m rank on 8 ranks held 1.1-1.4x the model's weights instead of 0.8x (see
-    train/host_memory.py), and one process of 15m at 8 x 128 tokens peaked 16-52 MiB higher
-    (LOMO 262 MiB without, 210 with). The restart comes before torch is imported (the
-    command line's own imports take milliseconds).
-    Nothing happens when the user tunes malloc, off Linux, on a host with GPUs, or for any
-    other command."""
-    from fourfold import host
+def _notice(message: Warning | str) -> None:
+    """A ConfigNotice as one `warning: ...` line, once per job (a rank that fourfold's own
+    launcher started leaves it to the launcher, which loaded the same config)."""
+    from fourfold.launch import LAUNCHED_BY_FOURFOLD
 
-    if (sys.argv[1:2] != ["train"] or "GLIBC_TUNABLES" in os.environ
-            or host.has_accelerator_devices()):
-        return
-    extra = host.rank_malloc_environment()
-    if not extra:
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "fourfold", *sys.argv[1:]],
-              {**os.environ, **extra})
+    main_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    if main_rank and os.environ.get(LAUNCHED_BY_FOURFOLD) != "1":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _run(argv: list[str]) -> int:
+    from fourfold.errors import ConfigNotice
+
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message: Warning | str, category: type[Warning], *where: Any) -> None:
+            if issubclass(category, ConfigNotice):
+                _notice(message)
+            else:
+                shown(message, category, *where)
+
+        warnings.showwarning = show
+        return _run_command(argv)
+
+
+def _run_command(argv: list[str]) -> int:
     try:
         return _dispatch(argv)
     except SystemExit as exit_:  # argparse: --help, --version

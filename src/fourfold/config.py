@@ -8,17 +8,20 @@ into exit code 2.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
-from fourfold.errors import FourfoldError
+from fourfold.errors import ConfigError, ConfigNotice
 from fourfold.files import atomic_write_text, tomllib
 from fourfold.intmath import divisors
+from fourfold.methods import MethodOptions, MethodSpec, method_names, method_spec
 
 
 def cache_root() -> Path:
@@ -38,25 +41,21 @@ def write_cache_json(path: Path, obj: Any) -> None:
         pass
 
 
-class ConfigError(FourfoldError, ValueError):
-    """A user mistake in the configuration; its message is one line meant for the user."""
-
-
 # --------------------------------------------------------------------------------------------
 # Sections
 
 
 @dataclass
 class ModelConfig:
-    preset: str = "small"
-    n_layers: int = 4
-    dim: int = 256
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    ffn_dim: int = 768
-    vocab_size: int = 512
-    max_seq_len: int = 512
-    rope_theta: float = 10000.0
+    preset: str = "small"  # a named size (PRESETS; custom: the keys below)
+    n_layers: int = 4  # transformer blocks
+    dim: int = 256  # hidden size
+    n_heads: int = 8  # attention heads
+    n_kv_heads: int = 4  # key/value heads (grouped-query attention)
+    ffn_dim: int = 768  # SwiGLU hidden size
+    vocab_size: int = 512  # tokens in the vocabulary
+    max_seq_len: int = 512  # longest sequence the model takes
+    rope_theta: float = 10000.0  # RoPE base frequency
     # how RoPE's frequencies are stretched for a longer context (HF's rope_type): none |
     # linear (every frequency / rope_factor) | llama3 (low frequencies / rope_factor, high ones
     # kept, a smooth blend between; Llama 3.1-3.3)
@@ -65,10 +64,10 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # llama3
     rope_high_freq_factor: float = 4.0  # llama3
     rope_original_max_seq_len: int = 8192  # llama3: the context the model was pretrained for
-    tie_embeddings: bool = False
-    norm_eps: float = 1e-5
+    tie_embeddings: bool = False  # output layer shares the embedding's weight
+    norm_eps: float = 1e-5  # RMSNorm epsilon
     bias: bool = False  # biases on every attention and MLP projection
-    init_std: float = 0.02
+    init_std: float = 0.02  # std of the initial weights
     init_from: str = ""  # a local Hugging Face checkpoint directory to start from
 
     @property
@@ -83,80 +82,77 @@ class DataConfig:
     # PATH/tokenizer.json: a built-in corpus is prepared with it; a prepared directory must
     # have been made with it
     tokenizer: str = "auto"
+    # auto | documents | none: "documents" packs whole documents into each sequence, attention
+    # never crossing from one to another and positions restarting at each; "none" draws
+    # windows at random offsets, across documents; "auto": documents for chat and instruction
+    # data, none for text
+    packing: str = "auto"
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 400
+    steps: int = 400  # optimizer steps
     batch_size: int = 16  # sequences per optimizer step, whole job
-    seq_len: int = 128
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
-    weight_decay: Union[float, str] = "auto"  # "auto": AUTO_WEIGHT_DECAY[optimizer]
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    grad_accum: int = 1
-    dtype: str = "float32"
-    seed: int = 1337
-    compile: bool = False
-    activation_checkpointing: bool = False
-    eval_every: int = 100
-    eval_batches: int = 4
-    log_every: int = 10
+    seq_len: int = 128  # tokens per sequence
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr x this
+    warmup_steps: int = 30  # linear warmup to lr
+    weight_decay: Union[float, str] = "auto"  # "auto": the method's own (fourfold.methods)
+    beta1: float = 0.9  # first-moment decay (AdamW, BlockLLM, GaLore)
+    beta2: float = 0.95  # second-moment decay (AdamW, AdaLomo, BlockLLM, GaLore)
+    grad_clip: float = 1.0  # gradient-norm clip (0: none)
+    grad_accum: int = 1  # micro-batches per step
+    dtype: str = "float32"  # float32 | bfloat16 (autocast, float32 weights)
+    seed: int = 1337  # model init, data order and noise
+    compile: bool = False  # torch.compile each block
+    activation_checkpointing: bool = False  # recompute each block in backward
+    eval_every: int = 100  # steps between validations (0: none)
+    eval_batches: int = 4  # batches per validation
+    log_every: int = 10  # steps between log lines
     sample_every: int = 0  # 0: only at the end
-    sample_tokens: int = 64
-    loss: str = "cross_entropy"
-    goldfish_k: int = 4
-    goldfish_h: int = 13
+    sample_tokens: int = 64  # tokens generated per sample (0: no samples)
+    loss: str = "cross_entropy"  # cross_entropy | goldfish
+    goldfish_k: int = 4  # goldfish: drop one token in k from the loss
+    goldfish_h: int = 13  # goldfish: tokens of context hashed to choose it
     device: str = "auto"  # auto | cpu | cuda
-    tensorboard: bool = False
+    tensorboard: bool = False  # write TensorBoard event files
     nan_policy: str = "stop"  # stop | skip | rollback
     spike_threshold: float = 0.0  # 0 disables; else a loss above threshold x running mean is a spike
-    max_restarts: int = 0
-    optimizer: str = "adamw"  # adamw, lomo, adalomo, mezo, es, blockllm, galore (train/methods)
-    clip_mode: str = "none"  # lomo, adalomo: value (clamp each element to grad_clip) | two_pass | none
-    mezo_eps: float = 1e-3  # mezo: size of the two-sided perturbation
-    es_population: int = 8  # es: perturbed members per step
-    es_sigma: float = 1e-3  # es: size of each member's perturbation
-    block_sparsity: float = 0.9  # blockllm: fraction of the parameters frozen at a time
-    block_patience: int = 1  # blockllm: steps without a better loss before reselecting
-    galore_rank: int = 0  # galore: projection rank; 0: a quarter of each matrix's smaller side
-    galore_gap: int = 200  # galore: steps between refreshes of the projection
+    max_restarts: int = 0  # times the launcher restarts a failed job
+    optimizer: str = "adamw"  # the training method: adamw, lomo, adalomo, mezo, es, blockllm, galore
     memory_report: bool = False  # peak bytes per rank by category into summary.json
+    # [train.method]: train.optimizer's own options (fourfold.methods); None: its defaults
+    method: Optional[MethodOptions] = None
+
+    def options(self) -> MethodOptions:
+        """train.optimizer's options: `method` where it holds that method's, else its
+        defaults (as after dataclasses.replace(train, optimizer=another))."""
+        spec = method_spec(self.optimizer)
+        if isinstance(self.method, spec.options):
+            return self.method
+        return spec.options()
 
     def effective_weight_decay(self) -> float:
-        """train.weight_decay, with "auto" resolved for train.optimizer (AUTO_WEIGHT_DECAY)."""
+        """train.weight_decay, with "auto" resolved for train.optimizer (its method's)."""
         if isinstance(self.weight_decay, str):
-            return AUTO_WEIGHT_DECAY[self.optimizer]
+            return method_spec(self.optimizer).weight_decay
         return self.weight_decay
-
-
-# The decoupled weight decay (w <- (1 - lr wd) w) that weight_decay = "auto" gives each optimizer:
-# AdamW's 0.1 where the step is Adam's (learning rates ~1e-3); none where the method's paper
-# uses none: LOMO's SGD steps at learning rates 10-100x Adam's and AdaLomo's step is relative to
-# the weights' size (lr ~3e-2), so lr x 0.1 would shrink the weights that much faster (LOMO on
-# the 15m fine-tune of bench/lean_quality.py: L 4.468 at its best lr with it, 1e-2; 3.967
-# without, at 3e-1; AdamW's 3.864); MeZO's and ES's papers use none either.
-AUTO_WEIGHT_DECAY: dict[str, float] = {"adamw": 0.1, "blockllm": 0.1, "galore": 0.1, "lomo": 0.0,
-                                       "adalomo": 0.0, "mezo": 0.0, "es": 0.0}
 
 
 @dataclass
 class ParallelConfig:
-    x: int = 1
-    y: int = 1
-    z: int = 1
+    x: int = 1  # grid axis x (docs/parallelism.md)
+    y: int = 1  # grid axis y
+    z: int = 1  # grid axis z (weights and batch split over it)
     data: Union[int, str] = "auto"  # "auto" fills the world size
     auto: bool = False  # ask the planner for the grid
     backend: str = "auto"  # auto | gloo | nccl
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0  # collective timeout, seconds
     overlap_input_grad: bool = True  # dI all-reduce under the dW GEMM
     overlap_weight_grad: bool = True  # dW reduce-scatter under earlier layers' backward
     prefetch_weights: bool = True  # next layer's z all-gather one layer ahead
     overlap_data_grad: bool = True  # bucketed data-parallel all-reduce during backward
-    bucket_mb: float = 25.0
+    bucket_mb: float = 25.0  # data-parallel gradient buckets (parallel/data_parallel.py)
     gemm_tuning: bool = False  # time the equivalent matmuls per GEMM shape once, keep the fastest
     reduce_dtype: str = "float32"  # float32 | bfloat16: dW reduce-scatter and data all-reduce
     overlap_forward: bool = False  # forward GEMMs in two token halves, all-reduce under GEMM
@@ -169,12 +165,17 @@ class ParallelConfig:
     # data-parallel buckets, the sharded checkpoint), to check that code on one device
     engine: str = "auto"
 
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
+
 
 @dataclass
 class CheckpointConfig:
     every: int = 0  # 0 disables periodic checkpoints
-    keep: int = 3
-    # TOML key `async`: true, false or "auto" (true on GPUs, false on CPU ranks: see is_async)
+    keep: int = 3  # checkpoints kept (older are deleted)
+    # TOML key `async`: write checkpoints in the background: true, false or "auto" (true on
+    # GPUs; false on CPU ranks, where the snapshot would share the training's memory and cores)
     async_save: Union[bool, str] = "auto"
     resume: bool = True  # resume automatically when RUN_DIR holds a checkpoint
 
@@ -192,15 +193,15 @@ class CheckpointConfig:
 
 
 ADAPTER_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "output")
-SUBSET_OPTIMIZERS = ("adamw",)  # optimizers that can train a subset of the parameters
 
 
 @dataclass
 class AdapterConfig:
     kind: str = "none"  # none | lora | norm
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
+    r: int = 8  # lora: rank
+    alpha: float = 16.0  # lora: scale alpha / r
+    dropout: float = 0.0  # lora: dropout on the adapter's input
+    # lora: the layers adapted (q, k, v, o, gate, up, down, output)
     targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up",
                                                         "down"])
     train_norms: bool = False  # lora: the RMSNorm gains train too
@@ -209,6 +210,8 @@ class AdapterConfig:
 
 # TOML key -> field name where they differ (`async` is a Python keyword).
 _KEY_ALIASES = {("checkpoint", "async"): "async_save"}
+# fields that are a table of their own ([train.method]) rather than a key of the section
+_SUBTABLES = {("train", "method")}
 _FIELD_TO_KEY = {(s, f): k for (s, k), f in _KEY_ALIASES.items()}
 
 
@@ -222,13 +225,15 @@ class Config:
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Every section's keys; [train.method] as the dict under train's "method" key."""
         out: dict[str, dict[str, Any]] = {}
         for sec in fields(self):
             section = getattr(self, sec.name)
             out[sec.name] = {
                 _FIELD_TO_KEY.get((sec.name, f.name), f.name): getattr(section, f.name)
-                for f in fields(section)
+                for f in fields(section) if (sec.name, f.name) not in _SUBTABLES
             }
+        out["train"]["method"] = dataclasses.asdict(self.train.options())
         return out
 
     def to_toml(self) -> str:
@@ -275,12 +280,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("model", "preset"): tuple(PRESETS) + ("custom",),
     ("model", "rope_scaling"): ("none", "linear", "llama3"),
+    ("data", "packing"): ("auto", "documents", "none"),
     ("train", "dtype"): ("float32", "bfloat16"),
     ("train", "loss"): ("cross_entropy", "goldfish"),
     ("train", "device"): ("auto", "cpu", "cuda"),
     ("train", "nan_policy"): ("stop", "skip", "rollback"),
-    ("train", "optimizer"): ("adamw", "lomo", "adalomo", "mezo", "es", "blockllm", "galore"),
-    ("train", "clip_mode"): ("none", "value", "two_pass"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("parallel", "reduce_dtype"): ("float32", "bfloat16"),
     ("parallel", "output_loss"): ("auto", "blocks", "whole"),
@@ -368,33 +372,45 @@ def _parse_override(item: str) -> tuple[str, str, str]:
     return section, key, value.strip()
 
 
+def _flat_keys(section: str) -> list[str]:
+    """The field names of a section's own keys (not its sub-tables)."""
+    return [f.name for f in fields(SECTIONS[section]) if (section, f.name) not in _SUBTABLES]
+
+
 def _check_key(section: str, key: str) -> str:
     if section not in SECTIONS:
         raise ConfigError(f"unknown section [{section}]{_suggest(section, list(SECTIONS))}; "
                           f"sections are {', '.join(SECTIONS)}")
     name = _KEY_ALIASES.get((section, key), key)
-    names = [f.name for f in fields(SECTIONS[section])]
-    if name not in names:
+    names = _flat_keys(section)
+    if name not in names and not (section == "train" and _renamed_owners(name)):
         keys = [_FIELD_TO_KEY.get((section, n), n) for n in names]
         raise ConfigError(f"unknown key {section}.{key}{_suggest(key, keys)}; "
                           f"[{section}] takes {', '.join(keys)}")
     return name
 
 
+def _renamed_owners(key: str) -> list[MethodSpec]:
+    """The methods whose option was train.`key` before [train.method]."""
+    return [spec for spec in map(method_spec, method_names()) if key in spec.renamed]
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 saved: bool = False) -> Config:
-    """Build a validated Config from an optional TOML file and `section.key=value` overrides.
+    """Build a validated Config from an optional TOML file and `section.key=value` overrides
+    (train.method.KEY=value for an option of train.optimizer's method).
 
-    Precedence: defaults < preset (model.preset) < file < overrides. `saved`: the file is a
-    run's own config.toml, which records every key; its options for optimizers other than its
-    own are dropped (they are that version's defaults, not choices, and a later default must
-    not make them read as set).
+    Precedence: defaults < preset (model.preset) < file < overrides. `saved` (and `path` a
+    run directory): the file is a run's own config.toml, which an older version wrote with
+    every method's options as [train] keys: those of other methods are dropped (they were
+    that version's defaults, not choices) and its own method's read without a notice.
     """
     raw: dict[str, dict[str, Any]] = {}
+    method_raw: dict[str, Any] = {}  # [train.method]
     if path is not None:
         p = Path(path)
         if p.is_dir() and (p / "config.toml").exists():
-            p = p / "config.toml"
+            p, saved = p / "config.toml", True  # a run directory's own config
         if not p.exists():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
@@ -405,16 +421,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             if not isinstance(table, dict):
                 raise ConfigError(f"{p}: top-level key {section!r} must be a [section]")
             for key, value in table.items():
+                if (section, key) in _SUBTABLES:
+                    if not isinstance(value, dict):
+                        raise ConfigError(f"{p}: {section}.{key} must be a [{section}.{key}] "
+                                          "table (train.optimizer's options)")
+                    method_raw.update(value)
+                    continue
                 name = _check_key(section, key)
                 raw.setdefault(section, {})[name] = value
-        if saved:
-            train = raw.get("train", {})
-            optimizer = train.get("optimizer", TrainConfig().optimizer)
-            for key, users in OPTIMIZER_OPTIONS.items():
-                if optimizer not in users:
-                    train.pop(key, None)
     for item in overrides or []:
         section, key, value = _parse_override(item)
+        if section == "train" and key.startswith("method."):
+            method_raw[key[len("method."):]] = value  # a string; coerced below
+            continue
         name = _check_key(section, key)
         raw.setdefault(section, {})[name] = value  # a string; coerced below
 
@@ -428,14 +447,63 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                               f"{_suggest(preset, list(PRESETS))}; choose one of "
                               f"{', '.join(CHOICES[('model', 'preset')])}")
         cfg.model = model_config(preset)
+    renamed = {k: raw["train"].pop(k) for k in list(raw.get("train", {}))
+               if k not in _flat_keys("train")}
     for section, table in raw.items():
         cls = SECTIONS[section]
         obj = getattr(cfg, section)
         for name, value in table.items():
             key = _FIELD_TO_KEY.get((section, name), name)
             setattr(obj, name, _coerce(section, key, value, _expected_type(cls, name)))
+    cfg.train.method = _method_options(cfg.train.optimizer, method_raw, renamed, saved)
     validate(cfg)
     return cfg
+
+
+def _method_options(optimizer: str, given: dict[str, Any], renamed: dict[str, Any],
+                    saved: bool) -> MethodOptions:
+    """train.optimizer's options from [train.method] (`given`) and the old [train] keys
+    (`renamed`: train.OLD -> value), coerced to their types."""
+    spec = method_spec(optimizer)
+    hints = get_type_hints(spec.options)
+    values: dict[str, Any] = {}
+    for old, value in renamed.items():
+        owners = _renamed_owners(old)
+        if spec in owners:
+            new = spec.renamed[old]
+            if new in given:
+                raise ConfigError(f"train.{old} and train.method.{new} are both set; remove "
+                                  f"train.{old}")
+            if not saved:
+                warnings.warn(f"train.{old} is deprecated: write train.method.{new} (the "
+                              "[train.method] section)", ConfigNotice, stacklevel=3)
+            values[new] = _coerce("train", old, value, hints[new])
+            continue
+        owner = owners[0]
+        option = owner.renamed[old]
+        coerced = _coerce("train", old, value, get_type_hints(owner.options)[option])
+        if saved:
+            continue
+        if coerced != getattr(owner.options(), option):
+            raise ConfigError(f"train.{old} = {coerced!r} applies only to train.optimizer = "
+                              f"{' or '.join(repr(o.name) for o in owners)}, not "
+                              f"{optimizer!r}; remove it")
+        warnings.warn(f"train.{old} is deprecated: write train.method.{option} under "
+                      f"train.optimizer = {owner.name!r}", ConfigNotice, stacklevel=3)
+    names = spec.option_names()
+    for key, value in given.items():
+        if key not in names:
+            owners = [o.name for o in map(method_spec, method_names())
+                      if key in o.option_names()]
+            if owners:
+                raise ConfigError(f"train.method.{key} applies only to train.optimizer = "
+                                  f"{' or '.join(map(repr, owners))}, not {optimizer!r}; "
+                                  "remove it")
+            takes = f"takes {', '.join(names)}" if names else "has no options"
+            raise ConfigError(f"unknown key train.method.{key}{_suggest(key, names)}; "
+                              f"train.optimizer = {optimizer!r} {takes}")
+        values[key] = _coerce("train.method", key, value, hints[key])
+    return spec.options(**values)
 
 
 # --------------------------------------------------------------------------------------------
@@ -466,9 +534,11 @@ def validate(cfg: Config) -> None:
     for section, key, value in positive:
         if value < 1:
             raise ConfigError(f"{section}.{key} = {value}: must be at least 1")
+    _validate_method(t)
     if isinstance(t.weight_decay, str) and t.weight_decay != "auto":
         raise ConfigError(f"train.weight_decay = {t.weight_decay!r}: expected a number or "
-                          "\"auto\" (0.1 for adamw, blockllm, galore; 0 for the others)")
+                          f"\"auto\" (the method's own: "
+                          f"{method_spec(t.optimizer).weight_decay:g} for {t.optimizer})")
     non_negative = [("train", "lr", t.lr), ("train", "warmup_steps", t.warmup_steps),
                     ("train", "weight_decay", t.effective_weight_decay()),
                     ("train", "grad_clip", t.grad_clip),
@@ -504,7 +574,6 @@ def validate(cfg: Config) -> None:
                           f"{_nearest_divisors(t.batch_size, t.grad_accum)}")
     if not math.isfinite(t.lr):
         raise ConfigError(f"train.lr = {t.lr}: must be a finite number")
-    _validate_optimizer(t)
     if isinstance(p.data, str) and p.data != "auto":
         raise ConfigError(f"parallel.data = {p.data!r}: expected a positive integer or \"auto\"")
     if isinstance(p.data, int) and p.data < 1:
@@ -563,11 +632,12 @@ def _validate_adapter(cfg: Config) -> None:
     if cfg.model.init_from and not Path(cfg.model.init_from).exists():
         raise ConfigError(f"model.init_from = {cfg.model.init_from!r} does not exist; an adapter "
                           "fine-tunes a checkpoint: give a Hugging Face checkpoint directory")
-    optimizer = getattr(cfg.train, "optimizer", "adamw")
-    if optimizer not in SUBSET_OPTIMIZERS:
+    optimizer = cfg.train.optimizer
+    if not method_spec(optimizer).trains_subsets:
+        able = [n for n in method_names() if method_spec(n).trains_subsets]
         raise ConfigError(f"train.optimizer = {optimizer!r} cannot train a subset of the "
                           f"parameters, as adapter.kind = {a.kind!r} needs; use "
-                          f"{' or '.join(SUBSET_OPTIMIZERS)}")
+                          f"{' or '.join(able)}")
     if a.kind != "lora":
         return
     unknown = [t for t in a.targets if t not in ADAPTER_TARGETS]
@@ -593,45 +663,17 @@ def _validate_adapter(cfg: Config) -> None:
         raise ConfigError(f"adapter.dropout = {a.dropout}: must be in [0, 1)")
 
 
-# train.<key> -> the optimizers it applies to; set to anything but its default under another
-# optimizer, it is refused rather than silently ignored
-OPTIMIZER_OPTIONS: dict[str, tuple[str, ...]] = {
-    "clip_mode": ("lomo", "adalomo"),
-    "mezo_eps": ("mezo",),
-    "es_population": ("es",),
-    "es_sigma": ("es",),
-    "block_sparsity": ("blockllm",),
-    "block_patience": ("blockllm",),
-    "galore_rank": ("galore",),
-    "galore_gap": ("galore",),
-}
-
-
-def _validate_optimizer(t: TrainConfig) -> None:
-    _refuse_options_of_other_kinds("train", t, "optimizer", OPTIMIZER_OPTIONS)
-    if t.optimizer in ("lomo", "adalomo"):
-        if t.grad_accum > 1:
-            raise ConfigError(f"train.grad_accum = {t.grad_accum}: {t.optimizer} updates each "
-                              "weight during backward, so it cannot accumulate; use 1")
-        if t.nan_policy == "skip" and t.clip_mode != "two_pass":
-            raise ConfigError(f"train.nan_policy = \"skip\" needs train.clip_mode = \"two_pass\" "
-                              f"under {t.optimizer} (it updates before the step's norm is known); "
-                              "or use nan_policy = \"stop\" or \"rollback\"")
-    for key, value in (("mezo_eps", t.mezo_eps), ("es_sigma", t.es_sigma)):
-        if not value > 0 or not math.isfinite(value):
-            raise ConfigError(f"train.{key} = {value}: must be a positive number")
-    if not 0.0 <= t.block_sparsity < 1.0:
-        raise ConfigError(f"train.block_sparsity = {t.block_sparsity}: the fraction of the "
-                          "parameters frozen must be in [0, 1)")
-    for key, value in (("block_patience", t.block_patience), ("galore_gap", t.galore_gap)):
-        if value < 1:
-            raise ConfigError(f"train.{key} = {value}: must be at least 1")
-    if t.galore_rank < 0:
-        raise ConfigError(f"train.galore_rank = {t.galore_rank}: must be a positive rank, or 0 "
-                          "for a quarter of each matrix's smaller side")
-    if t.es_population < 2:
-        raise ConfigError(f"train.es_population = {t.es_population}: must be at least 2 (rewards "
-                          "are standardised over the population)")
+def _validate_method(t: TrainConfig) -> None:
+    """train.optimizer names a known method, train.method holds its options, and they and the
+    rest of [train] are what the method can run with."""
+    spec = method_spec(t.optimizer)
+    if t.method is not None and not isinstance(t.method, spec.options):
+        raise ConfigError(f"train.method holds {type(t.method).__name__}, not the options of "
+                          f"train.optimizer = {t.optimizer!r} ({spec.options.__name__})")
+    if t.grad_accum > 1 and not spec.accumulates:
+        raise ConfigError(f"train.grad_accum = {t.grad_accum}: {t.optimizer} updates each "
+                          "weight during backward, so it cannot accumulate; use 1")
+    t.options().check(t)
 
 
 # --------------------------------------------------------------------------------------------
@@ -651,10 +693,18 @@ def _toml_value(value: Any) -> str:
 
 
 def dump_toml(data: dict[str, dict[str, Any]]) -> str:
+    """TOML of sections of keys; a dict among a section's values is its sub-table
+    ([section.key]), written after the section's own keys."""
     lines: list[str] = []
     for section, table in data.items():
         lines.append(f"[{section}]")
         for key, value in table.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            if not isinstance(value, dict):
+                lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
+        for key, value in table.items():
+            if isinstance(value, dict):
+                lines.append(f"[{section}.{key}]")
+                lines.extend(f"{k} = {_toml_value(v)}" for k, v in value.items())
+                lines.append("")
     return "\n".join(lines)

@@ -25,6 +25,15 @@ class UsageError(FourfoldError, ValueError):
     """A command line that does not parse (unknown option, bad choice, missing argument)."""
 
 
+class ConfigError(FourfoldError, ValueError):
+    """A user mistake in the configuration; its message is one line meant for the user."""
+
+
+class ConfigNotice(FutureWarning):
+    """A configuration that still works but is written the old way (a renamed key): one line
+    that names the key to write instead."""
+
+
 def first_line(error: BaseException | str) -> str:
     """The first non-blank line of an error's message, stripped: what a one-line report
     shows. An exception without a message gives its type's name, a blank string ''."""

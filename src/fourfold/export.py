@@ -3,7 +3,8 @@
 
 OUT holds config.json (the architecture, RoPE scaling, the tokenizer's special token ids),
 model.safetensors, generation_config.json and the run's tokenizer (tokenizer.json,
-tokenizer_config.json, special_tokens_map.json). An adapter run exports its merged model, or,
+tokenizer_config.json, special_tokens_map.json; for a run on chat or instruction data the chat
+template its data was rendered with, which apply_chat_template then uses). An adapter run exports its merged model, or,
 without --merge, the frozen base (model.init_from's files) with the peft adapter in
 OUT/adapter. OUT is written beside its place and swapped in when complete
 (files.atomic_directory): a failed export leaves OUT as it was, and a non-empty OUT is replaced
@@ -16,13 +17,14 @@ import json
 from pathlib import Path
 
 from fourfold.config import Config, ConfigError
+from fourfold.data.chat_template import TEMPLATE_FILE, ChatTemplate, data_template
 from fourfold.data.tokenizers import (HF_FILE, Tokenizer, spec_fingerprint,
                                       tokenizer_fingerprint, write_hf_tokenizer)
 from fourfold.files import (atomic_directory, atomic_write_text, is_empty_directory,
                             recover_directory)
 from fourfold.models.adapter import export_base_and_adapter
 from fourfold.models.hf import save_hf_checkpoint
-from fourfold.train.runs import run_config, run_tokenizer, trained_tensors
+from fourfold.train.runs import run_config, run_data_dir, run_tokenizer, trained_tensors
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -53,9 +55,21 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, merge: bool = False,
             cfg, specs, tensors = trained_tensors(run)
             written = save_hf_checkpoint(specs, tensors, cfg.model, staging,
                                          bos_token_id=eos, eos_token_id=eos)
-            written += write_hf_tokenizer(tokenizer, staging, cfg.model.max_seq_len)
+            template = _run_chat_template(cfg, tokenizer)
+            written += write_hf_tokenizer(
+                tokenizer, staging, cfg.model.max_seq_len,
+                chat_template=template.template if template is not None else None,
+                template_tokens=template.special_tokens if template is not None else None)
             written.append(write_generation_config(staging, eos))
         return [out / path.relative_to(staging) for path in dict.fromkeys(written)]
+
+
+def _run_chat_template(cfg: Config, tokenizer: Tokenizer) -> ChatTemplate | None:
+    """The chat template a run's chat or instruction data was rendered with (None for text)."""
+    data_dir = run_data_dir(cfg)
+    if not (data_dir / TEMPLATE_FILE).is_file():
+        return None
+    return data_template(data_dir, tokenizer)
 
 
 def write_generation_config(directory: Path, eos_id: int) -> Path:

@@ -59,10 +59,9 @@ MKL_ENVIRONMENT = {"MKL_DISABLE_FAST_MM": "1"}
 # recent collectives for debugging hangs: each collective leaves a few small blocks (about 700
 # bytes) that live until the ring comes round (it stops growing within 2,000 collectives),
 # carved out of the holes a step's tensors left. On a CPU rank of a grid that scatters the
-# heap: 15m, 2x2, 8 x 128 tokens, 12 steps (bench/train_memory.py), rank 0 read ES 62-67 MiB
-# with it and 50 without, AdaLomo 121-122 against 106-107, GaLore 129-132 against 125, LOMO
-# 109-110 against 107-108 (two runs each, alternated). Set, as the rest, before the rank
-# starts; fourfold's own collective errors already name the axis and ranks.
+# heap and raises the rank's peak (bench/memory_lean.py --cli measures a rank's peak; figures
+# in docs/results.md). Set, as the rest, before the rank starts; fourfold's own collective
+# errors already name the axis and ranks.
 FLIGHT_RECORDER_ENVIRONMENT = {"TORCH_FR_BUFFER_SIZE": "0"}
 
 
@@ -76,6 +75,24 @@ def rank_malloc_environment() -> dict[str, str]:
     rest = {**MKL_ENVIRONMENT, **FLIGHT_RECORDER_ENVIRONMENT}
     return {"GLIBC_TUNABLES": RANK_TUNABLES,
             **{k: v for k, v in rest.items() if k not in os.environ}}
+
+
+def restart_for_cpu_training(argv: list[str]) -> None:
+    """`fourfold train` (`argv`: the command line) on a host without GPUs execs itself once
+    more with the environment a launcher gives CPU ranks (rank_malloc_environment), which
+    glibc and MKL read only at a process's start: a rank that torchrun or srun started, and one
+    process as well, run as fourfold's own launcher's ranks do. Before torch is imported (the
+    command line's own imports take milliseconds). Nothing happens for another command, when
+    the user tunes malloc, off Linux, on a host with GPUs, or in the restarted process."""
+    if argv[1:2] != ["train"] or "GLIBC_TUNABLES" in os.environ or has_accelerator_devices():
+        return
+    extra = rank_malloc_environment()
+    if not extra:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "fourfold", *argv[1:]],
+              {**os.environ, **extra})
 
 
 def has_accelerator_devices() -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+GIB = 1024**3  # bytes in a GiB: the unit of the planner's and the fits check's memory figures
+
 
 def divisors(n: int) -> list[int]:
     """The positive divisors of n >= 1, ascending (the sizes a grid axis over n can take)."""

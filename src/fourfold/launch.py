@@ -79,7 +79,7 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from fourfold.train.host_memory import rank_malloc_environment
+    from fourfold.host import rank_malloc_environment
 
     if nproc < 1:
         raise ValueError(f"--nproc {nproc}: must be at least 1")

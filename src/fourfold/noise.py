@@ -19,15 +19,13 @@ import zlib
 
 import torch
 
+from fourfold.methods.zeroth import ACCELERATOR_NOISE_CHUNK_ELEMENTS, NOISE_CHUNK_ELEMENTS
+
 _M32 = 0xFFFFFFFF
-# noise is made a row block at a time, 1 MiB of float32 per temporary: the generator's ~30
-# element-wise passes then run in the core's L2 (12 ns/element here against 17 at 4 MiB blocks,
-# 26 at 64 KiB where per-op overhead dominates)
-CHUNK_ELEMENTS = 1 << 18
-# on a GPU those passes cost their launches (microseconds each) more than their bytes: a 1 MiB
-# chunk there is ~45 launches per 2^18 elements, so it makes 16 MiB chunks (a few such
-# temporaries alive at once). The values do not depend on the chunking.
-ACCELERATOR_CHUNK_ELEMENTS = 1 << 22
+# noise is made a row block at a time: CHUNK_ELEMENTS of float32 per temporary on a CPU,
+# ACCELERATOR_CHUNK_ELEMENTS on a GPU (fourfold.methods.zeroth says why)
+CHUNK_ELEMENTS = NOISE_CHUNK_ELEMENTS
+ACCELERATOR_CHUNK_ELEMENTS = ACCELERATOR_NOISE_CHUNK_ELEMENTS
 
 
 def chunk_elements(device: torch.device) -> int:

@@ -39,11 +39,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from fourfold.config import Config, validate
+from fourfold.data.loader import Batch
 from fourfold.errors import FourfoldError
 from fourfold.parallel.comm import CollectiveCall
 from fourfold.parallel.grid import AXES, RANK_ORDER, Axis, Grid, GridShape
 from fourfold.plan.catalog import Machine
-from fourfold.plan.memory import GIB, MemoryBreakdown
+from fourfold.intmath import GIB
+from fourfold.plan.memory import MemoryBreakdown
 
 PHASES = ("build", "forward", "backward", "optimizer")
 
@@ -117,9 +119,9 @@ class SimulatedBatches:
     def __init__(self, rows: int, seq_len: int, vocab_size: int) -> None:
         self.rows, self.seq_len, self.vocab_size = rows, seq_len, vocab_size
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> Batch:
         tokens = torch.randint(0, self.vocab_size, (self.rows, self.seq_len + 1))
-        return tokens[:, :-1], tokens[:, 1:]
+        return Batch(tokens[:, :-1], tokens[:, 1:])
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -151,15 +153,19 @@ def default_ranks(shape: GridShape) -> list[int]:
     return sorted(ranks)
 
 
-def simulate_rank(cfg: Config, shape: GridShape, rank: int, steps: int = 2,
-                  progress: Callable[[str], None] | None = None) -> RankReport:
+def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = False,
+                  steps: int = 2, progress: Callable[[str], None] | None = None) -> RankReport:
     """Build rank `rank` of a job on `shape` and run `steps` training steps, under the fake
-    process group and fake tensors (torch.distributed must not be initialized)."""
+    process group and fake tensors (torch.distributed must not be initialized). `on_host`:
+    the simulated ranks keep their tensors in host memory (the host-memory policy's choices,
+    as the planner's machine has it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from fourfold.methods import method_spec
     from fourfold.train.build import Run, build_model_parts
-    from fourfold.train.methods import batch_shard, method_batch_axes
+    from fourfold.train.host_memory import HostMemory
+    from fourfold.train.methods import batch_shard
     from fourfold.train.resilience import LossGuard
     from fourfold.train.trainer import Trainer
 
@@ -174,24 +180,25 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, steps: int = 2,
             grid = Grid.build(shape, torch.device("cpu"), timeout_s=cfg.parallel.timeout_s)
             group_seconds = time.perf_counter() - start
             torch.manual_seed(t.seed)
-            pmodel, compiler, optimizer, method = build_model_parts(cfg, grid)
+            host = HostMemory(on_host, shape.size, t.dtype)  # not tuned: a simulation
+            pmodel, compiler, method = build_model_parts(cfg, grid, host)
             trace: list[CollectiveCall] = []
             pmodel.ledger.trace = trace
             build_seconds = time.perf_counter() - start
             say(f"rank {rank}: built in {build_seconds:.1f} s "
                 f"({counter.peaks['build'] / GIB:.2f} GiB live at most)")
-            _, shard_count = batch_shard(grid, method_batch_axes(t.optimizer))
+            _, shard_count = batch_shard(grid, method_spec(t.optimizer).batch_axes)
             batches = SimulatedBatches(t.batch_size // shard_count, t.seq_len,
                                        cfg.model.vocab_size)
             run = Run(cfg=cfg, run_dir=Path("simulated"), rank=rank, world_size=shape.size,
                       device=grid.device, grid=grid, data_dir=Path("simulated"),
                       tokenizer=None, pmodel=pmodel, compiler=compiler,  # type: ignore[arg-type]
-                      optimizer=optimizer, method=method,
+                      method=method, host=host,
                       loader=batches, val_loader=batches,  # type: ignore[arg-type]
                       guard=LossGuard(t.spike_threshold))
             trainer = Trainer.from_run(run, progress=False)
             step_seconds = []
-            with _phase_hooks(counter, pmodel, optimizer):
+            with _phase_hooks(counter, pmodel, getattr(method, "optimizer", None)):
                 for step in range(steps):
                     begun = time.perf_counter()
                     trainer.train_step()
@@ -295,9 +302,11 @@ def _call(c: CollectiveCall) -> str:
 def planner_figures(cfg: Config, shape: GridShape, machine: Machine
                     ) -> tuple[MemoryBreakdown, dict[str, int]]:
     """The planner's peak memory per rank and bytes per step per axis for cfg on `shape`."""
+    from fourfold.methods import method_spec
+    from fourfold.parallel.embedding import resolve_output_loss
     from fourfold.plan.memory import Precision
     from fourfold.plan.perf import Overlap, predict_step
-    from fourfold.train.build import predicted_memory
+    from fourfold.plan.memory import predicted_memory
 
     t, p = cfg.train, cfg.parallel
     memory = predicted_memory(cfg, shape, machine.device.shared_host)
@@ -306,12 +315,11 @@ def planner_figures(cfg: Config, shape: GridShape, machine: Machine
                       prefetch_weights=p.prefetch_weights,
                       overlap_data_grad=p.overlap_data_grad,
                       overlap_forward=p.overlap_forward)
-    from fourfold.parallel.embedding import resolve_output_loss
-
     step = predict_step(cfg.model, shape, t.batch_size, t.seq_len, t.grad_accum,
                         t.activation_checkpointing, machine,
                         Precision.of(t.dtype, p.reduce_dtype), overlap,
-                        resolve_output_loss(p.output_loss, t.optimizer), train=t)
+                        resolve_output_loss(p.output_loss,
+                                            method_spec(t.optimizer).blocked_loss), train=t)
     return memory, dict(step.comm_bytes)
 
 
@@ -328,7 +336,7 @@ def simulate(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
     for i, rank in enumerate(ranks):
         if progress:
             progress(f"simulating rank {rank} ({i + 1} of {len(ranks)}) of grid {shape}")
-        report = simulate_rank(cfg, shape, rank, steps, progress)
+        report = simulate_rank(cfg, shape, rank, machine.device.shared_host, steps, progress)
         report.planned_memory, report.planned_bytes = memory, planned
         reports.append(report)
     return reports

@@ -2,17 +2,27 @@
 
 It needs no download, exists wherever Python does, and is real text (about 10 MB of code and
 docstrings) — enough for the demo and tests to train something that visibly learns.
+
+builtin:stdlib-docstrings is an instruction set made from the same files: each documented
+function (short enough to fit a 512-token row with its answer) becomes "Write the docstring
+for this function" and the function without its docstring, answered by the docstring.
+It is prepared as instruct data (data/records.py), a held-out split for validation.
 """
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import hashlib
+import inspect
+import json
 import os
 import re
 import shutil
 import sys
 import sysconfig
+import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 from fourfold.config import cache_root
@@ -23,8 +33,15 @@ from fourfold.data.tokenizers import (HF_FILE, META_FILE, check_spec, short_fing
                                       spec_fingerprint)
 
 # builtin:stdlib-tests, the standard library's own tests, is a second part of the same code
-# (for fine-tuning on what pretraining did not see).
-BUILTIN_NAMES = ("builtin:stdlib", "builtin:stdlib-tests")
+# (for fine-tuning on what pretraining did not see); builtin:stdlib-docstrings the instruction
+# set made from builtin:stdlib's functions (for supervised fine-tuning).
+BUILTIN_NAMES = ("builtin:stdlib", "builtin:stdlib-tests", "builtin:stdlib-docstrings")
+DOCSTRING_INSTRUCTION = "Write the docstring for this function."
+# a record's prompt and answer together at most this many characters: with the chat template
+# it fits a row of 512 byte tokens, so its answer is trained with the whole function in view
+DOCSTRING_RECORD_CHARS = 440
+DOCSTRING_MIN_CHARS = 12  # shorter docstrings ("Internal.") teach nothing
+DOCSTRING_VAL_FRACTION = 0.05
 TEST_DIRS = frozenset({"test", "tests"})
 # Tests, GUI and retired packages: large, repetitive, and not what a demo model should imitate.
 SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
@@ -76,8 +93,8 @@ def builtin_corpus(tokenizer: str = "byte", cache_dir: Path | None = None,
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
     root.mkdir(parents=True, exist_ok=True)
     tests = name == "builtin:stdlib-tests"
-    target = root / (_cache_key(tokenizer).replace("stdlib-", "stdlib-tests-", 1) if tests
-                     else _cache_key(tokenizer))
+    part = name.removeprefix("builtin:stdlib")  # "", "-tests" or "-docstrings"
+    target = root / _cache_key(tokenizer).replace("stdlib-", f"stdlib{part}-", 1)
     if (target / MANIFEST_FILE).is_file():
         return target
     with open(root / f"{target.name}.lock", "w") as lock:
@@ -92,11 +109,49 @@ def builtin_corpus(tokenizer: str = "byte", cache_dir: Path | None = None,
                             + (" (some distributions package them apart)" if tests else ""))
         building = root / f".{target.name}.building"
         shutil.rmtree(building, ignore_errors=True)  # left by a process that died mid-way
-        prepare(files, building, tokenizer=tokenizer, val_fraction=BUILTIN_VAL_FRACTION,
-                progress=True)
+        if name == "builtin:stdlib-docstrings":
+            records = root / f".{target.name}.records.jsonl"
+            with open(records, "w", encoding="utf-8") as f:
+                for record in docstring_records(files):
+                    f.write(json.dumps(record) + "\n")
+            prepare([records], building, tokenizer=tokenizer,
+                    val_fraction=DOCSTRING_VAL_FRACTION, progress=True, data_format="instruct")
+            records.unlink()
+        else:
+            prepare(files, building, tokenizer=tokenizer, val_fraction=BUILTIN_VAL_FRACTION,
+                    progress=True)
         shutil.rmtree(target, ignore_errors=True)  # an incomplete dir without a manifest
         os.rename(building, target)
     return target
+
+
+def docstring_records(files: list[Path]) -> Iterator[dict[str, str]]:
+    """{"prompt", "completion"} for each documented function of `files` (methods too) whose
+    code and docstring together are at most DOCSTRING_RECORD_CHARS: the instruction and the
+    function without its docstring, answered by the docstring (cleaned as inspect does)."""
+    for path in files:
+        source = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):
+            continue
+        lines = source.splitlines(keepends=True)
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            docstring = ast.get_docstring(node, clean=True)
+            if not docstring or len(docstring) < DOCSTRING_MIN_CHARS or len(node.body) < 2:
+                continue
+            first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+            doc_node = node.body[0]
+            assert doc_node.end_lineno is not None and node.end_lineno is not None
+            code = lines[first - 1:doc_node.lineno - 1] + lines[doc_node.end_lineno:
+                                                                 node.end_lineno]
+            function = textwrap.dedent("".join(code)).strip("\n")
+            if len(function) + len(docstring) > DOCSTRING_RECORD_CHARS:
+                continue
+            yield {"prompt": f"{DOCSTRING_INSTRUCTION}\n\n{function}\n",
+                   "completion": inspect.cleandoc(docstring)}
 
 
 def check_data_path(path: str, tokenizer: str = AUTO_TOKENIZER) -> None:

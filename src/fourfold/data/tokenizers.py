@@ -295,13 +295,17 @@ def _byte_characters() -> dict[int, str]:
     return {**{b: chr(b) for b in kept}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
 
 
-def write_hf_tokenizer(tokenizer: Tokenizer, directory: str | Path,
-                       model_max_length: int) -> list[Path]:
+def write_hf_tokenizer(tokenizer: Tokenizer, directory: str | Path, model_max_length: int,
+                       chat_template: str | None = None,
+                       template_tokens: dict[str, str] | None = None) -> list[Path]:
     """Write `tokenizer` as tokenizer.json, tokenizer_config.json and special_tokens_map.json,
     which `transformers.AutoTokenizer.from_pretrained(directory)` loads to encode text to the
     same ids (the byte tokenizer as byte_level_hf_tokenizer). fourfold's documents are
     separated by EOS and nothing else, so EOS also serves as the BOS token (as in GPT-2), and
-    nothing is added around an encoded text. Returns the paths written."""
+    nothing is added around an encoded text. A `chat_template` (the one the run's chat data
+    was rendered with) goes into tokenizer_config.json with the special tokens it was
+    rendered with (`template_tokens`), so that apply_chat_template gives the same ids.
+    Returns the paths written."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if isinstance(tokenizer, ByteTokenizer):
@@ -312,9 +316,11 @@ def write_hf_tokenizer(tokenizer: Tokenizer, directory: str | Path,
         eos = tokenizer.hf.id_to_token(tokenizer.eos_id)
     else:
         raise TypeError(f"cannot write {type(tokenizer).__name__} for transformers")
-    special = {"bos_token": eos, "eos_token": eos}
+    special = {"bos_token": eos, "eos_token": eos, **(template_tokens or {})}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **special,
               "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
     files = {HF_FILE: data, HF_TOKENIZER_CONFIG: _json_bytes(config),
              HF_SPECIAL_TOKENS: _json_bytes(special)}
     for name, content in files.items():

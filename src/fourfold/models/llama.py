@@ -18,6 +18,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fourfold.config import ModelConfig
+from fourfold.models.attention import PackedDocuments, packed_attention
 from fourfold.models.init import normal_block
 from fourfold.models.recompute import recompute_in_backward
 from fourfold.parallel.embedding import CrossEntropy
@@ -148,8 +149,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+                cache: KVCache | None = None, layer: int = 0,
+                documents: PackedDocuments | None = None) -> torch.Tensor:
         B, T, _ = x.shape
+        if documents is not None:  # packed rows: cos and sin are per position (B * T, 1, hd)
+            q = self.q_proj(x).view(B * T, -1, self.head_dim)  # (B * T, n_head, hd)
+            k = self.k_proj(x).view(B * T, -1, self.head_dim)  # (B * T, n_kv, hd)
+            v = self.v_proj(x).view(B * T, -1, self.head_dim)  # (B * T, n_kv, hd)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            y = packed_attention(q, k, v, documents)  # (B * T, n_head, hd)
+            return self.o_proj(y.reshape(B, T, -1))
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_head, T, hd)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
@@ -285,8 +294,9 @@ class Block(nn.Module):
         self.ffn = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = residual_add(x, self.attn(self.attn_norm(x), cos, sin, cache, layer))
+                cache: KVCache | None = None, layer: int = 0,
+                documents: PackedDocuments | None = None) -> torch.Tensor:
+        x = residual_add(x, self.attn(self.attn_norm(x), cos, sin, cache, layer, documents))
         return residual_add(x, self.ffn(self.ffn_norm(x)))
 
 
@@ -365,21 +375,36 @@ class Llama(nn.Module):
         return n
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, V), or per-token losses (B, T) when targets are given."""
+                cache: KVCache | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V), or per-token losses (B, T) when targets are given.
+
+        `documents` (B, T): the document of each position of packed rows, numbered in each row
+        (a loader batch's `documents`, on the host): attention stays inside each document and
+        positions restart at each (models/attention.py)."""
         B, T = tokens.shape
         start = cache.length if cache is not None else 0
         if start + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start + T} tokens is longer than max_seq_len "
                              f"{self.cfg.max_seq_len}")
-        cos = self.rope_cos[start:start + T]
-        sin = self.rope_sin[start:start + T]
+        packed = None
+        if documents is not None:
+            if cache is not None:
+                raise ValueError("packed documents and a KV cache do not go together")
+            packed = PackedDocuments.from_ids(documents, tokens.device)
+            if packed.one_per_row:  # plain causal rows: the unpacked path is the same
+                packed = None
+        if packed is not None:
+            cos, sin = packed.rope(self.rope_cos, self.rope_sin)  # (B * T, 1, hd)
+        else:
+            cos = self.rope_cos[start:start + T]
+            sin = self.rope_sin[start:start + T]
         h = self.embed(tokens)  # (B, T, dim)
         for i, layer in enumerate(self.layers):
             if self.activation_checkpointing and self.training and cache is None:
-                h = recompute_in_backward(layer, h, cos, sin)
+                h = recompute_in_backward(layer, h, cos, sin, None, i, packed)
             else:
-                h = layer(h, cos, sin, cache, i)
+                h = layer(h, cos, sin, cache, i, packed)
         h = self.norm(h)
         if targets is not None and self.output_loss is not None:
             return self.output_loss(h, self.output, targets)

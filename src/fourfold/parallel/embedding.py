@@ -188,33 +188,25 @@ class CrossEntropy(nn.Module):
 # NO_GRAD_LOSS_BLOCK_ELEMENTS logits, and at least this many columns (narrower GEMMs run far
 # below a GPU's peak)
 OUTPUT_LOSS_MIN_COLUMNS = 1024
-# the training methods whose peak holds the logits (a backward that starts at the output layer
-# with little else alive, or a forward without backward): "auto" gives them the blocked loss.
-# GaLore's too, at a batch worth a GPU (the planner, 125m, 16 x 512 tokens, one GPU: 3,178
-# MiB with whole logits, 1,913 with blocks); at a few hundred tokens its peak comes later,
-# with the gradients (R), but the whole logits' transients, made anew each step, left holes
-# in a CPU rank's heap that the next gradients did not fit (125m, 2 x 2: 333-342 MiB a rank
-# with blocks, 339-355 without). AdamW's peak is its gradients and moments, where the blocked
-# loss would cost its extra GEMM and save nothing.
-BLOCKED_LOSS_METHODS = ("lomo", "adalomo", "mezo", "es", "blockllm", "galore")
-
-
 def output_loss_columns(tokens: int) -> int:
     """Vocabulary columns per block of the blocked output layer and loss, for `tokens` rows."""
     return max(OUTPUT_LOSS_MIN_COLUMNS, NO_GRAD_LOSS_BLOCK_ELEMENTS // max(1, tokens))
 
 
-def uses_blocked_loss(mode: str, optimizer: str = "adamw") -> bool:
-    """parallel.output_loss: "blocks", or "auto" for a method whose peak holds the logits
-    (BLOCKED_LOSS_METHODS). Its price: making the logits again in backward, one more GEMM of
-    the output layer, and where x > 1 one more all-reduce of the logits over x (a method
-    without backward, MeZO or ES, pays neither)."""
-    return mode == "blocks" or (mode == "auto" and optimizer in BLOCKED_LOSS_METHODS)
+def uses_blocked_loss(mode: str, preferred: bool = False) -> bool:
+    """parallel.output_loss: "blocks", or "auto" where the caller `preferred` the blocked loss
+    (a training method whose peak holds the logits: a backward that starts at the output layer
+    with little else alive, or a forward without backward). Its price: making the logits again
+    in backward, one more GEMM of the output layer, and where x > 1 one more all-reduce of the
+    logits over x (a forward without backward pays neither); where the peak is elsewhere (the
+    gradients and moments of AdamW) it saves nothing."""
+    return mode == "blocks" or (mode == "auto" and preferred)
 
 
-def resolve_output_loss(mode: str, optimizer: str) -> str:
-    """parallel.output_loss as a run of `optimizer` uses it: blocks or whole."""
-    return "blocks" if uses_blocked_loss(mode, optimizer) else "whole"
+def resolve_output_loss(mode: str, preferred: bool) -> str:
+    """parallel.output_loss as a run uses it, blocks or whole (`preferred` as
+    uses_blocked_loss takes it)."""
+    return "blocks" if uses_blocked_loss(mode, preferred) else "whole"
 
 
 def _block_space(rows: torch.Tensor, vocab: int, dtype: torch.dtype,

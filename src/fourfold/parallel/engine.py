@@ -23,11 +23,13 @@ workspace (the memory model's `logits` term: the rule `keeps_output_block` state
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Protocol
 
 import torch
 from torch import nn
 
+from fourfold.config import ParallelConfig
+from fourfold.parallel.buffers import GradBufferPool
 from fourfold.parallel.comm import Comm, Handle
 from fourfold.parallel.data_parallel import GradBucketer
 from fourfold.parallel.gemm import GemmTuner, default_cache_path, plain_matmul
@@ -39,11 +41,25 @@ class OverlapOptions:
     weight_grad: bool = True  # dW reduce-scatter under earlier layers' backward
     prefetch: bool = True  # next layer's z all-gather one layer ahead
     data_grad: bool = True  # bucketed data all-reduce during backward
-    bucket_bytes: int = 25 * 2**20
+    bucket_bytes: int = ParallelConfig().bucket_bytes
     gemm_tuning: bool = False  # time the equivalent matmuls per shape, keep the fastest
     reduce_dtype: torch.dtype = torch.float32  # weight-gradient reduce-scatter, data all-reduce
     forward_split: bool = False  # each forward GEMM in two halves of the tokens: one half's
     # output all-reduce runs under the other half's GEMM (parallel.overlap_forward)
+
+
+class ShardedModule(Protocol):
+    """What the engine asks of a module whose weight is split over z (Linear3D, a group of
+    FusedLinears, ParallelEmbedding): this rank's shard to all-gather, in the compute dtype;
+    the gathered shards arranged as the module's full (x, y)-block; whether its backward needs
+    the block again (an embedding's does not); the block's shape."""
+
+    needs_backward_gather: bool
+    block_shape: tuple[int, int]
+
+    def gather_shard(self, compute_dtype: torch.dtype) -> torch.Tensor: ...
+
+    def arrange(self, gathered: torch.Tensor) -> torch.Tensor: ...
 
 
 def keeps_output_block(block_bytes: int, output_bytes: int, output_numel: int) -> bool:
@@ -53,12 +69,15 @@ def keeps_output_block(block_bytes: int, output_bytes: int, output_numel: int) -
 
 
 class Engine:
-    def __init__(self, comm: Comm, options: OverlapOptions) -> None:
+    def __init__(self, comm: Comm, options: OverlapOptions,
+                 grad_buffers: GradBufferPool | None = None) -> None:
         self.comm = comm
         self.options = options
+        # released gradients' buffers for the next weight gradient (parallel/buffers.py)
+        self.grad_buffers = grad_buffers
         self.bucketer = GradBucketer(comm, options.bucket_bytes, options.data_grad,
                                      options.reduce_dtype)
-        self.sharded: list[nn.Module] = []  # z-sharded modules in forward order
+        self.sharded: list[ShardedModule] = []  # z-sharded modules in forward order
         self._index: dict[int, int] = {}
         # per module in forward order: the repeated unit (block) it belongs to, None outside
         self._groups: list[Hashable | None] = []
@@ -81,13 +100,6 @@ class Engine:
                       if options.gemm_tuning else None)
         self._on_grad_ready: Callable[[nn.Parameter], None] | None = None
         self._ready: set[int] = set()
-        # the buffer of the largest host gradient a method let go of (release_grad), for the
-        # next weight gradient of its shape and dtype
-        self._spare: torch.Tensor | None = None
-        # the dtypes each gradient shape has been asked for in (_take_spare): a shape asked
-        # for in another dtype than its gradient's is made in that dtype and cast (the blocked
-        # loss's bfloat16 dW), and its buffer would only sit beside it, so it is not kept
-        self._asked: dict[tuple[int, ...], set[torch.dtype]] = {}
 
     def set_grad_ready_hook(self, hook: Callable[[nn.Parameter], None]) -> None:
         """Call `hook(param)` the moment param.grad is final (after its z reduce-scatter and data
@@ -102,60 +114,38 @@ class Engine:
 
     def matmul(self, kind: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """A linear layer's GEMM (kind: forward, input_grad or weight_grad), tuned if enabled.
-        Untuned, a weight gradient is written into a released gradient's buffer where one
-        fits (grad_buffer); tuned, such a buffer is dropped (its variants make their own)."""
+        Untuned, a weight gradient is written into a released gradient's buffer where the pool
+        has one that fits (grad_buffer); tuned, such a buffer is dropped (its variants make
+        their own)."""
         out = None
         if kind == "weight_grad":  # taken either way: the tuned variants make their own
-            out = self._take_spare((a.shape[-1], b.shape[-1]), a.dtype, a.device)
+            out = self._take_buffer((a.shape[-1], b.shape[-1]), a.dtype, a.device)
         if self.tuner is None:
             return plain_matmul(kind, a, b, out=out)
         return self.tuner.matmul(kind, a, b)
 
     # ---- gradient buffers -----------------------------------------------------------------
-    #
-    # A method that updates each weight at its hand-off and frees its gradient (LOMO, AdaLomo,
-    # GaLore, BlockLLM's copied rows) lets the engine keep the largest such buffer for the next
-    # gradient of that shape: on the host, where each step's gradients are fresh mallocs, the
-    # two largest (the embedding's and the output layer's, 23 MiB each on a 125m 2 x 2 rank)
-    # otherwise each find the heap's holes taken by the activations made since the last one,
-    # and land on top of it; glibc never hands those pages back (train/host_memory.py), so a
-    # rank's resident memory grew by some 16 MiB a step for the first steps (40-55 MiB more
-    # than the heap in use, on GaLore's ranks). Held between steps, the buffer costs its bytes
-    # in the forward, whose peak is below backward's, where it is the gradient being handed
-    # off. GPUs have a caching allocator for this: there gradients are not kept.
 
     def grad_buffer(self, shape: tuple[int, ...], dtype: torch.dtype,
                     device: torch.device) -> torch.Tensor:
-        """An uninitialised tensor for a weight's gradient (block): the released buffer where
-        its shape and dtype match, else a new one."""
-        spare = self._take_spare(shape, dtype, device)
-        return spare if spare is not None else torch.empty(shape, dtype=dtype, device=device)
+        """An uninitialised tensor for a weight's gradient (block): a released buffer where
+        the pool holds one of its shape and dtype, else a new one."""
+        kept = self._take_buffer(shape, dtype, device)
+        return kept if kept is not None else torch.empty(shape, dtype=dtype, device=device)
 
     def release_grad(self, param: nn.Parameter) -> None:
-        """param's gradient is used up (a fused update's hand-off): drop it, keeping its
-        buffer for a later gradient where it is a host tensor of its own storage at least as
-        large as the one kept. The caller keeps no reference to it. Not with a z axis: there
-        a gradient is a reduce-scatter's output, which would not take the buffer."""
+        """param's gradient is used up (a fused update's hand-off): drop it, giving its buffer
+        to the pool for a later gradient. The caller keeps no reference to it. Not with a z
+        axis: there a gradient is a reduce-scatter's output, which would not take the buffer."""
         grad, param.grad = param.grad, None
-        if (grad is not None and grad.device.type == "cpu" and self.comm.grid.size("z") == 1
-                and grad.is_contiguous()
-                and grad.storage_offset() == 0
-                and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
-                and self._asked.get(tuple(grad.shape), {grad.dtype}) == {grad.dtype}
-                and (self._spare is None or grad.numel() * grad.element_size()
-                     >= self._spare.numel() * self._spare.element_size())):
-            self._spare = grad
+        if grad is not None and self.grad_buffers is not None and self.comm.grid.size("z") == 1:
+            self.grad_buffers.give(grad)
 
-    def _take_spare(self, shape: tuple[int, ...], dtype: torch.dtype,
-                    device: torch.device) -> torch.Tensor | None:
-        self._asked.setdefault(tuple(shape), set()).add(dtype)
-        spare = self._spare
-        if spare is None or tuple(spare.shape) != tuple(shape) or spare.device != device:
+    def _take_buffer(self, shape: tuple[int, ...], dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor | None:
+        if self.grad_buffers is None:
             return None
-        self._spare = None
-        # of another dtype: dropped, and (asked for in two dtypes now) its shape is not kept
-        # again; a smaller gradient's buffer may be
-        return spare if spare.dtype == dtype else None
+        return self.grad_buffers.take(shape, dtype, device)
 
     # ---- registration -------------------------------------------------------------------
 
@@ -173,7 +163,7 @@ class Engine:
                 self._uses[id(module.weight)] = self._uses.get(id(module.weight), 0) + 1
         return self._uses[pid]
 
-    def set_order(self, modules: list[nn.Module],
+    def set_order(self, modules: list[ShardedModule],
                   groups: list[Hashable | None] | None = None) -> None:
         """The z-sharded modules in forward order, for prefetching one ahead (or behind), and
         the repeated unit each belongs to (what activation checkpointing recomputes whole)."""
@@ -189,7 +179,7 @@ class Engine:
         """Call `hook` (which drops a per-pass cache) whenever a forward pass starts."""
         self._pass_hooks.append(hook)
 
-    def is_last(self, module: nn.Module) -> bool:
+    def is_last(self, module: ShardedModule) -> bool:
         """Whether `module` is the last z-sharded module of the forward (its backward is first)."""
         return bool(self.sharded) and self.sharded[-1] is module
 
@@ -211,11 +201,11 @@ class Engine:
 
     # ---- z all-gather of weights ----------------------------------------------------------
 
-    def _gather_async(self, module: nn.Module, compute_dtype: torch.dtype) -> Handle:
+    def _gather_async(self, module: ShardedModule, compute_dtype: torch.dtype) -> Handle:
         # cast first: the GEMM gets the same values, the wire carries the compute dtype
         return self.comm.all_gather(module.gather_shard(compute_dtype), "z", async_op=True)
 
-    def gather_weight(self, module: nn.Module, phase: str, dtype: torch.dtype,
+    def gather_weight(self, module: ShardedModule, phase: str, dtype: torch.dtype,
                       kept: torch.Tensor | None = None) -> torch.Tensor:
         """The module's full (x, y)-block of weight, gathered over z in the dtype the module
         asks for under compute dtype `dtype` (phase: forward or backward; `kept`: a block the
@@ -246,12 +236,12 @@ class Engine:
             self._kept[mid] = w
         return w
 
-    def _prefetch(self, module: nn.Module, phase: str, dtype: torch.dtype) -> None:
+    def _prefetch(self, module: ShardedModule, phase: str, dtype: torch.dtype) -> None:
         key = (id(module), phase)
         if key not in self._prefetched:
             self._prefetched[key] = (self._gather_async(module, dtype), dtype)
 
-    def _prefetch_next(self, module: nn.Module, phase: str, dtype: torch.dtype) -> None:
+    def _prefetch_next(self, module: ShardedModule, phase: str, dtype: torch.dtype) -> None:
         if not self.prefetch_enabled or self.comm.grid.size("z") == 1:
             return
         i = self._index[id(module)]

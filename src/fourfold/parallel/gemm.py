@@ -6,7 +6,7 @@ on disk, so later runs (and reruns, bit for bit) make the same choices.
 
 The ways are the layouts of torch.matmul (MKL's sgemm for float32 on x86 CPUs, cuBLAS on GPUs)
 and, on CPUs, oneDNN's matmul (the kernel torch.compile's CPU backend uses for linears), which
-beats MKL for some shapes on some CPUs (bench/gemm.py measures it; the README has figures).
+beats MKL for some shapes on some CPUs (which, the tuner finds out per shape).
 
 All ranks must compute replicated values identically, so the timings are summed over the whole
 job before the choice (one tiny all-reduce per new shape, on the ledger under "all").

@@ -18,6 +18,7 @@ from torch import nn
 
 from fourfold.config import CHOICES, ConfigError, ParallelConfig
 from fourfold.intmath import divisors
+from fourfold.parallel.buffers import GradBufferPool
 from fourfold.parallel.comm import Comm, CommLedger
 from fourfold.parallel.embedding import (BlockedOutputLoss, CrossEntropy, ParallelEmbedding,
                                          VocabParallelCrossEntropy, blocked_loss_applies,
@@ -58,16 +59,23 @@ class ParallelModel:
 
     # ---- running ----------------------------------------------------------------------------
 
-    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (b, T, V/Gy), or per-token losses (b, T) when targets are given."""
+    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                 documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (b, T, V/Gy), or per-token losses (b, T) when targets are given. `documents`
+        (b, T), for rows of packed documents, is handed to the module as it is (a fourfold
+        model keeps attention inside each document)."""
         if self.engine is not None:
             self.engine.begin_forward(recompute=self._recomputes())
+        packed = {} if documents is None else {"documents": documents}
         if self._is_hf:
+            if documents is not None:
+                raise ValueError("packed documents need a fourfold model; a Hugging Face "
+                                 "module attends across them")
             logits = self.module(input_ids=tokens, use_cache=False).logits
         elif targets is not None and getattr(self.module, "output_loss", None) is not None:
-            return self.module(tokens, targets)  # the output layer and the loss in blocks
+            return self.module(tokens, targets, **packed)  # the output layer and the loss in blocks
         else:
-            logits = self.module(tokens)
+            logits = self.module(tokens, **packed)
         if targets is None:
             return logits
         return self.criterion(logits, targets)
@@ -206,6 +214,8 @@ class ParallelModel:
         return stream_full(self.module, self.layouts(), self.grid, dst)
 
     def memory_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes of this rank's parameters, of the gradients alive now and of a torch
+        optimizer's state tensors."""
         params = list(self.module.parameters())
         out = {"params": sum(p.numel() * p.element_size() for p in params),
                "grads": sum(p.grad.numel() * p.grad.element_size()
@@ -244,13 +254,14 @@ def overlap_options(cfg: ParallelConfig | None) -> OverlapOptions:
                           f"{', '.join(REDUCE_DTYPES)}")
     return OverlapOptions(input_grad=cfg.overlap_input_grad, weight_grad=cfg.overlap_weight_grad,
                           prefetch=cfg.prefetch_weights, data_grad=cfg.overlap_data_grad,
-                          bucket_bytes=int(cfg.bucket_mb * 2**20), gemm_tuning=cfg.gemm_tuning,
+                          bucket_bytes=cfg.bucket_bytes, gemm_tuning=cfg.gemm_tuning,
                           reduce_dtype=REDUCE_DTYPES[cfg.reduce_dtype],
                           forward_split=cfg.overlap_forward)
 
 
 def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = None, *,
-                optimizer: str = "adamw") -> ParallelModel:
+                blocked_loss: bool = False,
+                grad_buffers: GradBufferPool | None = None) -> ParallelModel:
     """Parallelize `model` over `grid`: a model with its full weights, the same on every rank,
     or one declared on the meta device (`build_model(cfg, seed, device="meta")`), of which
     each rank materialises only its own shards, on grid.device, with the values a one-process
@@ -259,8 +270,10 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
     Modules are replaced in place. On a one-process grid with GEMM tuning off (the default)
     the model is left as it is; with tuning on its linears become fourfold's own, whose GEMMs
     the tuner chooses, and with parallel.engine = "always" the whole engine runs as on a grid.
-    `optimizer` (train.optimizer) decides parallel.output_loss = "auto"
-    (embedding.uses_blocked_loss).
+    `blocked_loss`: parallel.output_loss = "auto" gives the output layer and
+    loss a block of the vocabulary at a time (embedding.uses_blocked_loss; the training
+    method's choice). `grad_buffers`: where the engine keeps a released gradient's buffer for
+    the next gradient of its shape (parallel/buffers.py; None: nowhere).
     """
     comm = Comm(grid)
     options = overlap_options(config)
@@ -273,9 +286,9 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
     if grid.world_size == 1 and not options.gemm_tuning and engine_mode == "auto":
         pmodel = ParallelModel(model, grid, comm, None, None)
         materialize(model, pmodel.layouts(), grid)
-        _set_output_loss(model, uses_blocked_loss(output_loss, optimizer), None, 0)
+        _set_output_loss(model, uses_blocked_loss(output_loss, blocked_loss), None, 0)
         return pmodel
-    engine = Engine(comm, options)
+    engine = Engine(comm, options, grad_buffers)
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     if set(_NORMAL + _TRANSPOSED) <= names:
         vocab_start = _apply_llama_plan(model, grid, engine)
@@ -288,7 +301,7 @@ def parallelize(model: nn.Module, grid: Grid, config: ParallelConfig | None = No
     if vocab_start is None or not hasattr(model, "criterion"):
         return pmodel
     model.criterion = pmodel.criterion  # the model's own loss path uses the split vocabulary too
-    _set_output_loss(model, uses_blocked_loss(output_loss, optimizer),
+    _set_output_loss(model, uses_blocked_loss(output_loss, blocked_loss),
                      comm if grid.size("y") > 1 else None, vocab_start)
     return pmodel
 

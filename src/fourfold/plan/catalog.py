@@ -18,12 +18,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from fourfold.intmath import GIB
 from fourfold.plan.errors import PlanError
 
 if TYPE_CHECKING:
     from fourfold.plan.host_probe import HostCalibration
 
-GIB = 1024**3
 
 
 @dataclass(frozen=True)

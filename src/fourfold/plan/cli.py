@@ -23,6 +23,7 @@ from pathlib import Path
 from fourfold.config import (PRESETS, Config, ConfigError, ModelConfig, TrainConfig,
                              load_config, model_config)
 from fourfold.errors import FourfoldError
+from fourfold.methods import method_names
 from fourfold.parsing import ArgumentParser
 from fourfold.parallel.grid import AXES, RANK_ORDER
 from fourfold.plan.errors import PlanError
@@ -32,7 +33,7 @@ from fourfold.plan.perf import Overlap
 from fourfold.plan.scaling import (count_params, data_constrained_optimum, dataset_tokens,
                                    dataset_vocab_size, format_count, get_law, model_for_params,
                                    training_config)
-from fourfold.plan.search import (OPTIMIZERS, Candidate, Plan, grid_problem, grid_shapes,
+from fourfold.plan.search import (Candidate, Plan, grid_problem, grid_shapes,
                                   model_label, plan)
 from fourfold.plan.sweep import format_sweep, gpu_counts, plot_sweep, run_sweep
 
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parallel.overlap_forward: forward GEMMs in two token halves, one "
                    "half's output all-reduce under the other's GEMM (auto: the faster per grid)")
     p.add_argument("--optimizer", help="train.optimizer whose step, gradients and state the "
-                   "time and memory columns model: " + ", ".join(OPTIMIZERS) + " (default: the "
+                   "time and memory columns model: " + ", ".join(method_names()) + " (default: the "
                    "config's train.optimizer, else adamw)")
     p.add_argument("--top", type=int, default=10, help="rows to show (0: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -130,9 +131,9 @@ def resolve_model(spec: str) -> tuple[ModelConfig, int | None, int | None, Train
 
 def resolve_train(optimizer: str | None, config_train: TrainConfig | None) -> TrainConfig:
     """The train config whose optimizer the memory is planned for: --optimizer over the
-    config file's train.optimizer (keeping its block_sparsity, galore_rank), else adamw."""
-    if optimizer is not None and optimizer not in OPTIMIZERS:
-        raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    config file's train.optimizer (keeping its [train.method] options), else adamw."""
+    if optimizer is not None and optimizer not in method_names():
+        raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(method_names())}")
     if config_train is None:
         return TrainConfig(optimizer=optimizer or "adamw")
     return dataclasses.replace(config_train, optimizer=optimizer or config_train.optimizer)

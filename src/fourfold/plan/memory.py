@@ -1,60 +1,38 @@
 """Memory per rank of a 4D configuration: parameters, gradients, AdamW states, activations
 (with and without activation checkpointing), gathered-weight buffers, the data-parallel
 gradient buckets, the transients of building the model in shards and of exporting it, an
-asynchronous checkpoint's snapshot, and (on a host) the runtime's own growth.
+asynchronous checkpoint's snapshot, and (on a host) the runtime's own growth. A training
+method's own gradients, state and update transient come from its planner model
+(plan/methods, `predict_method_memory`).
 
-`predict_memory` is the rank model: one MemoryBreakdown, each term named below with the
-measurement it rests on (bench/memory.py, whose --phases table gives VmRSS, VmHWM and glibc's
-heap in use at each phase of a run; float32, 2 steps of 8 x 64 tokens, sync and async
-checkpoint, the streamed export):
-- params, grads, optimizer: local_param_numel x bytes (tests/test_parallel.py checks them
-  against the built model); the heap in use after the first optimizer step equals them plus
-  a few MiB on every preset;
-- activations, logits: autograd's saved tensors (tests/test_memory_model.py); the forward's
-  end in --phases is the model state plus these;
-- block_transient: one block's temporaries beyond what it saves (its backward's, at the
-  SwiGLU's gradient; MeZO's and ES's no-grad forward). The logits are gone before any block's
-  backward, so a step counts the larger of the logits and one block's recompute plus these:
-  at thousands of tokens a block outweighs a blocked loss (tests/test_lean_optim.py checks
-  the total against the heap in use at every op of a 2,048-token step; on an H200, 125m at
-  16 x 512 tokens, bench/memory_lean.py --device cuda);
-- loss_grads: the gradients alive at the loss, none unless micro-steps accumulate them (AdamW
-  sets them to None before the forward; the other methods free theirs within a step): with
-  whole logits larger than a block's backward the loss is the peak, and counting every
-  gradient there read +18.8% against the heap (tests/test_lean_optim.py, a 32,000-token
-  vocabulary) and +11.9% on an H200 (125m, 16 x 512 tokens; -1.1% now, from the same
-  measurement: the GPU was not lent again);
+`predict_memory` is the rank model, one MemoryBreakdown; what each term models, and what
+checks it:
+- params, grads, optimizer: local_param_numel x bytes (tests/test_parallel.py, against the
+  built model);
+- activations, logits: autograd's saved tensors and the loss's workspace
+  (tests/test_memory_model.py);
+- block_transient: one block's temporaries beyond what it saves (its backward's at the
+  SwiGLU's gradient; a forward-only method's no-grad forward); the logits are gone before any
+  block's backward, so a step counts the larger of the two (MemoryBreakdown.step;
+  tests/test_lean_optim.py holds the total against the heap in use at every op of a step);
+- loss_grads: the gradients alive at the loss, none unless micro-steps accumulate them
+  (every method frees or hands off its gradients within a step);
 - gathered_weights: the z all-gather buffers (current + prefetched) and one dW block;
 - comm_buffers: what the data all-reduce holds beyond the gradients, which are views of
   their buckets' buffers (parallel/data_parallel.py): a lower reduce_dtype's casts;
 - startup: one init tile (on a host); export: one block, and the export writer's full tensor
   (on a host);
-- checkpoint: the async snapshot (params and AdamW states copied to host memory), which is
-  alive through the next step: on a CPU rank it alone is 0.375x the model's float32 weights
-  on 8 ranks, so an async checkpoint keeps such a rank above 0.5 + 0.375 = 0.875x;
+- checkpoint: an asynchronous snapshot (params and AdamW states copied to host memory), alive
+  through the next step, where it shares the rank's memory (a CPU rank);
 - runtime (on a host): what a rank touches beyond a process that imported fourfold, not as
-  tensors: library code and data first used by a step, gloo's and the checkpoint writer's threads,
-  the interpreter's objects; a constant ~40 MiB per rank on every preset measured (15m: 37-59 MiB
-  above the other terms on 1-8 ranks), 27 MiB for MeZO and ES (HOST_FORWARD_ONLY_RUNTIME_BYTES:
-  no backward; on a grid rank with torch's flight recorder off, as `fourfold train` runs CPU
-  ranks, fourfold.host.FLIGHT_RECORDER_ENVIRONMENT). Under bfloat16 it includes
-  oneDNN's primitive cache (each bfloat16 GEMM's kernel, kept from its first call: 5 MiB of heap
-  on one process, 6.5 on a 2 x 2 rank, small preset; none in float32, whose GEMMs are MKL's),
-  which bench/heap_peak.py's heap reads beside the tensors. Not MKL's buffers: CPU ranks run with
-  its cache off (fourfold.host.MKL_ENVIRONMENT; it kept up to 23 MiB of heap on a GaLore rank, 5
-  after one float64 GEMM). AdamW's runs (torch.optim) and compiled ones add torch._dynamo's
-  import, 70 MiB (TORCH_DYNAMO_BYTES), which the other methods load only on a grid that writes
-  checkpoints (a DTensor imports it). A run that writes checkpoints adds the checkpoint library's
-  import (library_bytes): 45 MiB, 2 once torch._dynamo is in. `fourfold train` on 2x2, 15m, 8 x
-  128 tokens, rank 0's peak with checkpoints every 2 steps against none: AdamW 246 against 247
-  MiB, LOMO 136 against 189, MeZO 63 against 139, GaLore 145 against 222.
-On CPU the allocator keeps freed blocks for reuse (train/host_memory.py) and, so tuned, its
-resident memory stays within a few percent of the heap in use. Measured with it, 350m preset,
-8 ranks (x2 y2 z2): 1,019-1,042 MiB per rank with a sync checkpoint (predicted 1,010),
-1,533-1,561 with an async one (predicted 1,545); 15m: within 7% on 1-8 ranks here; but what
-the heap cannot reuse depends on when gloo's threads allocate: 15m at z = 2, whose heap in use
-peaks at the same 160 MiB in every run, read 188-207 MiB on one machine and 225 (18% over the
-predicted 191) on another.
+  tensors (library code and data first used by a step, gloo's and the checkpoint writer's
+  threads, the interpreter's objects, under bfloat16 oneDNN's primitive cache): a constant
+  per rank, less without a backward, plus the libraries a run imports (`library_bytes`:
+  torch._dynamo, the checkpoint library).
+bench/memory.py (--phases: VmRSS, VmHWM and the heap in use at each phase of a run),
+bench/memory_lean.py and bench/train_memory.py compare the total with what ranks hold; their
+current figures are in docs/results.md. On a host the allocator is tuned to reuse freed blocks
+(train/host_memory.py), so that a rank's resident memory follows the heap in use.
 
 What a rank holds that the model leaves out, and why:
 - the runtime's import itself (Python, torch's libraries, on a GPU the CUDA context): the
@@ -64,17 +42,7 @@ What a rank holds that the model leaves out, and why:
 - the optimizer step's and the gradient norm's temporaries (a few tensors of one layer's size);
 - on a GPU, the caching allocator's slack (its fragmentation is not modelled);
 - on a CPU rank of a grid, the heap pages that a step's blocks wander onto beyond the heap in
-  use. Since stop 51 the ranks run with torch's flight recorder off (fourfold.host), whose
-  per-collective blocks did most of the scattering: 15m, 2x2, 12 steps, every method within
-  8.5% (ES 49.4-51.5 MiB over seven runs, planned 48.5). Before it (where glibc places them,
-  which gloo's late frees and MKL's per-GEMM buffers move: ES's heap in use flat at 24 MiB,
-  its extent 43-59; train/host_memory.py's trim_on_host_grid):
-  15m, 2x2, 8 x 128 tokens, after 12 steps rank 0 read up to 15.4% above the prediction
-  (stop 49: two runs of each method, AdaLomo and GaLore 12.7-14.4%; at 30 steps GaLore
-  14.7-16.1%, three runs; stop 51: AdaLomo above 15% in one of ten runs, its statistics'
-  all-reduces during backward leaving it 9-14 MiB above LOMO) and ES up to 28.5% (above 15%
-  in five runs of nineteen at stop 49, up to 21.9%, and five of fifteen at stop 50) (within
-  10% at 4 steps); 125m's ranks stay within 7% at 10.
+  use (where glibc places them depends on when gloo's threads free theirs).
 
 The search compares the total with `Machine.usable_memory_bytes`, which divides a memory shared
 by several ranks (a host's) among them and takes `reserved_gib` per rank off for the runtime.
@@ -87,18 +55,19 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fourfold.config import ModelConfig
+from fourfold.config import Config, ModelConfig, ParallelConfig
 from fourfold.parallel.data_parallel import in_flight_wire_bytes
 from fourfold.parallel.embedding import (NO_GRAD_LOSS_BLOCK_ELEMENTS, output_loss_columns,
-                                         uses_blocked_loss)
+                                         resolve_output_loss, uses_blocked_loss)
 from fourfold.parallel.grid import GridShape
+from fourfold.methods import method_spec
 from fourfold.plan.errors import PlanError
+from fourfold.plan.methods.base import method_model
 from fourfold.plan.schedule import block_linears, local_param_numel
 
 if TYPE_CHECKING:
     from fourfold.config import TrainConfig
 
-GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -172,8 +141,7 @@ class MemoryBreakdown:
         compute-dtype copy, which the cache gathers through the forward.
         Autocast lets its copies go as the forward ends, the loss's forward included: they
         meet only `loss_forward` of the loss, where that is less than `logits` (the blocked
-        loss, whose backward makes the output layer's dW and casts its weight anew; 125m, 2 x
-        128 tokens, bfloat16 LOMO: the heap's peak 15% below the planner before)."""
+        loss, whose backward makes the output layer's dW and casts its weight anew)."""
         alive = (self.activations - self.recompute + self.gathered_weights + self.comm_buffers
                  + self.checkpoint)
         loss = max(self.cast_weights + (self.loss_forward or self.logits), self.logits)
@@ -237,8 +205,8 @@ def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
     norm_inputs, norm_outputs = 2 * d // gx, 2 * d // gx
     act, residual = precision.act_bytes, precision.residual_bytes
     # under autocast on torch's own layers each GEMM keeps its own compute-dtype cast of the
-    # norm's output (q, k and v three, gate and up two); measured on the heap, small preset,
-    # bfloat16: 2 d bytes a token a block more than one float32 output a norm
+    # norm's output (q, k and v three, gate and up two), and the float32 output goes: 2 d bytes
+    # a token a block more than one float32 output a norm (tests/test_memory_model.py)
     if autocast_on_torch_layers(shape, precision):
         norm_outputs = 5 * d
     # k and v are saved after the GQA repeat, so they are as wide as q
@@ -262,31 +230,25 @@ def block_transient_bytes_per_token(model: ModelConfig, shape: GridShape, precis
     backward: at the SwiGLU's gradient (models/llama.py: dy, d_up, the bracket and dy * up
     beside gate and up), three ffn-wide tensors on top of the recompute's saved ones, a figure
     fitted to measurement. Without a backward (mezo, es): the block's input, the residual after
-    attention and the normalized input, with gate, up, silu(gate) and their product. Checked:
-    tests/test_lean_optim.py (the small preset at 2,048 tokens, the heap in use after every
-    op, within 10%) and, on an H200, bench/memory_lean.py --device cuda --preset 125m --batch
-    16 --seq 512 (max_memory_allocated: LOMO 1,443 MiB, planner +2.6%; MeZO 875, -4.0%)."""
+    attention and the normalized input, with gate, up, silu(gate) and their product. Checked by
+    tests/test_lean_optim.py (the heap in use after every op of a step) and, on a GPU, by
+    bench/memory_lean.py --device cuda."""
     d, f = model.dim // shape.x, model.ffn_dim // shape.y
     if backward:
         return 3 * f * precision.act_bytes
     return 3 * d * precision.residual_bytes + 4 * f * precision.act_bytes
 
 
-HOST_RUNTIME_BYTES = 40 * 2**20  # measured: see the module docstring (runtime)
-# ... and for MeZO and ES (no backward): `fourfold train`, 8 x 128 tokens, 4 steps, read 27-28
-# MiB above the other terms in one process at the small and 15m presets (the backward methods
-# 32-39 there); on a CPU rank of a grid, since its flight recorder is off (fourfold.host), ES
-# and MeZO read 27-32 (15m 2x2, 12 steps; 125m 2x2, bench/memory_lean.py --steps 4)
+# The runtime term (see the module docstring), per host rank: with a backward, and without
+# one (MeZO, ES); bench/memory_lean.py --cli reads both beside `fourfold train`'s ranks
+HOST_RUNTIME_BYTES = 40 * 2**20
 HOST_FORWARD_ONLY_RUNTIME_BYTES = 27 * 2**20
-# the methods that train from forward passes alone (train/methods/zeroth.py)
-FORWARD_ONLY_METHODS = ("mezo", "es")
-# torch._dynamo, which torch.optim (AdamW) and train.compile import at their first use: 70.6
-# MiB resident (a process that imported fourfold, then torch._dynamo); so does a grid's
-# checkpoint (loads_dynamo), nothing else in a run (models/recompute.py, meta builds)
+# torch._dynamo, which torch.optim (AdamW) and train.compile import at their first use, and a
+# grid's checkpoint (loads_dynamo); nothing else in a run does (models/recompute.py, meta
+# builds): resident bytes above `import fourfold`
 TORCH_DYNAMO_BYTES = 70 * 2**20
 # torch.distributed.checkpoint (with DTensor, sympy and torch.fx), imported at a run's first
-# checkpoint: 44.5 MiB resident above `import fourfold`, 1.7 MiB where torch._dynamo is in
-# already (they share sympy and torch.fx); torch._dynamo after it adds 28 MiB, not 70.
+# checkpoint; far less where torch._dynamo is in already (they share sympy and torch.fx)
 CHECKPOINT_LIBRARY_BYTES = 45 * 2**20
 CHECKPOINT_LIBRARY_AFTER_DYNAMO_BYTES = 2 * 2**20
 
@@ -303,23 +265,14 @@ def library_bytes(dynamo: bool, checkpoints: bool) -> int:
 
 
 def loads_dynamo(train: "TrainConfig", shape: GridShape, checkpoints: bool) -> bool:
-    """Whether a run imports torch._dynamo: AdamW (torch.optim), train.compile, or a grid's
-    checkpoint (DTensor.from_local); nothing else in a run does (models/recompute.py,
-    build_model on the meta device)."""
-    return (train.optimizer == "adamw" or train.compile
+    """Whether a run imports torch._dynamo: its method (AdamW's torch.optim), train.compile,
+    or a grid's checkpoint (DTensor.from_local); nothing else in a run does
+    (models/recompute.py, build_model on the meta device)."""
+    return (method_model(train.optimizer).imports_dynamo or train.compile
             or (checkpoints and shape.size > 1))
 
 
 INIT_TILE_BYTES = 1024 * 1024 * 4  # fourfold.models.init: one float32 tile drawn at a time
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb
-GALORE_CHUNK_BYTES = 4 * 2**20  # train/methods/galore.py: gathered columns per Gram chunk
-# train/methods/blockllm.py: a selection's backward keeps each handed-off gradient whole (no
-# copy) until the rows it holds exceed the budget by this share of all elements, then ranks
-# them and keeps the budget's worth: at sparsity 0.9 about 18 rankings and compactions a
-# selection whatever the number of tensors (one per hand-off before: on 125m, one process,
-# the selection step's own work fell from 1.3 to 0.5 s), for up to this share of the
-# gradients' bytes more at its peak
-BLOCKLLM_HOLD_SLACK = 0.05
 
 
 def largest_tensor_numel(model: ModelConfig, shape: GridShape) -> tuple[int, int]:
@@ -338,13 +291,13 @@ def logits_bytes(model: ModelConfig, shape: GridShape, tokens: int, precision: P
 
     Whole logits: the loss's forward holds the logits (this rank's vocabulary slice) in the
     compute dtype, below float32 also their float32 copy, and the exponentials it makes in
-    float32 (against the heap, bfloat16: -22% before the copy counted).
+    float32.
     The blocked loss: one block of columns of them in float32 (below float32 also its two
     copies in the compute dtype), plus two floats a token kept for backward; with a
     `backward`, the output layer's backward also holds its weight gradient (float32), and
-    below float32 the weight's compute-dtype copy (bfloat16, against the heap: LOMO -14% before
-    it counted) and, on a grid, the gradient made in that dtype, cast to float32 after the
-    block loop (on one process it is made in float32 block by block)."""
+    below float32 the weight's compute-dtype copy and, on a grid, the gradient made in that
+    dtype, cast to float32 after the block loop (on one process it is made in float32 block by
+    block)."""
     width = model.vocab_size // shape.y
     act = precision.act_bytes
     if not uses_blocked_loss(output_loss):
@@ -355,9 +308,8 @@ def logits_bytes(model: ModelConfig, shape: GridShape, tokens: int, precision: P
         block = model.vocab_size * model.dim // (shape.x * shape.y)
         if act < 4 and shape.size > 1:
             # dW made in the compute dtype beside the weight's copy through the block loop, its
-            # float32 gradient after it, when the blocks' transients are gone (the heap's peak,
-            # 2 x 2 LOMO rank, small preset, bfloat16: in the loop; counting the gradient there
-            # too read +17%)
+            # float32 gradient after it, when the blocks' transients are gone: the peak is in
+            # the loop
             return max(out, block * precision.grad_bytes + 8 * tokens) + block * 2 * act
         out += block * (precision.grad_bytes + (act if act < 4 else 0))
     return out
@@ -365,7 +317,7 @@ def logits_bytes(model: ModelConfig, shape: GridShape, tokens: int, precision: P
 
 def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int,
                    activation_checkpointing: bool, precision: Precision, *,
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, on_host: bool = False,
+                   bucket_bytes: int = ParallelConfig().bucket_bytes, on_host: bool = False,
                    writer: bool = False, async_checkpoint: bool = False,
                    checkpoints: bool = False, output_loss: str = "auto",
                    grad_accum: int = 1) -> MemoryBreakdown:
@@ -412,10 +364,8 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     # under autocast on torch's own layers autocast caches each weight's compute-dtype copy
     # from its first GEMM to the end of the forward, the loss included: those of every linear
     # that autocast runs (models/llama.py's down projection casts its own) and the whole
-    # output layer's. Without
-    # activation checkpointing each layer also saves its copy for backward, until its own
-    # backward: saved activations then (measured: a block's saved bytes less its weights'
-    # copies match `block` within 1%)
+    # output layer's. Without activation checkpointing each layer also saves its copy for
+    # backward, until its own backward: saved activations then
     cast_weights = 0
     if autocast_on_torch_layers(shape, precision):
         cast = sum(autocast_weight_copies(model, precision, output_loss, down=False))
@@ -431,8 +381,7 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     # parallel/shards.py materialize: each block is drawn on the host a tile at a time into
     # the float32 tensor that becomes the parameter (on a GPU it is moved there: the device
     # holds it once, as the parameter), so beyond the weights only the tile is alive, on the
-    # host. Measured (125m, bench/memory_lean.py --phases --tuned-malloc): the build's heap
-    # peaks at the weights + 7 MiB on one process and on 2x2 alike
+    # host (bench/memory_lean.py --phases reads the build's peak)
     startup = INIT_TILE_BYTES if on_host else 0
     export = block_numel * precision.param_bytes  # the receive (or send) buffer of one block
     if on_host and writer:
@@ -481,142 +430,73 @@ def local_matrices(model: ModelConfig, shape: GridShape) -> list[tuple[int, int,
             for m, n, rows, cols in matrix_layouts(model)]
 
 
-def galore_rank(full_shape: tuple[int, ...], rank: int) -> int:
-    """GaLore's projection rank of a matrix: `rank` (0: a quarter of the smaller side), at most
-    the smaller side, at least 1 (train/methods/galore.py uses this rule)."""
-    small = min(full_shape)
-    return max(1, min(small, rank if rank > 0 else small // 4))
-
-
-def method_state_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig",
-                       precision: Precision | None = None) -> dict[str, int]:
-    """Per rank, the peak gradient bytes and the optimizer-state bytes of train.optimizer.
-
-    adamw: every gradient, two moments. lomo / adalomo: one tensor's gradient at a time (the
-    largest block; with data > 1 the buffers of up to two buckets, not counted); adalomo keeps a
-    row and a column statistic per matrix, a second moment per vector. mezo / es: neither.
-    blockllm: moments and gradients of the selected (1 - block_sparsity) share of the rows, a
-    step count per row; a selection step's backward holds up to BLOCKLLM_HOLD_SLACK of the
-    elements more before it ranks them, and the tensor being handed off (the largest block)
-    and the vectors (with grad_accum > 1 every gradient lives until the last micro-step).
-    galore: R, the projected gradient of every matrix (the moments' size), the
-    vectors' gradients and the matrix being handed off (the largest block; with grad_accum > 1
-    every gradient, until the last micro-step); per matrix its projection (local rows of the
-    projected side x r, r split over the other side's axes where they divide it) and two
-    r-rank moments (r split over the projected side's axes where they divide it); vectors
-    plain AdamW."""
-    p = precision or Precision.of("float32")
+def local_vector_numel(model: ModelConfig, shape: GridShape) -> int:
+    """Elements of a rank's vector parameters (norm gains, biases): all but the matrices."""
     numel = sum(local_param_numel(model, shape).values())
-    matrices = local_matrices(model, shape)
-    vectors = numel - sum(rl * cl for _, _, rl, cl in matrices)
-    state_bytes = p.optimizer_bytes // 2  # one float32 state tensor per element
-    name = train.optimizer
-    if name == "adamw":
-        return {"grads": numel * p.grad_bytes, "optimizer": numel * p.optimizer_bytes}
-    if name in ("lomo", "adalomo"):
-        grads = largest_tensor_numel(model, shape)[1] * p.grad_bytes
-        if name == "lomo":
-            return {"grads": grads, "optimizer": 0}
-        factored = sum(rl + cl for _, _, rl, cl in matrices) + vectors
-        return {"grads": grads, "optimizer": factored * state_bytes}
-    if name in FORWARD_ONLY_METHODS:
-        return {"grads": 0, "optimizer": 0}
-    if name == "blockllm":
-        selected = int(numel * (1.0 - train.block_sparsity))
-        handed_off = largest_tensor_numel(model, shape)[1] + vectors
-        held = selected + int(numel * BLOCKLLM_HOLD_SLACK)  # held rows before a ranking
-        grads = numel if train.grad_accum > 1 else min(numel, held + handed_off)
-        # and a float32 step count per chosen row (rows are at least dim wide)
-        rows = math.ceil(selected / model.dim)
-        return {"grads": grads * p.grad_bytes,
-                "optimizer": selected * p.optimizer_bytes + 4 * rows}
-    if name == "galore":
-        state, projected = 2 * vectors, 0
-        for m, n, rl, cl in matrices:
-            r = galore_rank((m, n), train.galore_rank)
-            # m < n: P (local rows x r), moments r x local cols; else Q and m_local x r moments;
-            # the moments' r split as the projected side is, where that divides r
-            parts = m // rl if m < n else n // cl
-            rr = r // parts if r % parts == 0 else r
-            # P's (Q's) r columns split as the other side is, where that divides r
-            others = n // cl if m < n else m // rl
-            pr = r // others if r % others == 0 else r
-            state += rl * pr + 2 * rr * cl if m < n else cl * pr + 2 * rl * rr
-            projected += rr * cl if m < n else rl * rr
-        handed_off = largest_tensor_numel(model, shape)[1]
-        grads = numel if train.grad_accum > 1 else projected + vectors + handed_off
-        return {"grads": grads * p.grad_bytes, "optimizer": state * state_bytes}
-    raise PlanError(f"train.optimizer = {name!r}: no memory model for it")
+    return numel - sum(rl * cl for _, _, rl, cl in local_matrices(model, shape))
 
 
-def galore_update_bytes(model: ModelConfig, shape: GridShape, train: "TrainConfig") -> int:
-    """GaLore's largest transient after backward (every gradient and the moments still held),
-    the largest over the matrices of:
-    - a projection refresh (the first step and every galore_gap-th), s = min(m, n): the s x s
-      float64 Gram while a chunk of the shard is gathered to its full small side (float32,
-      GALORE_CHUNK_BYTES at most, and its float64 copy), then eigh's input, output and
-      workspace (syevd: about 2 s^2), 4 s^2 float64 in all, measured on CPU for s = 3072:
-      4.2 s^2 at eigh's peak;
-    - an update, a block of the other side at a time (w of its columns for P, rows for Q,
-      the update back in the shard's basis GALORE_CHUNK_BYTES at most): P (Q) gathered to
-      its r columns where they are split, and per block R (r x w) before its reduce-scatter,
-      this rank's share of it, Adam's step of the share (two temporaries) and the step
-      gathered back, and the update back in the shard's basis.
-    The refresh's is the larger but for tiny matrices; it does not shrink with the grid
-    (4 s^2 float64 on every rank: 128 MiB at s = 2048)."""
-    worst = 0
-    for m, n, rl, cl in local_matrices(model, shape):
-        s, r = min(m, n), galore_rank((m, n), train.galore_rank)
-        width = min(max(1, GALORE_CHUNK_BYTES // (4 * s)), cl if m < n else rl)
-        refresh = max(8 * s * s + 12 * s * width, 32 * s * s)
-        # P's side of the shard, the side the blocks cut; the axes' parts that split R's r
-        # (the projected side's) and P's r (the other side's)
-        side, other = (rl, cl) if m < n else (cl, rl)
-        parts, others = (m // rl, n // cl) if m < n else (n // cl, m // rl)
-        share = parts if r % parts == 0 else 1
-        gathered = side * r if others > 1 and r % others == 0 else 0
-        w = min(other, max(1, GALORE_CHUNK_BYTES // (4 * side)))
-        low = r * w
-        worst = max(worst, refresh, 4 * (gathered + side * w + low + 2 * (low // share)))
-    return worst
+def vector_layouts(model: ModelConfig) -> list[tuple[str, ...]]:
+    """The axes that split each vector parameter: norm weights over x, a bias where its
+    layer's output lives."""
+    out = [("x",)] * (2 * model.n_layers + 1)
+    if model.bias:
+        for lin in block_linears(model):
+            out += [("x",) if lin.transposed else ("y",)] * model.n_layers
+    return out
+
+
+def predicted_memory(cfg: Config, shape: GridShape, on_host: bool,
+                     resumed: bool = False) -> MemoryBreakdown:
+    """The peak bytes per rank of cfg's run on `shape`, under its training method
+    (predict_memory with predict_method_memory), as build_run's fits check and
+    train.memory_report take it. `on_host`: a CPU run; `resumed`: the run loads a checkpoint,
+    which imports the checkpoint library as writing one does."""
+    t, p = cfg.train, cfg.parallel
+    precision = Precision.of(t.dtype)
+    micro_tokens = t.batch_size // (shape.data * shape.z) // t.grad_accum * t.seq_len
+    output_loss = resolve_output_loss(p.output_loss, method_spec(t.optimizer).blocked_loss)
+    writes = cfg.checkpoint.every > 0
+    checkpoints = writes or resumed  # the checkpoint library is in
+    mem = predict_memory(cfg.model, shape, micro_tokens, t.activation_checkpointing, precision,
+                         bucket_bytes=p.bucket_bytes, on_host=on_host, writer=True,
+                         async_checkpoint=cfg.checkpoint.is_async(on_host) and writes,
+                         checkpoints=checkpoints, output_loss=output_loss,
+                         grad_accum=t.grad_accum)
+    return predict_method_memory(mem, cfg.model, shape, t, precision, output_loss, checkpoints)
 
 
 def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape: GridShape,
                           train: "TrainConfig", precision: Precision | None = None,
                           output_loss: str = "auto", checkpoints: bool = False
                           ) -> MemoryBreakdown:
-    """`breakdown` (predict_memory's, which counts AdamW) with train.optimizer's gradients and
-    state; mezo and es run forwards only: no saved activations, no dW or gradient buckets.
-    galore: its update's temporaries (`update`, galore_update_bytes), after backward.
+    """`breakdown` (predict_memory's, which counts AdamW) with train.optimizer's gradients, state
+    and update transient (its planner model, plan/methods); a forward-only method (mezo, es)
+    has no saved activations, no dW or gradient buckets.
     `output_loss`, `checkpoints`: as predict_memory had them (on a host the runtime counts the
     libraries this run imports: library_bytes).
 
-    Checked with bench/memory_lean.py (125m, 2 x 128 tokens; --phases gives the heap in use at
-    each method's peak): the live tensors at each peak are these terms. Resident memory under
-    glibc's default tuning reads up to ~200 MiB above them on one process (freed blocks it
-    keeps: AdaLomo's row blocks, ES's noise chunks) and more on gloo ranks (an arena per
-    thread); with the tuning `fourfold train` gives CPU ranks (--tuned-malloc) it does not."""
+    bench/memory_lean.py (--phases: the heap in use at each method's peak) holds these terms
+    against the live tensors at each peak."""
     p = precision or Precision.of("float32")
-    states = method_state_bytes(model, shape, train, p)
-    out = dataclasses.replace(breakdown, grads=states["grads"], optimizer=states["optimizer"],
-                              loss_grads=states["grads"] if train.grad_accum > 1 else 0)
+    model_of_method = method_model(train.optimizer)
+    forward_only = method_spec(train.optimizer).forward_only
+    state = model_of_method.state(model, shape, train, p)
+    out = dataclasses.replace(breakdown, grads=state.grads, optimizer=state.optimizer,
+                              loss_grads=state.grads if train.grad_accum > 1 else 0,
+                              update=model_of_method.update_bytes(model, shape, train))
     if out.runtime:  # predict_memory counted AdamW's libraries
-        own = (HOST_FORWARD_ONLY_RUNTIME_BYTES if train.optimizer in FORWARD_ONLY_METHODS
-               else HOST_RUNTIME_BYTES)
+        own = HOST_FORWARD_ONLY_RUNTIME_BYTES if forward_only else HOST_RUNTIME_BYTES
         out = dataclasses.replace(out, runtime=own + library_bytes(
             loads_dynamo(train, shape, checkpoints), checkpoints))
-    if train.optimizer == "galore":
-        out = dataclasses.replace(out, update=galore_update_bytes(model, shape, train))
-    if train.optimizer in FORWARD_ONLY_METHODS:
+    if forward_only:
         layer_block = sum(lin.out_features * lin.in_features for lin in block_linears(model))
         layer_block //= shape.x * shape.y
         gathered = 2 * layer_block * p.weight_bytes if shape.z > 1 else 0
         # a no-grad forward's peak is its loss or one block's forward, whichever is larger
         # (MemoryBreakdown.step). The loss: the logits (and their float32 copy when they are
         # not float32) and one block of rows of the loss's temporaries (parallel/embedding.py
-        # works a loss without backward block by block). Before the blocks:
-        # bench/memory_lean.py --phases, 125m, 256 tokens read 96 MiB in use above the
-        # weights, 3 x the 31 MiB of logits
+        # works a loss without backward block by block)
         if not uses_blocked_loss(output_loss):
             numel = breakdown.tokens * (model.vocab_size // shape.y)
             logits = (numel * (p.act_bytes + (4 if p.act_bytes < 4 else 0))
@@ -629,9 +509,8 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
         # under autocast on torch's own layers the no-grad forward's down projections run
         # through autocast too (no recomputing linear casts its own), so the cache ends up with
         # every block linear's copy, and it grows through the whole forward: at the last
-        # block's SwiGLU (the peak) all of them but one are alive. Found on the heap (15m,
-        # bfloat16, 8 x 512): -12% before; on an H200 (125m, 16 x 512) MeZO and ES read -22.6%
-        # (the output layer's copy, with whole logits, only from the loss on)
+        # block's SwiGLU (the peak) all of them but one are alive (the output layer's copy,
+        # with whole logits, only from the loss on)
         cast = output_cast = 0
         if autocast_on_torch_layers(shape, p):
             cast, output_cast = autocast_weight_copies(model, p, output_loss, down=True)

@@ -21,21 +21,20 @@ size, and overlap scaled down to what spare cores can hide (none when N >= cores
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from fourfold.config import ModelConfig, TrainConfig
+from fourfold.data.balance import SequenceCost
 from fourfold.models.llama import flops_per_token
-from fourfold.noise import ACCELERATOR_CHUNK_ELEMENTS as NOISE_GPU_CHUNK_ELEMENTS
 from fourfold.parallel.embedding import uses_blocked_loss
 from fourfold.parallel.grid import AXES, GridShape
 from fourfold.parallel.linear import split_rows
 from fourfold.plan.catalog import Machine, ring_volume
 from fourfold.plan.host_probe import HostCalibration
-from fourfold.plan.memory import (BLOCKLLM_HOLD_SLACK, GALORE_CHUNK_BYTES, Precision,
-                                  axes_parts, galore_rank, matrix_layouts)
-from fourfold.plan.schedule import Collective, block_linears, collective_schedule, local_param_numel
+from fourfold.plan.memory import Precision
+from fourfold.plan.methods.base import MethodCost, spec_of
+from fourfold.plan.schedule import Collective, block_linears, collective_schedule
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ def hardware_flops_per_token(model: ModelConfig, seq_len: int,
 
 
 @dataclass(frozen=True)
-class _Rates:
+class Rates:
     """What one rank gets: GEMM FLOP/s (large GEMMs), memory bytes/s, seconds per op."""
 
     flops: float
@@ -97,19 +96,19 @@ class _Rates:
 
 
 def _rates(machine: Machine, dtype: str, world_size: int,
-           calibration: HostCalibration | None) -> _Rates:
+           calibration: HostCalibration | None) -> Rates:
     dev = machine.device
     if calibration is not None:
         # every rank time-shares the host's cores and memory: the probe ran them all at once
         copy = calibration.bytes_per_s_per_rank
-        return _Rates(calibration.flops_per_rank, copy, calibration.op_overhead_s,
+        return Rates(calibration.flops_per_rank, copy, calibration.op_overhead_s,
                       dev.gemm_half_dim, calibration.elementwise_bytes_per_s or copy,
                       calibration.loss_s_per_logit or _LOSS_PASS_BYTES / copy,
                       calibration.attention_forward_s_per_unit, calibration.attention_s_per_unit,
                       calibration.noise_s_per_element)
     hbm = machine.hbm_bytes_per_s_per_rank(world_size)
     # on a GPU element-wise kernels and the loss are bound by memory bandwidth
-    return _Rates(machine.peak_flops_per_rank(dtype, world_size) * dev.gemm_efficiency, hbm,
+    return Rates(machine.peak_flops_per_rank(dtype, world_size) * dev.gemm_efficiency, hbm,
                   dev.op_overhead_us * 1e-6, dev.gemm_half_dim, hbm, _LOSS_PASS_BYTES / hbm)
 
 
@@ -128,7 +127,7 @@ ELEMENTWISE_PER_TOKEN = {"forward": {"dim": 12, "ffn": 5, "qkv": 4},
                          "backward": {"dim": 35, "ffn": 24, "qkv": 12}}
 
 
-def _gemm(m: int, n: int, k: int, rates: _Rates, elem_bytes: int, batch: int = 1) -> float:
+def gemm_seconds(m: int, n: int, k: int, rates: Rates, elem_bytes: int, batch: int = 1) -> float:
     if min(m, n, k) <= 0:
         return 0.0
     h = rates.gemm_half_dim
@@ -175,7 +174,7 @@ class _Compute:
     recompute_gemm: float  # the blocks' forward GEMMs again
 
 
-def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, rates: _Rates,
+def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, rates: Rates,
                    precision: Precision, forward_split: bool = False,
                    blocked_loss: bool = False) -> _Compute:
     gx, gy = shape.x, shape.y
@@ -185,15 +184,15 @@ def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, r
     halves = [h for h in split_rows(n) if h > 0] if forward_split else [n]
 
     def forward_gemm(out_f: int, in_f: int) -> float:
-        return sum(_gemm(h, out_f, in_f, rates, eb) for h in halves)
+        return sum(gemm_seconds(h, out_f, in_f, rates, eb) for h in halves)
 
     fwd = dgrad = wgrad = 0.0
     for lin in block_linears(model):
         out_l, in_l = ((lin.out_features // gx, lin.in_features // gy) if lin.transposed
                        else (lin.out_features // gy, lin.in_features // gx))
         fwd += forward_gemm(out_l, in_l)
-        dgrad += _gemm(n, in_l, out_l, rates, eb)
-        wgrad += _gemm(out_l, in_l, n, rates, eb)
+        dgrad += gemm_seconds(n, in_l, out_l, rates, eb)
+        wgrad += gemm_seconds(out_l, in_l, n, rates, eb)
     # attention: heads split over y (replicated over x); causal, so half of the score matrix
     heads = max(1, model.n_heads // gy)
     seqs = max(1, n // seq_len)
@@ -203,7 +202,7 @@ def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, r
         attn_bwd = units * max(rates.attention_s_per_unit - rates.attention_forward_s_per_unit,
                                rates.attention_forward_s_per_unit)
     else:  # two half-size (causal) GEMMs, scores and weighted sum; backward twice that
-        attn_fwd = _gemm(seq_len, seq_len, model.head_dim, rates, eb, batch=seqs * heads)
+        attn_fwd = gemm_seconds(seq_len, seq_len, model.head_dim, rates, eb, batch=seqs * heads)
         attn_bwd = 2 * attn_fwd
     # element-wise work (norms, RoPE, SwiGLU, residual adds): ELEMENTWISE_PER_TOKEN
     kv = model.n_kv_heads * model.head_dim
@@ -224,8 +223,8 @@ def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, r
     L = model.n_layers
     vocab_l, d_l = model.vocab_size // gy, model.dim // gx
     out_fwd = forward_gemm(vocab_l, d_l)
-    out_dgrad = _gemm(n, d_l, vocab_l, rates, eb)
-    out_wgrad = _gemm(vocab_l, d_l, n, rates, eb)
+    out_dgrad = gemm_seconds(n, d_l, vocab_l, rates, eb)
+    out_wgrad = gemm_seconds(vocab_l, d_l, n, rates, eb)
     loss = n * vocab_l * rates.loss_s_per_logit / 2  # forward; the same again in backward
     # the blocked loss (parallel.output_loss) makes the logits again in backward
     again = out_fwd if blocked_loss else 0.0
@@ -235,322 +234,48 @@ def _compute_times(model: ModelConfig, shape: GridShape, n: int, seq_len: int, r
                     forward_gemm=L * fwd + out_fwd, recompute_gemm=L * fwd)
 
 
-# MeZO's and ES's seeded noise (fourfold/noise.py) is made in chunks by about
-# NOISE_OPS_PER_CHUNK element-wise ops (the int32 hash of each coordinate, Box-Muller, the
-# scale and the add into the weight). The cpu machine's probe times the generator itself
-# (`noise_s_per_element`); on a GPU (chunks of NOISE_GPU_CHUNK_ELEMENTS) each op reads and
-# writes 4-byte elements at memory bandwidth or costs its launch, whichever is more: a model,
-# never measured on a GPU.
-NOISE_OPS_PER_CHUNK = 45
-NOISE_BYTES_PER_ELEMENT = 8 * NOISE_OPS_PER_CHUNK
-# GaLore's refresh: eigh of an s x s float64 Gram matrix, about 9 s^3 FLOPs, ran at 0.36 of the
-# float32 GEMM rate here (0.135 s at s = 768, one thread, against 84 GFLOP/s float32)
-EIGH_FLOPS_PER_CUBE = 9.0
-EIGH_RATE_OF_GEMM = 0.36
+def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None, rates: Rates,
+                precision: Precision) -> MethodCost:
+    """The step of train.optimizer (None: AdamW) as forwards, passes and update work (its
+    planner model, plan/methods)."""
+    return spec_of(train).planner_model().cost(model, shape, train or TrainConfig(), rates,
+                                               precision)
 
 
-# BlockLLM's row norms at a selection (blockllm.row_norms_sq): each gradient read in chunks,
-# widened to float64, squared and summed by row, a CPU's 1 MiB chunks staying in cache:
-# measured here at 19 copy-bytes an element (16M elements in 8.0 ms against 3.4 ms to copy
-# them). On GPUs its chunks are the noise's (NOISE_GPU_CHUNK_ELEMENTS), ~4 launches each.
-ROW_NORM_BYTES_PER_ELEMENT = 20
-ROW_NORM_OPS_PER_CHUNK = 4
-# BlockLLM's streamed choice (blockllm.choose_rows) on the host, each time the held rows outgrow
-# the budget by BLOCKLLM_HOLD_SLACK and once at the end over every row. Measured on this
-# project's 2-core CPU host (2 threads): about 0.15 ms a call, 7 us a tensor, 150 ns a row
-# ranked (1M rows in 154 ms; small calls' rows, in cache, cost less)
-CHOOSE_S_PER_CALL = 1.5e-4
-CHOOSE_S_PER_TENSOR = 7e-6
-CHOOSE_S_PER_ROW = 1.5e-7
-# ... its gathers of rows: after the first ranking a tensor's rows at or above the floor (the
-# steepest row a ranking dropped) are gathered at its hand-off, CHOICE_FLOOR_PASS of its
-# elements (counted: 0.42 on 125m, 0.39 on 15m, one process); each ranking gathers the kept
-# rows of the held tensors that lost some, CHOICE_COPIED_SHARE of the budget (0.54 on 125m,
-# 0.58 on 15m); gathers ran at CHOICE_GATHER_RATE of the copy rate (0.22 on 125m: cold rows
-# into new blocks; 0.09 on 15m, where each call's bookkeeping weighs more)
-CHOICE_FLOOR_PASS = 0.4
-CHOICE_COPIED_SHARE = 0.55
-CHOICE_GATHER_RATE = 0.22
+def sequence_cost(model: ModelConfig, seq_len: int, machine: Machine | None = None,
+                  dtype: str = "float32") -> SequenceCost:
+    """What a packed row of seq_len positions costs a rank, for the loader to balance its
+    ranks (data/balance.py): seconds per position (the GEMMs, element-wise work and loss of a
+    forward and backward) and per squared document length (causal attention), as this model
+    predicts them on one rank of `machine`; without one, their FLOPs (the same law at one
+    rate). Read from the step's prediction at two document lengths, s and s/2 (the attention
+    the difference scales with s^2, the rest not)."""
+    shape = GridShape(data=1, z=1, y=1, x=1)
+    precision = Precision.of(dtype)
+    if machine is None:
+        d, L = model.dim, model.n_layers
+        attention_flops = 12.0 * L * d / 2  # forward + backward, causal: half the scores
+        return SequenceCost(token=flops_per_token(model, 0), square=attention_flops)
+    rates = _rates(machine, precision.name, 1, None)  # no host probe: ratios are what count
+    half = max(1, seq_len // 2)
 
+    def step(length: int) -> float:
+        comp = _compute_times(model, shape, seq_len, length, rates, precision)
+        return comp.forward + comp.backward
 
-@dataclass(frozen=True)
-class ChoiceWork:
-    """BlockLLM's choice in one selection, as `blockllm_choice_work` models it."""
+    whole, halves = step(seq_len), step(half)
+    # attention of one document of s against two of s/2: a (s^2 - s^2 / 2)
+    square = max(whole - halves, 0.0) / (seq_len * seq_len - 2 * half * half)
+    token = max(whole - square * seq_len * seq_len, 0.0) / seq_len
+    return SequenceCost(token=token, square=square)
 
-    rankings: int  # choose_rows calls
-    tensors: int  # tensors those calls ranked, summed over them
-    rows: float  # rows they ranked, summed
-    gathered: float  # elements gathered (float32), over all ranks of a tensor
-
-
-@dataclass(frozen=True)
-class MethodCost:
-    """How a training method's step differs from AdamW's, for `predict_step`."""
-
-    forwards: int  # forward-only methods: forwards a rank runs per step (0: forward + backward)
-    passes: int  # forward + backward passes per step (lomo/adalomo two_pass clipping: 2)
-    update_s: float  # the optimizer's own work per step (AdamW: its fused update)
-
-
-def _noise_seconds(numel: int, tensors: int, rates: _Rates) -> float:
-    """One pass of seeded noise over `numel` local elements in `tensors` tensors."""
-    if rates.noise_s_per_element > 0.0:
-        return numel * rates.noise_s_per_element
-    chunks = numel / NOISE_GPU_CHUNK_ELEMENTS + tensors
-    return max(numel * NOISE_BYTES_PER_ELEMENT / rates.elementwise_bytes_per_s,
-               chunks * NOISE_OPS_PER_CHUNK * rates.op_overhead_s)
-
-
-def method_cost(model: ModelConfig, shape: GridShape, train: TrainConfig | None,
-                rates: _Rates, precision: Precision) -> MethodCost:
-    """The step of train.optimizer (None: AdamW) as forwards, passes and update work.
-
-    adamw: its fused update (parameters, gradients, two moments: one pass). lomo / adalomo:
-    their update inside backward (parameter read and written, gradient read; adalomo also
-    reads it for its row and column statistics and the update's norm), and with
-    clip_mode = two_pass a whole forward + backward more. mezo: two forwards and three noise
-    passes (+eps, -2 eps, then back and the update in one). es: the members a data replica evaluates
-    (ceil(population / data)) and 3 x population noise passes (every rank perturbs and
-    restores every member, then rebuilds the update from all seeds). blockllm: a selection
-    every step (an upper bound; block_patience = 1, the default, reselects after most steps):
-    AdamW's backward (every candidate trainable), each gradient's row norms in float64,
-    AdamW's update on the selected fraction (1 - block_sparsity) and the choice's work at each
-    hand-off (`blockllm_choice_seconds`).
-    galore: per matrix the projection P^T G and the update P N(R) (two GEMMs of rank r over
-    the local shard), Adam on R, the weights read and written, plain AdamW for vectors, and
-    a refresh (Gram in float64 and its eigh) every galore_gap steps, spread over them."""
-    numel = sum(local_param_numel(model, shape).values())
-    adamw_bytes = (2 * precision.param_bytes + precision.grad_bytes
-                   + 2 * precision.optimizer_bytes + 3 * precision.grad_bytes)
-    adamw_s = numel * adamw_bytes / rates.bytes_per_s
-    name = "adamw" if train is None else train.optimizer
-    if name == "adamw" or train is None:
-        return MethodCost(0, 1, adamw_s)
-    tensors = len(matrix_layouts(model)) + len(_vector_axes(model))
-    if name in ("lomo", "adalomo"):
-        reads = 1 if name == "lomo" else 3
-        update_s = numel * (2 * precision.param_bytes + reads * precision.grad_bytes) \
-            / rates.bytes_per_s
-        return MethodCost(0, 2 if train.clip_mode == "two_pass" else 1, update_s)
-    if name == "mezo":
-        return MethodCost(2, 1, 3 * _noise_seconds(numel, tensors, rates))
-    if name == "es":
-        members = -(-train.es_population // shape.data)
-        return MethodCost(members, 1,
-                          3 * train.es_population * _noise_seconds(numel, tensors, rates))
-    if name == "blockllm":  # a selection every step (block_patience = 1 reselects after most)
-        norms_s = max(numel * ROW_NORM_BYTES_PER_ELEMENT / rates.bytes_per_s,
-                      (numel / NOISE_GPU_CHUNK_ELEMENTS + tensors) * ROW_NORM_OPS_PER_CHUNK
-                      * rates.op_overhead_s)
-        return MethodCost(0, 1, (1.0 - train.block_sparsity) * adamw_s + norms_s
-                          + blockllm_choice_seconds(model, train.block_sparsity,
-                                                    rates.bytes_per_s,
-                                                    shape.x * shape.y * shape.z))
-    if name == "galore":
-        eb = precision.act_bytes
-        update_s, vectors = 0.0, numel
-        for m, n, rows, cols in matrix_layouts(model):
-            r, s = galore_rank((m, n), train.galore_rank), min(m, n)
-            rl, cl = m // axes_parts(rows, shape), n // axes_parts(cols, shape)
-            side, other = (rl, cl) if m < n else (cl, rl)
-            vectors -= rl * cl
-            gemms = 2 * _gemm(r, other, side, rates, eb)  # project and update back
-            # Adam on this rank's rows of R: r split over the axes that split the projected
-            # side where they divide r (method_collectives' reduce-scatter), else all r
-            split = axes_parts(rows if m < n else cols, shape)
-            adam_r = (r // split if r % split == 0 else r) * other * adamw_bytes
-            weights = rl * cl * 2 * precision.param_bytes
-            # the refresh, every galore_gap steps: the Gram (float64: half the float32 rate)
-            # and its eigh, the same s x s on every rank
-            gram = 2 * _gemm(s, s, other, rates, 8)
-            eigh = EIGH_FLOPS_PER_CUBE * s ** 3 / (rates.flops * EIGH_RATE_OF_GEMM)
-            update_s += gemms + (adam_r + weights) / rates.bytes_per_s \
-                + (gram + eigh) / train.galore_gap
-        return MethodCost(0, 1, update_s + vectors * adamw_bytes / rates.bytes_per_s)
-    raise ValueError(f"train.optimizer = {name!r}: no step-time model for it")
-
-
-def _tensor_rows(model: ModelConfig) -> list[tuple[int, int]]:
-    """(full rows, row size) of every parameter tensor in forward order, as BlockLLM sees its
-    blocks: a matrix's rows, a vector (a norm's gain, a bias) as one row."""
-    out = [(model.vocab_size, model.dim)]
-    for _ in range(model.n_layers):
-        for lin in block_linears(model):
-            if lin.name in ("q", "gate"):  # the attention's and the ffn's norm before them
-                out.append((1, model.dim))
-            out.append((lin.out_features, lin.in_features))
-            if model.bias:
-                out.append((1, lin.out_features))
-    out.append((1, model.dim))
-    if not model.tie_embeddings:
-        out.append((model.vocab_size, model.dim))
-    return out
-
-
-def blockllm_choice_work(model: ModelConfig, sparsity: float) -> ChoiceWork:
-    """BlockLLM's streamed choice in one selection (blockllm.BlockLLM._on_grad_ready): in
-    backward order each tensor's gradient is held (whole until the first ranking, then its
-    rows at or above the floor: CHOICE_FLOOR_PASS of them, gathered) until the held elements
-    exceed the budget ((1 - sparsity) of them) by BLOCKLLM_HOLD_SLACK of all; then the held
-    rows are ranked (full rows: the same on every rank) and the held gradients cut to the
-    budget (CHOICE_COPIED_SHARE of it gathered; rows kept in proportion to elements); at the
-    end every row is ranked once more and the held gradients cut again."""
-    forward = _tensor_rows(model)
-    total = sum(rows * size for rows, size in forward)
-    budget = (1.0 - sparsity) * total
-    limit = budget + BLOCKLLM_HOLD_SLACK * total
-    rankings, tensors, ranked, gathered = 0, 0, 0.0, 0.0
-    held_rows, held_elements, held_tensors, share = 0.0, 0.0, 0, 1.0
-    for rows, size in reversed(forward):
-        if share < 1.0:
-            gathered += share * rows * size
-        held_rows += share * rows
-        held_elements += share * rows * size
-        held_tensors += 1
-        if held_elements > limit:
-            rankings, tensors, ranked = rankings + 1, tensors + held_tensors, ranked + held_rows
-            gathered += CHOICE_COPIED_SHARE * budget
-            held_rows *= budget / held_elements
-            held_elements, share = budget, CHOICE_FLOOR_PASS
-    return ChoiceWork(rankings + 1, tensors + len(forward),
-                      ranked + sum(rows for rows, _ in forward),
-                      gathered + CHOICE_COPIED_SHARE * budget)
-
-
-def blockllm_choice_seconds(model: ModelConfig, sparsity: float, bytes_per_s: float,
-                            shards: int = 1) -> float:
-    """BlockLLM's choice in one selection, in seconds (`blockllm_choice_work`): its rankings on
-    the host and its gathers of rows (float32, read and written, at CHOICE_GATHER_RATE of
-    `bytes_per_s`, split over the `shards` ranks that split each tensor)."""
-    work = blockllm_choice_work(model, sparsity)
-    return CHOOSE_S_PER_CALL * work.rankings + CHOOSE_S_PER_TENSOR * work.tensors \
-        + CHOOSE_S_PER_ROW * work.rows \
-        + 8 * work.gathered / shards / (CHOICE_GATHER_RATE * bytes_per_s)
-
-
-def _vector_axes(model: ModelConfig) -> list[tuple[str, ...]]:
-    """The axes that split each vector parameter: norm weights over x, a bias where its
-    layer's output lives."""
-    out = [("x",)] * (2 * model.n_layers + 1)
-    if model.bias:
-        for lin in block_linears(model):
-            out += [("x",) if lin.transposed else ("y",)] * model.n_layers
-    return out
-
-
-def galore_refresh_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig
-                               ) -> list[Collective]:
-    """GaLore's collectives on a refresh step beyond its other steps', per rank
-    (train/methods/galore.py small_side_gram and _projection): per matrix, its shard a chunk
-    of the long side at a time (GALORE_CHUNK_BYTES of the full small side s) all-gathered over
-    the axes that split the small side, innermost first; the lower triangle of the s x s
-    Gram (float64) all-reduced over each axis that splits the long side; and the new basis's
-    r columns' signs, the dot products of this rank's block of them (float32), all-reduced
-    over the axes that split the small side."""
-    out: list[Collective] = []
-
-    def add(axis: str, op: str, nbytes: int, calls: int = 1) -> None:
-        if getattr(shape, axis) > 1:
-            out.append(Collective(axis, op, nbytes, calls, "step_method"))  # type: ignore[arg-type]
-
-    for m, n, rows, cols in matrix_layouts(model):
-        r, left = galore_rank((m, n), train.galore_rank), m < n
-        small, long_ = (m, n) if left else (n, m)
-        small_axes, long_axes = (rows, cols) if left else (cols, rows)
-        small_l = small // axes_parts(small_axes, shape)
-        long_l = long_ // axes_parts(long_axes, shape)
-        width = max(1, GALORE_CHUNK_BYTES // (4 * small))
-        cuts = [min(width, long_l - start) for start in range(0, long_l, width)]
-        for w in sorted(set(cuts)):
-            nbytes = small_l * w * 4
-            for a in reversed(small_axes):
-                nbytes *= getattr(shape, a)
-                add(a, "all_gather", nbytes, cuts.count(w))
-        if axes_parts(long_axes, shape) > 1:
-            for a in long_axes:
-                add(a, "all_reduce", small * (small + 1) // 2 * 8)
-        proj_parts = axes_parts(long_axes, shape)
-        proj_r = r // proj_parts if r % proj_parts == 0 else r
-        for a in small_axes:
-            add(a, "all_reduce", proj_r * 4)
-    return out
 
 
 def method_collectives(model: ModelConfig, shape: GridShape, train: TrainConfig | None
                        ) -> list[Collective]:
     """A training method's own collectives in one step, per rank, beyond the model's schedule
-    (each exposed: they run inside the method's update). galore: per matrix, P's r columns
-    all-gathered (its local rows x r) over the axes that split the other side, once to
-    project and once to update; per block of the other side (GALORE_CHUNK_BYTES of G), R's r
-    rows reduce-scattered over the axes that split the projected side (all-reduced over those
-    that do not divide r), and Adam's step all-gathered back; and its refresh's, issued every
-    galore_gap steps (`galore_refresh_collectives`, `every` = galore_gap). adalomo: per matrix its row sums of
-    g^2 all-reduced over the axes that split the columns and its column sums over those that
-    split the rows, the mean of its row means, and per tensor the two sums of squares of its
-    RMS terms. blockllm (a selection every step, as `method_cost`): per tensor its full rows'
-    norms (float64) all-reduced over the tensor group (x, y and z together, booked on the
-    innermost of them that splits), each blocking the backward at its hand-off.
-    Other methods: none (lomo's updates and mezo's / es's noise are local; es's member losses
-    are a few floats)."""
-    out: list[Collective] = []
-    name = "adamw" if train is None else train.optimizer
-
-    def add(axes: tuple[str, ...], op: str, nbytes: float, calls: int = 1) -> None:
-        for a in axes:
-            if getattr(shape, a) > 1:
-                out.append(Collective(a, op, int(nbytes), calls,  # type: ignore[arg-type]
-                                      "step_method"))
-
-    if name == "adalomo":
-        for m, n, rows, cols in matrix_layouts(model):
-            add(cols, "all_reduce", m // axes_parts(rows, shape) * 4)  # row sums: full rows
-            add(rows, "all_reduce", n // axes_parts(cols, shape) * 4)  # column sums: full columns
-            add(rows, "all_reduce", 4)  # the mean of the row means
-            add(rows + cols, "all_reduce", 8)  # sums of squares of u and w
-        for axes in _vector_axes(model):
-            add(axes, "all_reduce", 8)
-        return out
-    if name == "blockllm":
-        tensor = shape.x * shape.y * shape.z
-        axis = next((a for a in ("x", "y", "z") if getattr(shape, a) > 1), None)
-        if axis is not None:  # one all-reduce over the tensor group for each tensor's rows
-            rows = [m for m, _ in _tensor_rows(model)]
-            for m in sorted(set(rows)):
-                out.append(Collective(axis, "all_reduce", 8 * m, rows.count(m), "step_method",
-                                      group_size=tensor))
-        return out
-    if name != "galore":
-        return out
-    assert train is not None
-    out += [dataclasses.replace(c, every=train.galore_gap)
-            for c in galore_refresh_collectives(model, shape, train)]
-    for m, n, rows, cols in matrix_layouts(model):
-        r, left = galore_rank((m, n), train.galore_rank), m < n
-        side_axes, other_axes = (rows, cols) if left else (cols, rows)
-        side_l, other_l = (m, n) if left else (n, m)
-        side_l //= axes_parts(side_axes, shape)
-        other_l //= axes_parts(other_axes, shape)
-        split = side_axes if r % axes_parts(side_axes, shape) == 0 else ()
-        rest = tuple(a for a in side_axes if a not in split)
-        proj_axes = other_axes if r % axes_parts(other_axes, shape) == 0 else ()
-        # P (Q) with all r columns, gathered innermost axis first, to project and to update
-        nbytes = side_l * r * 4 // axes_parts(proj_axes, shape)
-        for a in reversed(proj_axes):
-            nbytes *= getattr(shape, a)
-            add((a,), "all_gather", nbytes, 2)
-        width = max(1, GALORE_CHUNK_BYTES // (4 * side_l))
-        cuts = [min(width, other_l - start) for start in range(0, other_l, width)]
-        for w in sorted(set(cuts)):
-            calls = cuts.count(w)
-            nbytes = r * w * 4  # R's block, reduce-scattered outer axis first
-            for a in split:
-                add((a,), "reduce_scatter", nbytes, calls)
-                nbytes //= getattr(shape, a)
-            add(rest, "all_reduce", nbytes, calls)
-            for a in reversed(split):  # Adam's step of the block gathered back
-                nbytes *= getattr(shape, a)
-                add((a,), "all_gather", nbytes, calls)
-    return out
+    (its planner model's; None: AdamW, which has none)."""
+    return spec_of(train).planner_model().collectives(model, shape, train or TrainConfig())
 
 
 def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_len: int,
@@ -640,10 +365,7 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
         hide(phase("step_data"), cost.passes * (comp.backward + recompute), share)
 
     comm = {a: sum(p[a] for p in by_phase.values()) for a in AXES}
-    # AdamW: the trainer's fused AdamW reads parameters, gradients and both states and writes
-    # parameters and states, one pass (measured here at copy speed: 28 B per fp32 parameter
-    # in 1.5 ns); clipping first reads the gradients for their norm, then scales them in
-    # place. Other methods: method_cost.
+    # the method's own work (method_cost: its planner model's)
     compute = fwd_window + bwd_window + cost.update_s
     # while a hidden collective runs, its kernels hold comm_sm_fraction of the SMs: the compute
     # under it runs that much slower (W of work overlapped for t takes W + f t), summed over

@@ -8,14 +8,17 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fourfold.config import CHOICES, PRESETS, ModelConfig, TrainConfig, model_config
+from fourfold.config import PRESETS, ModelConfig, TrainConfig, model_config
 from fourfold.intmath import divisors
+from fourfold.methods import method_names, method_spec
 from fourfold.parallel.embedding import resolve_output_loss
 from fourfold.parallel.grid import AXES, RANK_ORDER, GridShape
 from fourfold.plan.errors import PlanError
-from fourfold.plan.catalog import GIB, Machine
+from fourfold.intmath import GIB
+from fourfold.plan.catalog import Machine
 from fourfold.plan.memory import (MemoryBreakdown, Precision, predict_memory,
-                                  predict_method_memory)
+                                  predict_method_memory, predicted_memory)
+from fourfold.plan.methods.base import method_model, spec_of
 from fourfold.plan.perf import Overlap, StepPrediction, predict_step
 
 if TYPE_CHECKING:
@@ -89,7 +92,7 @@ class Plan:
     @property
     def time_note(self) -> str | None:
         """What the step-time column is for this optimizer (None for AdamW's own step)."""
-        return STEP_TIME_NOTES.get(self.optimizer)
+        return method_model(self.optimizer).time_note
 
     def why_nothing_fits(self) -> str:
         """When no grid fits, one line: why, and what would make one fit (the batch,
@@ -98,35 +101,9 @@ class Plan:
         return "" if self.best.fits else nothing_fits_advice(self)
 
 
-OPTIMIZERS: tuple[str, ...] = CHOICES[("train", "optimizer")]
-# train.optimizer -> the grid axes its step's batch is split over (train/methods: each
-# method's batch_axes; the planner never imports the trainer, tests hold the two equal)
-METHOD_BATCH_AXES: dict[str, tuple[str, ...]] = {"es": ("z",)}
-# methods that update each shard inside backward and so cannot accumulate micro-steps
-NO_ACCUMULATION = ("lomo", "adalomo")
-# Each method's step is modelled (perf.method_cost); what its time column stands for, and where
-# that is a bound or rests on a CPU-only measurement, the plan says with these notes.
-STEP_TIME_NOTES: dict[str, str] = {
-    "lomo": "step time: forward + backward with lomo's update inside it (twice with "
-            "clip_mode two_pass)",
-    "adalomo": "step time: forward + backward with adalomo's update inside it (twice with "
-               "clip_mode two_pass)",
-    "mezo": "step time: mezo's two forwards and three noise passes (the noise's cost is probed "
-            "on the cpu machine, modelled on GPUs)",
-    "es": "step time: es's forwards (population / data per replica) and 3 x population noise "
-          "passes (the noise's cost is probed on the cpu machine, modelled on GPUs)",
-    "blockllm": "step time: a selection every step, an upper bound: AdamW's backward with "
-                "every dW GEMM, every gradient's row norms (all-reduced over the tensor axes "
-                "at each hand-off), the streamed choice's rankings of held rows on the host "
-                "and gathers of the kept ones, and the selected rows' update",
-    "galore": "step time: forward + backward, galore's projections, and its refresh (Gram, "
-              "eigh and their collectives) spread over galore_gap steps",
-}
-
-
 def batch_axes(optimizer: str = "adamw") -> tuple[str, ...]:
     """The grid axes a step's batch is split over under `optimizer`."""
-    return METHOD_BATCH_AXES.get(optimizer, ("data", "z"))
+    return method_spec(optimizer).batch_axes
 
 
 def batch_split(shape: GridShape, optimizer: str = "adamw") -> int:
@@ -203,9 +180,9 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
     its train.optimizer (predict_method_memory); None: AdamW's."""
     world = shape.size
     usable = machine.usable_memory_bytes(world)
-    optimizer = "adamw" if train is None else train.optimizer
-    local_batch = global_batch // batch_split(shape, optimizer)
-    if optimizer in NO_ACCUMULATION:
+    spec = spec_of(train)
+    local_batch = global_batch // batch_split(shape, spec.name)
+    if not spec.accumulates:
         grad_accum = 1
     micro_options = ([local_batch // grad_accum] if grad_accum else
                      divisors(local_batch)[::-1])
@@ -222,8 +199,7 @@ def best_for_grid(model: ModelConfig, shape: GridShape, global_batch: int, seq_l
     # replica runs: method_cost counts a replica's members).
     copies = local_batch * shape.data * shape.z // global_batch
     # parallel.output_loss at its default, as the method's run resolves it
-    loss_mode = resolve_output_loss("auto",
-                                    train.optimizer if train is not None else "adamw")
+    loss_mode = resolve_output_loss("auto", spec.blocked_loss)
 
     def step(accum: int, ac: bool, wire: Precision, split: Overlap) -> StepPrediction:
         p = predict_step(model, shape, global_batch * copies, seq_len, accum, ac, machine, wire,
@@ -288,12 +264,12 @@ def plan(model: ModelConfig, world_size: int, machine: Machine, global_batch: in
     `dtype` is a name (`Precision.of`) or a Precision (e.g. another wire dtype);
     `reduce_dtypes` / `overlap_forward`: the parallel.reduce_dtype / overlap_forward settings
     the search may pick from (None: the precision's reduce dtype, `overlap`'s split);
-    `train`: plan the memory of its train.optimizer (with its block_sparsity, galore_rank),
+    `train`: plan the memory of its train.optimizer (with its [train.method] options),
     None: AdamW's."""
     optimizer = "adamw" if train is None else train.optimizer
-    if optimizer not in OPTIMIZERS:
-        raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-    if optimizer in NO_ACCUMULATION and grad_accum not in (None, 1):
+    if optimizer not in method_names():
+        raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(method_names())}")
+    if not method_spec(optimizer).accumulates and grad_accum not in (None, 1):
         raise PlanError(f"--grad-accum {grad_accum}: {optimizer} updates each weight during "
                         "backward, so it cannot accumulate; use 1")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -349,12 +325,12 @@ def leanest_fits(model: ModelConfig, world_size: int, global_batch: int, seq_len
     batch alike and shards the weights and states too, so the leanest grids have data = 1."""
     optimizer = "adamw" if train is None else train.optimizer
     usable = machine.usable_memory_bytes(world_size)
-    loss_mode = resolve_output_loss("auto", optimizer)
+    loss_mode = resolve_output_loss("auto", method_spec(optimizer).blocked_loss)
     for shape in grid_shapes(world_size):
         if shape.data > 1 or grid_problem(model, shape, global_batch, optimizer) is not None:
             continue
         local_batch = global_batch // batch_split(shape, optimizer)
-        accum = 1 if optimizer in NO_ACCUMULATION else (grad_accum or local_batch)
+        accum = (grad_accum or local_batch) if method_spec(optimizer).accumulates else 1
         if local_batch % accum:
             continue
         if any(candidate_memory(model, shape, local_batch // accum, accum, ac, seq_len, precision,
@@ -371,6 +347,7 @@ def nothing_fits_advice(result: Plan) -> str:
     """Why no grid of `result` fits (from its leanest candidate) and the fixes that would make
     one fit, each checked by `leanest_fits`, in one line."""
     best, optimizer = result.best, result.optimizer
+    accumulates = method_spec(optimizer).accumulates
     model, world = result.model, result.world_size
     batch, seq = result.global_batch, result.seq_len
     mem, usable = best.memory, best.usable_bytes / GIB
@@ -386,7 +363,7 @@ def nothing_fits_advice(result: Plan) -> str:
 
     state = (mem.params + mem.grads + mem.optimizer) / GIB
     micro = f"{best.micro_batch} sequence{'s' if best.micro_batch > 1 else ''}"
-    if optimizer in NO_ACCUMULATION and best.micro_batch > 1:
+    if not accumulates and best.micro_batch > 1:
         why = (f"{optimizer} updates each weight inside backward, so it cannot accumulate "
                f"micro-batches: the batch of {batch} x {seq} tokens runs whole, {micro} a "
                f"rank, {need}")
@@ -402,10 +379,9 @@ def nothing_fits_advice(result: Plan) -> str:
         why = (f"at a micro-batch of {micro}, activation checkpointing "
                f"{'on' if best.activation_checkpointing else 'off'}, a rank needs {need}")
     fixes = []  # the batch and its micro-batches first: they change nothing else
-    if result.grad_accum is not None and optimizer not in NO_ACCUMULATION and \
-            fits(grad_accum=None):
+    if result.grad_accum is not None and accumulates and fits(grad_accum=None):
         fixes.append("leave out --grad-accum (the search accumulates)")
-    if optimizer in NO_ACCUMULATION or result.grad_accum is not None:
+    if not accumulates or result.grad_accum is not None:
         smaller = next((b for b in (batch >> k for k in range(1, batch.bit_length()))
                         if fits(global_batch=b)), None)
         if smaller is not None:
@@ -421,7 +397,7 @@ def nothing_fits_advice(result: Plan) -> str:
     if not batch_fixed and optimizer in LEANER_ORDER:  # the state is what does not fit
         for name in LEANER_ORDER[LEANER_ORDER.index(optimizer) + 1:]:
             lean = dataclasses.replace(result.train or TrainConfig(), optimizer=name)
-            accum = None if name in NO_ACCUMULATION else result.grad_accum
+            accum = result.grad_accum if method_spec(name).accumulates else None
             if fits(train=lean, grad_accum=accum):
                 fixes.append(f"--optimizer {name}")
                 break
@@ -502,33 +478,22 @@ def rank_memory_capacity(device: "torch.device", local_ranks: int) -> int:
     raise PlanError("cannot read the host's memory size from /proc/meminfo")
 
 
-def check_grid_fits(cfg: "Config", shape: GridShape, device: "torch.device",
-                    local_ranks: int) -> None:
-    """Raise a one-line PlanError, before anything is built, when a rank of `shape` cannot
-    hold the run of `cfg` (its peak per plan/memory.py), naming the bytes needed and a grid
-    that would fit (the planner's grid search, on as many ranks as it takes)."""
-    t, p = cfg.train, cfg.parallel
-    capacity = rank_memory_capacity(device, local_ranks)
-
-    def need(s: GridShape) -> MemoryBreakdown:
-        micro_tokens = t.batch_size // (s.data * s.z) // t.grad_accum * t.seq_len
-        return predict_memory(cfg.model, s, micro_tokens, t.activation_checkpointing,
-                              Precision.of(t.dtype), bucket_bytes=int(p.bucket_mb * 2**20),
-                              on_host=device.type == "cpu", writer=True,
-                              async_checkpoint=cfg.checkpoint.is_async(device.type == "cpu")
-                              and cfg.checkpoint.every > 0,
-                              checkpoints=cfg.checkpoint.every > 0,
-                              output_loss=resolve_output_loss(p.output_loss, t.optimizer),
-                              grad_accum=t.grad_accum)
-
-    mem = need(shape)
+def check_grid_fits(cfg: "Config", shape: GridShape, on_host: bool, capacity: int,
+                    resumed: bool = False) -> None:
+    """Raise a one-line PlanError, before anything is built, when a rank of `shape` with
+    `capacity` bytes cannot hold the run of `cfg` under its training method (its peak:
+    memory.predicted_memory, `on_host` and `resumed` as it takes them), naming the bytes needed
+    and a grid that would fit (the planner's grid search, on as many ranks as it takes)."""
+    t = cfg.train
+    mem = predicted_memory(cfg, shape, on_host, resumed)
     if mem.total <= capacity:
         return
     suggestion = "no grid of up to 2^20 ranks does"
     world = shape.size
     while world <= 2**20:
-        fitting = [(need(s).total, s) for s in grid_shapes(world)
-                   if grid_problem(cfg.model, s, t.batch_size) is None]
+        fitting = [(predicted_memory(cfg, s, on_host, resumed).total, s)
+                   for s in grid_shapes(world)
+                   if grid_problem(cfg.model, s, t.batch_size, t.optimizer) is None]
         fitting = [(n, s) for n, s in fitting if n <= capacity]
         if fitting:
             n, s = min(fitting, key=lambda f: (f[0], str(f[1])))
@@ -537,7 +502,8 @@ def check_grid_fits(cfg: "Config", shape: GridShape, device: "torch.device",
             break
         world *= 2
     state = mem.params + mem.grads + mem.optimizer
-    raise PlanError(f"grid {shape} cannot hold model {cfg.model.preset!r}: a rank needs "
-                    f"{mem.total / GIB:.2f} GiB ({state / GIB:.2f} GiB weights, gradients and "
-                    f"AdamW states + {(mem.total - state) / GIB:.2f} GiB at the peak of a step, "
-                    f"build or export) and has {capacity / GIB:.2f} GiB; {suggestion}")
+    raise PlanError(f"grid {shape} cannot hold model {cfg.model.preset!r} under "
+                    f"train.optimizer = {t.optimizer!r}: a rank needs {mem.total / GIB:.2f} GiB "
+                    f"({state / GIB:.2f} GiB weights, gradients and optimizer state + "
+                    f"{(mem.total - state) / GIB:.2f} GiB at the peak of a step, build or "
+                    f"export) and has {capacity / GIB:.2f} GiB; {suggestion}")

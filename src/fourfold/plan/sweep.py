@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fourfold.config import ModelConfig
+from fourfold.intmath import GIB
 from fourfold.plan.errors import PlanError
 from fourfold.plan.catalog import Machine
 from fourfold.plan.scaling import count_params, format_count, model_for_params
@@ -62,7 +63,7 @@ def format_sweep(rows: list[SweepRow], machine: Machine) -> str:
         lines.append(f"{r.gpus:>6} {format_count(r.n_params):>7} {r.model.n_layers:>6} "
                      f"{r.model.dim:>6} {grid:>18} {p.step_s:>8.2f} {p.tokens_per_s:>11,.0f} "
                      f"{r.tflops_per_gpu:>11.1f} {p.mfu:>5.0%} {r.tflops_per_gpu / first:>5.0%} "
-                     f"{c.memory.total / 2**30:>8.1f} {'yes' if c.fits else 'OOM'}")
+                     f"{c.memory.total / GIB:>8.1f} {'yes' if c.fits else 'OOM'}")
     return "\n".join(lines)
 
 

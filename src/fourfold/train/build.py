@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,16 +28,12 @@ from fourfold.models.adapter import apply_adapter
 from fourfold.models.hf import HF_CONFIG_FILE, hf_model_config
 from fourfold.models.llama import Llama, build_model
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
-from fourfold.parallel.embedding import resolve_output_loss
-from fourfold.plan.errors import PlanError
-from fourfold.plan.memory import (GIB, MemoryBreakdown, Precision, predict_memory,
-                                  predict_method_memory)
 from fourfold.plan.search import check_grid_fits, rank_memory_capacity
 from fourfold.train.checkpoint import list_checkpoints, verify_checkpoint
 from fourfold.train.compile import BlockCompiler
-from fourfold.train.host_memory import keep_freed_host_memory
-from fourfold.train.methods import TrainingMethod, batch_shard, build_method, method_batch_axes
-from fourfold.train.optim import build_optimizer
+from fourfold.train.host_memory import HostMemory
+from fourfold.methods import method_spec
+from fourfold.train.methods import TrainingMethod, batch_shard, build_method
 from fourfold.train.resilience import LossGuard
 
 
@@ -54,8 +51,8 @@ class Run:
     tokenizer: Tokenizer
     pmodel: ParallelModel
     compiler: BlockCompiler
-    optimizer: torch.optim.Optimizer | None  # AdamW; None when `method` trains instead
-    method: TrainingMethod | None  # train.optimizer other than adamw (train/methods)
+    method: TrainingMethod  # train.optimizer's (train/methods)
+    host: HostMemory  # what the run does about host memory (a no-op on a GPU)
     loader: BatchLoader  # whole steps; the trainer slices them into micro-batches
     val_loader: BatchLoader
     guard: LossGuard
@@ -80,12 +77,23 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
         # The architecture is the checkpoint's config.json (without one, cfg.model's); the
         # path stays in the config.
         cfg.model = dataclasses.replace(hf_model_config(init_from), init_from=init_from)
+        if t.seq_len > cfg.model.max_seq_len:
+            raise ConfigError(f"train.seq_len = {t.seq_len} is longer than the "
+                              f"max_position_embeddings = {cfg.model.max_seq_len} of "
+                              f"model.init_from = {init_from!r}; use at most "
+                              f"{cfg.model.max_seq_len}")
 
     rank, world_size, dist_device = init_distributed(p.backend, p.timeout_s, device=t.device,
                                                      one_rank_group=p.engine == "always")
     device = _choose_device(t.device, dist_device, world_size)
-    if device.type == "cpu":
-        keep_freed_host_memory()  # no fresh zero-filled pages every step
+    host = HostMemory.for_run(device, world_size, t.dtype)
+    host.tune()
+    if device.type == "cpu" and t.dtype == "bfloat16" and rank == 0 \
+            and not cpu_has_bfloat16_gemm():
+        warnings.warn("train.dtype = bfloat16 on a CPU without bfloat16 matrix instructions "
+                      "(AVX-512 BF16/AMX): torch's bfloat16 GEMMs take a slow path here, "
+                      "often 10-100x slower than float32; train.dtype = float32 is faster "
+                      "on this CPU", stacklevel=2)
     if p.auto:
         planned = _planned_grid(cfg, world_size, rank)
         p = cfg.parallel = dataclasses.replace(p, x=planned.x, y=planned.y, z=planned.z,
@@ -95,25 +103,23 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
                       force_groups=p.engine == "always" and world_size == 1)
     # the axes the method splits its batch over: es gives every data replica the whole batch
     # (its population members split the data axis instead)
-    shard_index, shard_count = batch_shard(grid, method_batch_axes(t.optimizer))
+    spec = method_spec(t.optimizer)
+    shard_index, shard_count = batch_shard(grid, spec.batch_axes)
     if t.batch_size % (t.grad_accum * shard_count):
         raise ConfigError(
             f"train.batch_size = {t.batch_size} does not split into train.grad_accum = "
             f"{t.grad_accum} micro-steps over {shard_count} batch shards "
-            f"({'*'.join(method_batch_axes(t.optimizer))}); use a "
+            f"({'*'.join(spec.batch_axes)}); use a "
             f"multiple of {t.grad_accum * shard_count}")
     torch.manual_seed(t.seed)
-    # one line naming the memory needed and a grid that fits, not an OOM halfway through
+    # one line naming the memory needed and a grid that fits, not an OOM halfway through; a
+    # run that will resume loads a checkpoint, which imports the checkpoint library (a damaged
+    # one, missing or truncated files, checked without hashing, it will skip)
+    resumes = cfg.checkpoint.resume and any(
+        verify_checkpoint(path, checksums=False) is None for path in list_checkpoints(run_dir))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if t.optimizer == "adamw":
-        check_grid_fits(cfg, grid.shape, device, local_ranks)
-    else:  # the method's own gradients and state, not AdamW's
-        # a run that will resume loads a checkpoint, which imports the checkpoint library; a
-        # damaged one (missing or truncated files: checked without hashing) it will skip
-        resumes = cfg.checkpoint.resume and any(
-            verify_checkpoint(p, checksums=False) is None for p in list_checkpoints(run_dir))
-        check_method_fits(cfg, grid.shape, device.type == "cpu",
-                          rank_memory_capacity(device, local_ranks), resumed=resumes)
+    check_grid_fits(cfg, grid.shape, device.type == "cpu",
+                    rank_memory_capacity(device, local_ranks), resumed=resumes)
 
     data_dir = resolve_data_path(cfg.data.path, cfg.data.tokenizer)
     tokenizer = load_tokenizer(data_dir)
@@ -128,33 +134,43 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
                           "with build_model(cfg.model)")
     if model is not None:
         model.to(device)
-    pmodel, compiler, optimizer, method = build_model_parts(cfg, grid, model, init_from)
+    pmodel, compiler, method = build_model_parts(cfg, grid, host, model, init_from)
 
     # The loader hands out whole steps; micro-batches are slices of them, so the data a step
     # sees does not depend on grad_accum. Validation batches are whole steps too (evaluated in
     # micro-batch slices), so the validation set depends neither on grad_accum nor on the grid.
+    # Packed rows are spread over the shards and micro-batches by the planner's cost of their
+    # attention against their GEMMs (on a GPU of the catalog; by their FLOPs elsewhere).
+    from fourfold.plan.machine_file import machine_for_torch_device
+    from fourfold.plan.perf import sequence_cost
+
+    cost = sequence_cost(cfg.model, t.seq_len, machine_for_torch_device(device)
+                         if device.type == "cuda" else None, t.dtype)
     loader = BatchLoader(data_dir, "train", t.batch_size, t.seq_len, t.seed,
-                         shard_index=shard_index, num_shards=shard_count)
+                         shard_index=shard_index, num_shards=shard_count,
+                         packing=cfg.data.packing, micro_batches=t.grad_accum, cost=cost)
     val_loader = BatchLoader(data_dir, "val", t.batch_size, t.seq_len, t.seed,
-                             shard_index=shard_index, num_shards=shard_count)
+                             shard_index=shard_index, num_shards=shard_count,
+                             packing=cfg.data.packing, micro_batches=t.grad_accum, cost=cost)
     return Run(cfg=cfg, run_dir=Path(run_dir), rank=rank, world_size=world_size, device=device,
                grid=grid, data_dir=data_dir, tokenizer=tokenizer, pmodel=pmodel,
-               compiler=compiler, optimizer=optimizer, method=method, loader=loader,
+               compiler=compiler, method=method, host=host, loader=loader,
                val_loader=val_loader,
                guard=LossGuard(t.spike_threshold))
 
 
-def build_model_parts(cfg: Config, grid: Grid, model: Llama | None = None, init_from: str = ""
-                      ) -> tuple[ParallelModel, BlockCompiler, torch.optim.Optimizer | None,
-                                 TrainingMethod | None]:
+def build_model_parts(cfg: Config, grid: Grid, host: HostMemory, model: Llama | None = None,
+                      init_from: str = "") -> tuple[ParallelModel, BlockCompiler, TrainingMethod]:
     """This rank's parallel model (its shards of cfg.model, or of `model`), the block compiler
-    and the optimizer or training method of cfg.train; HF weights from `init_from`."""
+    and cfg.train's training method; HF weights from `init_from`."""
     t = cfg.train
     if model is None:  # on the meta device: parallelize builds only this rank's shards
         model = build_model(cfg.model, seed=t.seed, device="meta")
     # Set before parallelize, which converts the layers in place and keeps the flag.
     model.activation_checkpointing = t.activation_checkpointing
-    pmodel = parallelize(model, grid, cfg.parallel, optimizer=t.optimizer)
+    pmodel = parallelize(model, grid, cfg.parallel,
+                         blocked_loss=method_spec(t.optimizer).blocked_loss,
+                         grad_buffers=host.grad_buffers())
     if init_from:
         from fourfold.models.hf import load_hf_into
 
@@ -163,50 +179,8 @@ def build_model_parts(cfg: Config, grid: Grid, model: Llama | None = None, init_
     # optimizer, which then see only the adapter as trainable.
     apply_adapter(pmodel, cfg.adapter, t.seed)
     compiler = BlockCompiler(pmodel.module, t.compile)
-    optimizer, method = None, None
-    if t.optimizer == "adamw":
-        optimizer = build_optimizer(pmodel.named_parameters(), t,
-                                    tied_output=cfg.model.tie_embeddings)
-    else:
-        method = build_method(pmodel, t, tied_output=cfg.model.tie_embeddings)
-    return pmodel, compiler, optimizer, method
-
-
-def predicted_memory(cfg: Config, shape: GridShape, on_host: bool,
-                     resumed: bool = False) -> MemoryBreakdown:
-    """The planner's peak bytes per rank for cfg's run on `shape`, with train.optimizer's own
-    gradients and optimizer state (plan/memory.py). `resumed`: the run loaded a checkpoint,
-    which imports the checkpoint library as writing one does (15m, LOMO, one process, writing
-    none: 474-476 MiB fresh, 513-519 resumed)."""
-    t, p = cfg.train, cfg.parallel
-    precision = Precision.of(t.dtype)
-    micro_tokens = t.batch_size // (shape.data * shape.z) // t.grad_accum * t.seq_len
-    output_loss = resolve_output_loss(p.output_loss, t.optimizer)
-    writes = cfg.checkpoint.every > 0
-    checkpoints = writes or resumed  # the checkpoint library is in
-    mem = predict_memory(cfg.model, shape, micro_tokens, t.activation_checkpointing, precision,
-                         bucket_bytes=int(p.bucket_mb * 2**20), on_host=on_host, writer=True,
-                         async_checkpoint=cfg.checkpoint.is_async(on_host) and writes,
-                         checkpoints=checkpoints, output_loss=output_loss,
-                         grad_accum=t.grad_accum)
-    return predict_method_memory(mem, cfg.model, shape, t, precision, output_loss, checkpoints)
-
-
-def check_method_fits(cfg: Config, shape: GridShape, on_host: bool, capacity: int,
-                      resumed: bool = False) -> None:
-    """A one-line PlanError when a rank of `shape` cannot hold cfg's run under its
-    train.optimizer (the AdamW check, check_grid_fits, also suggests a grid); `resumed` as
-    predicted_memory takes it."""
-    mem = predicted_memory(cfg, shape, on_host, resumed)
-    if mem.total <= capacity:
-        return
-    state = mem.params + mem.grads + mem.optimizer
-    raise PlanError(f"grid {shape} cannot hold model {cfg.model.preset!r} under "
-                    f"train.optimizer = {cfg.train.optimizer!r}: a rank needs "
-                    f"{mem.total / GIB:.2f} GiB ({state / GIB:.2f} GiB weights, gradients and "
-                    f"optimizer state + {(mem.total - state) / GIB:.2f} GiB at the peak of a "
-                    f"step, build or export) and has {capacity / GIB:.2f} GiB; use more ranks "
-                    "(parallel.x, y, z) or a smaller model")
+    method = build_method(pmodel, t, tied_output=cfg.model.tie_embeddings, hooks=host.hooks())
+    return pmodel, compiler, method
 
 
 def _choose_device(requested: str, dist_device: torch.device, world_size: int) -> torch.device:
@@ -248,3 +222,13 @@ def _planned_grid(cfg: Config, world_size: int, rank: int) -> GridShape:
 
 
 __all__ = ["Run", "build_model_parts", "build_run"]
+
+
+def cpu_has_bfloat16_gemm() -> bool:
+    """Whether torch's CPU GEMMs run bfloat16 natively here (oneDNN with AVX-512 BF16 or AMX);
+    without, they fall back to a generic loop that is far slower than float32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True  # a torch that cannot say: no warning
+

@@ -8,6 +8,10 @@ Layout on disk (RUN_DIR/checkpoints/):
         manifest.json         step, grid, sha256 + size of every file above; written LAST
     .step_00000200.tmp/       a checkpoint being written (never read)
 
+What it holds is what was registered with the manager (CheckpointManager.register): the model
+(ModelState), a torch optimizer (OptimizerState), a training method's sharded state and the
+loop's own parts, each under the keys StateKey spells out.
+
 A checkpoint becomes visible only when complete: every rank writes (and fsyncs) its files into
 the temporary directory, rank 0 hashes nothing but the manifest it gathers (each rank hashes the
 files it wrote), writes manifest.json, fsyncs, and renames the directory. Older checkpoints are
@@ -38,6 +42,7 @@ builds only the index's own data classes. A checkpoint with any pickled value is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pickle  # only to read DCP's index, restricted to its data classes
@@ -47,8 +52,10 @@ import shutil
 import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -62,16 +69,15 @@ from fourfold.parallel.grid import Axis, Grid
 from fourfold.parallel.layout import Layout
 from fourfold.train.host_memory import to_host, wait_for_host_copies
 
+if TYPE_CHECKING:
+    from fourfold.parallel import ParallelModel
+
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST_FILE = "manifest.json"
 MESH_AXES: tuple[Axis, ...] = ("data", "y", "x", "z")  # DeviceMesh dims; see the docstring
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-# DCP keys: model/NAME and optim/NAME/KEY (sharded tensors); state/PART/... (a part whose
-# state is the same on every rank, saved once); rank<R>/PART/... (one per rank: RNG states);
-# shards/PART/global/KEY (a sharded part's tensors, as DTensors) and shards/PART/rank<R>/KEY
-# (its tensors without a layout).
-_MODEL, _OPTIM, _STATE, _EXTRA = "model/", "optim/", "state/", "extra"
-_SHARDS = "shards/"
+_EXTRA = "extra"  # the part save()'s `extra` is kept under
+_RNG = "rng"  # the part each rank's random generators are kept under
 
 
 class CheckpointError(FourfoldError, RuntimeError):
@@ -165,11 +171,14 @@ def build_mesh(grid: Grid) -> Any:
         return None
     from torch.distributed.device_mesh import DeviceMesh
 
+    # The grid's device type: DTensor.from_local copies a local tensor that is not on the
+    # mesh's device, and dcp.load would then fill the copy (see _wrap's check).
+    device_type = grid.device.type
     try:
-        return DeviceMesh("cpu", mesh_tensor(grid), mesh_dim_names=MESH_AXES,
+        return DeviceMesh(device_type, mesh_tensor(grid), mesh_dim_names=MESH_AXES,
                           _init_backend=False)
     except TypeError:  # a torch without _init_backend: let it build its groups
-        return DeviceMesh("cpu", mesh_tensor(grid), mesh_dim_names=MESH_AXES)
+        return DeviceMesh(device_type, mesh_tensor(grid), mesh_dim_names=MESH_AXES)
 
 
 def _wrap(local: torch.Tensor, layout: Layout, full_shape: tuple[int, ...], mesh: Any,
@@ -179,8 +188,23 @@ def _wrap(local: torch.Tensor, layout: Layout, full_shape: tuple[int, ...], mesh
     from torch.distributed.tensor import DTensor
 
     full = torch.empty(full_shape, device="meta")
-    return DTensor.from_local(local, mesh, placements_for(layout, len(full_shape), name),
-                              run_check=False, shape=torch.Size(full_shape), stride=full.stride())
+    wrapped = DTensor.from_local(local, mesh, placements_for(layout, len(full_shape), name),
+                                 run_check=False, shape=torch.Size(full_shape),
+                                 stride=full.stride())
+    check_wraps_in_place(wrapped, local, name)
+    return wrapped
+
+
+def check_wraps_in_place(wrapped: Any, local: torch.Tensor, name: str) -> None:
+    """dcp.load fills a DTensor's local tensor: unless that is the target's own storage (the
+    parameter or optimizer state it stands for), a load would fill a copy and leave the
+    weights as they were while the step count and data position moved on."""
+    inner = wrapped.to_local()
+    if inner.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
+        raise CheckpointError(
+            f"{name}: its DTensor holds a copy of the tensor ({local.device} tensor, "
+            f"{wrapped.device_mesh.device_type} mesh), so a load would not reach the "
+            "weights; the checkpoint mesh must be on the tensors' device")
 
 
 def _full_shape(local: torch.Tensor, layout: Layout, grid: Grid) -> tuple[int, ...]:
@@ -216,14 +240,77 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _param_names(pmodel: Any) -> dict[int, str]:
-    return {id(p): n for n, p in pmodel.named_parameters()}
+# --------------------------------------------------------------------------------------------
+# State keys: where each entry lies in a checkpoint's flat DCP state dict
+
+
+Area = Literal["model", "optim", "state", "rank", "shards"]
+
+
+@dataclass(frozen=True)
+class StateKey:
+    """The place of one entry in a checkpoint (its DCP key is `str(key)`):
+        model/NAME                  a parameter (`name`), a shard of its full tensor
+        optim/NAME/FIELD            a torch optimizer's state of parameter NAME (`name`, `field`)
+        state/PART/ENTRY            a part saved once: its JSON (`json`) and tensors (`tensorI`)
+        rank<R>/PART/ENTRY          a part saved by each rank R (its RNG states)
+        shards/PART/global/KEY      a sharded part's tensor KEY, a shard of its global tensor
+        shards/PART/rank<R>/KEY     ... one it gives no layout, as rank R kept it
+    PART names and parameter names hold no "/" (a sharded part's keys and NAME/FIELD may)."""
+
+    area: Area
+    name: str = ""  # the part's (state, rank, shards) or the parameter's (model, optim)
+    entry: str = ""  # state, rank: json or tensorI; optim: the field; shards: the part's key
+    rank: int | None = None  # rank: whose; shards: who kept it (None: a global tensor)
+
+    def __str__(self) -> str:
+        if self.area == "model":
+            return f"model/{self.name}"
+        if self.area == "optim":
+            return f"optim/{self.name}/{self.entry}"
+        if self.area == "state":
+            return f"state/{self.name}/{self.entry}"
+        if self.area == "rank":
+            return f"rank{self.rank}/{self.name}/{self.entry}"
+        holder = "global" if self.rank is None else f"rank{self.rank}"
+        return f"shards/{self.name}/{holder}/{self.entry}"
+
+    @classmethod
+    def parse(cls, text: str) -> StateKey | None:
+        """The key of a DCP entry, or None for one no fourfold checkpoint holds."""
+        head, _, rest = text.partition("/")
+        if head == "model":
+            return cls("model", rest)
+        if head == "optim":
+            name, _, field = rest.rpartition("/")
+            return cls("optim", name, field)
+        part, _, entry = rest.partition("/")
+        if head == "state":
+            return cls("state", part, entry)
+        if _RANK.match(head):
+            return cls("rank", part, entry, int(head[4:]))
+        if head == "shards":
+            holder, _, key = entry.partition("/")
+            return cls("shards", part, key, None if holder == "global" else int(holder[4:]))
+        return None
+
+    def with_entry(self, entry: str) -> StateKey:
+        return dataclasses.replace(self, entry=entry)
+
+
+_RANK = re.compile(r"^rank\d+$")
+
+
+# --------------------------------------------------------------------------------------------
+# What a checkpoint holds: the parts registered with the manager
 
 
 class Stateful(Protocol):
     """A part of a run that a checkpoint saves and restores: state_dict() returns JSON values
     (dicts with str keys, lists, str, int, float, bool, None) and tensors, nested freely;
-    load_state_dict() takes what state_dict() returned (tuples come back as lists)."""
+    load_state_dict() takes what state_dict() returned (tuples come back as lists). The same
+    on every rank, so saved once; a part with `per_rank = True` is saved by each rank (read
+    back by the same rank, or rank 0's where the saving grid had fewer ranks)."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -247,7 +334,10 @@ class ShardedStateful(Protocol):
 
 
 class RandomState:
-    """Every random generator training may touch on this rank, as a Stateful part."""
+    """Every random generator training may touch on this rank, as a Stateful part of its own
+    rank (the manager registers it)."""
+
+    per_rank = True
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = random.getstate()
@@ -273,52 +363,62 @@ class RandomState:
             torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# A part's state on disk: its JSON (tensors replaced by {_TENSOR_REF: i}) as a uint8 tensor
-# under PREFIX + "json", and tensor i under PREFIX + "tensor<i>". Nothing is pickled.
+# A Stateful part's state on disk: its JSON (tensors replaced by {_TENSOR_REF: i}) as a uint8
+# tensor under entry "json", and tensor i under entry "tensor<i>". Nothing is pickled.
 _TENSOR_REF = "__tensor__"
-_JSON_KEY = "json"
+_JSON = "json"
 
 
-def encode_state(tree: Any, prefix: str) -> dict[str, torch.Tensor]:
-    """A Stateful part's state as flat DCP entries (tensors only) under `prefix`."""
+def _json_tensor(value: Any) -> torch.Tensor:
+    text = json.dumps(value)  # NaN and inf stay (a skipped step's loss is NaN)
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+
+
+def _json_value(tensor: torch.Tensor, where: str) -> Any:
+    try:
+        return json.loads(bytes(tensor.numpy()).decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{where}: unreadable saved state ({type(e).__name__})") from None
+
+
+def encode_state(tree: Any, where: StateKey) -> dict[str, torch.Tensor]:
+    """A Stateful part's state as flat DCP entries (tensors only) at `where` (its entries)."""
     tensors: dict[str, torch.Tensor] = {}
 
-    def plain(value: Any, where: str) -> Any:
+    def plain(value: Any, path: str) -> Any:
         if torch.is_tensor(value):
-            key = f"tensor{len(tensors)}"
-            tensors[prefix + key] = value.detach().to("cpu", copy=True)
-            return {_TENSOR_REF: len(tensors) - 1}
+            index = len(tensors)
+            tensors[str(where.with_entry(f"tensor{index}"))] = value.detach().to("cpu", copy=True)
+            return {_TENSOR_REF: index}
         if isinstance(value, dict):
             if _TENSOR_REF in value or not all(isinstance(k, str) for k in value):
-                raise CheckpointError(f"{prefix}{where}: state dict keys must be strings other "
-                                      f"than {_TENSOR_REF!r}")
-            return {k: plain(v, f"{where}.{k}") for k, v in value.items()}
+                raise CheckpointError(f"{where.with_entry('')}{path}: state dict keys must be "
+                                      f"strings other than {_TENSOR_REF!r}")
+            return {k: plain(v, f"{path}.{k}") for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return [plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+            return [plain(v, f"{path}[{i}]") for i, v in enumerate(value)]
         if isinstance(value, np.generic):
             return value.item()
         if value is None or isinstance(value, (str, int, float, bool)):
             return value
-        raise CheckpointError(f"{prefix}{where}: a {type(value).__name__} cannot be saved; "
-                              "a state dict holds tensors and JSON values only")
+        raise CheckpointError(f"{where.with_entry('')}{path}: a {type(value).__name__} cannot "
+                              "be saved; a state dict holds tensors and JSON values only")
 
-    text = json.dumps(plain(tree, "state"))  # NaN and inf stay (a skipped step's loss is NaN)
-    tensors[prefix + _JSON_KEY] = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+    tensors[str(where.with_entry(_JSON))] = _json_tensor(plain(tree, "state"))
     return tensors
 
 
-def decode_state(entries: dict[str, torch.Tensor], prefix: str) -> Any:
-    """What encode_state(tree, prefix) encoded, from the loaded entries."""
-    try:
-        tree = json.loads(bytes(entries[prefix + _JSON_KEY].numpy()).decode())
-    except (KeyError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{prefix}{_JSON_KEY}: unreadable saved state "
-                              f"({type(e).__name__})") from None
+def decode_state(entries: dict[str, torch.Tensor], where: StateKey) -> Any:
+    """What encode_state(tree, where) encoded, from the loaded entries."""
+    key = str(where.with_entry(_JSON))
+    if key not in entries:
+        raise CheckpointError(f"{key}: unreadable saved state (KeyError)")
+    tree = _json_value(entries[key], key)
 
     def restore(value: Any) -> Any:
         if isinstance(value, dict):
             if set(value) == {_TENSOR_REF}:
-                return entries[f"{prefix}tensor{value[_TENSOR_REF]}"]
+                return entries[str(where.with_entry(f"tensor{value[_TENSOR_REF]}"))]
             return {k: restore(v) for k, v in value.items()}
         if isinstance(value, list):
             return [restore(v) for v in value]
@@ -389,43 +489,256 @@ def _tensor_reader(path: Path) -> Any:
 # The manager
 
 
+class ModelState:
+    """The model's parameters as a checkpoint part: each under its name (model/NAME), the
+    local shard of its full tensor (a DTensor by its Layout), loaded in place; any grid reads
+    it back. `trainable_only` (an adapter run): only the parameters that train; the frozen base
+    is rebuilt by the run builder (a BaseReference part checks it is the same)."""
+
+    def __init__(self, pmodel: ParallelModel, trainable_only: bool = False) -> None:
+        self.pmodel, self.trainable_only = pmodel, trainable_only
+
+    def tensors(self, grid: Grid, mesh: Any, prepare: Callable[[torch.Tensor], torch.Tensor]
+                ) -> dict[str, Any]:
+        layouts = self.pmodel.layouts()
+        return {str(StateKey("model", name)): _wrap(prepare(p), layouts[name],
+                                                    _full_shape(p, layouts[name], grid), mesh,
+                                                    name)
+                for name, p in self.pmodel.named_parameters()
+                if not (self.trainable_only and not p.requires_grad)}
+
+    def save(self, store: _Store, prepare: Callable[[torch.Tensor], torch.Tensor]
+             ) -> dict[str, Any]:
+        return self.tensors(store.grid, store.mesh, prepare)
+
+    def targets(self, store: _Store, path: Path, saved: Mapping[str, Any]) -> dict[str, Any]:
+        with torch.no_grad():  # DCP copies into the very storage of each parameter
+            return self.tensors(store.grid, store.mesh, lambda t: t.detach())
+
+    def restore(self, store: _Store, path: Path, loaded: dict[str, Any]) -> None:
+        return None
+
+
+class OptimizerState:
+    """A torch optimizer's state as a checkpoint part (AdamW's moments and step count), by its
+    parameter's name (optim/NAME/FIELD): tensors shaped as the parameter's shard are DTensors
+    by its Layout (any grid reads them back), scalars the same on every rank, other values
+    JSON. Loaded in place, into state created first (init_optimizer_state)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, pmodel: ParallelModel) -> None:
+        self.optimizer, self.pmodel = optimizer, pmodel
+
+    def _entries(self, store: _Store, prepare: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> tuple[dict[str, Any], dict[str, tuple[torch.nn.Parameter, str]]]:
+        """The tensor entries, and the JSON ones' keys with their parameter and field."""
+        layouts = self.pmodel.layouts()
+        names = {id(p): n for n, p in self.pmodel.named_parameters()}
+        out: dict[str, Any] = {}
+        json_values: dict[str, tuple[torch.nn.Parameter, str]] = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p not in self.optimizer.state:
+                    continue
+                name = names[id(p)]
+                for field, value in self.optimizer.state[p].items():
+                    key = str(StateKey("optim", name, field))
+                    if not torch.is_tensor(value):
+                        out[key] = _json_tensor(value)
+                        json_values[key] = (p, field)
+                    elif value.shape == p.shape and value.dim() > 0:  # shaped like the shard
+                        out[key] = _wrap(prepare(value), layouts[name],
+                                         _full_shape(p, layouts[name], store.grid),
+                                         store.mesh, name)
+                    else:  # a scalar such as AdamW's step: the same on every rank
+                        out[key] = prepare(value)
+        return out, json_values
+
+    def save(self, store: _Store, prepare: Callable[[torch.Tensor], torch.Tensor]
+             ) -> dict[str, Any]:
+        return self._entries(store, prepare)[0]
+
+    def targets(self, store: _Store, path: Path, saved: Mapping[str, Any]) -> dict[str, Any]:
+        init_optimizer_state(self.optimizer)
+        with torch.no_grad():
+            out, json_values = self._entries(store, lambda t: t.detach())
+        for key in json_values:  # sized as saved
+            out[key] = torch.empty(tuple(saved[key].size), dtype=torch.uint8) \
+                if key in saved else out[key]
+        return out
+
+    def restore(self, store: _Store, path: Path, loaded: dict[str, Any]) -> None:
+        _, json_values = self._entries(store, lambda t: t)
+        for key, (p, field) in json_values.items():
+            self.optimizer.state[p][field] = _json_value(loaded[key], key)
+
+
+class _SharedState:
+    """A Stateful part saved once (rank 0's: the same on every rank), as JSON and tensors."""
+
+    def __init__(self, name: str, part: Stateful) -> None:
+        self.name, self.part, self.where = name, part, StateKey("state", name)
+
+    def save(self, store: _Store, prepare: Callable[[torch.Tensor], torch.Tensor]
+             ) -> dict[str, Any]:
+        return encode_state(self.part.state_dict(), self.where) if store.rank == 0 else {}
+
+    def targets(self, store: _Store, path: Path, saved: Mapping[str, Any]) -> dict[str, Any]:
+        return _empty_entries(path, self.where, saved)
+
+    def restore(self, store: _Store, path: Path, loaded: dict[str, Any]) -> None:
+        _restore_part(path, self.name, lambda: self.part.load_state_dict(
+            decode_state(loaded, self.where)))
+
+
+class _RankState(_SharedState):
+    """A Stateful part each rank saves (its RNG states): read back by the same rank, or rank
+    0's where the saving grid had fewer ranks."""
+
+    def __init__(self, name: str, part: Stateful, rank: int) -> None:
+        super().__init__(name, part)
+        self.where = self.own = StateKey("rank", name, rank=rank)
+
+    def save(self, store: _Store, prepare: Callable[[torch.Tensor], torch.Tensor]
+             ) -> dict[str, Any]:
+        return encode_state(self.part.state_dict(), self.own)
+
+    def targets(self, store: _Store, path: Path, saved: Mapping[str, Any]) -> dict[str, Any]:
+        ranks = {k.rank for s in saved if (k := StateKey.parse(s)) is not None
+                 and k.area == "rank"}
+        self.where = self.own if self.own.rank in ranks else StateKey("rank", self.name, rank=0)
+        return _empty_entries(path, self.where, saved)
+
+
+class _ShardedState:
+    """A ShardedStateful part: its tensors by the layouts it gives them (shards/NAME/global/KEY,
+    DTensors: any grid reads them back), those without a layout per rank (shards/NAME/rankR/
+    KEY: only the saving grid can), its JSON once (state/NAME/json)."""
+
+    def __init__(self, name: str, part: ShardedStateful) -> None:
+        self.name, self.part = name, part
+
+    def save(self, store: _Store, prepare: Callable[[torch.Tensor], torch.Tensor]
+             ) -> dict[str, Any]:
+        tensors, meta = self.part.state_dict()
+        out = encode_state(meta, StateKey("state", self.name)) if store.rank == 0 else {}
+        for key, t in tensors.items():
+            layout = self.part.layout_of(key)
+            if t.dim() == 0:
+                out[str(StateKey("shards", self.name, key))] = prepare(t.detach())
+            elif layout is None:
+                out[str(StateKey("shards", self.name, key, store.rank))] = prepare(t.detach())
+            else:
+                out[str(StateKey("shards", self.name, key))] = _wrap(
+                    prepare(t.detach()), layout, _full_shape(t, layout, store.grid),
+                    store.mesh, key)
+        return out
+
+    def targets(self, store: _Store, path: Path, saved: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's shards of the saved tensors, allocated for DCP to fill (wrapped as
+        DTensors); a tensor saved per rank is refused on a grid other than the one that wrote
+        it."""
+        out = _empty_entries(path, StateKey("state", self.name), saved)
+        keys = [(k, s) for s in saved if (k := StateKey.parse(s)) is not None
+                and k.area == "shards" and k.name == self.name]
+        per_rank = sorted(k.entry for k, _ in keys if k.rank is not None)
+        saved_grid = _saved_grid(path)
+        if per_rank and saved_grid != str(store.grid.shape):
+            raise CheckpointError(
+                f"checkpoint {path}: the state of {self.part.describe()} ({per_rank[0]}) was "
+                f"kept per rank on the grid {saved_grid} and does not reshard to "
+                f"{store.grid.shape}; resume on {saved_grid}")
+        for key, text in keys:
+            if key.rank not in (None, store.rank):
+                continue
+            size = tuple(saved[text].size)
+            layout = self.part.layout_of(key.entry) if key.rank is None and size else None
+            if key.rank is None and size and layout is None:
+                raise CheckpointError(f"checkpoint {path} does not fit this run: "
+                                      f"{self.part.describe()} keeps no state {key.entry!r}")
+            try:
+                local_shape = size if layout is None else \
+                    layout.local_shape(size, store.grid.shape, key.entry)
+            except FourfoldError as e:  # a global tensor this grid cannot split evenly
+                raise CheckpointError(f"checkpoint {path}: {self.part.describe()}: "
+                                      f"{_one_line(e)}") from None
+            local = torch.empty(local_shape, dtype=saved[text].properties.dtype)
+            out[text] = local if layout is None else _wrap(local, layout, size, store.mesh,
+                                                           key.entry)
+        return out
+
+    def restore(self, store: _Store, path: Path, loaded: dict[str, Any]) -> None:
+        shards = {}
+        for text, value in loaded.items():
+            key = StateKey.parse(text)
+            if key is not None and key.area == "shards" and key.name == self.name:
+                shards[key.entry] = value.to_local() if hasattr(value, "to_local") else value
+        meta = decode_state(loaded, StateKey("state", self.name))
+        _restore_part(path, self.name, lambda: self.part.load_state_dict(shards, meta))
+
+
+class _Store(Protocol):
+    """What a part's save and load see of the manager."""
+
+    grid: Grid
+    mesh: Any
+    rank: int
+
+
+class _Stored(Protocol):
+    """A registered part as the manager drives it: its entries to save, the entries DCP loads
+    into, and what it does with them once loaded."""
+
+    def save(self, store: _Store, prepare: Callable[[torch.Tensor], torch.Tensor]
+             ) -> dict[str, Any]: ...
+
+    def targets(self, store: _Store, path: Path, saved: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def restore(self, store: _Store, path: Path, loaded: dict[str, Any]) -> None: ...
+
+
+def _empty_entries(path: Path, where: StateKey, saved: Mapping[str, Any]) -> dict[str, Any]:
+    """Empty tensors, sized from the index, for every entry at `where` (a part's JSON and
+    tensors); a part without its JSON is refused."""
+    json_key = str(where.with_entry(_JSON))
+    if json_key not in saved:
+        raise CheckpointError(f"checkpoint {path} has no saved state "
+                              f"{str(where.with_entry(''))[:-1]!r}; was it written by this "
+                              "version of fourfold?")
+    prefix = str(where.with_entry(""))
+    return {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            for k, m in saved.items() if k.startswith(prefix)}
+
+
+def _restore_part(path: Path, name: str, restore: Callable[[], None]) -> None:
+    """Run a part's own restore; its complaint about what it is given as one line."""
+    try:
+        restore()
+    except CheckpointError:
+        raise
+    except Exception as e:  # the part's own check of what it is given
+        raise CheckpointError(f"checkpoint {path}: cannot restore {name!r}: "
+                              f"{type(e).__name__}: {_one_line(e)}") from None
+
+
 class CheckpointManager:
     """Writes, finds, verifies and loads the checkpoints of one run. On a grid every rank
-    constructs one (collective) and calls save/load/latest_valid at the same points.
+    constructs one (collective) and calls register/save/load/latest_valid at the same points.
 
-    Saved state: model parameters and optimizer state (by parameter name, as DTensors); each
-    part in `states` (name -> Stateful, the same state on every rank: trainer counters, data
-    loader, loss guard), collected at save() and restored by load(); the caller's `extra`
-    (JSON values and tensors); and each rank's RNG states. Everything is tensors plus JSON:
-    loading never unpickles anything from the checkpoint's data.
-
-    trainable_only (an adapter run): only the parameters that train are saved and loaded; the
-    frozen base is rebuilt by the run builder (a BaseReference part checks it is the same).
-
-    sharded_states (name -> ShardedStateful: a training method's state): its tensors are saved
-    as DTensors by their layouts, like the model's, so they load on any grid; its JSON once.
+    What a checkpoint holds is what was registered (`register`), each part by its kind: the
+    model (ModelState) and a torch optimizer (OptimizerState) by parameter name, as DTensors;
+    a ShardedStateful (a training method's state) by the layouts it gives; a Stateful once
+    (the same on every rank: trainer counters, data loader, loss guard); and each rank's RNG
+    states, which the manager registers itself. Everything is tensors plus JSON: loading never
+    unpickles anything from the checkpoint's data.
     """
 
-    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, grid: Grid,
-                 states: Mapping[str, Stateful] | None = None,
-                 trainable_only: bool = False,
-                 sharded_states: Mapping[str, ShardedStateful] | None = None) -> None:
+    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, grid: Grid) -> None:
         self.run_dir = Path(run_dir)
-        self.trainable_only = trainable_only
         self.root = checkpoint_root(run_dir)
         self.cfg = cfg
         self.grid = grid
         self.async_save = cfg.is_async(on_host=grid.device.type == "cpu")
         self.rank = grid.rank
-        self.states: dict[str, Stateful] = dict(states or {})
-        if _EXTRA in self.states:
-            raise ValueError(f"{_EXTRA!r} is reserved for save()'s extra; name the part otherwise")
-        # each rank's own part: its RNG states (a method's state is a sharded part)
-        self.rank_states: dict[str, Stateful] = {"rng": RandomState()}
-        self.sharded_states: dict[str, ShardedStateful] = dict(sharded_states or {})
-        clash = sorted(set(self.sharded_states) & (set(self.states) | {_EXTRA}))
-        if clash:  # both keep their JSON under state/NAME/
-            raise ValueError(f"{clash[0]!r} names a part in states and in sharded_states")
         # a one-rank grid that forces the engine (Grid.force_groups) takes the grid's path too
         # a simulated job (torch's fake process group, no data behind it) never saves
         self.distributed = ((grid.world_size > 1 or grid.force_groups) and dist.is_initialized()
@@ -433,11 +746,41 @@ class CheckpointManager:
         # A group of its own: the writer thread's collectives never meet training traffic.
         self.group = dist.new_group(backend="gloo") if self.distributed else None
         self.mesh = build_mesh(grid) if self.distributed else None
+        self._parts: dict[str, _Stored] = {}
+        self.register(_RNG, RandomState())
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._last_saved: Path | None = None
         self._verified: set[str] = set()
         self._swept = False
+
+    @classmethod
+    def for_model(cls, run_dir: str | Path, cfg: CheckpointConfig, grid: Grid,
+                  pmodel: ParallelModel, optimizer: torch.optim.Optimizer | None = None,
+                  trainable_only: bool = False) -> CheckpointManager:
+        """A manager of a model's checkpoints (and its torch optimizer's, where given)."""
+        manager = cls(run_dir, cfg, grid)
+        manager.register("model", ModelState(pmodel, trainable_only))
+        if optimizer is not None:
+            manager.register("optimizer", OptimizerState(optimizer, pmodel))
+        return manager
+
+    def register(self, name: str, part: ModelState | OptimizerState | Stateful
+                 | ShardedStateful) -> None:
+        """Save `part` in every checkpoint and restore it at load, under `name` (unique; a
+        letter or digit first, no "/")."""
+        if name in self._parts or name == _EXTRA or "/" in name or not name[:1].isalnum():
+            raise ValueError(f"checkpoint part name {name!r} is taken or not a plain name")
+        stored: _Stored
+        if isinstance(part, (ModelState, OptimizerState)):
+            stored = part
+        elif hasattr(part, "layout_of"):
+            stored = _ShardedState(name, part)  # type: ignore[arg-type]
+        elif getattr(part, "per_rank", False):
+            stored = _RankState(name, part, self.rank)  # type: ignore[arg-type]
+        else:
+            stored = _SharedState(name, part)  # type: ignore[arg-type]
+        self._parts[name] = stored
 
     # ---- saving ---------------------------------------------------------------------------
 
@@ -445,14 +788,14 @@ class CheckpointManager:
         """Whether checkpoint.every asks for a checkpoint after `step`."""
         return self.cfg.every > 0 and step % self.cfg.every == 0
 
-    def save(self, step: int, pmodel: Any, optimizer: torch.optim.Optimizer | None,
-             extra: Any = None) -> None:
-        """Checkpoint the state after `step`. With checkpoint.async (is_async) the state is copied
-        to CPU here and written in the background (call wait() to know it is complete);
+    def save(self, step: int, extra: Any = None) -> None:
+        """Checkpoint the registered parts after `step`, and `extra` (JSON values and
+        tensors, what load() returns). With checkpoint.async (is_async) the state is copied to
+        CPU here and written in the background (call wait() to know it is complete);
         otherwise this returns when the checkpoint is complete. Raises CheckpointError for a
         failed earlier asynchronous save or (synchronously) a failed write."""
         self.wait()
-        snapshot = self._snapshot(pmodel, optimizer, extra)
+        snapshot = self._snapshot(extra)
         if not self.async_save:
             self._last_saved = self._write(step, snapshot)
             return
@@ -484,8 +827,7 @@ class CheckpointManager:
         """Wait for a pending save (raising its error)."""
         self.wait()
 
-    def _snapshot(self, pmodel: Any, optimizer: torch.optim.Optimizer | None,
-                  extra: Any) -> dict[str, Any]:
+    def _snapshot(self, extra: Any) -> dict[str, Any]:
         """Everything to save, on CPU, as DCP's flat state dict of tensors: a copy for an
         asynchronous save (training goes on changing the tensors), the tensors themselves for
         a synchronous save of CPU tensors. The parts' states are taken here, on the calling
@@ -495,71 +837,13 @@ class CheckpointManager:
         def to_cpu(t: torch.Tensor) -> torch.Tensor:
             return to_host(t, copy)  # from a GPU: pinned, not blocking
 
-        state, _ = self._tensor_state(pmodel, optimizer, to_cpu)
-        if self.rank == 0:  # the same on every rank (per-rank timings aside): one copy
-            state.update(encode_state(extra, f"{_STATE}{_EXTRA}/"))
-            for name, part in self.states.items():
-                state.update(encode_state(part.state_dict(), f"{_STATE}{name}/"))
-        for name, part in self.rank_states.items():
-            state.update(encode_state(part.state_dict(), f"rank{self.rank}/{name}/"))
-        for name, part in self.sharded_states.items():
-            tensors, meta = part.state_dict()
-            if self.rank == 0:
-                state.update(encode_state(meta, f"{_STATE}{name}/"))
-            state.update(self._shards(name, part, tensors, to_cpu))
-        wait_for_host_copies(self.grid.device)  # the model's, the optimizer's, the parts'
-        return state
-
-    def _shards(self, name: str, part: ShardedStateful, tensors: dict[str, torch.Tensor],
-                prepare: Any) -> dict[str, Any]:
-        """A sharded part's tensors by DCP key: DTensors of their global tensors, 0-dim ones
-        plain (the same on every rank), those without a layout under this rank's own key."""
-        out: dict[str, Any] = {}
-        for key, t in tensors.items():
-            layout = part.layout_of(key)
-            if t.dim() == 0:
-                out[f"{_SHARDS}{name}/global/{key}"] = prepare(t.detach())
-            elif layout is None:
-                out[f"{_SHARDS}{name}/rank{self.rank}/{key}"] = prepare(t.detach())
-            else:
-                out[f"{_SHARDS}{name}/global/{key}"] = _wrap(
-                    prepare(t.detach()), layout, _full_shape(t, layout, self.grid), self.mesh, key)
-        return out
-
-    def _tensor_state(self, pmodel: Any, optimizer: torch.optim.Optimizer | None,
-                      prepare: Any) -> tuple[dict[str, Any], set[str]]:
-        """Model and optimizer tensors by DCP key, and the keys of non-tensor optimizer values
-        (none in torch's AdamW), which are stored as JSON (load() sizes them from the
-        checkpoint's metadata)."""
-        layouts = pmodel.layouts()
         state: dict[str, Any] = {}
-        json_keys: set[str] = set()
-        full_shapes: dict[str, tuple[int, ...]] = {}
-        for name, p in pmodel.named_parameters():
-            if self.trainable_only and not p.requires_grad:
-                continue  # the frozen base: rebuilt from model.init_from (or the seed)
-            full_shapes[name] = _full_shape(p, layouts[name], self.grid)
-            state[_MODEL + name] = _wrap(prepare(p), layouts[name], full_shapes[name], self.mesh,
-                                         name)
-        if optimizer is None:
-            return state, json_keys
-        names = _param_names(pmodel)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p not in optimizer.state:
-                    continue
-                name = names[id(p)]
-                for key, value in optimizer.state[p].items():
-                    where = f"{_OPTIM}{name}/{key}"
-                    if not torch.is_tensor(value):
-                        state[where] = encode_state(value, where + "/")[where + "/" + _JSON_KEY]
-                        json_keys.add(where)
-                    elif value.shape == p.shape and value.dim() > 0:  # shaped like the shard
-                        state[where] = _wrap(prepare(value), layouts[name], full_shapes[name],
-                                             self.mesh, name)
-                    else:  # a scalar such as AdamW's step: the same on every rank
-                        state[where] = prepare(value)
-        return state, json_keys
+        if self.rank == 0:  # the same on every rank: one copy
+            state.update(encode_state(extra, StateKey("state", _EXTRA)))
+        for part in self._parts.values():
+            state.update(part.save(self, to_cpu))
+        wait_for_host_copies(self.grid.device)  # the parts' copies from the device
+        return state
 
     def _write(self, step: int, snapshot: dict[str, Any]) -> Path:
         """Write a snapshot on every rank and publish it; returns the final directory."""
@@ -707,12 +991,10 @@ class CheckpointManager:
                               "previous one", stacklevel=2)
         return None
 
-    def load(self, path: str | Path, pmodel: Any, optimizer: torch.optim.Optimizer | None,
-             restore_rng: bool = True) -> Any:
-        """Load a checkpoint (written on any grid) into this rank's shards of the model and
-        optimizer (None: weights only) and into every part in `states` and `sharded_states`
-        (this rank's blocks of each saved tensor), restore this rank's RNG states, and return
-        the saved `extra`.
+    def load(self, path: str | Path, restore_rng: bool = True) -> Any:
+        """Load a checkpoint (written on any grid) into the registered parts (this rank's
+        blocks of each saved tensor), restore this rank's RNG states (unless told not to), and
+        return the saved `extra`.
 
         Only tensors are read: a checkpoint that holds pickled objects (one from an older
         fourfold, or one made to run code when opened) is refused with a CheckpointError."""
@@ -729,107 +1011,30 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} holds pickled objects ({pickled[0]}"
                                   f"{' ...' if len(pickled) > 1 else ''}); fourfold reads only "
                                   "tensors and JSON and does not unpickle them")
-        if optimizer is not None:
-            init_optimizer_state(optimizer)
-
-        def same(t: torch.Tensor) -> torch.Tensor:
-            return t.detach()  # DCP copies into the very storage of the parameter / state
-
-        with torch.no_grad():
-            state, json_values = self._tensor_state(pmodel, optimizer, same)
+        parts = {name: part for name, part in self._parts.items()
+                 if restore_rng or name != _RNG}
+        state: dict[str, Any] = {}
+        for part in parts.values():  # the model's and optimizer's first: checked below
+            if isinstance(part, (ModelState, OptimizerState)):
+                state.update(part.targets(self, path, saved))
         missing = sorted(k for k in state if k not in saved)
         if missing:
             raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: it lacks "
                                   f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
-        # Which parts to read: the extra and the shared parts, and this rank's own states (a
-        # checkpoint from fewer ranks: rank 0's). Their sizes come from the metadata.
-        rank_prefix = f"rank{self.rank}/"
-        if not any(k.startswith(rank_prefix) for k in saved):
-            rank_prefix = "rank0/"
-        prefixes = [f"{_STATE}{_EXTRA}/"] + [f"{_STATE}{name}/" for name in self.states]
-        if restore_rng:
-            prefixes += [f"{rank_prefix}{name}/" for name in self.rank_states]
-        for prefix in prefixes:
-            if prefix + _JSON_KEY not in saved:
-                raise CheckpointError(f"checkpoint {path} has no saved state {prefix[:-1]!r}; "
-                                      "was it written by this version of fourfold?")
-        wanted = [k for k in saved if any(k.startswith(p) for p in prefixes)] + sorted(json_values)
-        for key in wanted:
-            meta = saved[key]
-            state[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        shards = {name: self._empty_shards(path, name, part, saved, state)
-                  for name, part in self.sharded_states.items()}
+        extra = StateKey("state", _EXTRA)
+        state.update(_empty_entries(path, extra, saved))
+        for part in parts.values():
+            if not isinstance(part, (ModelState, OptimizerState)):
+                state.update(part.targets(self, path, saved))
         try:
             with torch.no_grad(), _quiet_single_process():
                 dcp.load(state, storage_reader=_tensor_reader(path),
                          process_group=self.group, no_dist=not self.distributed)
         except (Exception, CheckpointException) as e:
             raise CheckpointError(f"cannot load checkpoint {path}: {_dcp_reason(e)}") from None
-        params = dict(pmodel.named_parameters())
-        for key in json_values:
-            name, field = key[len(_OPTIM):].rsplit("/", 1)
-            value = decode_state({key + "/" + _JSON_KEY: state[key]}, key + "/")
-            optimizer.state[params[name]][field] = value  # type: ignore[union-attr]
-        for prefix in prefixes[1:]:
-            name = prefix[:-1].split("/", 1)[1]
-            part = self.states.get(name) if prefix.startswith(_STATE) else self.rank_states[name]
-            assert part is not None
-            try:
-                part.load_state_dict(decode_state(state, prefix))
-            except CheckpointError:
-                raise
-            except Exception as e:  # a part's own check of what it is given
-                raise CheckpointError(f"checkpoint {path}: cannot restore {name!r}: "
-                                      f"{type(e).__name__}: {_one_line(e)}") from None
-        for name, sharded in self.sharded_states.items():
-            try:
-                sharded.load_state_dict(shards[name], decode_state(state, f"{_STATE}{name}/"))
-            except CheckpointError:
-                raise
-            except Exception as e:  # the part's own check of what it is given
-                raise CheckpointError(f"checkpoint {path}: cannot restore {name!r}: "
-                                      f"{type(e).__name__}: {_one_line(e)}") from None
-        return decode_state(state, f"{_STATE}{_EXTRA}/")
-
-    def _empty_shards(self, path: Path, name: str, part: ShardedStateful, saved: Any,
-                      state: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """This rank's shards of a sharded part's saved tensors, allocated for DCP to fill (put
-        into `state` under their keys, wrapped as DTensors); the same tensors by the part's
-        keys. A tensor saved per rank is refused on a grid other than the one that wrote it."""
-        json_key = f"{_STATE}{name}/{_JSON_KEY}"
-        if json_key not in saved:
-            raise CheckpointError(f"checkpoint {path} has no saved state {_STATE + name!r}; "
-                                  "was it written by this version of fourfold?")
-        state[json_key] = torch.empty(tuple(saved[json_key].size), dtype=torch.uint8)
-        shared, own = f"{_SHARDS}{name}/global/", f"{_SHARDS}{name}/rank{self.rank}/"
-        per_rank = sorted(k for k in saved if k.startswith(f"{_SHARDS}{name}/rank"))
-        saved_grid = _saved_grid(path)
-        if per_rank and saved_grid != str(self.grid.shape):
-            key = per_rank[0].split("/", 3)[3]
-            raise CheckpointError(
-                f"checkpoint {path}: the state of {part.describe()} ({key}) was kept per rank on "
-                f"the grid {saved_grid} and does not reshard to {self.grid.shape}; resume on "
-                f"{saved_grid}")
-        out: dict[str, torch.Tensor] = {}
-        for k, meta in saved.items():
-            if not k.startswith((shared, own)):
-                continue
-            key = k[len(shared if k.startswith(shared) else own):]
-            size = tuple(meta.size)
-            layout = part.layout_of(key) if k.startswith(shared) and size else None
-            if k.startswith(shared) and size and layout is None:
-                raise CheckpointError(f"checkpoint {path} does not fit this run: "
-                                      f"{part.describe()} keeps no state {key!r}")
-            try:
-                local_shape = size if layout is None else \
-                    layout.local_shape(size, self.grid.shape, key)
-            except FourfoldError as e:  # a global tensor this grid cannot split evenly
-                raise CheckpointError(f"checkpoint {path}: {part.describe()}: "
-                                      f"{_one_line(e)}") from None
-            out[key] = torch.empty(local_shape, dtype=meta.properties.dtype)
-            state[k] = out[key] if layout is None else _wrap(out[key], layout, size, self.mesh,
-                                                              key)
-        return out
+        for part in parts.values():
+            part.restore(self, path, state)
+        return decode_state(state, extra)
 
 
 def load_weights_from_checkpoint(path: str | Path, model: torch.nn.Module) -> None:
@@ -839,10 +1044,10 @@ def load_weights_from_checkpoint(path: str | Path, model: torch.nn.Module) -> No
     from fourfold.parallel import parallelize
 
     grid = Grid.single()
-    manager = CheckpointManager(Path(path).parent.parent, CheckpointConfig(), grid)
     # without GEMM tuning a one-process grid leaves the model's modules as they are
     pmodel = parallelize(model, grid, ParallelConfig(gemm_tuning=False))
-    manager.load(path, pmodel, None, restore_rng=False)
+    CheckpointManager.for_model(Path(path).parent.parent, CheckpointConfig(), grid,
+                                pmodel).load(path, restore_rng=False)
 
 
 class BaseReference:

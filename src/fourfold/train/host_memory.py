@@ -1,50 +1,28 @@
-"""Keep freed host memory in the process instead of handing it back to the kernel.
+"""The host-memory policy of a run: what fourfold does about the C allocator when tensors live
+in host memory (a CPU run), decided once in build_run and a no-op on a GPU.
 
 PyTorch has a caching allocator for GPU memory but not for CPU tensors: every activation,
-gradient and logits tensor of a CPU training step is a fresh `malloc`, and glibc serves big
-ones with `mmap` and returns them with `munmap` (or trims its heap) when they are freed. The
-next step then touches brand-new pages, and the kernel zero-fills each 4 KiB page on its first
-touch. On the 35M-parameter bench shape that was about 160,000 page faults per step (640 MiB of
-zero-filled memory) and about a tenth of the step's time.
-
-`keep_freed_host_memory()` tells glibc to behave like a caching allocator: serve every block,
-however big, from its heap (no `mmap`), grow the heap in large steps and never trim it. After a
-few steps the heap has grown to the step's peak and settled its layout, and later steps reuse
-it: no page faults (on the bench shape 0-5 per step from the third step on).
-(Raising the mmap threshold instead is not enough: its ceiling is 32 MiB, below a logits
-tensor, and big blocks then come from the heap only if it happens to have grown after the
-tuning.) The price is that the process keeps its peak host memory until it exits, which is
-what a training process does anyway.
-
-A heap that keeps everything must also let freed neighbours merge, or it grows far beyond what
-the process holds. torch allocates CPU tensors 64-byte aligned (posix_memalign), and glibc cuts
-the alignment padding off each block as a tiny free chunk; kept in a fastbin or the tcache,
-such chunks count as in use and sit between the big blocks, so freed blocks never coalesce into
-holes that a later, slightly larger tensor fits. Measured on the 350m preset, 8 ranks: a rank's
-resident memory reached 1.3-1.5x the model's weights while it held at most 0.8x. So fastbins
-are off (M_MXFAST = 0), all threads share one arena (gloo's worker threads would each keep
-their own peak), and ranks started by `fourfold train --nproc` also run without the tcache
-(`RANK_TUNABLES`, which only the environment can set); then a rank's resident memory stays
-within a few percent of what it holds, without page faults (bench/memory.py --phases). The
-tcache matters most: with the in-process part alone the 350m ranks still read 1.1-1.4x, so
-any other CPU process of `fourfold train` (a rank that torchrun or srun started, or one
-process without a launcher) restarts itself once with RANK_TUNABLES (fourfold.cli); one
-process of 15m at 8 x 128 tokens peaked 16-52 MiB lower so (MiB above the import, without ->
-with: AdamW 488 -> 472, LOMO 262 -> 210, MeZO 125 -> 112, GaLore 301 -> 254).
-
-The same environment turns MKL's buffer cache off (fourfold.host.MKL_ENVIRONMENT): MKL, which
-does torch's GEMMs and eigh on x86 CPUs, otherwise keeps each call's work buffers in the heap
-for good, 23 MiB after one GaLore refresh of a 288-row matrix. At 15m, 8 x 128 tokens
-(bench/train_memory.py, one run each, MiB above the import, without -> with): GaLore one
-process 245 -> 223, 2x2 rank 0 138 -> 126; AdamW one process 417 -> 401; LOMO 2x2 115 -> 109.
-
-And it turns torch's flight recorder off (fourfold.host.FLIGHT_RECORDER_ENVIRONMENT), whose
-small blocks, made at every collective and kept until its ring comes round, landed in the
-holes a step's tensors left on a CPU rank of a grid (15m 2x2: ES 62-67 -> 50 MiB, AdaLomo 121
--> 106).
-
-It only changes glibc's tuning (`mallopt`); on other C libraries, or when the user tunes malloc
-through the environment (MALLOC_* variables or GLIBC_TUNABLES), it does nothing.
+gradient and logits tensor of a CPU step is a fresh `malloc`, which glibc serves with `mmap`
+(big blocks) or from its heap, and hands back to the kernel when freed. The next step then
+touches new pages, each zero-filled by the kernel on its first touch: a tenth of a step's time
+on a small model. The policy:
+- tunes glibc to behave as a caching allocator (`keep_freed_host_memory`): every block from
+  its heap, grown in large steps and never trimmed, fastbins off and one arena, so that freed
+  neighbours merge into holes a later tensor fits; the ranks a launcher starts get the same
+  tuning through their environment (fourfold.host.rank_malloc_environment), with the
+  per-thread cache off, which only the environment can set, MKL's buffer cache off and torch's
+  flight recorder off (both leave blocks in the holes a step's tensors free);
+- hands the heap's free pages back to the kernel at the points where what comes next would
+  otherwise land beside resident holes (`HostMemory.hooks`: the training method's phase
+  boundaries; `release`: before the export);
+- gives the engine a pool that keeps a released gradient's buffer for the next gradient of
+  its shape (parallel/buffers.py), where fresh gradients would each find the heap's holes
+  taken by the activations made since.
+bench/memory_lean.py (--cli, --tuned-malloc) measures a run's peak resident memory per rank
+(the figures: docs/results.md); tests/test_host_memory.py checks what each part does to the
+heap.
+Off glibc, or when the user tunes malloc through the environment (MALLOC_* variables or
+GLIBC_TUNABLES), the tuning does nothing.
 """
 
 from __future__ import annotations
@@ -55,11 +33,14 @@ import functools
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from fourfold.host import (_TOP_PAD, _TRIM_THRESHOLD, RANK_TUNABLES,  # noqa: F401
                            _user_tunes_malloc, rank_malloc_environment)
+from fourfold.parallel.buffers import GradBufferPool
+from fourfold.train.methods.base import PhaseHooks
 
 # mallopt parameters (malloc.h)
 _M_MXFAST = 1
@@ -110,63 +91,65 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return trim
 
 
-def trim_host_memory(device: torch.device) -> None:
-    """When `device` is the host, hand the heap's free pages back to the kernel now (glibc's
-    malloc_trim, which frees whole free pages in the middle of the heap too): under the ranks'
-    malloc tuning nothing else does. Called after the training steps, whose blocks the final
-    export will not reuse, before a GaLore refresh's large transient, which would otherwise
-    land beside resident holes, and on a CPU rank of a grid at the points trim_on_host_grid
-    lists. A no-op for an accelerator's memory and off glibc."""
-    if device.type != "cpu":
-        return
+def trim_host_memory() -> None:
+    """Hand the heap's free pages back to the kernel now (glibc's malloc_trim, which frees
+    whole free pages in the middle of the heap too): under the tuning above nothing else does.
+    Nothing off glibc."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
 
 
-def trim_after_autocast_forward(device: torch.device, world_size: int,
-                                dtype: str) -> Callable[[], None] | None:
-    """What a memory-lean method runs between a forward and its backward (adamw.backward_pass's
-    `after_forward`): on one host process under bfloat16 autocast, the trim. Autocast caches
-    every weight's bfloat16 copy through the forward and frees them all as it ends (on a grid
-    Linear3D casts its own weights: no cache); the backward's first large tensors (the output
-    layer's float32 dW, the weight's bfloat16 copy) fit none of the copies' holes and land on
-    top of them, all resident. 125m, 2 x 128 tokens, --tuned-malloc (bench/memory_lean.py
-    --dtype bfloat16): LOMO 919-933 MiB without, 845-849 with, at 145-146 tokens/s against
-    151-152; AdaLomo 921-927 against 844; GaLore 1235-1239 against 1207-1208. AdamW would save
-    57 MiB of 2300 at 12% of its tokens/s and BlockLLM nothing: they do not trim."""
-    if device.type != "cpu" or world_size != 1 or dtype != "bfloat16":
-        return None
-    return functools.partial(trim_host_memory, device)
+@dataclass(frozen=True)
+class HostMemory:
+    """The host-memory policy of one run (see the module docstring): `on_host` (the tensors
+    live in host memory), on `world_size` ranks, computing in `dtype`."""
 
+    on_host: bool
+    world_size: int = 1
+    dtype: str = "float32"
 
-def trim_on_host_grid(device: torch.device, world_size: int) -> Callable[[], None] | None:
-    """The methods' per-step trim, for a CPU rank of a grid (else None): LOMO and AdaLomo at
-    each step's start, GaLore at its forward and its update, MeZO and ES before each forward,
-    BlockLLM at each step's start. On such a rank a step's transients (with MKL's cache off a
-    4.6-4.8 MiB work buffer per float32 GEMM; until stop 49 also a 4 MiB logits block that
-    gloo's worker thread freed a moment after the next one was made, see embedding.py's
-    _block_space) land in other holes each step: the heap in use stays flat, but its blocks
-    wander over a growing extent and every page they touch stays resident. 15m preset, 2x2, 8 x
-    128 tokens, 12 steps (bench/train_memory.py --grids 2x2 --steps 12), rank 0's peak without
-    -> with (four runs against eight, ES fourteen): ES 68-93 -> 64-86 MiB (median 68.5; with
-    stop 49's logits buffer 60-79, median 64.6 over nineteen), MeZO 67-78 -> 62-71 (planned
-    61.5); BlockLLM 132-136 -> 116-124 (four, four; planned 108). The price is the faults of
-    the pages touched again: on that rank a step +2% (AdaLomo, GaLore) to +7% (MeZO)
-    (bench/trim_cost.py --grid 2x2). One process does not grow so, and there the trims bought
-    nothing and cost 9-13% of a step (LOMO, AdaLomo, GaLore at 15m; LOMO 164 against 176
-    tokens/s at 125m, peak 690 against 688 MiB, one run each): no trim there."""
-    if device.type != "cpu" or world_size == 1:
-        return None
-    return functools.partial(trim_host_memory, device)
+    @classmethod
+    def for_run(cls, device: torch.device, world_size: int, dtype: str) -> HostMemory:
+        return cls(device.type == "cpu", world_size, dtype)
 
+    def tune(self) -> None:
+        """Tune the allocator of this process (once, before the model is built)."""
+        if self.on_host:
+            keep_freed_host_memory()
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor (a batch) on `device`. To a GPU it goes through pinned memory without
-    blocking the host, so the copy overlaps what the GPU is still doing; elsewhere, `t.to`."""
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    def release(self) -> None:
+        """Hand the heap's free pages back now (before a phase whose blocks the last one's
+        holes would not fit: the export after the steps)."""
+        if self.on_host:
+            trim_host_memory()
+
+    def hooks(self) -> PhaseHooks:
+        """What the training method calls at its phases' boundaries:
+        - before a large transient (a GaLore refresh's Gram and eigh workspace), on any host
+          process: it would otherwise land above the heap's free holes, all resident;
+        - on a CPU rank of a grid, at each step's start, before each forward of a
+          forward-only method and before the update: there a step's transients (a GEMM's work
+          buffer, a block of logits gloo's worker thread frees late) land in other holes each
+          step, and the pages their blocks wander over stay resident;
+        - on one host process under bfloat16 autocast, between forward and backward: autocast
+          frees its cached bfloat16 weight copies as the forward ends, and the backward's
+          first large tensors fit none of their holes.
+        On a GPU none."""
+        if not self.on_host:
+            return PhaseHooks()
+        release = self.release
+        if self.world_size > 1:
+            return PhaseHooks(step_start=release, before_forward=release,
+                              before_update=release, before_transient=release)
+        if self.dtype == "bfloat16":
+            return PhaseHooks(after_forward=release, before_transient=release)
+        return PhaseHooks(before_transient=release)
+
+    def grad_buffers(self) -> GradBufferPool | None:
+        """The engine's pool of released gradient buffers: on a host, where a fresh gradient
+        is a fresh malloc (a GPU's caching allocator reuses its blocks itself)."""
+        return GradBufferPool() if self.on_host else None
 
 
 def to_host(t: torch.Tensor, copy: bool) -> torch.Tensor:

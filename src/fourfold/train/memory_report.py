@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from fourfold.parallel import ParallelModel
 from fourfold.parallel.data_parallel import in_flight_wire_bytes
 
 
@@ -38,9 +39,8 @@ class _Saved:
 
 
 class MemoryMeter:
-    def __init__(self, pmodel: Any, optimizer: torch.optim.Optimizer | None, method: Any,
-                 activation_checkpointing: bool) -> None:
-        self.pmodel, self.optimizer, self.method = pmodel, optimizer, method
+    def __init__(self, pmodel: ParallelModel, method: Any, activation_checkpointing: bool) -> None:
+        self.pmodel, self.method = pmodel, method
         self._param_storages = {p.untyped_storage().data_ptr() for p in pmodel.parameters()}
         self._live: dict[int, list[int]] = {}  # storage -> [references, bytes]
         self._live_bytes = 0
@@ -103,11 +103,7 @@ class MemoryMeter:
         grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
         grads = max(grads, getattr(self.method, "peak_grad_bytes", 0))
         peak["gradients"] = max(peak["gradients"], grads)
-        if self.method is not None:
-            state = self.method.state_bytes()
-        else:
-            state = self.pmodel.memory_bytes(self.optimizer)["optimizer"]
-        peak["optimizer_state"] = max(peak["optimizer_state"], state)
+        peak["optimizer_state"] = max(peak["optimizer_state"], self.method.state_bytes())
         peak["communication_buffers"] = max(peak["communication_buffers"], self._comm_bytes())
 
     def _comm_bytes(self) -> int:

@@ -101,13 +101,9 @@ class LRSchedule:
         self.cfg = cfg
         self.changed: list[str] = []  # "train.lr 0.001 -> 0.0005", set by load_state_dict
 
-    def apply(self, optimizer: torch.optim.Optimizer | None, step: int) -> float:
-        """Set the learning rate of optimizer step `step` (1-based); returns it (a training
-        method without a torch optimizer takes it as an argument)."""
-        lr = lr_at(step, self.cfg)
-        if optimizer is not None:
-            set_lr(optimizer, lr)
-        return lr
+    def lr(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (1-based)."""
+        return lr_at(step, self.cfg)
 
     def state_dict(self) -> dict[str, float | int]:
         return {name: getattr(self.cfg, name) for name in self.FIELDS}

@@ -80,20 +80,22 @@ class LossGuard:
         recent = self.recent
         return sum(recent) / len(recent) if recent else None
 
-    def check(self, loss: float, grad_norm: float) -> str | None:
-        """Why this step is bad (one phrase), or None when it is fine."""
+    def check(self, loss: float, grad_norm: float | None) -> str | None:
+        """Why this step is bad (one phrase), or None when it is fine (`grad_norm` None: not
+        known, only the loss is judged)."""
         recent = self.recent
         mean = sum(recent) / len(recent) if recent else None
         if not math.isfinite(loss):
             code = LOSS_NOT_FINITE
-        elif not math.isfinite(grad_norm):
+        elif grad_norm is not None and not math.isfinite(grad_norm):
             code = NORM_NOT_FINITE
         elif (self.spike_threshold > 0 and mean is not None and len(recent) >= self.min_history
                 and loss > self.spike_threshold * mean):
             code = SPIKE
         else:
             code = FINE
-        return self.reason(code, loss, grad_norm, math.nan if mean is None else mean)
+        return self.reason(code, loss, math.nan if grad_norm is None else grad_norm,
+                           math.nan if mean is None else mean)
 
     def reason(self, code: int, loss: float, grad_norm: float, mean: float) -> str | None:
         """The phrase for a verdict code (None for FINE), from the verdict's numbers."""
@@ -145,6 +147,62 @@ class LossGuard:
         self._count = torch.tensor(len(recent), dtype=torch.int64, device=device)
 
 
+@dataclass(frozen=True)
+class DeviceJudgement:
+    """A step the guard judged on the device: its verdict and whether its update was applied
+    (bool tensor)."""
+
+    verdict: Verdict
+    applied: torch.Tensor
+
+
+@dataclass(frozen=True)
+class HostJudgement:
+    """A step the guard judged on the host: its numbers and the reason to reject it (None:
+    fine)."""
+
+    loss: float
+    grad_norm: float
+    reason: str | None
+
+
+class UpdateGate:
+    """The loss guard and train.nan_policy at the update, as the trainer hands them to its
+    training method each step (methods.base.StepGuard), keeping the step's judgement for the
+    trainer to report: on the device (`allow`, AdamW: nothing waits for the host) or on the
+    host (`check`, the methods that read their loss anyway). `hold_after_bad`
+    (nan_policy = "stop"): after a bad step no update is applied until the host has seen it
+    (the trainer stops there)."""
+
+    def __init__(self, guard: LossGuard, hold_after_bad: bool) -> None:
+        self.guard = guard
+        self.hold_after_bad = hold_after_bad
+        self._held: torch.Tensor | None = None  # a bad step held every update since
+        self.judgement: DeviceJudgement | HostJudgement | None = None  # this step's
+
+    def begin_step(self) -> None:
+        self.judgement = None
+
+    def allow(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        verdict = self.guard.judge(loss, grad_norm)
+        applied = ~verdict.bad
+        if self.hold_after_bad:
+            if self._held is not None:
+                applied = applied & ~self._held
+            self._held = ~applied
+        self.guard.record(verdict.loss, applied)
+        self.judgement = DeviceJudgement(verdict, applied)
+        return applied
+
+    def check(self, loss: float, grad_norm: float | None) -> str | None:
+        reason = self.guard.check(loss, grad_norm)
+        if reason is None:
+            self.guard.accept(loss)
+        self.judgement = HostJudgement(loss, math.nan if grad_norm is None else grad_norm,
+                                       reason)
+        return reason
+
+
 # --------------------------------------------------------------------------------------------
 # stragglers
 
@@ -192,5 +250,5 @@ def resume_record(step: int, checkpoint: Path, restarts: int) -> dict[str, Any]:
             "checkpoint": str(checkpoint), "restart_count": restarts}
 
 
-__all__ = ["FINE", "LOSS_NOT_FINITE", "NORM_NOT_FINITE", "SPIKE", "LossGuard", "Verdict", "gather_step_times", "restart_count", "resume_record",
-           "straggler_report"]
+__all__ = ["FINE", "LOSS_NOT_FINITE", "NORM_NOT_FINITE", "SPIKE", "DeviceJudgement",
+           "HostJudgement", "LossGuard", "UpdateGate", "Verdict", "gather_step_times", "restart_count", "resume_record", "straggler_report"]

@@ -154,11 +154,10 @@ def _adapter_model_from_checkpoint(path: Path, cfg: Config) -> Llama:
     if cfg.model.init_from:
         load_hf_into(pmodel, cfg.model.init_from)
     apply_adapter(pmodel, cfg.adapter, cfg.train.seed)
-    manager = CheckpointManager(path.parent.parent, CheckpointConfig(), grid,
-                                states={"base": BaseReference(cfg.model.init_from,
-                                                              cfg.train.seed)},
-                                trainable_only=True)
-    manager.load(path, pmodel, None, restore_rng=False)
+    manager = CheckpointManager.for_model(path.parent.parent, CheckpointConfig(), grid, pmodel,
+                                          trainable_only=True)
+    manager.register("base", BaseReference(cfg.model.init_from, cfg.train.seed))
+    manager.load(path, restore_rng=False)
     merged = Llama(cfg.model)
     state = merged_state_dict(model.state_dict(), cfg.adapter)
     if cfg.model.tie_embeddings:
@@ -196,14 +195,22 @@ def trained_tensors(run_dir: str | Path
 def run_tokenizer(run_dir: str | Path, cfg: Config) -> "Tokenizer":
     """The tokenizer whose ids a run (`cfg`, its config.toml) was trained on: its data
     directory's own (a built-in corpus's for its data.tokenizer)."""
-    from fourfold.data import ByteTokenizer, load_tokenizer, resolve_data_path
+    from fourfold.data import ByteTokenizer, load_tokenizer
+
+    if cfg.data.path.startswith("builtin:") and cfg.data.tokenizer in ("auto", "byte"):
+        return ByteTokenizer()  # without building the corpus
+    return load_tokenizer(run_data_dir(cfg))
+
+
+def run_data_dir(cfg: Config) -> Path:
+    """The DATA_DIR a run (`cfg`, its config.toml) was trained on (a built-in corpus is
+    prepared again, for its data.tokenizer, where the cache lost it)."""
+    from fourfold.data import resolve_data_path
 
     path, spec = cfg.data.path, cfg.data.tokenizer
     if not path.startswith("builtin:"):
         spec = "auto"  # the data's own: an older run recorded "byte" whatever its data held
-    elif spec in ("auto", "byte"):
-        return ByteTokenizer()  # without building the corpus
-    return load_tokenizer(resolve_data_path(path, spec))
+    return resolve_data_path(path, spec)
 
 
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,

@@ -1,11 +1,15 @@
 """The training loop: one code path from one CPU process to a 4D grid of GPUs.
 
-    cfg -> build_run (train/build.py: grid, model, parallelize, optimizer, loaders) -> Run
-        -> Trainer.from_run(run).fit()          (Trainer(cfg, run_dir) does both)
+    cfg -> build_run (train/build.py: grid, model, parallelize, training method, loaders)
+        -> Run -> Trainer.from_run(run).fit()          (Trainer(cfg, run_dir) does both)
 
 Every step fetches the whole step's batch for this rank, splits it into train.grad_accum
-micro-batches, and normalizes the loss by the number of counted tokens in the whole job's step
-(exact against a single process for every grid shape and accumulation).
+micro-batches, normalizes the loss by the number of counted tokens in the whole job's step
+(exact against a single process for every grid shape and accumulation) and hands them to the
+training method (train/methods), which runs the forwards and backwards and updates the
+weights. After each step the loop asks its parts whether they are due (train/loop.py: the log,
+validation, samples, checkpoints); the end of the run (export, final sample, summary) is
+`finish`.
 """
 
 from __future__ import annotations
@@ -19,26 +23,25 @@ from typing import Any, Iterator
 import torch
 
 from fourfold.config import Config
-from fourfold.data import Tokenizer
+from fourfold.data import Batch, Tokenizer
 from fourfold.errors import EXIT_FAILED, FourfoldError
 from fourfold.models.adapter import write_adapter_run
-from fourfold.models.llama import Llama, build_model, flops_per_token
-from fourfold.parallel import Grid, Layout, ParallelModel
+from fourfold.models.llama import Llama, build_model
+from fourfold.parallel import Grid, ParallelModel
 from fourfold.parallel.grid import check_shared_directory
-from fourfold.plan.perf import hardware_flops_per_token
-from fourfold.train.build import Run, build_run, predicted_memory
-from fourfold.train.checkpoint import BaseReference, CheckpointError, CheckpointManager
-from fourfold.train.host_memory import to_device, trim_host_memory
+from fourfold.plan.memory import predicted_memory
+from fourfold.train.build import Run, build_run
+from fourfold.train.checkpoint import (BaseReference, CheckpointError, CheckpointManager,
+                                       ModelState)
 from fourfold.train.memory_report import MemoryMeter, gather_reports, predicted_report
 from fourfold.train.methods import StepData, TrainingMethod
-from fourfold.train.metrics import MetricsLog, job_peak_flops, peak_memory_bytes
+from fourfold.train.loop import Periodic, RunLog
+from fourfold.train.metrics import peak_memory_bytes
 from fourfold.train.optim import LRSchedule
-from fourfold.train.progress import Progress
-from fourfold.train.resilience import (LossGuard, Verdict, gather_step_times, restart_count,
-                                       resume_record, straggler_report)
-from fourfold.train.runs import (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, WEIGHTS_FILE,
-                                 save_weights_streamed,
-                                 write_summary)
+from fourfold.train.resilience import (DeviceJudgement, LossGuard, UpdateGate, restart_count,
+                                       resume_record)
+from fourfold.train.runs import (CONFIG_FILE, SAMPLES_FILE, WEIGHTS_FILE,
+                                 save_weights_streamed, write_summary)
 from fourfold.train.sampling import generate, generate_on_grid
 
 SAMPLE_PROMPT_TOKENS = 16
@@ -58,10 +61,16 @@ class TrainingError(FourfoldError, RuntimeError):
         self.step = step
 
 
+def stop_error(step: int, reason: str) -> TrainingError:
+    """What ends a run under train.nan_policy = "stop"."""
+    return TrainingError(f"step {step}: {reason}; stopped (train.nan_policy = \"stop\"); try a "
+                         "lower train.lr or train.nan_policy = \"skip\"", step)
+
+
 class StepStats:
-    """One step's numbers. The loss, gradient norm and verdict of an AdamW step stay on the
-    device until first read (`read_steps` reads several steps in one transfer), so that a step
-    that is not logged never waits for the device."""
+    """One step's numbers. Those a method judged on the device (AdamW's loss, gradient norm and
+    verdict) stay there until first read (`read_steps` reads several steps in one transfer),
+    so that a step that is not logged never waits for the device."""
 
     def __init__(self, step: int, lr: float, seconds: float, *,
                  device_values: torch.Tensor | None = None,
@@ -121,6 +130,19 @@ def read_steps(steps: list[StepStats]) -> None:
         s._set_read(row)
 
 
+def time_completed_steps(steps: list[StepStats], started: float, device: torch.device) -> None:
+    """Give `steps` (run back to back since `started`) their share of the wall clock until the
+    device has finished them. A step's own timer stops when the host has queued its work, which
+    on a GPU is long before the work is done: tokens/s, MFU and the straggler report read the
+    completed time instead."""
+    read_steps(steps)  # waits for the device's numbers of the last step
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # and for its update, queued after them
+    seconds = (time.perf_counter() - started) / max(len(steps), 1)
+    for s in steps:
+        s.seconds = seconds
+
+
 @dataclass
 class TrainResult:
     final_loss: float
@@ -167,42 +189,27 @@ class Trainer:
         self.tokenizer: Tokenizer = run.tokenizer
         self.pmodel: ParallelModel = run.pmodel
         self.compiler = run.compiler
-        self.optimizer = run.optimizer  # AdamW, or None when a training method runs the update
-        self.method = run.method
+        self.method: TrainingMethod = run.method
         self.loader, self.val_loader = run.loader, run.val_loader
         self.guard = run.guard
-        # nan_policy = "stop": set on the device by a bad step, holds every later update
-        self._stopped = torch.zeros((), dtype=torch.bool, device=self.device)
+        self.gate = UpdateGate(self.guard, hold_after_bad=self.cfg.train.nan_policy == "stop")
         self.schedule = LRSchedule(self.cfg.train)
-        self.memory_meter = (MemoryMeter(self.pmodel, self.optimizer, self.method,
+        self.memory_meter = (MemoryMeter(self.pmodel, self.method,
                                          self.cfg.train.activation_checkpointing)
                              if self.cfg.train.memory_report else None)
         t = self.cfg.train
-        self._val_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._val_cache: list[Batch] | None = None
 
         self.step = 0
         self.tokens_per_step = t.batch_size * t.seq_len
-        self.flops_per_token = flops_per_token(self.cfg.model, t.seq_len)
-        self.hardware_flops_per_token = hardware_flops_per_token(
-            self.cfg.model, t.seq_len, t.activation_checkpointing)
-        # the whole job's peak, as the planner's MFU counts it (one hardware catalog)
-        self.peak_flops = (job_peak_flops(self.device, t.dtype, self.world_size)
-                           if self.is_main else None)
-        self._peak_refreshed = False
         self.progress_choice = progress
+        self.log: RunLog | None = None  # while fit runs
         self.losses: list[float] = []
         self.val_losses: list[tuple[int, float]] = []
         self.skipped_steps: list[int] = []
         self.train_seconds = 0.0
 
-        # What a resumed run needs besides weights and optimizer state to go on exactly (the
-        # manager adds each rank's RNG states).
-        self.checkpoints = CheckpointManager(
-            self.run_dir, self.cfg.checkpoint, self.grid,
-            states={"trainer": self, "loader": self.loader, "guard": self.guard,
-                    "schedule": self.schedule, **self._adapter_base()},
-            sharded_states={"method": _MethodState(self.method)} if self.method else None,
-            trainable_only=self.cfg.adapter.kind != "none")
+        self.checkpoints = self._checkpoint_manager()
         self.resumed_from: Path | None = None
         self._rollbacks: tuple[Path | None, int] = (None, 0)  # (checkpoint, rollbacks to it)
         if self.cfg.checkpoint.resume:
@@ -210,12 +217,28 @@ class Trainer:
             if path is not None:
                 self._restore(path)
                 self.resumed_from = path
+        # the parts of the loop that run every so many steps, in this order after a step
+        self.periodic = [
+            Periodic(t.eval_every if t.eval_batches > 0 else 0, t.steps, self._validate,
+                     at_end=t.eval_batches > 0),
+            Periodic(t.sample_every, t.steps, self._sample, not_at_end=True),  # finish does
+            Periodic(self.cfg.checkpoint.every, t.steps, lambda step: self.save_checkpoint()),
+        ]
 
-    def _adapter_base(self) -> dict[str, BaseReference]:
-        # An adapter run's checkpoints hold the adapter alone, and which base it belongs to.
-        if self.cfg.adapter.kind == "none":
-            return {}
-        return {"base": BaseReference(self.cfg.model.init_from, self.cfg.train.seed)}
+    def _checkpoint_manager(self) -> CheckpointManager:
+        """The run's checkpoints, holding what a resumed run needs to go on exactly (the
+        manager adds each rank's RNG states)."""
+        manager = CheckpointManager(self.run_dir, self.cfg.checkpoint, self.grid)
+        adapter = self.cfg.adapter.kind != "none"
+        manager.register("model", ModelState(self.pmodel, trainable_only=adapter))
+        manager.register("method", self.method.checkpoint_part(self.pmodel))
+        for name, part in (("trainer", self), ("loader", self.loader), ("guard", self.guard),
+                           ("schedule", self.schedule)):
+            manager.register(name, part)
+        if adapter:  # its checkpoints hold the adapter alone, and which base it belongs to
+            manager.register("base", BaseReference(self.cfg.model.init_from,
+                                                   self.cfg.train.seed))
+        return manager
 
     # ---- building blocks ----------------------------------------------------------------
 
@@ -223,18 +246,27 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16,
                               enabled=self.cfg.train.dtype == "bfloat16")
 
-    def _loss_mask(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss_mask(self, batch: Batch) -> torch.Tensor:
+        """1.0 where a target counts in the loss: a trained one (every target of raw text; the
+        answers of chat data), unless the goldfish loss drops it."""
         t = self.cfg.train
+        mask = batch.loss_weights()
         if t.loss == "goldfish":
             from fourfold.train.goldfish import goldfish_mask  # only runs that ask for it
 
-            return goldfish_mask(inputs, targets, t.goldfish_k, t.goldfish_h).float()
-        return torch.ones(targets.shape, dtype=torch.float32, device=targets.device)
+            mask = mask * goldfish_mask(batch.inputs, batch.targets, t.goldfish_k,
+                                        t.goldfish_h).float()
+        return mask
 
-    def _val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        """Per-token losses (b, T) of a micro-batch; packed rows attend within documents."""
+        with self._autocast():
+            return self.pmodel(batch.inputs, batch.targets, documents=batch.documents)
+
+    def _val_batches(self) -> list[Batch]:
         if self._val_cache is None:
             batches = self.val_loader.eval_batches(self.cfg.train.eval_batches)
-            self._val_cache = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+            self._val_cache = [b.to(self.device) for b in batches]
         return self._val_cache
 
     # ---- one step -----------------------------------------------------------------------
@@ -258,38 +290,56 @@ class Trainer:
             return self._train_step()
 
     def _train_step(self) -> StepStats:
-        t = self.cfg.train
         start = time.perf_counter()
         step = self.step + 1
-        lr = self.schedule.apply(self.optimizer, step)
+        lr = self.schedule.lr(step)
         self.pmodel.ledger.reset()
+        data, global_count = self._step_data()
+        self.gate.begin_step()
+        result = self.method.step(self.pmodel, data, lr, self.gate)
+        judged = self.gate.judgement
+        if judged is None:  # a method that did not ask: judged after its update (a NaN norm
+            norm = float(result.grad_norm)  # is one it does not know)
+            self.gate.check(float(result.loss), None if math.isnan(norm) else norm)
+            judged = self.gate.judgement
+        fraction = global_count.double() / self.tokens_per_step
+        if isinstance(judged, DeviceJudgement):
+            v = judged.verdict
+            self.step = step
+            values = torch.stack([v.loss, v.grad_norm, v.code.double(), v.mean,
+                                  judged.applied.double(), fraction])
+            return StepStats(step, lr, time.perf_counter() - start, device_values=values,
+                             guard=self.guard)
+        assert judged is not None
+        reason = judged.reason or (result.reason if result.skipped else None)
+        if reason is not None and self.cfg.train.nan_policy == "stop":
+            raise stop_error(step, reason)
+        self.step = step
+        return StepStats(step, lr, time.perf_counter() - start, host_values=(
+            judged.loss, judged.grad_norm, reason is not None, reason or "", float(fraction)))
 
-        inputs, targets = self.loader.next_batch()  # (B / shards, T)
-        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
-        micro = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
-        masks = [self._loss_mask(x, y) for x, y in micro]
+    def _step_data(self) -> tuple[StepData, torch.Tensor]:
+        """This rank's share of the next step's batch, as the training method runs it: its
+        micro-batches' losses, each normalized by the counted tokens of the whole job's step
+        (returned too, on the device)."""
+        t = self.cfg.train
+        batch = self.loader.next_batch().to(self.device)  # (B / shards, T)
+        micro = batch.split(t.grad_accum)
+        masks = [self._loss_mask(b) for b in micro]
         local_count = torch.stack([m.sum() for m in masks]).sum()
         global_count = self._count_over_batch(local_count).clamp(min=1.0)
 
-        if self.method is not None:  # the methods read their loss on the host anyway
-            loss_value, grad_norm, what = self._method_update(step, lr, micro, masks,
-                                                              global_count)
-            self.step = step
-            return StepStats(step, lr, time.perf_counter() - start, host_values=(
-                loss_value, grad_norm, what is not None, what or "",
-                float(global_count) / self.tokens_per_step))
-        verdict, applied = self._update(step, micro, masks, global_count)
-        self.step = step
-        values = torch.stack([verdict.loss, verdict.grad_norm, verdict.code.double(),
-                              verdict.mean, applied.double(),
-                              global_count.double() / self.tokens_per_step])
-        return StepStats(step, lr, time.perf_counter() - start, device_values=values,
-                         guard=self.guard)
+        def losses() -> Iterator[torch.Tensor]:
+            for batch, mask in zip(micro, masks):
+                per_token = self._forward(batch)  # (b, T)
+                yield (per_token.float() * mask).sum() / global_count
+
+        return StepData(len(micro), losses), global_count
 
     def _count_over_batch(self, local: torch.Tensor) -> torch.Tensor:
         """A token count summed over the axes the step's batch is split over (es: z only; its
         data replicas see the same batch)."""
-        if self.method is None or self.method.batch_axes == ("data", "z"):
+        if tuple(self.method.batch_axes) == ("data", "z"):
             return self.pmodel.reduce_over_batch(local)
         total = local.detach().double().clone()
         for axis in self.method.batch_axes:
@@ -297,86 +347,12 @@ class Trainer:
                 total = self.pmodel.comm.all_reduce(total, axis).wait()
         return total.to(local.dtype)
 
-    def _update(self, step: int, micro: list[tuple[torch.Tensor, torch.Tensor]],
-                masks: list[torch.Tensor], global_count: torch.Tensor
-                ) -> tuple[Verdict, torch.Tensor]:
-        """Forward and backward over the micro-batches, then the update: the one place where
-        gradients are made and the optimizer steps. Returns the loss guard's verdict on the
-        step (loss and gradient norm reduced over the grid) and whether the update was applied,
-        as device tensors: the skip is decided on the device (nan_policy is acted on when the
-        host reads the verdict, see fit)."""
-        t = self.cfg.train
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=self.device)
-        for i, ((x, y), mask) in enumerate(zip(micro, masks)):
-            self.pmodel.set_requires_gradient_sync(i == len(micro) - 1)
-            with self._autocast():
-                per_token = self.pmodel(x, y)  # (b, T)
-            loss = (per_token.float() * mask).sum() / global_count
-            loss.backward()
-            self.pmodel.finish_backward()
-            loss_sum += loss.detach()
-        loss_value = self.pmodel.reduce_over_batch(loss_sum)
-        max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
-        grad_norm = self.pmodel.clip_grad_norm_(max_norm)
-
-        # loss_value and grad_norm are reduced over the grid: every rank judges alike.
-        verdict = self.guard.judge(loss_value, grad_norm)
-        applied = ~verdict.bad
-        if t.nan_policy == "stop":  # after a bad step, nothing moves until fit() stops
-            applied = applied & ~self._stopped
-            self._stopped = ~applied
-        self._optimizer_step_if(applied)
-        self.guard.record(loss_value, applied)
-        return verdict, applied
-
-    def _optimizer_step_if(self, applied: torch.Tensor) -> None:
-        """optimizer.step() where the device says so (a bool tensor), without asking the host:
-        the fused AdamW kernel leaves parameters, moments and step count as they were when its
-        found_inf is 1 (as for a mixed-precision step with an overflow)."""
-        if not self.optimizer.defaults.get("fused"):
-            if bool(applied):  # a host read: the foreach AdamW has no skip on the device
-                self.optimizer.step()
-            return
-        self.optimizer.found_inf = (~applied).float()  # type: ignore[attr-defined]
-        try:
-            self.optimizer.step()
-        finally:
-            del self.optimizer.found_inf  # type: ignore[attr-defined]
-
-    def _method_update(self, step: int, lr: float, micro: list[tuple[torch.Tensor, torch.Tensor]],
-                       masks: list[torch.Tensor], global_count: torch.Tensor
-                       ) -> tuple[float, float, str | None]:
-        """The update of train.optimizer other than adamw (train/methods): the method runs
-        the forwards (and backwards) itself from the micro-batch losses given here, and asks
-        the loss guard before it updates."""
-        assert self.method is not None
-
-        def losses() -> Iterator[torch.Tensor]:
-            for i, ((x, y), mask) in enumerate(zip(micro, masks)):
-                self.pmodel.set_requires_gradient_sync(i == len(micro) - 1)
-                with self._autocast():
-                    per_token = self.pmodel(x, y)  # (b, T)
-                yield (per_token.float() * mask).sum() / global_count
-
-        result = self.method.step(self.pmodel, StepData(len(micro), losses), lr,
-                                  guard=self.guard.check)
-        if result.skipped:
-            if self.cfg.train.nan_policy == "stop":
-                raise TrainingError(
-                    f"step {step}: {result.reason}; stopped (train.nan_policy = "
-                    f"{self.cfg.train.nan_policy!r}); try a lower train.lr or "
-                    "train.nan_policy = \"skip\"", step)
-            return result.loss, result.grad_norm, result.reason or "skipped"
-        self.guard.accept(result.loss)
-        return result.loss, result.grad_norm, None
-
     # ---- evaluation and samples -----------------------------------------------------------
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss per token over train.eval_batches fixed batches (the same
-        batches every time), reduced over the batch axes. Collective on a grid."""
+        """Mean validation loss per trained token over train.eval_batches fixed batches (the
+        same batches every time), reduced over the batch axes. Collective on a grid."""
         module = self.pmodel.module
         was_training = module.training
         module.eval()
@@ -384,21 +360,19 @@ class Trainer:
             loss_sum = torch.zeros((), device=self.device)
             count = torch.zeros((), device=self.device)
             micro_steps = self.cfg.train.grad_accum
-            for inputs, targets in self._val_batches():
-                for x, y in zip(inputs.chunk(micro_steps), targets.chunk(micro_steps)):
-                    with self._autocast():
-                        per_token = self.pmodel(x, y)
-                    loss_sum += per_token.float().sum()
-                    count += per_token.numel()
+            for batch in self._val_batches():
+                for micro in batch.split(micro_steps):
+                    weights = micro.loss_weights()
+                    loss_sum += (self._forward(micro).float() * weights).sum()
+                    count += weights.sum()
             totals = self.pmodel.reduce_over_batch(torch.stack([loss_sum, count]))
         finally:
             module.train(was_training)
         return float(totals[0] / totals[1].clamp(min=1.0))
 
     def _sample_prompt(self) -> list[int]:
-        batches = self._val_batches() or [
-            tuple(b.to(self.device) for b in self.val_loader.eval_batches(1)[0])]
-        return batches[0][0][0, :SAMPLE_PROMPT_TOKENS].tolist()
+        batches = self._val_batches() or [self.val_loader.eval_batches(1)[0].to(self.device)]
+        return batches[0].inputs[0, :SAMPLE_PROMPT_TOKENS].tolist()
 
     def sample_text(self) -> str:
         """A continuation of a validation-text prompt by the model. Collective on a grid: every
@@ -424,123 +398,114 @@ class Trainer:
     # ---- the run ------------------------------------------------------------------------
 
     def fit(self) -> TrainResult:
-        """Train to train.steps, evaluating, logging and sampling on the way; then write
-        model.safetensors and summary.json to the run directory (main rank)."""
+        """Train to train.steps, then finish the run (`finish`: model.safetensors and
+        summary.json in the run directory). After each step the loop asks its parts whether
+        they are due (the log, then validation, samples and checkpoints: `periodic`) and
+        reads the step's numbers from the device only when one is, or at once under
+        nan_policy = "rollback", which must act on the very step that went bad."""
         t = self.cfg.train
+        self._open_run_dir()
+        self.log = RunLog(self.cfg, self.run_dir, self.pmodel, self.method, self.step,
+                          self.is_main, self.progress_choice)
+        started = time.perf_counter()
+        try:
+            self._announce()
+            if t.eval_batches > 0 and t.eval_every > 0 and self.step == 0:
+                self._validate(0)
+            pending: list[StepStats] = []  # steps whose numbers are still on the device
+            window = time.perf_counter()  # when the first of the pending steps began
+            while self.step < t.steps:
+                pending.append(self.train_step())
+                due = [part for part in self.periodic if part.due(self.step)]
+                if not (due or self.log.due(self.step) or t.nan_policy == "rollback"):
+                    continue
+                done, pending = pending, []
+                time_completed_steps(done, window, self.device)
+                accounted = self._account(done)
+                if accounted:  # else rolled back: a step to take again
+                    for part in due:
+                        part.run(self.step)
+                window = time.perf_counter()
+            self._wait_for_checkpoints()
+            return self.finish(started)
+        finally:
+            self.log.close()
+            self.log = None
+
+    def _open_run_dir(self) -> None:
+        """The run directory, with this run's config.toml, before any rank writes to it."""
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.cfg.save(self.run_dir / CONFIG_FILE)
             if self.step == 0:  # a fresh run in a reused directory: drop the old samples
                 (self.run_dir / SAMPLES_FILE).unlink(missing_ok=True)
         check_shared_directory(self.run_dir, self.grid)  # before any rank writes a shard
-        metrics = (MetricsLog(self.run_dir / METRICS_FILE,
-                              self.run_dir / "tensorboard" if t.tensorboard else None,
-                              append=self.step > 0)
-                   if self.is_main else None)
-        progress = Progress(t.steps, self.step, t.log_every, enabled=self.is_main,
-                            bar=self.progress_choice)
-        started = time.perf_counter()
-        try:
-            if self.is_main:
-                progress.message(self._describe())
-            if self.compiler.pending:  # both make the first step long
-                progress.message("train.compile: the transformer blocks compile at their "
-                                 "first use")
-            tuner = self.pmodel.engine.tuner if self.pmodel.engine is not None else None
-            if tuner is not None:
-                progress.message("parallel.gemm_tuning: GEMM shapes not yet in "
-                                 f"{tuner.cache_path} are timed at their first use")
-            validating = t.eval_batches > 0
-            if self.resumed_from is not None:
-                self._record_resume(metrics, progress)
-            if validating and t.eval_every > 0 and self.step == 0:
-                self._validate(metrics, progress)
-            interval_tokens, interval_seconds = 0, 0.0
-            pending: list[StepStats] = []  # steps whose numbers are still on the device
-            while self.step < t.steps:
-                stats = self.train_step()
-                pending.append(stats)
-                last = stats.step == t.steps
-                validate = validating and ((t.eval_every > 0 and stats.step % t.eval_every == 0)
-                                           or last)
-                sample = t.sample_every > 0 and stats.step % t.sample_every == 0 and not last
-                checkpoint = self.checkpoints.due(stats.step)
-                # The host reads the device (and acts on nan_policy) only on these steps; a
-                # rollback has to act on the very step that went bad.
-                if not (stats.step % t.log_every == 0 or last or validate or sample
-                        or checkpoint or t.nan_policy == "rollback"):
-                    continue
-                read_steps(pending)
-                rolled_back = False
-                for done in pending:
-                    if done.skipped and t.nan_policy == "stop":
-                        raise TrainingError(
-                            f"step {done.step}: {done.reason}; stopped (train.nan_policy = "
-                            f"{t.nan_policy!r}); try a lower train.lr or train.nan_policy = "
-                            "\"skip\"", done.step)
-                    if done.skipped and t.nan_policy == "rollback":
-                        self._rollback(done, metrics, progress)
-                        rolled_back = True
-                        break
-                    self.losses.append(done.loss if not done.skipped else math.nan)
-                    self.train_seconds += done.seconds
-                    interval_tokens += self.tokens_per_step
-                    interval_seconds += done.seconds
-                    tokens_per_s = interval_tokens / max(interval_seconds, 1e-9)
-                    mfu = self._mfu(tokens_per_s)
-                    progress.step(done.step, done.loss, done.lr, done.grad_norm, tokens_per_s,
-                                  mfu)
-                    if done.skipped:
-                        self.skipped_steps.append(done.step)
-                        progress.message(f"step {done.step}: {done.reason}: update skipped "
-                                         "(train.nan_policy = \"skip\")")
-                    if done.skipped or done.step % t.log_every == 0 or done.step == t.steps:
-                        self._log_step(metrics, done, tokens_per_s, mfu)
-                        self._report_stragglers(done, metrics, progress)  # collective
-                        interval_tokens, interval_seconds = 0, 0.0
-                pending.clear()
-                if rolled_back:
-                    continue
-                if validate:
-                    self._validate(metrics, progress)
-                if sample:
-                    self._sample_during(progress)
-                if checkpoint:
-                    self.save_checkpoint()
-            self._wait_for_checkpoints()
 
-            trim_host_memory(self.device)  # the steps' freed blocks, before the writer's
-            if self.cfg.adapter.kind == "none":
-                # Collective: the weights stream to the main rank one tensor at a time.
-                save_weights_streamed(self.pmodel, self.run_dir / WEIGHTS_FILE,
-                                      self.cfg.model.tie_embeddings)
-            else:
-                # The merged model, streamed as above, and the adapter alone in peft's files.
-                write_adapter_run(self.pmodel, self.cfg, self.run_dir,
-                                  self.run_dir / WEIGHTS_FILE)
-            final_sample = None
-            if t.sample_tokens > 0 and self._can_sample():
-                final_sample = self.sample_text()  # collective on a grid
-                if self.is_main:
-                    self._record_sample(progress, final_sample)
-                else:
-                    final_sample = None
-            result = self._result(time.perf_counter() - started)
-            memory = self._memory_report()  # collective
+    def _announce(self) -> None:
+        """The lines before the first step: what trains where, what makes the first step
+        long, and where a resumed run goes on from."""
+        assert self.log is not None
+        if self.is_main:
+            self.log.message(self._describe())
+        if self.compiler.pending:  # both make the first step long
+            self.log.message("train.compile: the transformer blocks compile at their first use")
+        tuner = self.pmodel.engine.tuner if self.pmodel.engine is not None else None
+        if tuner is not None:
+            self.log.message("parallel.gemm_tuning: GEMM shapes not yet in "
+                             f"{tuner.cache_path} are timed at their first use")
+        if self.resumed_from is not None:
+            self._record_resume()
+
+    def _account(self, steps: list[StepStats]) -> bool:
+        """Read the numbers of `steps` (one transfer), act on train.nan_policy and log them;
+        False when a bad step rolled the run back (the later steps are dropped with it)."""
+        assert self.log is not None
+        read_steps(steps)
+        for done in steps:
+            if done.skipped and self.cfg.train.nan_policy == "stop":
+                raise stop_error(done.step, done.reason)
+            if done.skipped and self.cfg.train.nan_policy == "rollback":
+                self._rollback(done)
+                return False
+            self.losses.append(done.loss if not done.skipped else math.nan)
+            self.train_seconds += done.seconds
+            if done.skipped:
+                self.skipped_steps.append(done.step)
+            self.log.step(done)  # collective on a logged step (the straggler report)
+        return True
+
+    def finish(self, started: float) -> TrainResult:
+        """The end of a run: the weights exported (model.safetensors, an adapter's files), a
+        final sample, summary.json (with train.memory_report's figures). Collective."""
+        assert self.log is not None
+        t = self.cfg.train
+        self.run.host.release()  # the steps' freed blocks, before the writer's
+        if self.cfg.adapter.kind == "none":
+            # Collective: the weights stream to the main rank one tensor at a time.
+            save_weights_streamed(self.pmodel, self.run_dir / WEIGHTS_FILE,
+                                  self.cfg.model.tie_embeddings)
+        else:
+            # The merged model, streamed as above, and the adapter alone in peft's files.
+            write_adapter_run(self.pmodel, self.cfg, self.run_dir, self.run_dir / WEIGHTS_FILE)
+        final_sample = None
+        if t.sample_tokens > 0 and self._can_sample():
+            final_sample = self.sample_text()  # collective on a grid
             if self.is_main:
-                summary = self._summary(result, final_sample)
-                if memory is not None:
-                    summary["memory_report"] = memory
-                write_summary(self.run_dir, summary)
-                progress.message(f"done: {result.steps} steps, loss {result.final_loss:.4f}"
-                                 + (f", val_loss {result.val_loss:.4f}"
-                                    if result.val_loss is not None else "")
-                                 + f", {result.tokens_per_s:,.0f} tok/s -> {self.run_dir}")
-            return result
-        finally:
-            progress.close()
-            if metrics is not None:
-                metrics.close()
+                self._record_sample(final_sample)
+            else:
+                final_sample = None
+        result = self._result(time.perf_counter() - started)
+        memory = self._memory_report()  # collective
+        if self.is_main:
+            summary = self._summary(result, final_sample)
+            if memory is not None:
+                summary["memory_report"] = memory
+            write_summary(self.run_dir, summary)
+            self.log.message(f"done: {result.steps} steps, loss {result.final_loss:.4f}"
+                             + (f", val_loss {result.val_loss:.4f}"
+                                if result.val_loss is not None else "")
+                             + f", {result.tokens_per_s:,.0f} tok/s -> {self.run_dir}")
+        return result
 
     def _memory_report(self) -> dict[str, Any] | None:
         """train.memory_report: every rank's measured peaks beside the planner's prediction
@@ -558,63 +523,25 @@ class Trainer:
                 "predicted_per_rank": predicted_report(planned, self.grid.size("z")),
                 "peak_bytes_per_rank": peaks, "predicted_total_bytes": planned.total}
 
-    def _validate(self, metrics: MetricsLog | None, progress: Progress) -> None:
+    def _validate(self, step: int) -> None:
+        assert self.log is not None
         val = self.evaluate()
-        self.val_losses.append((self.step, val))
-        if metrics is not None:
-            metrics.write({"step": self.step, "val_loss": val})
-        progress.message(f"step {self.step}/{self.cfg.train.steps} | val_loss {val:.4f}")
+        self.val_losses.append((step, val))
+        self.log.record({"step": step, "val_loss": val})
+        self.log.message(f"step {step}/{self.cfg.train.steps} | val_loss {val:.4f}")
 
-    def _sample_during(self, progress: Progress) -> None:
+    def _sample(self, step: int) -> None:
         if not self._can_sample():
             return
         text = self.sample_text()  # collective on a grid
         if self.is_main:
-            self._record_sample(progress, text)
+            self._record_sample(text)
 
-    def _record_sample(self, progress: Progress, text: str) -> None:
-        progress.message(f"--- sample at step {self.step} ---\n{text}\n---")
+    def _record_sample(self, text: str) -> None:
+        assert self.log is not None
+        self.log.message(f"--- sample at step {self.step} ---\n{text}\n---")
         with (self.run_dir / SAMPLES_FILE).open("a") as f:
             f.write(f"--- step {self.step} ---\n{text}\n")
-
-    def _mfu(self, tokens_per_s: float) -> float | None:
-        if not self.peak_flops:
-            return None
-        mfu = self.flops_per_token * tokens_per_s / self.peak_flops
-        if mfu > 1.0 and self.device.type == "cpu" and not self._peak_refreshed:
-            # the cached probe was taken on a busy machine: measure again (keeps the max)
-            self._peak_refreshed = True
-            self.peak_flops = job_peak_flops(self.device, self.cfg.train.dtype, self.world_size,
-                                             refresh=True) or self.peak_flops
-            mfu = self.flops_per_token * tokens_per_s / self.peak_flops
-        return mfu
-
-    def _log_step(self, metrics: MetricsLog | None, stats: StepStats, tokens_per_s: float,
-                  mfu: float | None) -> None:
-        # Every rank reads its own ledger, but only the main rank writes: its numbers stand for
-        # the per-rank traffic (all ranks of one grid shape move the same bytes per axis).
-        comm = self.pmodel.ledger.snapshot()
-        memory = self.pmodel.memory_bytes(self.optimizer)
-        if metrics is None:
-            return
-        record: dict[str, Any] = {
-            "step": stats.step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
-            "tokens_per_s": tokens_per_s, "mfu": mfu,
-            "peak_mem_bytes": peak_memory_bytes(self.device),
-            "comm_bytes_x": comm.get("x", 0), "comm_bytes_y": comm.get("y", 0),
-            "comm_bytes_z": comm.get("z", 0), "comm_bytes_data": comm.get("data", 0),
-            "param_bytes": memory.get("params", 0), "grad_bytes": memory.get("grads", 0),
-            "optimizer_bytes": memory.get("optimizer", 0), "step_seconds": stats.seconds,
-        }
-        if self.cfg.train.activation_checkpointing and mfu is not None:
-            # hardware FLOPs: the recomputed forward counted too, as the planner's HFU
-            record["hfu"] = mfu * self.hardware_flops_per_token / self.flops_per_token
-        if self.cfg.train.loss == "goldfish":
-            record["loss_token_fraction"] = stats.token_fraction
-        if stats.skipped:
-            record["skipped"] = True
-            record["skip_reason"] = stats.reason
-        metrics.write(record)
 
     # ---- checkpoints and recovery -------------------------------------------------------
 
@@ -622,7 +549,7 @@ class Trainer:
         """Checkpoint the state after the current step (collective on a grid; written in the
         background with checkpoint.async). Raises TrainingError for a failed write."""
         try:
-            self.checkpoints.save(self.step, self.pmodel, self.optimizer)
+            self.checkpoints.save(self.step)
         except CheckpointError as e:
             raise TrainingError(str(e), self.step) from None
 
@@ -649,23 +576,21 @@ class Trainer:
         """Load a checkpoint (from any grid) into this trainer and its parts. Collective on a
         grid."""
         try:
-            self.checkpoints.load(path, self.pmodel, self.optimizer)
+            self.checkpoints.load(path)
         except CheckpointError as e:
             raise TrainingError(str(e), self.step) from None
 
-    def _record_resume(self, metrics: MetricsLog | None, progress: Progress) -> None:
-        assert self.resumed_from is not None
+    def _record_resume(self) -> None:
+        assert self.resumed_from is not None and self.log is not None
         record = resume_record(self.step, self.resumed_from, restart_count())
-        progress.message(f"{record['event']}: continuing from {self.resumed_from} "
+        self.log.message(f"{record['event']}: continuing from {self.resumed_from} "
                          f"(step {self.step})")
         if self.schedule.changed:
-            progress.message("the learning-rate schedule differs from the checkpoint's ("
+            self.log.message("the learning-rate schedule differs from the checkpoint's ("
                              f"{', '.join(self.schedule.changed)}); following the new one")
-        if metrics is not None:
-            metrics.write(record)
+        self.log.record(record)
 
-    def _rollback(self, stats: StepStats, metrics: MetricsLog | None,
-                  progress: Progress) -> None:
+    def _rollback(self, stats: StepStats) -> None:
         """Go back to the last checkpoint after a bad step; the data loader keeps its place,
         so the batches that led here are not replayed."""
         self._wait_for_checkpoints()
@@ -683,25 +608,11 @@ class Trainer:
         self._restore(path)
         self.loader.load_state_dict(loader_state)
         self.train_seconds = seconds
-        progress.message(f"step {stats.step}: {stats.reason}: rolled back to step {self.step} "
+        assert self.log is not None
+        self.log.message(f"step {stats.step}: {stats.reason}: rolled back to step {self.step} "
                          f"({path})")
-        if metrics is not None:
-            metrics.write({"event": "rollback", "step": stats.step, "to_step": self.step,
-                           "reason": stats.reason, "checkpoint": str(path)})
-
-    def _report_stragglers(self, stats: StepStats, metrics: MetricsLog | None,
-                           progress: Progress) -> None:
-        """All-gather every rank's step time and name the ranks much slower than the rest."""
-        if self.world_size == 1:
-            return
-        times = gather_step_times(stats.seconds, self.pmodel.comm)
-        line = straggler_report(times)
-        if line is None:
-            return
-        progress.message(f"step {stats.step}: {line}")
-        if metrics is not None:
-            metrics.write({"event": "straggler", "step": stats.step, "step_seconds": times,
-                           "message": line})
+        self.log.record({"event": "rollback", "step": stats.step, "to_step": self.step,
+                         "reason": stats.reason, "checkpoint": str(path)})
 
     def _describe(self) -> str:
         n = count_parameters(self.cfg)
@@ -723,7 +634,8 @@ class Trainer:
         return {
             "final_loss": result.final_loss, "val_loss": result.val_loss,
             "val_losses": [list(v) for v in result.val_losses],
-            "tokens_per_s": result.tokens_per_s, "mfu": self._mfu(result.tokens_per_s),
+            "tokens_per_s": result.tokens_per_s,
+            "mfu": self.log.mfu(result.tokens_per_s) if self.log is not None else None,
             "steps": result.steps, "time_s": result.time_s, "train_time_s": self.train_seconds,
             "tokens": self.tokens_per_step * len(self.losses),
             "skipped_steps": result.skipped_steps, "grid": str(self.grid.shape),
@@ -750,23 +662,3 @@ def train(cfg: Config, run_dir: Path, *, progress: bool | None = None) -> TrainR
 
 __all__ = ["Run", "StepStats", "TrainResult", "Trainer", "TrainingError", "build_run",
            "count_parameters", "train"]
-
-
-class _MethodState:
-    """A training method's state as a sharded checkpoint part: each tensor a shard of the
-    global tensor the method's state_layout names (any grid reads it back), JSON for the rest."""
-
-    def __init__(self, method: TrainingMethod) -> None:
-        self.method = method
-
-    def describe(self) -> str:
-        return f"train.optimizer = {self.method.name!r}"
-
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return self.method.state_dict()
-
-    def layout_of(self, key: str) -> Layout | None:
-        return self.method.state_layout(key)
-
-    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        self.method.load_state_dict(tensors, meta)

@@ -1,65 +1,69 @@
-"""AdamW behind the method interface: the trainer's optimizer (train/optim.py), unchanged."""
+"""AdamW (torch's fused kernel, train/optim.py) behind the method interface: every trainable
+parameter's gradient from one backward over the step's micro-batches, clipped by its global
+norm, and the update skipped on the device when the loss guard says so (no host read)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from fourfold.config import TrainConfig
-from fourfold.parallel import Layout
-from fourfold.train.methods.base import (Guard, StepData, StepResult, TrainingMethod, check_meta,
-                                         reduce_loss)
+from fourfold.parallel import Layout, ParallelModel
+from fourfold.train.checkpoint import OptimizerState
+from fourfold.train.methods.base import (PhaseHooks, StepData, StepGuard, StepResult,
+                                         TrainingMethod, backward_pass, check_meta)
 from fourfold.train.optim import build_optimizer, set_lr
 
 
-def backward_pass(pmodel: Any, data: StepData,
-                  after_forward: Callable[[], None] | None = None) -> torch.Tensor:
-    """Backward over the step's micro-batches (the data all-reduce on the last one only);
-    returns this rank's summed loss. `after_forward` runs between each micro-step's forward
-    and its backward (host_memory.trim_after_autocast_forward)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for i, loss in enumerate(data.losses()):
-        pmodel.set_requires_gradient_sync(i == data.micro_steps - 1)
-        if after_forward is not None:
-            after_forward()
-        loss.backward()
-        pmodel.finish_backward()
-        total += loss.detach().double().cpu()
-    return total
-
-
 class AdamW(TrainingMethod):
-    name = "adamw"
-    update_time = "after_backward"
+    """AdamW over every trainable parameter. It calls no phase hooks: its peak is its
+    gradients and moments, which nothing at a phase's boundary would lower."""
 
-    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+    name = "adamw"
+
+    def __init__(self, pmodel: ParallelModel, cfg: TrainConfig, tied_output: bool = False,
+                 hooks: PhaseHooks | None = None) -> None:
         self.optimizer = build_optimizer(pmodel.named_parameters(), cfg, tied_output)
         self.grad_clip = cfg.grad_clip
         self._names = {id(p): n for n, p in pmodel.named_parameters()}
         self._layouts = pmodel.layouts()
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+    def checkpoint_part(self, pmodel: ParallelModel) -> OptimizerState:
+        """torch's optimizer state by parameter (optim/NAME/FIELD), as checkpoints have always
+        kept AdamW's."""
+        return OptimizerState(self.optimizer, pmodel)
+
+    def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
+        """The loss and gradient norm stay on the device (0-d tensors): the update is decided
+        there (StepGuard.allow)."""
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = reduce_loss(pmodel, backward_pass(pmodel, data))
-        norm, reason = self.clip_and_update(pmodel, loss, guard)
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss, norm, reason is not None, reason or "")
-
-    def clip_and_update(self, pmodel: Any, loss: float, guard: Guard | None
-                        ) -> tuple[float, str | None]:
-        """After backward: note the gradients' bytes, clip them, let the guard see the loss
-        and norm, and step unless it gives a reason not to; (norm, reason)."""
+        loss = pmodel.reduce_over_batch(backward_pass(pmodel, data))
         self.note_gradients(pmodel)
-        norm = float(pmodel.clip_grad_norm_(self.grad_clip if self.grad_clip > 0 else math.inf))
-        reason = guard(loss, norm) if guard is not None else None
-        if reason is None:
+        norm = pmodel.clip_grad_norm_(self.grad_clip if self.grad_clip > 0 else math.inf)
+        if guard is None:
             self.optimizer.step()
-        return norm, reason
+        else:
+            self._step_if(guard.allow(loss, norm))
+        self.optimizer.zero_grad(set_to_none=True)  # not needed until the next backward
+        return StepResult(loss, norm)
+
+    def _step_if(self, applied: torch.Tensor) -> None:
+        """optimizer.step() where the device says so (a bool tensor), without asking the host:
+        the fused kernel leaves parameters, moments and step count as they were when its
+        found_inf is 1 (as for a mixed-precision step with an overflow)."""
+        if not self.optimizer.defaults.get("fused"):
+            if bool(applied):  # a host read: the foreach AdamW has no skip on the device
+                self.optimizer.step()
+            return
+        self.optimizer.found_inf = (~applied).float()  # type: ignore[attr-defined]
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf  # type: ignore[attr-defined]
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors = {}

@@ -12,17 +12,48 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
 
+from fourfold.methods import MethodSpec, method_spec
+from fourfold.parallel import Axis, Layout, ParallelModel
 from fourfold.noise import CHUNK_ELEMENTS, ShardNoise
-from fourfold.parallel import Axis, Layout
 from fourfold.train.optim import uses_weight_decay
 
-UpdateTime = Literal["after_backward", "in_backward", "forward_only"]
-Guard = Callable[[float, float], "str | None"]  # (loss, grad_norm) -> reason to skip, or None
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class PhaseHooks:
+    """Calls a training method makes at the boundaries of its phases, for what acts there
+    without the method knowing what it does (the run's host-memory policy:
+    train/host_memory.py). Each does nothing unless given."""
+
+    step_start: Callable[[], None] = _nothing  # before a step's first forward
+    after_forward: Callable[[], None] = _nothing  # between a micro-step's forward and backward
+    before_forward: Callable[[], None] = _nothing  # before each forward of a forward-only step
+    before_update: Callable[[], None] = _nothing  # after backward, before the update's work
+    before_transient: Callable[[], None] = _nothing  # before a large short-lived allocation
+
+
+class StepGuard(Protocol):
+    """What a training method asks before it applies a step's update (the trainer's is
+    resilience.UpdateGate: the loss guard and train.nan_policy). A method asks once a step,
+    with the step's loss and gradient norm (or its gradient estimate's size), reduced over the
+    grid so that every rank is answered alike."""
+
+    def check(self, loss: float, grad_norm: float | None) -> str | None:
+        """Why the update must not be applied (one phrase), or None. `grad_norm` None: the
+        method never knows it (LOMO without two_pass clipping): only the loss is judged."""
+
+    def allow(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """`check` on the device, for a method that never reads its loss on the host: a bool
+        tensor, true where the update may be applied."""
 
 
 @dataclass(frozen=True)
@@ -48,9 +79,12 @@ class StepData:
 
 @dataclass(frozen=True)
 class StepResult:
-    loss: float  # the step's mean loss, the same on every rank
-    grad_norm: float  # the norm the method clipped by, or its gradient estimate's size
-    skipped: bool = False
+    """A step's numbers, the same on every rank: floats, or 0-d device tensors for a method
+    that never reads them on the host (AdamW; its guard decided on the device)."""
+
+    loss: float | torch.Tensor  # the step's mean loss
+    grad_norm: float | torch.Tensor  # the norm the method clipped by, or its estimate's size
+    skipped: bool = False  # the update was not applied (the guard's reason, or the method's)
     reason: str = ""
 
 
@@ -67,7 +101,7 @@ class ParamView:
     noise: ShardNoise
 
 
-def param_views(pmodel: Any, tied_output: bool = False) -> list[ParamView]:
+def param_views(pmodel: ParallelModel, tied_output: bool = False) -> list[ParamView]:
     """The trainable parameters (requires_grad) of a ParallelModel, with their global place."""
     layouts = pmodel.layouts()
     shape, coords = pmodel.grid.shape, pmodel.grid.shape.coords(pmodel.grid.rank)
@@ -105,28 +139,40 @@ def batch_shard(grid: Any, batch_axes: tuple[Axis, ...]) -> tuple[int, int]:
 class TrainingMethod(ABC):
     """One way of turning a step's losses into an update of the trainable local shards.
 
-    `update_time` says when the weights change: after backward (AdamW, BlockLLM, GaLore), inside
-    backward as each shard's gradient becomes final (LOMO, AdaLomo), or from forwards alone
-    (MeZO, ES). `batch_axes` are the grid axes the step's batch is split over.
+    `name` is the key of its declaration (fourfold.methods), which says when the weights change
+    (`spec.update_time`) and the grid axes the step's batch is split over (`batch_axes`). A
+    method is built as Method(pmodel, train_config, tied_output, hooks): `hooks` (PhaseHooks)
+    are what it calls at its phases' boundaries.
     """
 
     name: str = ""
-    update_time: UpdateTime = "after_backward"
-    batch_axes: tuple[Axis, ...] = ("data", "z")
     peak_grad_bytes: int = 0  # the most gradient bytes alive at once (train.memory_report)
 
-    def note_gradients(self, pmodel: Any) -> None:
+    def checkpoint_part(self, pmodel: ParallelModel) -> Any:
+        """What a checkpoint keeps of this method (CheckpointManager.register): by default its
+        state_dict(), each tensor placed by state_layout (MethodShards)."""
+        return MethodShards(self)
+
+    @property
+    def spec(self) -> MethodSpec:
+        return method_spec(self.name)
+
+    @property
+    def batch_axes(self) -> tuple[Axis, ...]:
+        return self.spec.batch_axes  # type: ignore[return-value]
+
+    def note_gradients(self, pmodel: ParallelModel) -> None:
         """Record the gradient bytes alive now (call where they peak: after backward)."""
         live = sum(p.grad.numel() * p.grad.element_size() for p in pmodel.parameters()
                    if p.grad is not None)
         self.peak_grad_bytes = max(self.peak_grad_bytes, live)
 
     @abstractmethod
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+    def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         """One training step. Collective: every rank calls it with its own shard of the batch.
-        `guard` sees the step's loss and gradient norm before an update that can still be
-        skipped and returns a reason to skip it (or None)."""
+        `guard` is asked once, with the step's loss and gradient norm, before an update that
+        can still be skipped where the method can skip it (else after it)."""
 
     @abstractmethod
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -148,7 +194,28 @@ class TrainingMethod(ABC):
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def on_final_gradients(pmodel: Any, views: list[ParamView],
+class MethodShards:
+    """A training method's state as a sharded checkpoint part (checkpoint.ShardedStateful):
+    each tensor a shard of the global tensor the method's state_layout names (any grid reads
+    it back), JSON for the rest."""
+
+    def __init__(self, method: TrainingMethod) -> None:
+        self.method = method
+
+    def describe(self) -> str:
+        return f"train.optimizer = {self.method.name!r}"
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return self.method.state_dict()
+
+    def layout_of(self, key: str) -> Layout | None:
+        return self.method.state_layout(key)
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        self.method.load_state_dict(tensors, meta)
+
+
+def on_final_gradients(pmodel: ParallelModel, views: list[ParamView],
                        hook: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
     """Call `hook(param)` the moment each view's gradient is final for the step: on a grid
     after its z reduce-scatter and data all-reduce (Engine.set_grad_ready_hook), on one process
@@ -253,6 +320,25 @@ class PerParameterState:
                       for name, s in unflatten_state(tensors).items()}
 
 
-def reduce_loss(pmodel: Any, local: torch.Tensor) -> float:
+def backward_pass(pmodel: ParallelModel, data: StepData,
+                  after_forward: Callable[[], None] | None = None) -> torch.Tensor:
+    """Forward and backward over the step's micro-batches, the data all-reduce on the last one
+    only: the one micro-batch loop of every method with a backward. Returns this rank's summed
+    loss (float64, on the device: nothing waits for the host). `after_forward` runs between
+    each micro-step's forward and its backward."""
+    total: torch.Tensor | None = None
+    for i, loss in enumerate(data.losses()):
+        pmodel.set_requires_gradient_sync(i == data.micro_steps - 1)
+        if after_forward is not None:
+            after_forward()
+        loss.backward()
+        pmodel.finish_backward()
+        value = loss.detach().double()
+        total = value if total is None else total + value
+    assert total is not None, "a step of no micro-batches"
+    return total
+
+
+def reduce_loss(pmodel: ParallelModel, local: torch.Tensor) -> float:
     """A loss summed over the batch axes (data and z): only a scalar crosses them."""
     return float(pmodel.reduce_over_batch(local.detach().double()))

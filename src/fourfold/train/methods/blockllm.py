@@ -4,7 +4,7 @@ A block is one row of a parameter tensor (of its full, global tensor: an output 
 weights, one token's embedding) or a whole vector (a norm's gain, a bias). At a selection step
 every candidate tensor is trainable for one backward; the blocks are ranked by the norm of
 their gradient (each shard's per-row sums of squares, reduced over the tensor axes, so every
-rank ranks alike) and taken in that order while their elements fit in (1 - train.block_sparsity)
+rank ranks alike) and taken in that order while their elements fit in (1 - train.method.sparsity)
 of the total. Rows, not whole tensors: in a small model the embedding and the output layer are
 close to half the weights, so a tenth of the elements never fits one of them whole, and they
 are where fine-tuning moves the loss most (the rows of the frequent tokens).
@@ -17,25 +17,23 @@ the selected rows' gradients live until the update. AdamW's moments and step cou
 per selected row; rows that stay selected across a reselection keep theirs.
 
 The selection is redone when the step's loss has not beaten the best so far for
-train.block_patience steps (default 1: a batch loss is noisy, so after most steps. On the
-15m fine-tune of bench/lean_quality.py from its 2000-step base, R was 0.926, 0.909 and 0.960
-at seeds 0-2 with 1, 0.918, 0.859 and 0.939 with 3, and 0.770 at seed 1 with 10: the rows
-with the steepest gradient change from batch to batch). Its backward streams too: at each
-hand-off the tensor's row norms join those seen so far and its gradient is held whole; once
-the held rows exceed the budget by BLOCKLLM_HOLD_SLACK of all elements, the tentative choice
-(the steepest held blocks, while they fit) is made and only the rows in it keep their
-gradient. A block that leaves the tentative choice never comes back into it (blocks seen
-later only add to the elements ranked above it), so the final choice's gradients are all at
-hand without a second backward; and a later tensor's rows below the steepest block that left
-are dropped at its hand-off (at sparsity 0.9 about 8 rankings a selection on 125m, against
-one per tensor, 112, when every hand-off ranked).
+train.method.patience steps (default 1: a batch loss is noisy, so after most steps; the rows
+with the steepest gradient change from batch to batch, and bench/lean_quality.py compares
+settings). Its backward streams too: at each hand-off the tensor's row norms join those seen
+so far and its gradient is held whole; once the held rows exceed the budget by HOLD_SLACK
+(fourfold.methods.blockllm) of all elements, the tentative choice (the steepest held blocks,
+while they fit) is made and only the rows in it keep their gradient. A block that leaves the
+tentative choice never comes back into it (blocks seen later only add to the elements ranked
+above it), so the final choice's gradients are all at hand without a second backward; and a
+later tensor's rows below the steepest block that left are dropped at its hand-off (a few
+rankings a selection, not one per tensor).
 
 Checkpoints: the selection (global rows per tensor) is in the state's facts; each tensor's
 moments and step counts are saved as (its chosen rows, the shard's columns), the rows gathered
 over the axes that split them (for the save only), so they reshard to any grid as AdamW's do.
 
 Memory: gradients, moments and step counts of the selected rows; the shard gradient being
-handed off; a selection step also up to BLOCKLLM_HOLD_SLACK of the elements' gradients more
+handed off; a selection step also up to HOLD_SLACK of the elements' gradients more
 and one float64 norm per row of every candidate.
 """
 
@@ -49,13 +47,12 @@ import torch
 from torch import nn
 
 from fourfold.config import TrainConfig
+from fourfold.methods.blockllm import HOLD_SLACK, BlockLLMOptions
 from fourfold.noise import chunk_elements
-from fourfold.parallel import Axis, Layout
-from fourfold.plan.memory import BLOCKLLM_HOLD_SLACK
-from fourfold.train.host_memory import trim_on_host_grid
-from fourfold.train.methods.adamw import backward_pass
-from fourfold.train.methods.base import (CHUNK_ELEMENTS, Guard, ParamView, StepData, StepResult,
-                                         TrainingMethod, arm_on_last_micro_step, check_meta,
+from fourfold.parallel import Axis, Layout, ParallelModel
+from fourfold.train.methods.base import (CHUNK_ELEMENTS, ParamView, PhaseHooks, StepData,
+                                         StepGuard, StepResult, TrainingMethod,
+                                         arm_on_last_micro_step, backward_pass, check_meta,
                                          live_grad_bytes, on_final_gradients, padded_dims,
                                          param_views, reduce_loss)
 
@@ -146,16 +143,18 @@ def choose_rows(norms: list[torch.Tensor | None], sizes: list[int], budget: floa
 
 class BlockLLM(TrainingMethod):
     name = "blockllm"
-    update_time = "after_backward"
 
-    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+    def __init__(self, pmodel: ParallelModel, cfg: TrainConfig, tied_output: bool = False,
+                 hooks: PhaseHooks | None = None) -> None:
+        options = cfg.options()
+        assert isinstance(options, BlockLLMOptions)
         self.views = param_views(pmodel, tied_output)  # the candidates: trainable at the start
         self.grid, self.comm = pmodel.grid, pmodel.comm
-        self._trim = trim_on_host_grid(self.grid.device, self.grid.world_size)
+        self.hooks = hooks or PhaseHooks()
         self.cands = candidates(self.views, self.grid)
         self._index = {id(c.view.param): i for i, c in enumerate(self.cands)}
         self._by_name = {c.view.name: c for c in self.cands}
-        self.sparsity, self.patience = cfg.block_sparsity, cfg.block_patience
+        self.sparsity, self.patience = options.sparsity, options.patience
         self.beta1, self.beta2 = cfg.beta1, cfg.beta2
         self.weight_decay = cfg.effective_weight_decay()
         self.grad_clip = cfg.grad_clip
@@ -163,8 +162,8 @@ class BlockLLM(TrainingMethod):
         self.row_sizes = [c.row_size for c in self.cands]
         self.budget = (1.0 - self.sparsity) * sum(self.sizes.values())
         # a selection's backward ranks the rows it holds only when they outgrow this: a
-        # BLOCKLLM_HOLD_SLACK share of the elements beyond the budget
-        self.hold_limit = self.budget + BLOCKLLM_HOLD_SLACK * sum(self.sizes.values())
+        # HOLD_SLACK share of the elements beyond the budget
+        self.hold_limit = self.budget + HOLD_SLACK * sum(self.sizes.values())
         # the selection: per candidate its chosen global rows (sorted), None before the first
         self.rows: list[torch.Tensor] | None = None
         self.selecting_next = True
@@ -271,7 +270,7 @@ class BlockLLM(TrainingMethod):
         # index_select: about 4x the speed of g[index] on a CPU (a gather of whole rows)
         return g.index_select(0, torch.searchsorted(local_held, local_keep).to(g.device))
 
-    def _backward(self, pmodel: Any, data: StepData, selecting: bool) -> float:
+    def _backward(self, pmodel: ParallelModel, data: StepData, selecting: bool) -> float:
         self.grads, self._selecting = {}, selecting
         if selecting:
             self._seen, self._held, self._held_elements = [None] * len(self.cands), {}, 0
@@ -282,7 +281,7 @@ class BlockLLM(TrainingMethod):
         finally:
             self._armed = self._selecting = False
 
-    def _select(self, pmodel: Any, data: StepData) -> float:
+    def _select(self, pmodel: ParallelModel, data: StepData) -> float:
         """The selection's backward (every candidate trainable): returns its loss and leaves
         the chosen rows' gradients in self.grads and the new selection in self.rows."""
         self._set_trainable(True)
@@ -362,10 +361,9 @@ class BlockLLM(TrainingMethod):
                 w.sub_(m / denom * (lr / (1 - b1 ** t)))
                 weights.index_copy_(0, rows, w)
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+    def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
-        if self._trim is not None:  # the last step's freed blocks, before this step's
-            self._trim()
+        self.hooks.step_start()
         if self.selecting_next:
             if self.best < math.inf:  # not the first selection
                 self.reselections += 1
@@ -374,7 +372,7 @@ class BlockLLM(TrainingMethod):
         else:
             loss = self._backward(pmodel, data, selecting=False)
         norm = self._clip()
-        reason = guard(loss, norm) if guard is not None else None
+        reason = guard.check(loss, norm) if guard is not None else None
         if reason is None:
             self._update(lr)
             if loss < self.best:

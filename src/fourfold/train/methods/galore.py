@@ -5,7 +5,7 @@ For an m x n gradient G with m < n the projection is P = the top r left singular
 (m x r); the moments follow R = P^T G (r x n) and the step is P N(R), N being Adam's
 normalised step. With m >= n it is the right side: Q = top r right singular vectors (n x r),
 R = G Q (m x r), step N(R) Q^T. P (or Q) is recomputed from the step's gradient every
-train.galore_gap steps; the moments carry over, as in the paper. The rank is train.galore_rank,
+train.method.gap steps; the moments carry over, as in the paper. The rank is train.method.rank,
 or a quarter of the smaller side (0), and never above the smaller side.
 
 A matrix's full gradient lives only until it is final (LOMO's hand-off, base.on_final_gradients:
@@ -22,13 +22,10 @@ P (Q) is computed from the Gram matrix of the smaller side, s = min(m, n): the t
 eigenvectors of G G^T (G^T G), s x s, summed in float64 and solved with eigh (float64), the
 same subspace as the SVD's without a copy of G: a refresh's transient is the Gram, eigh's
 output and workspace (about 4 s^2 float64 in all), one chunk of G's columns (rows) gathered
-to their full small side (GALORE_CHUNK_BYTES, float32) and its float64 copy, and the basis.
-It runs inside backward, when the later layers' gradients are already projected and freed; on
-the host the heap's free pages are handed back first, so that they are not resident beside it
-(and at every step's forward and update: under the ranks' malloc tuning nothing else does, so
-each phase would land its temporaries in holes the one before left resident beside it;
-measured on a 2 x 2 rank of 125m, the peak fell by 6-10 MiB, the step time within the runs'
-scatter).
+to their full small side (CHUNK_BYTES, float32) and its float64 copy, and the basis.
+It runs inside backward, when the later layers' gradients are already projected and freed,
+after the method's before_transient hook (PhaseHooks: on a host, the memory policy hands the
+heap's free pages back there, so that they are not resident beside it).
 Eigenvalues that tie at the r-th leave the basis of their eigenspace to eigh (as to an SVD);
 zero rows or columns (vocab padding) add nothing to the Gram.
 
@@ -59,21 +56,17 @@ moot).
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
 from fourfold.config import TrainConfig
-from fourfold.parallel import Layout
+from fourfold.methods.galore import CHUNK_BYTES, GaLoreOptions, projection_rank
+from fourfold.parallel import Layout, ParallelModel
 from fourfold.parallel.comm import Comm
 from fourfold.parallel.grid import Axis
-from fourfold.plan.memory import GALORE_CHUNK_BYTES, galore_rank
-from fourfold.train.host_memory import (trim_after_autocast_forward, trim_host_memory,
-                                        trim_on_host_grid)
-from fourfold.train.methods.adamw import backward_pass
-from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
-                                         StepResult, TrainingMethod, arm_on_last_micro_step,
-                                         on_final_gradients,
+from fourfold.train.methods.base import (ParamView, PerParameterState, PhaseHooks, StepData,
+                                         StepGuard, StepResult, TrainingMethod,
+                                         arm_on_last_micro_step, backward_pass, on_final_gradients,
                                          padded_dims, param_views, reduce_loss, shard_norm_sq)
 
 EPS = 1e-8
@@ -82,7 +75,7 @@ EPS = 1e-8
 @torch.no_grad()
 def small_side_gram(pieces: torch.Tensor, small_axes: tuple[Axis, ...],
                     long_axes: tuple[Axis, ...], comm: Comm,
-                    chunk_bytes: int = GALORE_CHUNK_BYTES) -> torch.Tensor:
+                    chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
     """A A^T (s x s, float64, the same on every rank) of the global matrix A whose shard
     `pieces` is (its dim 0, the small side s, split over `small_axes`; dim 1, the long side,
     over `long_axes`). A few columns of the shard at a time are all-gathered over the small
@@ -120,21 +113,23 @@ def top_eigenvectors(gram: torch.Tensor, r: int) -> torch.Tensor:
 
 class GaLore(PerParameterState, TrainingMethod):
     name = "galore"
-    update_time = "after_backward"
 
-    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+    def __init__(self, pmodel: ParallelModel, cfg: TrainConfig, tied_output: bool = False,
+                 hooks: PhaseHooks | None = None) -> None:
+        options = cfg.options()
+        assert isinstance(options, GaLoreOptions)
         self.views = param_views(pmodel, tied_output)
         self._view = {id(v.param): v for v in self.views}
         self.grid, self.comm = pmodel.grid, pmodel.comm
         self.beta1, self.beta2 = cfg.beta1, cfg.beta2
         self.weight_decay, self.grad_clip = cfg.effective_weight_decay(), cfg.grad_clip
-        self.rank, self.gap = cfg.galore_rank, cfg.galore_gap
+        self.rank, self.gap = options.rank, options.gap
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.steps_done = 0
-        # the state is made up front, before any gradient: it then lies below them in the
-        # heap, and the blocks every step's gradients and temporaries free are reused by the
-        # next step's (made at the first update, between the freed gradients, it left holes
-        # the later, differently sized tensors could not fill: ~50 MiB a rank on 2 x 2)
+        # the state is made up front, before any gradient: on a host it then lies below them
+        # in the heap, and the blocks every step's gradients and temporaries free are reused
+        # by the next step's (made at the first update, between the freed gradients, it would
+        # leave holes the later, differently sized tensors could not fill)
         for v in self.views:
             if v.param.requires_grad:
                 self.state[v.name] = self._new_state(v)
@@ -143,9 +138,7 @@ class GaLore(PerParameterState, TrainingMethod):
         self._low: dict[str, torch.Tensor] = {}
         self._new_proj: dict[str, torch.Tensor] = {}
         self._norm_sq = torch.zeros((), dtype=torch.float64, device=self.grid.device)
-        self._after_forward = trim_after_autocast_forward(self.grid.device,
-                                                          self.grid.world_size, cfg.dtype)
-        self._trim = trim_on_host_grid(self.grid.device, self.grid.world_size)
+        self.hooks = hooks or PhaseHooks()
         self._armed = False  # on the last micro-step of a backward
         self._refresh = False
         # a refreshed basis replaces the old one at once, unless a step the guard rejects can
@@ -162,7 +155,7 @@ class GaLore(PerParameterState, TrainingMethod):
         if p.dim() != 2:
             return {"m": torch.zeros(p.shape, **zeros), "v": torch.zeros(p.shape, **zeros)}
         m, n = view.full_shape
-        r = galore_rank(view.full_shape, self.rank)
+        r = projection_rank(view.full_shape, self.rank)
         rr = r // math.prod(self.grid.size(a) for a in self._rank_axes(view, r))
         pr = r // math.prod(self.grid.size(a) for a in self._proj_axes(view, r))
         moments = (rr, p.shape[1]) if m < n else (p.shape[0], rr)
@@ -183,7 +176,7 @@ class GaLore(PerParameterState, TrainingMethod):
         # over. Q and R = G Q the other way round.
         m, n = view.full_shape
         rows, cols = padded_dims(view)
-        r = galore_rank(view.full_shape, self.rank)
+        r = projection_rank(view.full_shape, self.rank)
         if field == "proj":
             return Layout((rows, self._proj_axes(view, r)) if m < n
                           else (cols, self._proj_axes(view, r)))
@@ -226,9 +219,8 @@ class GaLore(PerParameterState, TrainingMethod):
         gradient that is not finite (the same on every rank: the Gram is)."""
         dim = 0 if left else 1
         split = padded_dims(view)
-        # the refresh's transient (Gram, chunks, eigh's workspace: ~4 s^2 float64) would
-        # land above the heap's free holes: handed back first, they are not resident beside it
-        trim_host_memory(self.grid.device)
+        # the refresh's transient: Gram, chunks, eigh's workspace (~4 s^2 float64)
+        self.hooks.before_transient()
         # the small side first: G's shard for P (G G^T), its transpose for Q (G^T G)
         gram = small_side_gram(grad if left else grad.T, split[dim], split[1 - dim], self.comm)
         if not bool(torch.isfinite(gram).all()):  # eigh would fail; the guard skips the step
@@ -256,7 +248,7 @@ class GaLore(PerParameterState, TrainingMethod):
         g = p.grad.float()
         self._norm_sq += shard_norm_sq(view, g, self.grid.shape)
         m, n = view.full_shape
-        left, r = m < n, galore_rank(view.full_shape, self.rank)
+        left, r = m < n, projection_rank(view.full_shape, self.rank)
         state = self.state.setdefault(view.name, {})
         if "m" not in state:  # a checkpoint from before the first step had none
             state.update(self._new_state(view))
@@ -281,10 +273,10 @@ class GaLore(PerParameterState, TrainingMethod):
 
     def _blocks(self, view: ParamView, left: bool) -> list[slice]:
         """The blocks of G's other side (its columns for P, its rows for Q) a step works on
-        one at a time: GALORE_CHUNK_BYTES of G (and of the update) each."""
+        one at a time: CHUNK_BYTES of G (and of the update) each."""
         p = view.param
         other = p.shape[1] if left else p.shape[0]
-        width = max(1, GALORE_CHUNK_BYTES // (4 * p.shape[0 if left else 1]))
+        width = max(1, CHUNK_BYTES // (4 * p.shape[0 if left else 1]))
         return [slice(a, min(a + width, other)) for a in range(0, other, width)]
 
     def _project(self, view: ParamView, g: torch.Tensor, basis: torch.Tensor, left: bool,
@@ -323,7 +315,7 @@ class GaLore(PerParameterState, TrainingMethod):
             p.add_(self._adam(state["m"], state["v"], g, t).to(p.dtype), alpha=-lr)
             return
         m, n = view.full_shape
-        left, r = m < n, galore_rank(view.full_shape, self.rank)
+        left, r = m < n, projection_rank(view.full_shape, self.rank)
         if view.name in self._new_proj:  # a refresh: the new basis replaces the old
             state["proj"].copy_(self._new_proj.pop(view.name))
         low = self._low.pop(view.name)
@@ -374,26 +366,24 @@ class GaLore(PerParameterState, TrainingMethod):
             coef = min(1.0, self.grad_clip / (norm + 1e-6))
         return norm, coef
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+    def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         for v in self.views:
             v.param.grad = None
         self._refresh = self.steps_done % self.gap == 0
-        if self._trim is not None:  # the last update's blocks, before the forward
-            self._trim()
+        self.hooks.step_start()
         self._norm_sq.zero_()
         try:
             loss = reduce_loss(pmodel, backward_pass(pmodel, arm_on_last_micro_step(
-                data, lambda on: setattr(self, "_armed", on)), self._after_forward))
+                data, lambda on: setattr(self, "_armed", on)), self.hooks.after_forward))
         finally:
             self._armed = False
         self.peak_grad_bytes = max(self.peak_grad_bytes, self._live_grad_bytes())
         norm, coef = self._clip_coef()
-        reason = guard(loss, norm) if guard is not None else None
+        reason = guard.check(loss, norm) if guard is not None else None
         if reason is None:
             t = self.steps_done + 1
-            if self._trim is not None:  # backward's, before the update's temporaries
-                self._trim()
+            self.hooks.before_update()
             for v in self.views:
                 if v.name in self._low or (v.param.dim() != 2 and v.param.grad is not None):
                     self._update(v, lr, t, coef)

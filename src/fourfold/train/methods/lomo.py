@@ -7,7 +7,7 @@ grad-ready hook, Engine.set_grad_ready_hook); on one process, when autograd has 
 done (at most two buckets in flight); norms and biases, summed over z at the end of backward,
 are updated last.
 
-Clipping (train.clip_mode): "value" clamps each element to +-train.grad_clip (local, exact on
+Clipping (train.method.clip_mode): "value" clamps each element to +-train.grad_clip (local, exact on
 every grid); "two_pass" runs backward twice, the first only to compute the global norm (the
 paper's way), then clips by train.grad_clip; "none".
 """
@@ -21,35 +21,34 @@ import torch
 from torch import nn
 
 from fourfold.config import TrainConfig
+from fourfold.methods.lomo import FusedBackwardOptions
+from fourfold.parallel import Layout, ParallelModel
+from fourfold.train.methods.base import (ParamView, PerParameterState, PhaseHooks, StepData,
+                                         StepGuard, StepResult, TrainingMethod, backward_pass,
+                                         check_meta, live_grad_bytes, on_final_gradients,
+                                         padded_dims, param_views, reduce_loss, shard_norm_sq)
 from fourfold.noise import CHUNK_ELEMENTS
-from fourfold.parallel import Layout
-from fourfold.train.host_memory import trim_after_autocast_forward, trim_on_host_grid
-from fourfold.train.methods.adamw import backward_pass
-from fourfold.train.methods.base import (Guard, ParamView, PerParameterState, StepData,
-                                         StepResult, TrainingMethod, check_meta,
-                                         live_grad_bytes, on_final_gradients, padded_dims,
-                                         param_views, reduce_loss, shard_norm_sq)
 
 
 class FusedBackward(TrainingMethod):
     """The machinery of a method that updates each shard inside backward."""
 
-    update_time = "in_backward"
-
-    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+    def __init__(self, pmodel: ParallelModel, cfg: TrainConfig, tied_output: bool = False,
+                 hooks: PhaseHooks | None = None) -> None:
+        options = cfg.options()
+        assert isinstance(options, FusedBackwardOptions)
         self.views = param_views(pmodel, tied_output)
         self._view = {id(v.param): v for v in self.views}
         self.grid, self.comm = pmodel.grid, pmodel.comm
-        self.clip_mode, self.grad_clip = cfg.clip_mode, cfg.grad_clip
+        self.clip_mode, self.grad_clip = options.clip_mode, cfg.grad_clip
         self.weight_decay = cfg.effective_weight_decay()
         self._phase = ""  # "norm": first pass of two_pass; "update"; "": not in a step
         self._lr, self._scale = 0.0, 1.0
-        self._norm_sq = torch.zeros((), dtype=torch.float64)
+        # on the grid's device: the gradients' squared norms are added into it in place
+        self._norm_sq = torch.zeros((), dtype=torch.float64, device=self.grid.device)
         self.peak_grad_bytes = 0  # the most gradient bytes alive at one hand-off (tests read it)
         self._release = on_final_gradients(pmodel, self.views, self._on_grad_ready)
-        self._after_forward = trim_after_autocast_forward(self.grid.device,
-                                                          self.grid.world_size, cfg.dtype)
-        self._trim = trim_on_host_grid(self.grid.device, self.grid.world_size)
+        self.hooks = hooks or PhaseHooks()
 
     @torch.no_grad()
     def _on_grad_ready(self, p: nn.Parameter) -> None:
@@ -72,38 +71,37 @@ class FusedBackward(TrainingMethod):
     def update(self, view: Any, grad: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+    def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         if data.micro_steps != 1:
             raise ValueError(f"{self.name} updates during backward: one micro-step per step, "
                              f"not {data.micro_steps}")
         self._lr, self._scale, norm = lr, 1.0, math.nan
-        # the last step's freed blocks go back to the kernel: not resident beside this step's
-        if self._trim is not None:
-            self._trim()
+        self.hooks.step_start()
         try:
             if self.clip_mode == "two_pass":
                 self._phase = "norm"
                 self._norm_sq.zero_()
-                loss = reduce_loss(pmodel, backward_pass(pmodel, data, self._after_forward))
-                total = self._norm_sq.to(self.grid.device)
+                loss = reduce_loss(pmodel, backward_pass(pmodel, data, self.hooks.after_forward))
+                total = self._norm_sq.clone()
                 if self.grid.world_size > 1:  # data replicas hold the same gradients
                     total = self.comm.all_reduce(total, "tensor").wait()
                 norm = float(total.sqrt())
                 # nothing has moved yet: a guard (nan_policy = "skip") can still skip the step
-                reason = guard(loss, norm) if guard is not None else None
+                reason = guard.check(loss, norm) if guard is not None else None
                 if reason is not None or not math.isfinite(norm):
                     return StepResult(loss, norm, True, reason or "non-finite gradient norm")
                 if self.grad_clip > 0 and norm > self.grad_clip:
                     self._scale = self.grad_clip / (norm + 1e-6)
             self._phase = "update"
-            loss = reduce_loss(pmodel, backward_pass(pmodel, data, self._after_forward))
+            loss = reduce_loss(pmodel, backward_pass(pmodel, data, self.hooks.after_forward))
         finally:
             self._phase = ""
         if self.clip_mode == "two_pass":
             return StepResult(loss, norm)
-        # the update is done: a guard can only report (hence nan_policy "skip" needs two_pass)
-        reason = guard(loss, norm) if guard is not None else None
+        # the update is done, its norm never known: a guard can only judge the loss, and only
+        # report it (hence nan_policy "skip" needs two_pass)
+        reason = guard.check(loss, None) if guard is not None else None
         return StepResult(loss, norm, False, reason or "")
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -140,14 +138,15 @@ class AdaLomo(PerParameterState, FusedBackward):
 
     name = "adalomo"
 
-    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
-        super().__init__(pmodel, cfg, tied_output)
+    def __init__(self, pmodel: ParallelModel, cfg: TrainConfig, tied_output: bool = False,
+                 hooks: PhaseHooks | None = None) -> None:
+        super().__init__(pmodel, cfg, tied_output, hooks)
         self.beta2 = cfg.beta2
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.steps_done = 0
         self._t = 1  # the step being taken, for the bias correction of beta2
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+    def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         self._t = self.steps_done + 1
         result = super().step(pmodel, data, lr, guard)
@@ -176,8 +175,8 @@ class AdaLomo(PerParameterState, FusedBackward):
         if p.dim() == 2:
             (m, n), (row_axes, col_axes) = view.full_shape, dims
             # row blocks of ~1 MiB: no temporary as large as the matrix (the embedding's would
-            # be as large as its gradient). 16 MiB blocks on a GPU (the noise's) were tried:
-            # 31 MiB more on 125m at batch 2 x 128, no clear gain in step time
+            # be as large as its gradient), on a GPU too (larger blocks cost memory there and
+            # gain no step time)
             block = max(1, CHUNK_ELEMENTS // g.shape[1])
             chunks = [(r, min(r + block, g.shape[0])) for r in range(0, g.shape[0], block)]
             row_sums, col_sums = [], torch.zeros(g.shape[1], dtype=g.dtype, device=g.device)

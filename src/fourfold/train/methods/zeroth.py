@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from fourfold.config import TrainConfig
+from fourfold.methods.zeroth import ESOptions, MeZOOptions
+from fourfold.parallel import ParallelModel
+from fourfold.train.methods.base import (ParamView, PhaseHooks, StepData, StepGuard, StepResult,
+                                         TrainingMethod, check_meta, param_views)
 from fourfold.noise import noise_key
-from fourfold.train.host_memory import trim_on_host_grid
-from fourfold.train.methods.base import (Guard, ParamView, StepData, StepResult, TrainingMethod,
-                                         check_meta, param_views)
 
 
 @torch.no_grad()
@@ -42,9 +43,8 @@ def add_noise(views: list[ParamView], seed: int, step: int, coefs: dict[int, flo
                 flat[start:stop].add_(delta.reshape(stop - start, -1).to(p.dtype))
 
 
-def _forward_loss(data: StepData, before: Callable[[], None] | None = None) -> torch.Tensor:
-    if before is not None:
-        before()
+def _forward_loss(data: StepData, before: Callable[[], None]) -> torch.Tensor:
+    before()
     with torch.no_grad():
         total = torch.zeros((), dtype=torch.float64)
         for loss in data.losses():
@@ -57,28 +57,30 @@ class MeZO(TrainingMethod):
     along one seeded direction z per step, and w <- w - lr * g * z. No state but a step count."""
 
     name = "mezo"
-    update_time = "forward_only"
 
-    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+    def __init__(self, pmodel: ParallelModel, cfg: TrainConfig, tied_output: bool = False,
+                 hooks: PhaseHooks | None = None) -> None:
+        options = cfg.options()
+        assert isinstance(options, MeZOOptions)
         self.views = param_views(pmodel, tied_output)
-        self.seed, self.eps = cfg.seed, cfg.mezo_eps
+        self.seed, self.eps = cfg.seed, options.eps
         self.weight_decay = cfg.effective_weight_decay()
         self.steps_done = 0
-        self._before_forward = trim_on_host_grid(pmodel.grid.device, pmodel.grid.world_size)
+        self.hooks = hooks or PhaseHooks()
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+    def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         step, eps = self.steps_done, self.eps
         add_noise(self.views, self.seed, step, {0: eps})
-        plus = _forward_loss(data, self._before_forward)
+        plus = _forward_loss(data, self.hooks.before_forward)
         add_noise(self.views, self.seed, step, {0: -2.0 * eps})
-        minus = _forward_loss(data, self._before_forward)
+        minus = _forward_loss(data, self.hooks.before_forward)
         # two scalars cross the batch axes (data, z); x/y replicas already agree
         both = pmodel.reduce_over_batch(torch.stack([plus, minus]).to(pmodel.grid.device))
         plus_v, minus_v = float(both[0]), float(both[1])
         grad = (plus_v - minus_v) / (2.0 * eps)
         loss = 0.5 * (plus_v + minus_v)
-        reason = guard(loss, abs(grad)) if guard is not None else None
+        reason = guard.check(loss, abs(grad)) if guard is not None else None
         if reason is not None or not math.isfinite(grad):
             add_noise(self.views, self.seed, step, {0: eps})  # back to w
             self.steps_done += 1
@@ -105,7 +107,7 @@ class MeZO(TrainingMethod):
 
 
 class EvolutionStrategies(TrainingMethod):
-    """Evolution strategies (after EA4LLM / OpenAI-ES): `es_population` members w + sigma z_m,
+    """Evolution strategies (after EA4LLM / OpenAI-ES): train.method.population members w + sigma z_m,
     each evaluated on the same batch; w <- w + lr / N *
     sum_m r_m z_m with r_m = -(L_m - mean L) / sigma (the mean as baseline), rebuilt from the seeds
     on every rank.
@@ -117,17 +119,18 @@ class EvolutionStrategies(TrainingMethod):
     never drift apart."""
 
     name = "es"
-    update_time = "forward_only"
-    batch_axes = ("z",)
 
-    def __init__(self, pmodel: Any, cfg: TrainConfig, tied_output: bool = False) -> None:
+    def __init__(self, pmodel: ParallelModel, cfg: TrainConfig, tied_output: bool = False,
+                 hooks: PhaseHooks | None = None) -> None:
+        options = cfg.options()
+        assert isinstance(options, ESOptions)
         self.views = param_views(pmodel, tied_output)
-        self.seed, self.sigma, self.population = cfg.seed, cfg.es_sigma, cfg.es_population
+        self.seed, self.sigma, self.population = cfg.seed, options.sigma, options.population
         self.weight_decay = cfg.effective_weight_decay()
         self.steps_done = 0
-        self._before_forward = trim_on_host_grid(pmodel.grid.device, pmodel.grid.world_size)
+        self.hooks = hooks or PhaseHooks()
 
-    def step(self, pmodel: Any, data: StepData, lr: float, guard: Guard | None = None
+    def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         grid, step, n = pmodel.grid, self.steps_done, self.population
         replica, replicas = grid.coord("data"), grid.size("data")
@@ -135,7 +138,7 @@ class EvolutionStrategies(TrainingMethod):
         for m in range(n):
             add_noise(self.views, self.seed, step, {m: self.sigma})
             if m % replicas == replica:
-                losses[m] = _forward_loss(data, self._before_forward)
+                losses[m] = _forward_loss(data, self.hooks.before_forward)
             add_noise(self.views, self.seed, step, {m: -self.sigma})
         # n floats over the whole grid: z sums the batch shards, data gathers the members;
         # x and y hold copies
@@ -147,7 +150,7 @@ class EvolutionStrategies(TrainingMethod):
         # unbiased, and on the same scale as a gradient (lr means what it means for SGD)
         weights = [(float(losses[m]) - loss) / (n * self.sigma) for m in range(n)]
         size = math.sqrt(sum(w * w for w in weights))
-        reason = guard(loss, size) if guard is not None else None
+        reason = guard.check(loss, size) if guard is not None else None
         self.steps_done += 1
         if reason is not None or not math.isfinite(loss):
             return StepResult(loss, size, True, reason or "non-finite loss")
