@@ -111,3 +111,19 @@ def test_comm_checks_gather_and_scatter_sizes_against_the_group() -> None:
                 comm.reduce_scatter(torch.ones(6, 2), "x")  # 6 rows do not split 4 ways
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--grid", "2,2,2"], "--grid 2,2,2: give data,z,y,x"),
+    (["--grid", "2,2,2,2", "--ranks", "16"], "--ranks 16: the grid"),
+    (["--grid", "2,2,2,2", "--ranks", "a"], "--ranks a: give integers"),
+])
+def test_simulate_command_mistakes_are_one_line(tmp_path, capsys, args: list[str],
+                                                message: str) -> None:
+    from fourfold.cli import main
+
+    config = tmp_path / "c.toml"
+    config.write_text('[model]\npreset = "debug"\n[parallel]\nmachine = "dgx-h100"\n')
+    code = main(["simulate", str(config), "--world", "16", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and err[-1].startswith("error: ") and message in err[-1], err
