@@ -6,6 +6,7 @@ tensors against the planner's tensor terms, the bytes per axis against the plann
 wall time and the process's resident peak.
 
     python bench/simulate.py [--cases 70b:1024:128,405b:16384:1024] [--machine dgx-h100]
+        [--ranks 0,-1]
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def main() -> None:
     ap.add_argument("--cases", default="70b:1024:128,405b:16384:1024",
                     help="MODEL:WORLD:BATCH,... (the global batch in sequences)")
     ap.add_argument("--machine", default="dgx-h100")
+    ap.add_argument("--ranks", default="0,-1", help="ranks to simulate (-1: the last)")
     ap.add_argument("--one", help=argparse_hidden())
     args = ap.parse_args()
     if args.one:
@@ -70,7 +72,7 @@ def main() -> None:
                   "bytes x / y / z / data (GB)", "= planner", "wall s", "resident GiB")
     for case in args.cases.split(","):
         model, world, batch = case.split(":")
-        for rank in (0, -1):
+        for rank in (int(r) for r in args.ranks.split(",")):
             out = subprocess.run([sys.executable, __file__, "--machine", args.machine,
                                   "--one", f"{model}:{world}:{batch}:{rank}"],
                                  capture_output=True, text=True)
