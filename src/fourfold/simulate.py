@@ -31,7 +31,7 @@ import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -41,10 +41,10 @@ from torch.utils._pytree import tree_flatten
 from fourfold.config import Config, validate
 from fourfold.data.loader import Batch
 from fourfold.errors import FourfoldError
+from fourfold.intmath import GIB
 from fourfold.parallel.comm import CollectiveCall
 from fourfold.parallel.grid import AXES, RANK_ORDER, Axis, Grid, GridShape
 from fourfold.plan.catalog import Machine
-from fourfold.intmath import GIB
 from fourfold.plan.memory import MemoryBreakdown
 
 PHASES = ("build", "forward", "backward", "optimizer")
@@ -198,7 +198,7 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
                       guard=LossGuard(t.spike_threshold))
             trainer = Trainer.from_run(run, progress=False)
             step_seconds = []
-            with _phase_hooks(counter, pmodel, getattr(method, "optimizer", None)):
+            with _PhaseWatch(counter, pmodel, getattr(method, "optimizer", None)):
                 for step in range(steps):
                     begun = time.perf_counter()
                     trainer.train_step()
@@ -221,46 +221,38 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
                       step_seconds=step_seconds, shard_shapes=shapes, trace=list(trace))
 
 
-@dataclass
-class _Phases:
-    counter: LiveBytes
-
-    def set(self, phase: str) -> None:
-        self.counter.phase = phase
-
-    def forward(self, module: Any, args: Any) -> None:
-        self.set("forward")
-
-    def forward_done(self, module: Any, args: Any, output: Any) -> None:
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(self._backward)
-
-    def _backward(self, grad: torch.Tensor) -> None:
-        self.set("backward")
-
-    def optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.set("optimizer")
-
-
-class _phase_hooks:
+class _PhaseWatch:
     """Sets the counter's phase from hooks: the model's forward, the start of its backward
-    (the output's gradient) and the optimizer's step."""
+    (the output's gradient) and the optimizer's step (a method without a torch optimizer
+    updates within its backward)."""
 
     def __init__(self, counter: LiveBytes, pmodel: Any, optimizer: Any) -> None:
-        self.phases = _Phases(counter)
-        self.pmodel, self.optimizer = pmodel, optimizer
+        self.counter, self.pmodel, self.optimizer = counter, pmodel, optimizer
         self.handles: list[Any] = []
 
     def __enter__(self) -> None:
         module = self.pmodel.module
-        self.handles = [module.register_forward_pre_hook(self.phases.forward),
-                        module.register_forward_hook(self.phases.forward_done)]
+        self.handles = [module.register_forward_pre_hook(self._forward),
+                        module.register_forward_hook(self._forward_done)]
         if self.optimizer is not None:
-            self.handles.append(self.optimizer.register_step_pre_hook(self.phases.optimizer))
+            self.handles.append(self.optimizer.register_step_pre_hook(self._optimizer))
 
     def __exit__(self, *exc: object) -> None:
         for handle in self.handles:
             handle.remove()
+
+    def _forward(self, module: Any, args: Any) -> None:
+        self.counter.phase = "forward"
+
+    def _forward_done(self, module: Any, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._backward)
+
+    def _backward(self, grad: torch.Tensor) -> None:
+        self.counter.phase = "backward"
+
+    def _optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.counter.phase = "optimizer"
 
 
 def group_members(shape: GridShape, a: int, b: int, group: str) -> bool:
