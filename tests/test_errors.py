@@ -41,7 +41,7 @@ def test_every_user_error_is_a_fourfold_error_with_its_exit_code() -> None:
 def test_the_cli_prints_one_line_and_exits_with_the_errors_code(
         error: BaseException, code: int, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    def fail(argv: list[str]) -> int:
+    def fail(argv: list[str], signals: cli.StopSignals) -> int:
         raise error
 
     monkeypatch.setattr(cli, "_dispatch", fail)
@@ -52,7 +52,7 @@ def test_the_cli_prints_one_line_and_exits_with_the_errors_code(
 
 
 def test_an_unexpected_error_is_not_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:
-    def fail(argv: list[str]) -> int:
+    def fail(argv: list[str], signals: cli.StopSignals) -> int:
         raise KeyError("a bug")
 
     monkeypatch.setattr(cli, "_dispatch", fail)

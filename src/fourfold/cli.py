@@ -3,7 +3,8 @@
 Each subcommand imports what it needs when it runs, so `fourfold --help` is quick and one
 missing optional piece does not break the others. User mistakes (a bad config key, a missing
 path, a grid that cannot work) print one `error: ...` line and exit with 2; a training run
-that fails exits with 1; Ctrl-C exits with 130.
+that fails exits with 1; Ctrl-C exits with 130; SIGTERM stops a training run after a
+checkpoint and exits with 143.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from typing import Any
 
 from fourfold.errors import EXIT_FAILED, EXIT_USAGE, FourfoldError, first_line
 from fourfold.parsing import ArgumentParser
+from fourfold.signals import EXIT_INTERRUPTED, EXIT_TERMINATED, StopSignals, Stopped
 
 EXIT_OK = 0
 EXIT_TRAINING_FAILED = EXIT_FAILED  # also: a command whose module is missing
-EXIT_INTERRUPTED = 130
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,7 +83,12 @@ def _rank_argv(argv: list[str], run_dir: Path | None = None) -> list[str]:
 def cmd_train(args: argparse.Namespace) -> int:
     from fourfold.config import ConfigError, load_config
 
-    cfg = load_config(args.config, args.overrides)
+    from fourfold.rundir import (CONFIG_FILE, check_resume_requested, list_checkpoints,
+                                 move_checkpoints_aside)
+
+    # CONFIG may be a run directory: its own config.toml, and the run goes on there
+    given_run = args.config is not None and (Path(args.config) / CONFIG_FILE).is_file()
+    cfg = load_config(args.config, args.overrides, saved=given_run)
     if args.resume is not None:
         cfg.checkpoint.resume = args.resume
     if args.max_restarts is not None:
@@ -91,7 +97,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg.train.max_restarts = args.max_restarts
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
-    run_dir = Path(args.out) if args.out else default_run_dir()
+    named = bool(args.out) or given_run
+    run_dir = Path(args.out) if args.out else Path(args.config) if given_run else \
+        default_run_dir()
+    if args.resume:
+        check_resume_requested(run_dir, named)
+    if args.resume is False and _is_main_rank() and list_checkpoints(run_dir):
+        # a fresh run must neither resume them later nor prune them now: set aside, kept
+        moved = move_checkpoints_aside(run_dir)
+        print(f"note: --no-resume: moved the old checkpoints of {run_dir} to {moved}",
+              file=sys.stderr, flush=True)
 
     _note_slurm_launch(args.nproc)
     if args.nproc > 1 and not _inside_job():
@@ -102,12 +117,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         p = cfg.parallel
         GridShape.resolve(p.x, p.y, p.z, p.data, args.nproc)
         return launch_local(args.nproc,
-                            _rank_argv(args.argv, None if args.out else run_dir),
+                            _rank_argv(args.argv, None if named else run_dir),
                             max_restarts=cfg.train.max_restarts)
 
     from fourfold.train.trainer import train
 
-    result = train(cfg, run_dir)
+    args.signals.install()  # SIGTERM: stop after a checkpoint
+    result = train(cfg, run_dir, signals=args.signals)
     if _is_main_rank():
         _print_train_summary(Path(getattr(result, "run_dir", run_dir)))
     return EXIT_OK
@@ -119,7 +135,7 @@ def _inside_job() -> bool:
     Under Slurm only a task of a job step of several tasks is (srun sets the step's
     variables); a batch script carries the job's SLURM_PROCID and SLURM_NTASKS but is one
     process, which --nproc may fan out."""
-    from fourfold.parallel.grid import slurm_rank_env
+    from fourfold.slurm import slurm_rank_env
 
     return "RANK" in os.environ or bool(slurm_rank_env(os.environ))
 
@@ -128,7 +144,7 @@ def _is_main_rank() -> bool:
     # Slurm's variable counts before init_distributed has copied it to RANK.
     if "RANK" in os.environ:
         return os.environ["RANK"] == "0"
-    from fourfold.parallel.grid import is_slurm_step
+    from fourfold.slurm import is_slurm_step
 
     return not is_slurm_step(os.environ) or os.environ.get("SLURM_PROCID", "0") == "0"
 
@@ -140,7 +156,7 @@ def _note_slurm_launch(nproc: int) -> None:
     env = os.environ
     if "RANK" in env or "SLURM_JOB_ID" not in env:
         return
-    from fourfold.parallel.grid import is_slurm_step
+    from fourfold.slurm import is_slurm_step
 
     tasks = int(env.get("SLURM_STEP_NUM_TASKS" if is_slurm_step(env) else "SLURM_NTASKS", "1")
                 or 1)
@@ -204,13 +220,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _generate_chat(args: argparse.Namespace, model, cfg, tokenizer) -> int:  # noqa: ANN001
     """`generate --chat`: the prompt as a user's turn in the run's chat template (its data's,
     or the documented default), the answer generated to the template's end of turn."""
-    from fourfold.data.chat_template import TEMPLATE_FILE, data_template, encode_with_offsets
-    from fourfold.train.runs import run_data_dir
+    from fourfold.data.chat_template import data_template, encode_with_offsets
+    from fourfold.train.runs import run_template_dir
     from fourfold.train.sampling import generate
 
-    run_dir = Path(args.run_dir)
-    where = run_dir if (run_dir / TEMPLATE_FILE).is_file() else run_data_dir(cfg)
-    template = data_template(where, tokenizer)
+    template = data_template(run_template_dir(args.run_dir, cfg), tokenizer)
     prompt_ids = template.prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
     stop = template.end_of_turn()
     stop_ids = encode_with_offsets(tokenizer, stop)[0] if stop else []
@@ -296,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Train a model. Under torchrun or srun each rank runs "
                                        "this same command.")
     train.add_argument("config", nargs="?", metavar="CONFIG.toml",
-                       help="a config file (or a RUN_DIR holding config.toml); defaults apply "
+                       help="a config file, or a RUN_DIR to go on with (its config.toml; the run "
+                            "resumes there); defaults apply "
                             "without one")
     train.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
@@ -305,7 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, default=1, metavar="N",
                        help="start N local ranks (ignored inside torchrun/srun jobs)")
     train.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
-                       help="continue from RUN_DIR's latest checkpoint (checkpoint.resume)")
+                       help="continue from RUN_DIR's latest checkpoint (checkpoint.resume, "
+                            "on by default; --resume: an error without one; --no-resume: "
+                            "old checkpoints are moved aside)")
     train.add_argument("--max-restarts", type=int, default=None, metavar="N",
                        help="restart failed ranks up to N times (train.max_restarts)")
     train.set_defaults(handler=cmd_train)
@@ -411,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _dispatch(argv: list[str]) -> int:
+def _dispatch(argv: list[str], signals: StopSignals) -> int:
     if argv and argv[0] == "plan":
         return cmd_plan(argv[1:])
     if argv and argv[0] == "probe":  # planner-owned, like plan: its own parser
@@ -420,6 +437,7 @@ def _dispatch(argv: list[str]) -> int:
         return probe_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv  # as typed: what --nproc's ranks run again
+    args.signals = signals
     handler: Callable[[argparse.Namespace], int] = args.handler
     return handler(args)
 
@@ -454,27 +472,29 @@ def _run(argv: list[str]) -> int:
     from fourfold.errors import ConfigNotice
 
     with warnings.catch_warnings():
-        shown = warnings.showwarning
-
         def show(message: Warning | str, category: type[Warning], *where: Any) -> None:
             if issubclass(category, ConfigNotice):
                 _notice(message)
-            else:
-                shown(message, category, *where)
+            else:  # one line, without the source path a user cannot act on
+                print(f"warning: {first_line(str(message))}", file=sys.stderr, flush=True)
 
         warnings.showwarning = show
         return _run_command(argv)
 
 
 def _run_command(argv: list[str]) -> int:
+    signals = StopSignals()
     try:
-        return _dispatch(argv)
+        return _dispatch(argv, signals)
     except SystemExit as exit_:  # argparse: --help, --version
         code = exit_.code
         return code if isinstance(code, int) else (EXIT_OK if code is None else EXIT_USAGE)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
+        _report_stop("interrupted")
         return EXIT_INTERRUPTED
+    except Stopped as stopped:
+        _report_stop(str(stopped))
+        return stopped.exit_code
     except ModuleNotFoundError as error:
         if not (error.name or "").startswith("fourfold."):
             raise
@@ -486,6 +506,14 @@ def _run_command(argv: list[str]) -> int:
         # every error meant for the user is a FourfoldError that knows its exit code
         _report_error(_message(error), every_rank=getattr(error, "every_rank", False))
         return error.exit_code if isinstance(error, FourfoldError) else EXIT_USAGE
+    except Exception:
+        if not signals.any:
+            raise
+        # a collective whose peer a signal ended first: the signal is the news, not this
+        _report_stop("interrupted" if signals.interrupted else "terminated")
+        return EXIT_INTERRUPTED if signals.interrupted else EXIT_TERMINATED
+    finally:
+        signals.uninstall()
 
 
 def _report_error(message: str, every_rank: bool = False) -> None:
@@ -502,6 +530,16 @@ def _report_error(message: str, every_rank: bool = False) -> None:
     launched = write_error_file(message) and os.environ.get(LAUNCHED_BY_FOURFOLD) == "1"
     if not launched and (every_rank or _is_main_rank()):
         print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def _report_stop(line: str) -> None:
+    """Say once per job why it stopped: the main rank, and not a rank of fourfold's own
+    launcher on Ctrl-C (the launcher, which saw it too, says it)."""
+    from fourfold.launch import LAUNCHED_BY_FOURFOLD
+
+    launched = os.environ.get(LAUNCHED_BY_FOURFOLD) == "1"
+    if _is_main_rank() and not (launched and line == "interrupted"):
+        print(line, file=sys.stderr, flush=True)
 
 
 def _leave_job(code: int) -> None:

@@ -1,9 +1,9 @@
 """Typed run configuration: TOML files, `--set section.key=value` overrides, validation.
 
-A config has the sections [model], [data], [train], [parallel], [checkpoint], [adapter]. Every
-key has a type and a default; an unknown key, a wrong type or an impossible value raises
-ConfigError with one line that names the key and what is allowed. The CLI turns ConfigError
-into exit code 2.
+A config has the sections [model], [data], [train], [parallel], [checkpoint], [adapter],
+[logging]. Every key has a type and a default; an unknown key, a wrong type or an impossible
+value raises ConfigError with one line that names the key and what is allowed. The CLI turns
+ConfigError into exit code 2.
 """
 
 from __future__ import annotations
@@ -87,6 +87,9 @@ class DataConfig:
     # windows at random offsets, across documents; "auto": documents for chat and instruction
     # data, none for text
     packing: str = "auto"
+    # what a run records of the tokenizer it trained with ("byte" or sha256:... of its
+    # tokenizer.json); when set, the data must have been made with that very tokenizer
+    tokenizer_fingerprint: str = ""
 
 
 @dataclass
@@ -115,7 +118,7 @@ class TrainConfig:
     goldfish_k: int = 4  # goldfish: drop one token in k from the loss
     goldfish_h: int = 13  # goldfish: tokens of context hashed to choose it
     device: str = "auto"  # auto | cpu | cuda
-    tensorboard: bool = False  # write TensorBoard event files
+    tensorboard: bool = False  # true: the same as "tensorboard" in logging.trackers
     nan_policy: str = "stop"  # stop | skip | rollback
     spike_threshold: float = 0.0  # 0 disables; else a loss above threshold x running mean is a spike
     max_restarts: int = 0  # times the launcher restarts a failed job
@@ -208,6 +211,20 @@ class AdapterConfig:
     train_output: bool = False  # norm: the output layer trains too
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # logging.trackers: train/trackers.py
+
+
+@dataclass
+class LoggingConfig:
+    # experiment trackers that receive every scalar of metrics.jsonl and the config: any of
+    # tensorboard (into RUN_DIR/tensorboard), wandb, mlflow; each needs its package installed
+    trackers: list[str] = field(default_factory=list)
+    project: str = "fourfold"  # wandb: the project; mlflow: the experiment
+    run_name: str = ""  # the run's name in the trackers; "": the run directory's name
+    # mlflow: the tracking URI; "": $MLFLOW_TRACKING_URI, else sqlite:///RUN_DIR/mlflow.db
+    mlflow_uri: str = ""
+
+
 # TOML key -> field name where they differ (`async` is a Python keyword).
 _KEY_ALIASES = {("checkpoint", "async"): "async_save"}
 # fields that are a table of their own ([train.method]) rather than a key of the section
@@ -223,6 +240,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every section's keys; [train.method] as the dict under train's "method" key."""
@@ -250,6 +268,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "adapter": AdapterConfig,
+    "logging": LoggingConfig,
 }
 
 # --------------------------------------------------------------------------------------------
@@ -522,6 +541,10 @@ def validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), _KEY_ALIASES.get((section, key), key))
         if value not in allowed:
             raise ConfigError(f"{section}.{key} = {value!r}: choose one of {', '.join(allowed)}")
+    for name in cfg.logging.trackers:
+        if name not in TRACKERS:
+            raise ConfigError(f"logging.trackers: {name!r} is not a tracker; choose from "
+                              f"{', '.join(TRACKERS)}")
     m, t, p = cfg.model, cfg.train, cfg.parallel
     positive = [("model", "n_layers", m.n_layers), ("model", "dim", m.dim),
                 ("model", "n_heads", m.n_heads), ("model", "n_kv_heads", m.n_kv_heads),

@@ -24,7 +24,7 @@ from fourfold.files import (atomic_directory, atomic_write_text, is_empty_direct
                             recover_directory)
 from fourfold.models.adapter import export_base_and_adapter
 from fourfold.models.hf import save_hf_checkpoint
-from fourfold.train.runs import run_config, run_data_dir, run_tokenizer, trained_tensors
+from fourfold.train.runs import run_config, run_template_dir, run_tokenizer, trained_tensors
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -55,7 +55,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, merge: bool = False,
             cfg, specs, tensors = trained_tensors(run)
             written = save_hf_checkpoint(specs, tensors, cfg.model, staging,
                                          bos_token_id=eos, eos_token_id=eos)
-            template = _run_chat_template(cfg, tokenizer)
+            template = _run_chat_template(run, cfg, tokenizer)
             written += write_hf_tokenizer(
                 tokenizer, staging, cfg.model.max_seq_len,
                 chat_template=template.template if template is not None else None,
@@ -64,12 +64,13 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, *, merge: bool = False,
         return [out / path.relative_to(staging) for path in dict.fromkeys(written)]
 
 
-def _run_chat_template(cfg: Config, tokenizer: Tokenizer) -> ChatTemplate | None:
-    """The chat template a run's chat or instruction data was rendered with (None for text)."""
-    data_dir = run_data_dir(cfg)
-    if not (data_dir / TEMPLATE_FILE).is_file():
+def _run_chat_template(run: Path, cfg: Config, tokenizer: Tokenizer) -> ChatTemplate | None:
+    """The chat template a run's chat or instruction data was rendered with (None for text):
+    the run's copy, or, for a run without one, its data's."""
+    where = run_template_dir(run, cfg)
+    if not (where / TEMPLATE_FILE).is_file():
         return None
-    return data_template(data_dir, tokenizer)
+    return data_template(where, tokenizer)
 
 
 def write_generation_config(directory: Path, eos_id: int) -> Path:

@@ -59,14 +59,21 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 @contextmanager
 def _quiet_logger(name: str) -> Iterator[None]:
     """Hide the elastic agent's own log lines (it announces every SIGTERM it sends and repeats
-    each failure); the ranks' output and our one-line summary say what happened."""
-    logger = logging.getLogger(name)
-    saved = logger.level
-    logger.setLevel(logging.CRITICAL)
+    each failure); the ranks' output and our one-line summary say what happened. Its modules'
+    loggers set levels of their own, so each is quieted, not just the parent."""
+    names = [name] + [n for n in logging.root.manager.loggerDict if n.startswith(name + ".")]
+    loggers = [logging.getLogger(n) for n in names]
+    saved = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(saved)
+        for logger, level in zip(loggers, saved):
+            logger.setLevel(level)
+
+
+STOP_GRACE_S = 600  # how long ranks may take to finish a step and checkpoint after SIGTERM
 
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
@@ -76,6 +83,7 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
     # Imported here: the elastic launcher pulls in a lot that `fourfold --help` does not need.
     import torch
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -99,6 +107,8 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(),
+        # a SIGTERM passed on to the ranks has them finish the step and write a checkpoint
+        shutdown_timeout=STOP_GRACE_S,
     )
     # -u: rank output reaches the terminal line by line, not when a buffer fills.
     entrypoint_args = ["-u", "-m", "fourfold", *argv]
@@ -111,9 +121,17 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
     try:
         with _environment(env), _quiet_logger("torch.distributed.elastic"):
             elastic_launch(config, sys.executable)(*entrypoint_args)
+    except SignalException as stop:  # the launcher's own SIGINT / SIGTERM, passed to ranks
+        if stop.sigval == signal.SIGINT:
+            print("interrupted", file=sys.stderr, flush=True)  # the ranks leave it to us
+        return 128 + int(stop.sigval)  # after SIGTERM rank 0 said where its checkpoint is
     except ChildFailedError as failure:
-        print(f"error: {describe_failure(failure)}", file=sys.stderr, flush=True)
-        return first_exit_code(failure)
+        code = first_exit_code(failure)
+        if code == 128 + signal.SIGINT:
+            print("interrupted", file=sys.stderr, flush=True)
+        elif code != 128 + signal.SIGTERM:  # rank 0 said where its checkpoint is
+            print(f"error: {describe_failure(failure)}", file=sys.stderr, flush=True)
+        return code
     return 0
 
 

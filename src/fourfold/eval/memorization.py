@@ -309,6 +309,7 @@ def memorization_main(run_dir: str, data: str, docs: int, prefix: int, suffix: i
     """
     from fourfold.data import documents, resolve_data_path
     from fourfold.parallel import Grid, GridShape, init_distributed, parallelize
+    from fourfold.rundir import check_data_for_run
     from fourfold.train.runs import load_trained
 
     if docs < 1:
@@ -318,6 +319,7 @@ def memorization_main(run_dir: str, data: str, docs: int, prefix: int, suffix: i
             raise MemorizationAuditError(f"--{axis} {size}: must be at least 1")
     model, cfg = load_trained(run_dir)
     data_dir = resolve_data_path(data, cfg.data.tokenizer)
+    check_data_for_run(run_dir, cfg, data_dir, data)
     texts = documents(data_dir, "train", docs)
 
     p = cfg.parallel

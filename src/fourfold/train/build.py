@@ -21,20 +21,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fourfold.config import Config, ConfigError, validate
+from fourfold.config import PRESETS, Config, ConfigError, validate
 from fourfold.data import (BatchLoader, Tokenizer, check_data_path, load_tokenizer,
                            resolve_data_path)
+from fourfold.data.tokenizers import tokenizer_fingerprint
 from fourfold.models.adapter import apply_adapter
 from fourfold.models.hf import HF_CONFIG_FILE, hf_model_config
 from fourfold.models.llama import Llama, build_model
 from fourfold.parallel import Grid, GridShape, ParallelModel, init_distributed, parallelize
 from fourfold.plan.search import check_grid_fits, rank_memory_capacity
+from fourfold.rundir import check_run_tokenizer, resolved_data_path
+from fourfold.train.runs import CONFIG_FILE, run_config
 from fourfold.train.checkpoint import list_checkpoints, verify_checkpoint
 from fourfold.train.compile import BlockCompiler
 from fourfold.train.host_memory import HostMemory
 from fourfold.methods import method_spec
 from fourfold.train.methods import TrainingMethod, batch_shard, build_method
 from fourfold.train.resilience import LossGuard
+from fourfold.train.trackers import require_trackers
+
+# a vocabulary sized from the tokenizer is rounded up to this (even shards, aligned GEMMs)
+VOCAB_MULTIPLE = 64
 
 
 @dataclass
@@ -69,6 +76,7 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
     # Before the ranks meet: a rank that raised after meeting would close its connections under
     # peers still making theirs, which then fail with gloo's traceback instead of this line.
     check_data_path(cfg.data.path)
+    require_trackers(cfg)
     cfg = copy.deepcopy(cfg)  # the caller's config stays as it was
     t, p = cfg.train, cfg.parallel
 
@@ -82,6 +90,9 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
                               f"max_position_embeddings = {cfg.model.max_seq_len} of "
                               f"model.init_from = {init_from!r}; use at most "
                               f"{cfg.model.max_seq_len}")
+    elif init_from and (Path(init_from) / CONFIG_FILE).is_file():
+        # a fourfold RUN_DIR: its model, its weights (model.safetensors) to go on from
+        cfg.model = dataclasses.replace(run_config(init_from).model, init_from=init_from)
 
     rank, world_size, dist_device = init_distributed(p.backend, p.timeout_s, device=t.device,
                                                      one_rank_group=p.engine == "always")
@@ -123,6 +134,27 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
 
     data_dir = resolve_data_path(cfg.data.path, cfg.data.tokenizer)
     tokenizer = load_tokenizer(data_dir)
+    # the run records its tokenizer, and absolute paths: its config.toml works from anywhere
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    check_run_tokenizer(cfg, data_dir, fingerprint)
+    cfg.data = dataclasses.replace(cfg.data, path=resolved_data_path(cfg.data.path),
+                                   tokenizer_fingerprint=fingerprint)
+    if init_from and not init_from.startswith("builtin:"):
+        cfg.model.init_from = str(Path(init_from).expanduser().resolve())
+    if cfg.model.vocab_size < tokenizer.vocab_size and init_from:
+        raise ConfigError(
+            f"the tokenizer of data.path = {cfg.data.path!r} has {tokenizer.vocab_size} tokens, "
+            f"more than the {cfg.model.vocab_size} of model.init_from = {init_from!r}: it is "
+            "not the model's tokenizer; prepare the data with the model's tokenizer")
+    if (cfg.model.vocab_size < tokenizer.vocab_size and model is None
+            and cfg.model.vocab_size == PRESETS.get(cfg.model.preset, {}).get("vocab_size")):
+        # the preset's vocabulary, too small for the data: the tokenizer's size instead
+        vocab = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        if rank == 0:
+            print(f"model.vocab_size = {vocab}: the tokenizer's {tokenizer.vocab_size} tokens "
+                  f"(rounded up to a multiple of {VOCAB_MULTIPLE}), more than model.preset = "
+                  f"{cfg.model.preset!r}'s {cfg.model.vocab_size}", file=sys.stderr, flush=True)
+        cfg.model = dataclasses.replace(cfg.model, vocab_size=vocab)
     if cfg.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
             f"model.vocab_size = {cfg.model.vocab_size} is smaller than the tokenizer's "
@@ -213,7 +245,7 @@ def _planned_grid(cfg: Config, world_size: int, rank: int) -> GridShape:
                                  activation_checkpointing=t.activation_checkpointing,
                                  grad_accum=t.grad_accum, reduce_dtype=p.reduce_dtype,
                                  train=t)  # the grid must fit train.optimizer's memory
-        print(f"parallel.auto chose grid {shape}: {why}", file=sys.stderr, flush=True)
+        print(f"parallel.auto: {why}", file=sys.stderr, flush=True)  # why names the grid
         choice[0] = (shape.data, shape.z, shape.y, shape.x)
     if world_size > 1:
         dist.broadcast_object_list(choice, src=0)

@@ -67,15 +67,14 @@ from fourfold.errors import EXIT_FAILED, FourfoldError
 from fourfold.errors import first_line as _one_line  # the shared helper, under its old name
 from fourfold.parallel.grid import Axis, Grid
 from fourfold.parallel.layout import Layout
+from fourfold.rundir import (CHECKPOINT_DIR, MANIFEST_FILE, checkpoint_root, list_checkpoints,
+                             step_of)
 from fourfold.train.host_memory import to_host, wait_for_host_copies
 
 if TYPE_CHECKING:
     from fourfold.parallel import ParallelModel
 
-CHECKPOINT_DIR = "checkpoints"
-MANIFEST_FILE = "manifest.json"
 MESH_AXES: tuple[Axis, ...] = ("data", "y", "x", "z")  # DeviceMesh dims; see the docstring
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 _EXTRA = "extra"  # the part save()'s `extra` is kept under
 _RNG = "rng"  # the part each rank's random generators are kept under
 
@@ -84,27 +83,6 @@ class CheckpointError(FourfoldError, RuntimeError):
     """A checkpoint that cannot be written or read; the message is one line for the user."""
 
     exit_code = EXIT_FAILED
-
-
-def checkpoint_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / CHECKPOINT_DIR
-
-
-def step_of(path: Path) -> int:
-    """The step number of a checkpoint directory (step_00000100 -> 100)."""
-    m = _STEP_DIR.match(path.name)
-    if m is None:
-        raise CheckpointError(f"{path}: not a checkpoint directory (expected step_NNNNNNNN)")
-    return int(m.group(1))
-
-
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Visible (renamed, so once complete) checkpoint directories, newest first."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
-    return sorted(found, key=step_of, reverse=True)
 
 
 def verify_checkpoint(path: Path, share: tuple[int, int] = (0, 1),
@@ -752,6 +730,10 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._last_saved: Path | None = None
         self._verified: set[str] = set()
+        self.damaged: list[tuple[str, str]] = []  # (name, why) that latest_valid skipped
+        # what the run is (fourfold.rundir.run_identity): each manifest records it, and a
+        # resuming run is compared with it
+        self.identity: dict[str, str] = {}
         self._swept = False
 
     @classmethod
@@ -917,7 +899,8 @@ class CheckpointManager:
 
     def _finish(self, step: int, tmp: Path, final: Path, files: dict[str, Any]) -> None:
         manifest = {"format": "fourfold-dcp-1", "step": step, "grid": str(self.grid.shape),
-                    "world_size": self.grid.world_size, "time": time.time(), "files": files}
+                    "world_size": self.grid.world_size, "time": time.time(), "files": files,
+                    "run": self.identity}
         _write_synced(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
         if final.exists():  # a damaged checkpoint of the same step, skipped when resuming
@@ -966,8 +949,9 @@ class CheckpointManager:
 
     def latest_valid(self) -> Path | None:
         """The newest checkpoint that passes verification. A damaged one (checksum, truncated,
-        missing files) is skipped with a warning that names it. Collective on a grid: the
-        ranks split the hashing and agree on the answer."""
+        missing files) is skipped with a warning that names it, and listed in `damaged` with
+        why (when none is valid there is no warning: the caller says what that means).
+        Collective on a grid: the ranks split the hashing and agree on the answer."""
         self.wait()
         # rank 0 lists them, and knows which it wrote or checked already (_finish runs there)
         listed = ([(p.name, p.name in self._verified) for p in list_checkpoints(self.run_dir)]
@@ -976,6 +960,7 @@ class CheckpointManager:
             box = [listed]
             dist.broadcast_object_list(box, src=0, group=self.group)
             listed = box[0]
+        self.damaged = []
         for name, verified in listed:
             path = self.root / name
             reason = None
@@ -985,10 +970,11 @@ class CheckpointManager:
                 reason = next((r for r in reasons if r is not None), None)
             if reason is None:
                 self._verified.add(name)
+                for skipped, why in self.damaged if self.rank == 0 else []:
+                    warnings.warn(f"checkpoint {self.root / skipped} is damaged ({why}); "
+                                  "skipping it for the previous one", stacklevel=2)
                 return path
-            if self.rank == 0:
-                warnings.warn(f"checkpoint {path} is damaged ({reason}); skipping it for the "
-                              "previous one", stacklevel=2)
+            self.damaged.append((name, reason))
         return None
 
     def load(self, path: str | Path, restore_rng: bool = True) -> Any:

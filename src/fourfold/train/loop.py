@@ -6,6 +6,7 @@ every step and reads the step's numbers from the device only when one is due.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -15,10 +16,11 @@ from fourfold.models.llama import flops_per_token
 from fourfold.parallel import ParallelModel
 from fourfold.plan.perf import hardware_flops_per_token
 from fourfold.train.methods import TrainingMethod
-from fourfold.train.metrics import MetricsLog, job_peak_flops, peak_memory_bytes
+from fourfold.train.metrics import LogWindow, MetricsLog, job_peak_flops, peak_memory_bytes
 from fourfold.train.progress import Progress
 from fourfold.train.resilience import gather_step_times, straggler_report
 from fourfold.train.runs import METRICS_FILE
+from fourfold.train.trackers import open_trackers
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,10 @@ class Periodic:
 
 class RunLog:
     """What a run reports as it trains: on the main rank the progress output (a bar on a
-    terminal, lines otherwise) and metrics.jsonl (and TensorBoard); on every rank the numbers
-    behind a logged step's record and its straggler report (collective: every rank logs the
-    same steps). Throughput and MFU are over the steps since the last logged one."""
+    terminal, lines otherwise) and metrics.jsonl (and the experiment trackers of
+    logging.trackers); on every rank the numbers behind a logged step's record and its
+    straggler report (collective: every rank logs the same steps). Throughput, MFU and the
+    logged mean loss are over the steps since the last logged one (a LogWindow)."""
 
     def __init__(self, cfg: Config, run_dir: Path, pmodel: ParallelModel,
                  method: TrainingMethod, start_step: int, is_main: bool,
@@ -52,7 +55,7 @@ class RunLog:
         self.device = pmodel.grid.device
         self.is_main = is_main
         self.metrics = (MetricsLog(run_dir / METRICS_FILE,
-                                   run_dir / "tensorboard" if t.tensorboard else None,
+                                   open_trackers(cfg, run_dir, resuming=start_step > 0),
                                    append=start_step > 0) if is_main else None)
         self.progress = Progress(t.steps, start_step, t.log_every, enabled=is_main, bar=bar)
         self.tokens_per_step = t.batch_size * t.seq_len
@@ -63,7 +66,8 @@ class RunLog:
         world = pmodel.grid.world_size
         self.peak_flops = job_peak_flops(self.device, t.dtype, world) if is_main else None
         self._peak_refreshed = False
-        self._tokens, self._seconds = 0, 0.0  # since the last logged step
+        self.window = LogWindow()  # the steps since the last logged one
+        self._first = True
 
     def due(self, step: int) -> bool:
         """Whether `step` is logged (a skipped step is too, once it is known)."""
@@ -73,6 +77,14 @@ class RunLog:
     def message(self, text: str) -> None:
         self.progress.message(text)
 
+    def stepped(self, stats: Any) -> None:
+        """After every step, before its numbers are read: the first step's (host) time, which
+        its compilation and warm-up make long; waiting for the device here would cost the
+        steps that follow."""
+        if self._first:
+            self._first = False
+            self.progress.first_step(stats.step, stats.seconds)
+
     def record(self, record: dict[str, Any]) -> None:
         """One line of metrics.jsonl (the main rank's)."""
         if self.metrics is not None:
@@ -81,18 +93,20 @@ class RunLog:
     def step(self, stats: Any) -> None:
         """A step whose numbers are read: the progress output, and when it is logged its record
         and the straggler report (collective)."""
-        self._tokens += self.tokens_per_step
-        self._seconds += stats.seconds
-        tokens_per_s = self._tokens / max(self._seconds, 1e-9)
+        window = self.window
+        window.add(self.tokens_per_step, stats.seconds,
+                   math.nan if stats.skipped else stats.loss)
+        tokens_per_s = window.tokens_per_s
         mfu = self.mfu(tokens_per_s)
-        self.progress.step(stats.step, stats.loss, stats.lr, stats.grad_norm, tokens_per_s, mfu)
+        self.progress.step(stats.step, window.mean_loss, stats.lr, stats.grad_norm,
+                           tokens_per_s, mfu, loss_steps=window.loss_steps)
         if stats.skipped:
             self.message(f"step {stats.step}: {stats.reason}: update skipped "
                          "(train.nan_policy = \"skip\")")
         if stats.skipped or self.due(stats.step):
-            self._write_step(stats, tokens_per_s, mfu)
+            self._write_step(stats, tokens_per_s, mfu, window.mean_loss)
             self._report_stragglers(stats)
-            self._tokens, self._seconds = 0, 0.0
+            window.reset()
 
     def mfu(self, tokens_per_s: float) -> float | None:
         if not self.peak_flops:
@@ -107,7 +121,8 @@ class RunLog:
             mfu = self.flops_per_token * tokens_per_s / self.peak_flops
         return mfu
 
-    def _write_step(self, stats: Any, tokens_per_s: float, mfu: float | None) -> None:
+    def _write_step(self, stats: Any, tokens_per_s: float, mfu: float | None,
+                    mean_loss: float) -> None:
         # Every rank reads its own ledger, but only the main rank writes: its numbers stand for
         # the per-rank traffic (all ranks of one grid shape move the same bytes per axis).
         comm = self.pmodel.ledger.snapshot()
@@ -115,7 +130,7 @@ class RunLog:
             return
         t = self.cfg.train
         record: dict[str, Any] = {
-            "step": stats.step, "loss": stats.loss, "lr": stats.lr,
+            "step": stats.step, "loss": stats.loss, "loss_mean": mean_loss, "lr": stats.lr,
             "grad_norm": stats.grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "comm_bytes_x": comm.get("x", 0), "comm_bytes_y": comm.get("y", 0),
@@ -129,6 +144,10 @@ class RunLog:
             record["hfu"] = mfu * self.hardware_flops_per_token / self.flops_per_token
         if t.loss == "goldfish":
             record["loss_token_fraction"] = stats.token_fraction
+        if not math.isfinite(stats.grad_norm) and not stats.skipped:
+            del record["grad_norm"]  # lomo, adalomo: no norm without clip_mode "two_pass"
+        if not math.isfinite(mean_loss):
+            del record["loss_mean"]  # every step of the window was skipped
         if stats.skipped:
             record["skipped"] = True
             record["skip_reason"] = stats.reason

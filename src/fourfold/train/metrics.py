@@ -1,20 +1,22 @@
-"""Training metrics: the metrics.jsonl writer, the job's peak FLOP/s for MFU (from the planner's
-hardware catalog), peak memory."""
+"""Training metrics: the metrics.jsonl writer (and the trackers it feeds), the logging window,
+the job's peak FLOP/s for MFU (from the planner's hardware catalog), peak memory."""
 
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Sequence, TextIO
 
 import torch
 
 from fourfold.plan.catalog import DEVICES, catalog_key_for_gpu
 from fourfold.plan.machine_file import machine_for_torch_device
+from fourfold.train.trackers import Tracker, scalars_of
 
 PROBE_SECONDS = 0.5
 
@@ -85,43 +87,70 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS reports bytes, Linux KiB
 
 
-class MetricsLog:
-    """Appends one JSON object per line to RUN_DIR/metrics.jsonl and, when asked and
-    available, mirrors scalars to TensorBoard. Only the main rank should create one."""
+class LogWindow:
+    """The steps since the last log line: their tokens and seconds (for tokens/s) and their
+    losses, whose mean is the logged loss (one step's loss is noisy; a plot of the means is
+    not). A skipped step's NaN loss counts in neither."""
 
-    def __init__(self, path: Path, tensorboard_dir: Path | None = None, append: bool = False):
+    def __init__(self) -> None:
+        self.reset()
+
+    def add(self, tokens: int, seconds: float, loss: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        if math.isfinite(loss):
+            self._loss_sum += loss
+            self.loss_steps += 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    @property
+    def mean_loss(self) -> float:
+        """The mean loss of the window's steps (NaN when none had a finite loss)."""
+        return self._loss_sum / self.loss_steps if self.loss_steps else math.nan
+
+    def reset(self) -> None:
+        """Start the next window."""
+        self.tokens, self.seconds = 0, 0.0
+        self._loss_sum, self.loss_steps = 0.0, 0
+
+
+class MetricsLog:
+    """Appends one JSON object per line to RUN_DIR/metrics.jsonl and gives the scalars of
+    every record but events to the experiment trackers (train/trackers.py). Only the main
+    rank should create one."""
+
+    def __init__(self, path: Path, trackers: Sequence[Tracker] = (), append: bool = False):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file: TextIO | None = path.open("a" if append else "w")
-        self._tb: Any = None
-        if tensorboard_dir is not None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                warnings.warn(f"train.tensorboard = true but TensorBoard is unavailable ({e}); "
-                              "install the tensorboard package", stacklevel=2)
-            else:
-                self._tb = SummaryWriter(str(tensorboard_dir))
+        self._trackers = list(trackers)
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is None:
             raise RuntimeError(f"{self.path} is closed")
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            step = int(record.get("step", 0))
-            for key, value in record.items():
-                is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-                if key != "step" and is_number:
-                    self._tb.add_scalar(key, value, step)
+        if "event" not in record:  # resumes, rollbacks, stragglers: metrics.jsonl only
+            scalars = scalars_of(record)
+            for tracker in list(self._trackers):
+                try:
+                    tracker.log(scalars, int(record.get("step", 0)))
+                except Exception as e:  # a tracker's service or disk: the run goes on
+                    self._trackers.remove(tracker)
+                    warnings.warn(f"{type(tracker).__name__} failed ({type(e).__name__}: {e}); "
+                                  "the run goes on without it (metrics.jsonl has every record)",
+                                  stacklevel=2)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

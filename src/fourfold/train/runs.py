@@ -15,13 +15,13 @@ from safetensors.torch import load_file, save_file
 from fourfold.config import Config, ConfigError, load_config
 from fourfold.files import atomic_path
 from fourfold.models.llama import Llama, build_model
+from fourfold.rundir import CONFIG_FILE
 from fourfold.safetensors_stream import TensorSpec, write_streamed
 
 if TYPE_CHECKING:
     from fourfold.data import Tokenizer
     from fourfold.parallel.parallelize import ParallelModel
 
-CONFIG_FILE = "config.toml"
 WEIGHTS_FILE = "model.safetensors"
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
@@ -193,13 +193,39 @@ def trained_tensors(run_dir: str | Path
 
 
 def run_tokenizer(run_dir: str | Path, cfg: Config) -> "Tokenizer":
-    """The tokenizer whose ids a run (`cfg`, its config.toml) was trained on: its data
-    directory's own (a built-in corpus's for its data.tokenizer)."""
+    """The tokenizer whose ids a run (`cfg`, its config.toml) was trained on: the copy in
+    RUN_DIR/tokenizer; for a run that has none, its data directory's own (a built-in corpus's
+    for its data.tokenizer), which must be the one the run recorded."""
     from fourfold.data import ByteTokenizer, load_tokenizer
+    from fourfold.data.tokenizers import tokenizer_fingerprint
+    from fourfold.rundir import TOKENIZER_DIR, tokenizer_mismatch
 
-    if cfg.data.path.startswith("builtin:") and cfg.data.tokenizer in ("auto", "byte"):
-        return ByteTokenizer()  # without building the corpus
-    return load_tokenizer(run_data_dir(cfg))
+    own = Path(run_dir) / TOKENIZER_DIR
+    if own.is_dir():
+        tokenizer = load_tokenizer(own)
+    elif cfg.data.path.startswith("builtin:") and cfg.data.tokenizer in ("auto", "byte"):
+        tokenizer = ByteTokenizer()  # without building the corpus
+    else:
+        tokenizer = load_tokenizer(run_data_dir(cfg))
+    recorded, found = cfg.data.tokenizer_fingerprint, tokenizer_fingerprint(tokenizer)
+    if recorded and recorded != found:
+        where = own if own.is_dir() else cfg.data.path
+        raise RunDirError(tokenizer_mismatch(f"the run {str(run_dir)!r}", recorded, found,
+                                             f"its tokenizer ({where})"))
+    return tokenizer
+
+
+def run_template_dir(run_dir: str | Path, cfg: Config) -> Path:
+    """Where a run's chat template is kept (data.chat_template.TEMPLATE_FILE; none there: the
+    run's data was text): RUN_DIR, which a run copies it into, or, for a run that kept no
+    files of its data (from before it did), its DATA_DIR."""
+    from fourfold.data.chat_template import TEMPLATE_FILE
+    from fourfold.rundir import TOKENIZER_DIR
+
+    run = Path(run_dir)
+    if (run / TEMPLATE_FILE).is_file() or (run / TOKENIZER_DIR).is_dir():
+        return run
+    return run_data_dir(cfg)
 
 
 def run_data_dir(cfg: Config) -> Path:

@@ -25,11 +25,13 @@ import torch
 from fourfold.config import Config
 from fourfold.data import Batch, Tokenizer
 from fourfold.errors import EXIT_FAILED, FourfoldError
-from fourfold.models.adapter import write_adapter_run
+from fourfold.models.adapter import apply_adapter, write_adapter_run
 from fourfold.models.llama import Llama, build_model
 from fourfold.parallel import Grid, ParallelModel
 from fourfold.parallel.grid import check_shared_directory
 from fourfold.plan.memory import predicted_memory
+from fourfold.rundir import resume_point, run_identity, save_run_tokenizer, step_of
+from fourfold.signals import StopSignals, Stopped
 from fourfold.train.build import Run, build_run
 from fourfold.train.checkpoint import (BaseReference, CheckpointError, CheckpointManager,
                                        ModelState)
@@ -38,11 +40,13 @@ from fourfold.train.methods import StepData, TrainingMethod
 from fourfold.train.loop import Periodic, RunLog
 from fourfold.train.metrics import peak_memory_bytes
 from fourfold.train.optim import LRSchedule
+from fourfold.train.progress import describe_run
 from fourfold.train.resilience import (DeviceJudgement, LossGuard, UpdateGate, restart_count,
                                        resume_record)
 from fourfold.train.runs import (CONFIG_FILE, SAMPLES_FILE, WEIGHTS_FILE,
                                  save_weights_streamed, write_summary)
 from fourfold.train.sampling import generate, generate_on_grid
+from fourfold.train.stopping import StopAgreement
 
 SAMPLE_PROMPT_TOKENS = 16
 SAMPLE_TEMPERATURE = 0.8
@@ -209,11 +213,14 @@ class Trainer:
         self.skipped_steps: list[int] = []
         self.train_seconds = 0.0
 
+        # what the run must be to resume at all (checked against a checkpoint's manifest)
+        self.identity = run_identity(self.cfg, self.data_dir, self.cfg.data.tokenizer_fingerprint)
         self.checkpoints = self._checkpoint_manager()
+        self.stop: StopAgreement | None = None  # asked after every step, when set
         self.resumed_from: Path | None = None
         self._rollbacks: tuple[Path | None, int] = (None, 0)  # (checkpoint, rollbacks to it)
         if self.cfg.checkpoint.resume:
-            path = self.checkpoints.latest_valid()  # collective on a grid
+            path = resume_point(self.checkpoints, self.identity)  # collective on a grid
             if path is not None:
                 self._restore(path)
                 self.resumed_from = path
@@ -229,6 +236,7 @@ class Trainer:
         """The run's checkpoints, holding what a resumed run needs to go on exactly (the
         manager adds each rank's RNG states)."""
         manager = CheckpointManager(self.run_dir, self.cfg.checkpoint, self.grid)
+        manager.identity = self.identity
         adapter = self.cfg.adapter.kind != "none"
         manager.register("model", ModelState(self.pmodel, trainable_only=adapter))
         manager.register("method", self.method.checkpoint_part(self.pmodel))
@@ -416,8 +424,11 @@ class Trainer:
             window = time.perf_counter()  # when the first of the pending steps began
             while self.step < t.steps:
                 pending.append(self.train_step())
+                self.log.stepped(pending[-1])
                 due = [part for part in self.periodic if part.due(self.step)]
-                if not (due or self.log.due(self.step) or t.nan_policy == "rollback"):
+                stopping = self.stop is not None and self.stop.requested()  # SIGTERM
+                if not (due or stopping or self.log.due(self.step)
+                        or t.nan_policy == "rollback"):
                     continue
                 done, pending = pending, []
                 time_completed_steps(done, window, self.device)
@@ -425,6 +436,8 @@ class Trainer:
                 if accounted:  # else rolled back: a step to take again
                     for part in due:
                         part.run(self.step)
+                    if stopping:
+                        self._stop_on_signal()
                 window = time.perf_counter()
             self._wait_for_checkpoints()
             return self.finish(started)
@@ -437,6 +450,7 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.cfg.save(self.run_dir / CONFIG_FILE)
+            save_run_tokenizer(self.run_dir, self.tokenizer, self.data_dir)
             if self.step == 0:  # a fresh run in a reused directory: drop the old samples
                 (self.run_dir / SAMPLES_FILE).unlink(missing_ok=True)
         check_shared_directory(self.run_dir, self.grid)  # before any rank writes a shard
@@ -446,7 +460,8 @@ class Trainer:
         long, and where a resumed run goes on from."""
         assert self.log is not None
         if self.is_main:
-            self.log.message(self._describe())
+            for line in self._describe():
+                self.log.message(line)
         if self.compiler.pending:  # both make the first step long
             self.log.message("train.compile: the transformer blocks compile at their first use")
         tuner = self.pmodel.engine.tuner if self.pmodel.engine is not None else None
@@ -553,6 +568,18 @@ class Trainer:
         except CheckpointError as e:
             raise TrainingError(str(e), self.step) from None
 
+    def _stop_on_signal(self) -> None:
+        """After a SIGTERM: this step's checkpoint complete (written here unless it was due
+        anyway), stop with Stopped (one line naming it)."""
+        self._wait_for_checkpoints()
+        written = self.checkpoints.wait()
+        if written is None or step_of(written) != self.step:
+            self.save_checkpoint()
+            self._wait_for_checkpoints()
+            written = self.checkpoints.wait()
+        raise Stopped(f"stopped by SIGTERM after step {self.step}, checkpoint {written}; "
+                      f"`fourfold train {self.run_dir}` resumes it")
+
     def _wait_for_checkpoints(self) -> None:
         try:
             self.checkpoints.wait()
@@ -614,12 +641,10 @@ class Trainer:
         self.log.record({"event": "rollback", "step": stats.step, "to_step": self.step,
                          "reason": stats.reason, "checkpoint": str(path)})
 
-    def _describe(self) -> str:
-        n = count_parameters(self.cfg)
-        return (f"fourfold: {self.cfg.model.preset} model ({n / 1e6:.1f}M parameters), grid "
-                f"{self.grid.shape}, {self.device.type}, {self.cfg.train.dtype}, "
-                f"{self.cfg.train.steps} steps of {self.tokens_per_step:,} tokens, "
-                f"data {self.data_dir}")
+    def _describe(self) -> list[str]:
+        return describe_run(self.cfg, str(self.grid.shape), self.device.type,
+                            self.tokens_per_step, self.data_dir, count_parameters(self.cfg),
+                            count_parameters(self.cfg, trainable_only=True))
 
     def _result(self, elapsed: float) -> TrainResult:
         finite = [x for x in self.losses if math.isfinite(x)]
@@ -641,23 +666,34 @@ class Trainer:
             "skipped_steps": result.skipped_steps, "grid": str(self.grid.shape),
             "world_size": self.world_size, "device": str(self.device),
             "peak_mem_bytes": peak_memory_bytes(self.device), "sample": sample,
+            "tokenizer_fingerprint": self.cfg.data.tokenizer_fingerprint,
         }
 
 
-def count_parameters(cfg: Config) -> int:
-    """Parameters of the whole (unsplit) model in cfg; no weights are allocated."""
-    return build_model(cfg.model, device="meta").num_params()
+def count_parameters(cfg: Config, trainable_only: bool = False) -> int:
+    """Parameters of the whole (unsplit) model in cfg, or only those that train (an adapter
+    run's adapter); no weights are allocated."""
+    model = build_model(cfg.model, device="meta")
+    if not trainable_only:
+        return model.num_params()
+    trainable = set(apply_adapter(model, cfg.adapter, cfg.train.seed))
+    return sum(p.numel() for name, p in model.named_parameters() if name in trainable)
 
 
-def train(cfg: Config, run_dir: Path, *, progress: bool | None = None) -> TrainResult:
+def train(cfg: Config, run_dir: Path, *, progress: bool | None = None,
+          signals: StopSignals | None = None) -> TrainResult:
     """Train the model described by cfg, writing config.toml, metrics.jsonl,
     model.safetensors and summary.json into run_dir. On a grid every rank calls this.
 
     progress: True for a tqdm bar, False for plain log lines, None to decide by whether stderr
     is a terminal. Raises ConfigError / GridError / DataError for user mistakes and
-    TrainingError when training diverges.
+    TrainingError when training diverges. signals: this process's SIGTERM handler (see
+    fourfold.signals); a SIGTERM then stops the run after a checkpoint, with Stopped.
     """
-    return Trainer(cfg, run_dir, progress=progress).fit()
+    trainer = Trainer(cfg, run_dir, progress=progress)
+    if signals is not None:
+        trainer.stop = StopAgreement(signals, trainer.grid)  # collective on a grid
+    return trainer.fit()
 
 
 __all__ = ["Run", "StepStats", "TrainResult", "Trainer", "TrainingError", "build_run",
