@@ -252,6 +252,13 @@ def cmd_eval_memorization(args: argparse.Namespace) -> int:
                              args.suffix, args.json, x=args.x, y=args.y, z=args.z)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from fourfold.simulate import simulate_main
+
+    return simulate_main(args.config, args.world, args.grid, args.ranks, args.machine,
+                         args.overrides)
+
+
 def cmd_plan(argv: list[str]) -> int:
     from fourfold.plan.cli import plan_main
 
@@ -319,6 +326,29 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-restarts", type=int, default=None, metavar="N",
                        help="restart failed ranks up to N times (train.max_restarts)")
     train.set_defaults(handler=cmd_train)
+
+    simulate = sub.add_parser(
+        "simulate", help="run the build and two steps of chosen ranks of an N-rank job in one "
+                         "process, with fake collectives and tensors, beside the planner",
+        description="Build chosen ranks of an N-rank job and run two training steps each, "
+                    "under torch's fake process group and fake tensors (no memory, no GPU); "
+                    "print their peak tensor memory by phase and bytes per axis beside the "
+                    "planner's, and fail when a rank does not fit or the ranks of a group "
+                    "would issue different collectives.")
+    simulate.add_argument("config", nargs="?", metavar="CONFIG.toml",
+                          help="a config file (defaults apply without one)")
+    simulate.add_argument("--world", type=int, required=True, metavar="N",
+                          help="ranks of the simulated job")
+    simulate.add_argument("--grid", metavar="D,Z,Y,X",
+                          help="the grid (default: the config's parallel section, or the "
+                               "planner's choice with parallel.auto)")
+    simulate.add_argument("--ranks", metavar="R,...",
+                          help="ranks to simulate (default: the first and last on each axis)")
+    simulate.add_argument("--machine", metavar="NAME|MACHINE.toml",
+                          help="the machine as in `fourfold plan` (default parallel.machine)")
+    simulate.add_argument("--set", dest="overrides", action="append", default=[],
+                          metavar="SECTION.KEY=VALUE", help="override one config key")
+    simulate.set_defaults(handler=cmd_simulate)
 
     prepare = sub.add_parser("prepare", help="tokenize text into a DATA_DIR of token shards")
     prepare.add_argument("inputs", nargs="+", metavar="INPUT",

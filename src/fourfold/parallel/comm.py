@@ -8,6 +8,10 @@ all-gather. A collective over an axis of size 1 moves nothing and records nothin
 only where the grid has a group for the axis all the same (a one-process run that forces the
 engine, Grid.build's `force_groups`, so that the backend's code runs), otherwise skipped.
 
+A ledger may also keep a trace: one `CollectiveCall` (operation, axis, dtype, shape of the
+buffer) per recorded collective, in issue order. The ranks of one group must issue the same
+sequence on it, or a real job hangs; `fourfold simulate` compares the traces of ranks.
+
 A caller may name a `wire_dtype`: the buffer is cast to it before the collective and the
 result cast back, so the ledger counts the cast buffer (what torch.distributed is handed).
 
@@ -36,15 +40,29 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out; usually another rank died or hangs."""
 
 
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One recorded collective: what every rank of its group must issue alike."""
+
+    op: str  # all-reduce, all-gather, reduce-scatter
+    axis: str  # the group: x, y, z, data, tensor (x*y*z) or all
+    dtype: str
+    shape: tuple[int, ...]  # the buffer the ledger counts
+    nbytes: int
+
+
 @dataclass
 class CommLedger:
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     emulated: int = 0  # extra bytes moved by backend emulation (e.g. bf16 sent as fp32 on gloo)
+    trace: list[CollectiveCall] | None = None  # kept where a caller sets a list; not reset
 
-    def record(self, axis: str, nbytes: int) -> None:
+    def record(self, axis: str, nbytes: int, call: CollectiveCall | None = None) -> None:
         self.bytes[axis] += nbytes
         self.calls[axis] += 1
+        if self.trace is not None and call is not None:
+            self.trace.append(call)
 
     def snapshot(self) -> dict[str, int]:
         return {k: int(self.bytes.get(k, 0)) for k in LEDGER_KEYS}
@@ -136,9 +154,25 @@ class Comm:
             return self.grid.shape.tensor_size
         return self.grid.size(axis)  # type: ignore[arg-type]
 
-    def _record(self, ledger_axis: str, nbytes: int, axis: str) -> None:
+    def _record(self, ledger_axis: str, nbytes: int, axis: str, op: str,
+                buffer: torch.Tensor) -> None:
         if self._size(axis) > 1:  # a one-rank group's collective moves nothing
-            self.ledger.record(ledger_axis, nbytes)
+            call = None if self.ledger.trace is None else CollectiveCall(
+                op, axis, str(buffer.dtype).removeprefix("torch."), tuple(buffer.shape), nbytes)
+            self.ledger.record(ledger_axis, nbytes, call)
+
+    def _check_sizes(self, op: str, axis: str, group: object, whole: torch.Tensor,
+                     part: torch.Tensor) -> None:
+        """A gather's output (a scatter's input) must be the group's size times the part: a
+        backend that moves no data (torch's fake group) does not check it, a real one fails or
+        hangs."""
+        size = dist.get_world_size(group)
+        if size != self._size(axis) or whole.numel() != size * part.numel():
+            raise CollectiveError(
+                f"rank {self.grid.rank} (grid {self.grid.shape}): {op} over axis {axis}"
+                f"{self._members(axis)}: {tuple(whole.shape)} is not {size} x "
+                f"{tuple(part.shape)} (the group has {size} ranks, the grid's axis "
+                f"{self._size(axis)})")
 
     @staticmethod
     def _cast(t: torch.Tensor, wire_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.dtype]:
@@ -163,7 +197,8 @@ class Comm:
             return Handle(self, None, t, "all-reduce", axis)
         source = t
         t, _ = self._cast(t, wire_dtype)
-        self._record("all" if axis == "tensor" else axis, t.numel() * t.element_size(), axis)
+        self._record("all" if axis == "tensor" else axis, t.numel() * t.element_size(), axis,
+                     "all-reduce", t)
         buf, _ = self._to_wire(t.contiguous())
         reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
         try:
@@ -187,7 +222,8 @@ class Comm:
             return Handle(self, None, t, "all-gather", axis)
         buf, dtype = self._to_wire(t.contiguous())
         out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=buf.dtype, device=t.device)
-        self._record(axis, out.numel() * t.element_size(), axis)
+        self._check_sizes("all-gather", axis, group, out, buf)
+        self._record(axis, out.numel() * t.element_size(), axis, "all-gather", out)
         try:
             work = _all_gather_tensor(out, buf, group)
         except RuntimeError as e:
@@ -216,9 +252,10 @@ class Comm:
         size = self._size(axis)
         if group is None:
             return Handle(self, None, t, "reduce-scatter", axis)
-        self._record(axis, t.numel() * t.element_size(), axis)
+        self._record(axis, t.numel() * t.element_size(), axis, "reduce-scatter", t)
         buf, dtype = self._to_wire(t.contiguous())
         out = torch.empty((t.shape[0] // size, *t.shape[1:]), dtype=buf.dtype, device=t.device)
+        self._check_sizes("reduce-scatter", axis, group, buf, out)
         try:
             work = _reduce_scatter_tensor(out, buf, group)
         except RuntimeError as e:

@@ -86,7 +86,8 @@ class Engine:
         self._recomputed: set[Hashable] = set()
         self._kept: dict[int, torch.Tensor] = {}  # recomputed blocks, used by the backward
         self._pass_hooks: list[Callable[[], None]] = []
-        self._uses: dict[int, int] = {}  # param id -> modules that use it (tied weights: 2)
+        self._users: list[nn.Module] = []  # the z-sharded modules, as registered
+        self._uses: dict[int, int] | None = None  # param id -> modules using it
         self._contributions: dict[int, int] = {}
         self._prefetched: dict[tuple[int, str], tuple[Handle, torch.dtype]] = {}
         self._done: dict[str, set[int]] = {"forward": set(), "recompute": set(),
@@ -150,8 +151,17 @@ class Engine:
 
     def register(self, module: nn.Module) -> None:
         """Count a z-sharded module's use of its weight (a tied weight has two users)."""
-        pid = id(module.weight)
-        self._uses[pid] = self._uses.get(pid, 0) + 1
+        self._users.append(module)
+        self._uses = None
+
+    def _use_count(self, pid: int) -> int:
+        # counted at the first backward: the weights a module holds then (a simulated rank's
+        # materialisation gives the modules new parameter objects, parallel/shards.py)
+        if self._uses is None:
+            self._uses = {}
+            for module in self._users:
+                self._uses[id(module.weight)] = self._uses.get(id(module.weight), 0) + 1
+        return self._uses[pid]
 
     def set_order(self, modules: list[ShardedModule],
                   groups: list[Hashable | None] | None = None) -> None:
@@ -328,7 +338,7 @@ class Engine:
             param.grad.add_(grad)
         pid = id(param)
         self._contributions[pid] = self._contributions.get(pid, 0) + 1
-        if self.grad_sync and self._contributions[pid] == self._uses[pid]:
+        if self.grad_sync and self._contributions[pid] == self._use_count(pid):
             self.bucketer.add(param)
             if not self.bucketer.active:
                 self._grad_ready(param)

@@ -27,6 +27,7 @@ waiting on the write.
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Iterator, Protocol
 
 import torch
@@ -70,8 +71,25 @@ def materialize(module: nn.Module, layouts: dict[str, Layout], grid: Grid) -> No
         block = init(name, full, layout.block_index(full, shape, coords))
         real = nn.Parameter(block.to(device=grid.device, dtype=p.dtype),
                             requires_grad=p.requires_grad)
-        torch.utils.swap_tensors(p, real)
-    module.to(grid.device)  # the buffers (parameters are there already)
+        if weakref.getweakrefs(real):
+            # a fake tensor (a simulated rank, fourfold.simulate) is weakly referenced by its
+            # mode, which swap_tensors refuses: every module holding p is given the new one
+            _rebind(module, p, real)
+        else:
+            torch.utils.swap_tensors(p, real)
+    # the buffers (parameters are there already; module.to would also swap each parameter,
+    # which a fake one refuses)
+    for owner in module.modules():
+        for key, buffer in owner._buffers.items():
+            if buffer is not None and buffer.device != grid.device:
+                owner._buffers[key] = buffer.to(grid.device)
+
+
+def _rebind(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+    for owner in module.modules():
+        for key, value in list(owner._parameters.items()):
+            if value is old:
+                owner._parameters[key] = new
 
 
 def full_specs(module: nn.Module, layouts: dict[str, Layout], grid: Grid) -> list[TensorSpec]:

@@ -161,26 +161,12 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
             f"{tokenizer.vocab_size} tokens ({data_dir}); set model.vocab_size to at least "
             f"{tokenizer.vocab_size}")
 
-    if model is None:  # on the meta device: parallelize builds only this rank's shards
-        model = build_model(cfg.model, seed=t.seed, device="meta")
-    elif model.cfg != cfg.model:
+    if model is not None and model.cfg != cfg.model:
         raise ConfigError("the model passed to Trainer does not match cfg.model; build it "
                           "with build_model(cfg.model)")
-    else:
+    if model is not None:
         model.to(device)
-    # Set before parallelize, which converts the layers in place and keeps the flag.
-    model.activation_checkpointing = t.activation_checkpointing
-    pmodel = parallelize(model, grid, p, blocked_loss=spec.blocked_loss,
-                         grad_buffers=host.grad_buffers())
-    if init_from:
-        from fourfold.models.hf import load_hf_into
-
-        load_hf_into(pmodel, init_from)  # each rank reads just its own shards
-    # Freeze the base and add LoRA factors, or free the norm gains: before compile and the
-    # optimizer, which then see only the adapter as trainable.
-    apply_adapter(pmodel, cfg.adapter, t.seed)
-    compiler = BlockCompiler(pmodel.module, t.compile)
-    method = build_method(pmodel, t, tied_output=cfg.model.tie_embeddings, hooks=host.hooks())
+    pmodel, compiler, method = build_model_parts(cfg, grid, host, model, init_from)
 
     # The loader hands out whole steps; micro-batches are slices of them, so the data a step
     # sees does not depend on grad_accum. Validation batches are whole steps too (evaluated in
@@ -203,6 +189,30 @@ def build_run(cfg: Config, run_dir: str | Path, *, model: Llama | None = None) -
                compiler=compiler, method=method, host=host, loader=loader,
                val_loader=val_loader,
                guard=LossGuard(t.spike_threshold))
+
+
+def build_model_parts(cfg: Config, grid: Grid, host: HostMemory, model: Llama | None = None,
+                      init_from: str = "") -> tuple[ParallelModel, BlockCompiler, TrainingMethod]:
+    """This rank's parallel model (its shards of cfg.model, or of `model`), the block compiler
+    and cfg.train's training method; HF weights from `init_from`."""
+    t = cfg.train
+    if model is None:  # on the meta device: parallelize builds only this rank's shards
+        model = build_model(cfg.model, seed=t.seed, device="meta")
+    # Set before parallelize, which converts the layers in place and keeps the flag.
+    model.activation_checkpointing = t.activation_checkpointing
+    pmodel = parallelize(model, grid, cfg.parallel,
+                         blocked_loss=method_spec(t.optimizer).blocked_loss,
+                         grad_buffers=host.grad_buffers())
+    if init_from:
+        from fourfold.models.hf import load_hf_into
+
+        load_hf_into(pmodel, init_from)  # each rank reads just its own shards
+    # Freeze the base and add LoRA factors, or free the norm gains: before compile and the
+    # optimizer, which then see only the adapter as trainable.
+    apply_adapter(pmodel, cfg.adapter, t.seed)
+    compiler = BlockCompiler(pmodel.module, t.compile)
+    method = build_method(pmodel, t, tied_output=cfg.model.tie_embeddings, hooks=host.hooks())
+    return pmodel, compiler, method
 
 
 def _choose_device(requested: str, dist_device: torch.device, world_size: int) -> torch.device:
@@ -243,7 +253,7 @@ def _planned_grid(cfg: Config, world_size: int, rank: int) -> GridShape:
     return GridShape(data=data, z=z, y=y, x=x)
 
 
-__all__ = ["Run", "build_run"]
+__all__ = ["Run", "build_model_parts", "build_run"]
 
 
 def cpu_has_bfloat16_gemm() -> bool:

@@ -718,7 +718,9 @@ class CheckpointManager:
         self.async_save = cfg.is_async(on_host=grid.device.type == "cpu")
         self.rank = grid.rank
         # a one-rank grid that forces the engine (Grid.force_groups) takes the grid's path too
-        self.distributed = (grid.world_size > 1 or grid.force_groups) and dist.is_initialized()
+        # a simulated job (torch's fake process group, no data behind it) never saves
+        self.distributed = ((grid.world_size > 1 or grid.force_groups) and dist.is_initialized()
+                            and grid.backend != "fake")
         # A group of its own: the writer thread's collectives never meet training traffic.
         self.group = dist.new_group(backend="gloo") if self.distributed else None
         self.mesh = build_mesh(grid) if self.distributed else None

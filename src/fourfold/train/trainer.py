@@ -213,8 +213,10 @@ class Trainer:
         self.skipped_steps: list[int] = []
         self.train_seconds = 0.0
 
-        # what the run must be to resume at all (checked against a checkpoint's manifest)
-        self.identity = run_identity(self.cfg, self.data_dir, self.cfg.data.tokenizer_fingerprint)
+        # what the run must be to resume at all (checked against a checkpoint's manifest); a
+        # simulated rank (torch's fake process group, fourfold.simulate) has no data directory
+        self.identity = ({} if self.grid.backend == "fake" else run_identity(
+            self.cfg, self.data_dir, self.cfg.data.tokenizer_fingerprint))
         self.checkpoints = self._checkpoint_manager()
         self.stop: StopAgreement | None = None  # asked after every step, when set
         self.resumed_from: Path | None = None

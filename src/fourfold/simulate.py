@@ -1,0 +1,440 @@
+"""`fourfold simulate`: the real build and training steps of chosen ranks of an N-rank job, in
+one process, with no data behind the tensors.
+
+Each simulated rank joins torch's fake process group (`init_process_group("fake", rank=R,
+world_size=N)`: every collective returns at once and moves nothing) and runs under
+FakeTensorMode (every tensor has a shape, dtype and device, no storage): the grid's groups,
+the model's shards, the engine and the trainer's `train_step` are fourfold's own code. What it
+measures, per rank:
+
+- the peak of live tensor bytes, by phase (build, forward, backward, optimizer step): a
+  dispatch mode sees every tensor an operator returns and counts each storage from its first
+  appearance until it is freed (a weak reference's callback);
+- the bytes and calls per axis and dtype of the engine's ledger over one step (the second:
+  the first may differ by one-time work), beside the planner's `predict_step` bytes;
+- the trace of collectives (operation, group, dtype, shape) from the build to the last step:
+  the ranks of one group must issue the same sequence, or a real job hangs
+  (`first_trace_difference`).
+
+The fake group and tensors answer no question about values: a host read of a tensor (`.item()`,
+`bool(t)`) raises, so the parts of a run that read values on the host (logging, validation,
+checkpoints, the export) are not run.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+import time
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from fourfold.config import Config, validate
+from fourfold.data.loader import Batch
+from fourfold.errors import FourfoldError
+from fourfold.intmath import GIB
+from fourfold.parallel.comm import CollectiveCall
+from fourfold.parallel.grid import AXES, RANK_ORDER, Axis, Grid, GridShape
+from fourfold.plan.catalog import Machine
+from fourfold.plan.memory import MemoryBreakdown
+
+PHASES = ("build", "forward", "backward", "optimizer")
+
+
+class SimulationError(FourfoldError, RuntimeError):
+    """A simulated job that would fail on a real cluster (a rank out of memory, ranks of one
+    group issuing different collectives); one line for the user."""
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the storages alive, and their peak per phase: every tensor an
+    operator returns is looked at, its storage counted once from then until it is freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.phase = "build"
+        self.peaks: dict[str, int] = {p: 0 for p in PHASES}
+        self._seen: dict[int, int] = {}  # storage id -> bytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            # a meta tensor (the model declared before its shards are built) holds nothing
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                self.track(t)
+        return out
+
+    def track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self._seen:
+            return
+        nbytes = storage.nbytes()
+        self._seen[key] = nbytes
+        self.live += nbytes
+        weakref.finalize(storage, self._free, key)
+        if self.live > self.peaks[self.phase]:
+            self.peaks[self.phase] = self.live
+
+    def _free(self, key: int) -> None:
+        self.live -= self._seen.pop(key)
+
+
+@dataclass
+class RankReport:
+    """What one simulated rank did, beside the planner's figures."""
+
+    rank: int
+    coords: dict[Axis, int]
+    peaks: dict[str, int]  # phase -> peak live tensor bytes
+    step_bytes: dict[str, int]  # axis -> bytes of one step, as the ledger counts
+    by_dtype: dict[tuple[str, str], tuple[int, int]]  # (group, dtype) -> (bytes, calls), a step
+    group_seconds: float
+    build_seconds: float
+    step_seconds: list[float]
+    shard_shapes: dict[str, tuple[int, ...]]
+    trace: list[CollectiveCall] = field(repr=False)
+    planned_memory: MemoryBreakdown | None = None
+    planned_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        return max(self.peaks.values())
+
+
+class SimulatedBatches:
+    """A loader's whole steps as fake token tensors of the shape the real loader hands out."""
+
+    def __init__(self, rows: int, seq_len: int, vocab_size: int) -> None:
+        self.rows, self.seq_len, self.vocab_size = rows, seq_len, vocab_size
+
+    def next_batch(self) -> Batch:
+        tokens = torch.randint(0, self.vocab_size, (self.rows, self.seq_len + 1))
+        return Batch(tokens[:, :-1], tokens[:, 1:])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def simulation_config(cfg: Config, shape: GridShape) -> Config:
+    """cfg for a simulated rank of `shape`: nothing that reads values on the host (checkpoints,
+    resume, the memory report, GEMM tuning, compilation)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.parallel = dataclasses.replace(cfg.parallel, x=shape.x, y=shape.y, z=shape.z,
+                                       data=shape.data, auto=False, gemm_tuning=False)
+    cfg.train = dataclasses.replace(cfg.train, memory_report=False, compile=False)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, resume=False, every=0)
+    validate(cfg)
+    return cfg
+
+
+def default_ranks(shape: GridShape) -> list[int]:
+    """One rank per distinct coordinate class: every combination of the first and the last
+    coordinate on each axis."""
+    ranks = {0}
+    for corner in range(2 ** len(AXES)):
+        coords = {a: (getattr(shape, a) - 1 if corner >> i & 1 else 0)
+                  for i, a in enumerate(AXES)}
+        ranks.add(shape.rank_of(coords))
+    return sorted(ranks)
+
+
+def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = False,
+                  steps: int = 2, progress: Callable[[str], None] | None = None) -> RankReport:
+    """Build rank `rank` of a job on `shape` and run `steps` training steps, under the fake
+    process group and fake tensors (torch.distributed must not be initialized). `on_host`:
+    the simulated ranks keep their tensors in host memory (the host-memory policy's choices,
+    as the planner's machine has it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fourfold.methods import method_spec
+    from fourfold.train.build import Run, build_model_parts
+    from fourfold.train.host_memory import HostMemory
+    from fourfold.train.methods import batch_shard
+    from fourfold.train.resilience import LossGuard
+    from fourfold.train.trainer import Trainer
+
+    say = progress or (lambda line: None)
+    cfg = simulation_config(cfg, shape)
+    t = cfg.train
+    dist.init_process_group("fake", rank=rank, world_size=shape.size, store=FakeStore())
+    counter = LiveBytes()
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), counter:
+            start = time.perf_counter()
+            grid = Grid.build(shape, torch.device("cpu"), timeout_s=cfg.parallel.timeout_s)
+            group_seconds = time.perf_counter() - start
+            torch.manual_seed(t.seed)
+            host = HostMemory(on_host, shape.size, t.dtype)  # not tuned: a simulation
+            pmodel, compiler, method = build_model_parts(cfg, grid, host)
+            trace: list[CollectiveCall] = []
+            pmodel.ledger.trace = trace
+            build_seconds = time.perf_counter() - start
+            say(f"rank {rank}: built in {build_seconds:.1f} s "
+                f"({counter.peaks['build'] / GIB:.2f} GiB live at most)")
+            _, shard_count = batch_shard(grid, method_spec(t.optimizer).batch_axes)
+            batches = SimulatedBatches(t.batch_size // shard_count, t.seq_len,
+                                       cfg.model.vocab_size)
+            run = Run(cfg=cfg, run_dir=Path("simulated"), rank=rank, world_size=shape.size,
+                      device=grid.device, grid=grid, data_dir=Path("simulated"),
+                      tokenizer=None, pmodel=pmodel, compiler=compiler,  # type: ignore[arg-type]
+                      method=method, host=host,
+                      loader=batches, val_loader=batches,  # type: ignore[arg-type]
+                      guard=LossGuard(t.spike_threshold))
+            trainer = Trainer.from_run(run, progress=False)
+            step_seconds = []
+            with _PhaseWatch(counter, pmodel, getattr(method, "optimizer", None)):
+                for step in range(steps):
+                    begun = time.perf_counter()
+                    trainer.train_step()
+                    step_seconds.append(time.perf_counter() - begun)
+                    say(f"rank {rank}: step {step + 1} of {steps} in "
+                        f"{step_seconds[-1]:.1f} s")
+            step_bytes = pmodel.ledger.snapshot()
+            # the ledger counts the last step (the trainer resets it as a step begins)
+            step_calls = sum(pmodel.ledger.calls.values())
+            by_dtype: dict[tuple[str, str], tuple[int, int]] = defaultdict(lambda: (0, 0))
+            for call in trace[len(trace) - step_calls:]:
+                nbytes, calls = by_dtype[(call.axis, call.dtype)]
+                by_dtype[(call.axis, call.dtype)] = (nbytes + call.nbytes, calls + 1)
+            shapes = {name: tuple(p.shape) for name, p in pmodel.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    return RankReport(rank=rank, coords=shape.coords(rank), peaks=dict(counter.peaks),
+                      step_bytes=step_bytes, by_dtype=dict(by_dtype),
+                      group_seconds=group_seconds, build_seconds=build_seconds,
+                      step_seconds=step_seconds, shard_shapes=shapes, trace=list(trace))
+
+
+class _PhaseWatch:
+    """Sets the counter's phase from hooks: the model's forward, the start of its backward
+    (the output's gradient) and the optimizer's step (a method without a torch optimizer
+    updates within its backward)."""
+
+    def __init__(self, counter: LiveBytes, pmodel: Any, optimizer: Any) -> None:
+        self.counter, self.pmodel, self.optimizer = counter, pmodel, optimizer
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> None:
+        module = self.pmodel.module
+        self.handles = [module.register_forward_pre_hook(self._forward),
+                        module.register_forward_hook(self._forward_done)]
+        if self.optimizer is not None:
+            self.handles.append(self.optimizer.register_step_pre_hook(self._optimizer))
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _forward(self, module: Any, args: Any) -> None:
+        self.counter.phase = "forward"
+
+    def _forward_done(self, module: Any, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._backward)
+
+    def _backward(self, grad: torch.Tensor) -> None:
+        self.counter.phase = "backward"
+
+    def _optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.counter.phase = "optimizer"
+
+
+def group_members(shape: GridShape, a: int, b: int, group: str) -> bool:
+    """Whether ranks a and b are in one group `group` (an axis, "tensor" or "all")."""
+    if group == "all":
+        return True
+    ca, cb = shape.coords(a), shape.coords(b)
+    if group == "tensor":
+        return ca["data"] == cb["data"]
+    return all(ca[x] == cb[x] for x in AXES if x != group)
+
+
+def first_trace_difference(shape: GridShape, reports: list[RankReport]) -> str | None:
+    """The first collective that two simulated ranks of one group issue differently on it
+    (None when every group's ranks agree)."""
+    groups = ("x", "y", "z", "data", "tensor", "all")
+    for i, a in enumerate(reports):
+        for b in reports[i + 1:]:
+            for group in groups:
+                if not group_members(shape, a.rank, b.rank, group):
+                    continue
+                ta = [c for c in a.trace if c.axis == group]
+                tb = [c for c in b.trace if c.axis == group]
+                for n, (ca, cb) in enumerate(zip(ta, tb)):
+                    if (ca.op, ca.dtype, ca.shape) != (cb.op, cb.dtype, cb.shape):
+                        return (f"ranks {a.rank} and {b.rank} share a {group} group but their "
+                                f"collective {n + 1} on it differs: {_call(ca)} against "
+                                f"{_call(cb)}")
+                if len(ta) != len(tb):
+                    return (f"ranks {a.rank} and {b.rank} share a {group} group but issue "
+                            f"{len(ta)} and {len(tb)} collectives on it")
+    return None
+
+
+def _call(c: CollectiveCall) -> str:
+    return f"{c.op} {c.dtype} {list(c.shape)}"
+
+
+def planner_figures(cfg: Config, shape: GridShape, machine: Machine
+                    ) -> tuple[MemoryBreakdown, dict[str, int]]:
+    """The planner's peak memory per rank and bytes per step per axis for cfg on `shape`."""
+    from fourfold.methods import method_spec
+    from fourfold.parallel.embedding import resolve_output_loss
+    from fourfold.plan.memory import Precision
+    from fourfold.plan.perf import Overlap, predict_step
+    from fourfold.plan.memory import predicted_memory
+
+    t, p = cfg.train, cfg.parallel
+    memory = predicted_memory(cfg, shape, machine.device.shared_host)
+    overlap = Overlap(overlap_input_grad=p.overlap_input_grad,
+                      overlap_weight_grad=p.overlap_weight_grad,
+                      prefetch_weights=p.prefetch_weights,
+                      overlap_data_grad=p.overlap_data_grad,
+                      overlap_forward=p.overlap_forward)
+    step = predict_step(cfg.model, shape, t.batch_size, t.seq_len, t.grad_accum,
+                        t.activation_checkpointing, machine,
+                        Precision.of(t.dtype, p.reduce_dtype), overlap,
+                        resolve_output_loss(p.output_loss,
+                                            method_spec(t.optimizer).blocked_loss), train=t)
+    return memory, dict(step.comm_bytes)
+
+
+def simulate(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
+             steps: int = 2, progress: Callable[[str], None] | None = None
+             ) -> list[RankReport]:
+    """Simulate each of `ranks` of a job of cfg on `shape`, with the planner's figures."""
+    for rank in ranks:
+        if not 0 <= rank < shape.size:
+            raise SimulationError(f"--ranks {rank}: the grid {shape} has ranks 0 to "
+                                  f"{shape.size - 1}")
+    memory, planned = planner_figures(simulation_config(cfg, shape), shape, machine)
+    reports = []
+    for i, rank in enumerate(ranks):
+        if progress:
+            progress(f"simulating rank {rank} ({i + 1} of {len(ranks)}) of grid {shape}")
+        report = simulate_rank(cfg, shape, rank, machine.device.shared_host, steps, progress)
+        report.planned_memory, report.planned_bytes = memory, planned
+        reports.append(report)
+    return reports
+
+
+def format_report(reports: list[RankReport], shape: GridShape, machine: Machine) -> str:
+    """A table per rank: peaks by phase, bytes per axis and per (group, dtype), shard shapes."""
+    lines = []
+    for r in reports:
+        mem = r.planned_memory
+        coords = " ".join(f"{a}={r.coords[a]}" for a in RANK_ORDER)
+        lines.append(f"rank {r.rank} ({coords}) of grid {shape} on {machine.name}: groups "
+                     f"{r.group_seconds:.2f} s, build {r.build_seconds:.1f} s, steps "
+                     + ", ".join(f"{s:.1f}" for s in r.step_seconds) + " s")
+        lines.append("  peak live tensors by phase: " + ", ".join(
+            f"{p} {_amount(r.peaks[p])}" for p in PHASES))
+        if mem is not None:
+            tensors = planner_tensor_bytes(mem)
+            lines.append(f"  planner: {_amount(mem.total)} in all, {_amount(tensors)} of "
+                         f"tensors (runtime {_amount(mem.runtime)}); simulated peak "
+                         f"{_amount(r.peak)} ({(r.peak / max(tensors, 1) - 1) * 100:+.1f}%)")
+        lines.append("  bytes per step   " + "  ".join(f"{a:>14}" for a in AXES))
+        lines.append("  simulated        " + "  ".join(
+            f"{r.step_bytes.get(a, 0):>14,}" for a in AXES))
+        lines.append("  planner          " + "  ".join(
+            f"{r.planned_bytes.get(a, 0):>14,}" for a in AXES))
+        for (group, dtype), (nbytes, calls) in sorted(r.by_dtype.items()):
+            lines.append(f"  {group:>6} {dtype:<9} {calls:>6} calls {nbytes:>16,} bytes")
+        shown = [(n, s) for n, s in r.shard_shapes.items()
+                 if ".layers." not in f".{n}" or ".layers.0." in f".{n}"]
+        lines.append("  shards: " + ", ".join(f"{n} {list(s)}" for n, s in shown))
+    return "\n".join(lines)
+
+
+def _amount(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def planner_tensor_bytes(mem: MemoryBreakdown) -> int:
+    """The planner's peak less what is not a tensor (the runtime's pages on a host)."""
+    return mem.total - mem.runtime
+
+
+def check_reports(reports: list[RankReport], shape: GridShape, machine: Machine) -> None:
+    """SimulationError when a rank does not fit the machine or a group's ranks disagree."""
+    capacity = machine.usable_memory_bytes(shape.size)
+    for r in reports:
+        if r.peak > capacity:
+            raise SimulationError(
+                f"rank {r.rank} of grid {shape} peaks at {r.peak / GIB:.2f} GiB of live "
+                f"tensors, more than the {capacity / GIB:.2f} GiB a rank has on "
+                f"{machine.name}; use more ranks or a grid the planner accepts")
+    difference = first_trace_difference(shape, reports)
+    if difference is not None:
+        raise SimulationError(f"grid {shape} would hang: {difference}")
+
+
+def simulate_main(config: str | None, world: int, grid: str | None, ranks: str | None,
+                  machine_name: str | None, overrides: list[str]) -> int:
+    """`fourfold simulate`: print the table, 0, or raise SimulationError."""
+    from fourfold.config import ConfigError, load_config
+    from fourfold.plan.machine_file import load_machine
+
+    cfg = load_config(config, overrides)
+    machine = load_machine(machine_name or cfg.parallel.machine)
+    if world < 1:
+        raise ConfigError(f"--world {world}: must be at least 1")
+    if grid:
+        sizes = _ints(grid, "--grid")
+        if len(sizes) != 4:
+            raise ConfigError(f"--grid {grid}: give data,z,y,x (four sizes)")
+        shape = GridShape.resolve(sizes[3], sizes[2], sizes[1], sizes[0], world)
+    elif cfg.parallel.auto:
+        shape = _planned_shape(cfg, world, machine)
+    else:
+        p = cfg.parallel
+        shape = GridShape.resolve(p.x, p.y, p.z, p.data, world)
+    chosen = _ints(ranks, "--ranks") if ranks else default_ranks(shape)
+    reports = simulate(cfg, shape, chosen, machine,
+                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_report(reports, shape, machine))
+    check_reports(reports, shape, machine)
+    return 0
+
+
+def _planned_shape(cfg: Config, world: int, machine: Machine) -> GridShape:
+    from fourfold.plan import choose_grid
+
+    t = cfg.train
+    shape, why = choose_grid(cfg.model, world, machine, t.batch_size, t.seq_len, dtype=t.dtype,
+                             activation_checkpointing=t.activation_checkpointing,
+                             grad_accum=t.grad_accum, reduce_dtype=cfg.parallel.reduce_dtype,
+                             train=t)
+    print(f"the planner chose grid {shape}: {why}", file=sys.stderr, flush=True)
+    return shape
+
+
+def _ints(text: str, option: str) -> list[int]:
+    from fourfold.config import ConfigError
+
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{option} {text}: give integers separated by commas") from None
+
+
+__all__ = ["LiveBytes", "RankReport", "SimulationError", "check_reports", "default_ranks",
+           "first_trace_difference", "format_report", "planner_figures", "simulate",
+           "simulate_main", "simulate_rank"]

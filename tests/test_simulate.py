@@ -1,0 +1,129 @@
+"""fourfold simulate: ranks of a large job built and stepped under the fake process group and
+fake tensors, checked against the planner (bytes exact, memory close) and against each other
+(the collectives of a group's ranks equal)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fourfold.config import Config, model_config
+from fourfold.parallel.comm import CollectiveError, Comm
+from fourfold.parallel.grid import AXES, Grid, GridShape
+from fourfold.plan.machine_file import load_machine
+from fourfold.simulate import (RankReport, check_reports, default_ranks, first_trace_difference,
+                               planner_tensor_bytes, simulate, SimulationError)
+
+SHAPE = GridShape(data=2, z=4, y=2, x=4)  # 64 ranks
+
+
+def _config() -> Config:
+    cfg = Config()
+    cfg.model = model_config("15m")
+    cfg.train = dataclasses.replace(cfg.train, batch_size=16, seq_len=256, dtype="bfloat16",
+                                    activation_checkpointing=True)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def reports() -> list[RankReport]:
+    return simulate(_config(), SHAPE, default_ranks(SHAPE), load_machine("dgx-h100"))
+
+
+def test_default_ranks_are_the_corners() -> None:
+    ranks = default_ranks(SHAPE)
+    assert len(ranks) == 16 and ranks[0] == 0 and ranks[-1] == SHAPE.size - 1
+    assert {SHAPE.coords(r)["z"] for r in ranks} == {0, SHAPE.z - 1}
+
+
+@pytest.mark.slow
+def test_bytes_per_axis_equal_the_planner(reports: list[RankReport]) -> None:
+    for r in reports:
+        assert all(r.step_bytes[a] > 0 for a in AXES), r.step_bytes
+        assert {a: r.step_bytes[a] for a in AXES} == r.planned_bytes, f"rank {r.rank}"
+
+
+@pytest.mark.slow
+def test_planner_tensor_terms_close_to_the_simulated_peak(reports: list[RankReport]) -> None:
+    for r in reports:
+        assert r.planned_memory is not None
+        planned = planner_tensor_bytes(r.planned_memory)
+        assert abs(r.peak / planned - 1) < 0.05, (r.rank, r.peak, planned, r.peaks)
+        assert min(r.peaks.values()) > 0
+
+
+@pytest.mark.slow
+def test_every_group_issues_the_same_collectives(reports: list[RankReport]) -> None:
+    assert first_trace_difference(SHAPE, reports) is None
+    check_reports(reports, SHAPE, load_machine("dgx-h100"))  # fits, agrees: no error
+
+
+@pytest.mark.slow
+def test_a_divergent_trace_is_named(reports: list[RankReport]) -> None:
+    first, last = reports[0], reports[-1]  # one data group? no: they share only "all"
+    x_peer = next(r for r in reports if r.rank != first.rank
+                  and all(SHAPE.coords(r.rank)[a] == 0 for a in ("data", "z", "y")))
+    calls = [i for i, c in enumerate(x_peer.trace) if c.axis == "x"]
+    changed = x_peer.trace[calls[3]]
+    trace = list(x_peer.trace)
+    trace[calls[3]] = dataclasses.replace(changed, shape=(changed.shape[0] + 1,
+                                                          *changed.shape[1:]))
+    diverged = dataclasses.replace(x_peer, trace=trace)
+    message = first_trace_difference(SHAPE, [first, diverged, last])
+    assert message is not None
+    assert f"ranks 0 and {x_peer.rank} share a x group" in message
+    assert "collective 4 on it differs" in message
+    with pytest.raises(SimulationError, match="would hang"):
+        check_reports([first, diverged], SHAPE, load_machine("dgx-h100"))
+    shorter = dataclasses.replace(x_peer, trace=[c for i, c in enumerate(x_peer.trace)
+                                                 if i != calls[-1]])
+    assert "issue" in (first_trace_difference(SHAPE, [first, shorter]) or "")
+
+
+@pytest.mark.slow
+def test_a_rank_that_does_not_fit_is_an_error(reports: list[RankReport]) -> None:
+    tiny = dataclasses.replace(load_machine("dgx-h100"), reserved_gib=79.99)
+    with pytest.raises(SimulationError, match="peaks at"):
+        check_reports(reports[:1], SHAPE, tiny)
+
+
+def test_comm_checks_gather_and_scatter_sizes_against_the_group() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=1, world_size=4, store=FakeStore())
+    try:
+        with FakeTensorMode():
+            good = Grid(shape=GridShape(x=4), rank=1, backend="fake",
+                        groups={"x": dist.new_group([0, 1, 2, 3])})
+            comm = Comm(good)
+            assert comm.all_gather(torch.ones(3, 2), "x").wait().shape == (12, 2)
+            assert comm.reduce_scatter(torch.ones(8, 2), "x").wait().shape == (2, 2)
+            # a group of 2 where the grid's axis has 4 ranks: a real backend would fail or hang
+            wrong = Grid(shape=GridShape(x=4), rank=1, backend="fake",
+                         groups={"x": dist.new_group([0, 1])})
+            with pytest.raises(CollectiveError, match="the group has 2 ranks"):
+                Comm(wrong).all_gather(torch.ones(3, 2), "x")
+            with pytest.raises(CollectiveError, match="is not 4 x"):
+                comm.reduce_scatter(torch.ones(6, 2), "x")  # 6 rows do not split 4 ways
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--grid", "2,2,2"], "--grid 2,2,2: give data,z,y,x"),
+    (["--grid", "2,2,2,2", "--ranks", "16"], "--ranks 16: the grid"),
+    (["--grid", "2,2,2,2", "--ranks", "a"], "--ranks a: give integers"),
+])
+def test_simulate_command_mistakes_are_one_line(tmp_path, capsys, args: list[str],
+                                                message: str) -> None:
+    from fourfold.cli import main
+
+    config = tmp_path / "c.toml"
+    config.write_text('[model]\npreset = "debug"\n[parallel]\nmachine = "dgx-h100"\n')
+    code = main(["simulate", str(config), "--world", "16", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and err[-1].startswith("error: ") and message in err[-1], err
