@@ -173,7 +173,7 @@ def instrument_trainer_build(phases: Phases) -> None:
 
     GridClass.build = staticmethod(grid_build)  # type: ignore[method-assign]
     phases.wrap(build, "parallelize", "parallelize")
-    phases.wrap(build, "build_optimizer", "build_optimizer")
+    phases.wrap(build, "build_method", "build_method")
 
 
 def instrument_trainer_run(phases: Phases, trainer: object) -> None:

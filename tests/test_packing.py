@@ -355,8 +355,16 @@ def test_gradient_accumulation_weights_micro_batches_by_their_trained_tokens(cha
     results = {}
     for accum in (1, 2, 4):
         trainer = _trainer(chat_dir, tmp_path / f"a{accum}", f"train.grad_accum={accum}")
+        grads: dict[str, torch.Tensor] = {}
+        optimizer = trainer.method.optimizer  # AdamW's: the gradients as its step sees them
+        optimizer_step = optimizer.step
+
+        def capture(*args, _grads=grads, _step=optimizer_step, _trainer=trainer, **kwargs):
+            _grads.update({n: p.grad.clone() for n, p in _trainer.pmodel.named_parameters()})
+            return _step(*args, **kwargs)
+
+        optimizer.step = capture
         stats = trainer.train_step()
-        grads = {n: p.grad.clone() for n, p in trainer.pmodel.named_parameters()}
         batch = trainer.loader.state_dict()
         results[accum] = (stats.loss, grads, batch)
     loss1, grads1, _ = results[1]
