@@ -237,7 +237,7 @@ def _hf_file_fingerprint(data: bytes) -> str:
     """The fingerprint of a tokenizer.json's bytes: "byte" for the byte tokenizer as fourfold
     writes it for transformers (an HF export of a byte-level run), which encodes text to the
     byte tokenizer's ids; else the file's hash."""
-    if data == byte_level_hf_tokenizer().to_str(pretty=True).encode("utf-8"):
+    if data == byte_level_hf_file():
         return BYTE_FINGERPRINT
     return _sha256(data)
 
@@ -304,6 +304,11 @@ def _byte_characters() -> dict[int, str]:
     return {**{b: chr(b) for b in kept}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
 
 
+def byte_level_hf_file() -> bytes:
+    """The tokenizer.json fourfold writes for the byte tokenizer (byte_level_hf_tokenizer)."""
+    return byte_level_hf_tokenizer().to_str(pretty=True).encode("utf-8")
+
+
 def write_hf_tokenizer(tokenizer: Tokenizer, directory: str | Path, model_max_length: int,
                        chat_template: str | None = None,
                        template_tokens: dict[str, str] | None = None) -> list[Path]:
@@ -318,7 +323,7 @@ def write_hf_tokenizer(tokenizer: Tokenizer, directory: str | Path, model_max_le
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if isinstance(tokenizer, ByteTokenizer):
-        data = byte_level_hf_tokenizer().to_str(pretty=True).encode("utf-8")
+        data = byte_level_hf_file()
         eos = BPE_EOS
     elif isinstance(tokenizer, HFTokenizer):
         data = tokenizer.file_bytes()
