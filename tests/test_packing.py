@@ -422,11 +422,13 @@ def long_context_cost() -> SequenceCost:
 def test_balancing_a_heavy_tailed_mix_brings_the_slowest_shard_within_5_percent(long_tail_dir):
     """Global batches of 32 packed rows of 4096 positions over 4 data shards x 2
     micro-batches: dealt in order, the dearest shard does 30% or more above the mean on some
-    of them; balanced, at most 5% on every one (and each micro-batch within 6%), with the
-    same rows."""
+    of them; balanced, at most 5% on every one, with the same rows. Micro-batches, which run
+    one after the other on their shard, come second: within 10%, and never less even than in
+    order."""
     loader = BatchLoader(long_tail_dir, "train", 32, LONG_SEQ, seed=0, num_shards=4,
                          micro_batches=2, cost=long_context_cost(), packing="documents")
     plain_worst = balanced_worst = micro_worst = 0.0
+    plain_micro_worst = 0.0
     for k in range(6):
         rows = loader._stream.rows(k * 32, 32)
         costs = loader.row_costs(rows)
@@ -435,9 +437,10 @@ def test_balancing_a_heavy_tailed_mix_brings_the_slowest_shard_within_5_percent(
         plain_worst = max(plain_worst, imbalance(costs, np.arange(32), 4))
         balanced_worst = max(balanced_worst, imbalance(costs, order, 4))
         micro_worst = max(micro_worst, imbalance(costs, order, 8))
+        plain_micro_worst = max(plain_micro_worst, imbalance(costs, np.arange(32), 8))
     assert plain_worst >= 0.30, plain_worst
     assert balanced_worst <= 0.05, balanced_worst
-    assert micro_worst <= 0.06, micro_worst
+    assert micro_worst <= min(0.10, plain_micro_worst), (micro_worst, plain_micro_worst)
 
 
 def test_balanced_order_is_a_deterministic_permutation():
@@ -448,6 +451,27 @@ def test_balanced_order_is_a_deterministic_permutation():
     assert imbalance(costs, a, 6) <= imbalance(costs, np.arange(48), 6)
     with pytest.raises(ValueError, match="do not split"):
         balanced_order(costs[:47], 3, 2)
+
+
+def test_balanced_order_is_never_less_even_than_in_order_with_few_rows_a_shard():
+    """Two rows a micro-batch leave little to choose from: on 200 seeded batches of 16 rows
+    over 4 shards x 2 micro-batches, each row costing its tokens plus up to 4.6x that in
+    attention (most rows of short documents, few of one long one), the balanced order's
+    dearest shard is never dearer than in order's (which keeps its order where it cannot win),
+    and on the median batch it is within 5% of the mean where in order is 20% or more off."""
+    rng = np.random.default_rng(1)
+    balanced, plain = [], []
+    for _ in range(200):
+        costs = 1 + 4.6 * rng.beta(0.3, 1.5, size=16)
+        order = balanced_order(costs, 4, 2)
+        assert sorted(order.tolist()) == list(range(16))
+        balanced.append(imbalance(costs, order, 4))
+        plain.append(imbalance(costs, np.arange(16), 4))
+        for shard in np.split(order, 4):  # each shard's micro-batches: no worse than in order
+            assert imbalance(costs, shard, 2) <= imbalance(costs, np.sort(shard), 2) + 1e-12
+    assert all(b <= p + 1e-12 for b, p in zip(balanced, plain))
+    assert np.median(balanced) <= 0.05 and np.median(plain) >= 0.20, (np.median(balanced),
+                                                                       np.median(plain))
 
 
 @pytest.mark.compile

@@ -4,11 +4,14 @@ A packed row's work is its tokens' (the GEMMs, norms and the loss: the same for 
 seq_len positions) plus its attention, which grows with the square of each document's length:
 a row holding one 1024-token document does 4x the attention work of one holding four of 256.
 Rows dealt out in order leave the shards that drew the long documents to finish last while the
-others wait at the next collective. The loader instead puts every global batch's rows into
-shards x micro-batches bins of equal size, the most expensive row first into the cheapest bin
-(longest processing time first), then swaps rows between the dearest and the cheapest bin
-while that narrows them. The global batch is the same rows, so the step's loss and gradients
-are one process's (summed in another order).
+others wait at the next collective. Shards of one step meet only at the gradient all-reduce, so
+what must be even is each shard's total: the loader first puts every global batch's rows into
+`shards` bins of equal size, the most expensive row first into the cheapest bin (longest
+processing time first), then swaps rows between the dearest and the cheapest bin while that
+narrows them; then splits each shard's rows over its micro-batches the same way. A split that
+does not beat the order the rows came in (few rows a bin leave little to choose from) keeps
+that order. The global batch is the same rows, so the step's loss and gradients are one
+process's (summed in another order).
 
 The cost model's weight of the attention term against the tokens' comes from the planner
 (plan/perf.py `sequence_cost`); SequenceCost() counts tokens alone.
@@ -39,20 +42,31 @@ class SequenceCost:
 
 
 def balanced_order(costs: np.ndarray, shards: int, micro_batches: int) -> np.ndarray:
-    """A permutation of a global batch's rows (by index) such that shard s's micro-batch m,
-    rows [(s * micro_batches + m) * k, ... + k) of the permuted batch with k = len(costs) /
-    (shards * micro_batches), costs about the same for every (s, m). Deterministic: every rank
-    computes the same order from the same costs."""
-    bins = shards * micro_batches
+    """A permutation of a global batch's rows (by index) such that shard s, rows [s * n /
+    shards, (s + 1) * n / shards) of the permuted batch, costs about the same for every s, and
+    within it micro-batch m, the m-th of its `micro_batches` equal slices, too. Never less even
+    than the rows' own order, over shards and over each shard's micro-batches. Deterministic:
+    every rank computes the same order from the same costs."""
     n = len(costs)
-    if n % bins:
+    if n % (shards * micro_batches):
         raise ValueError(f"{n} rows do not split into {shards} shards x {micro_batches} "
                          "micro-batches")
+    costs = np.asarray(costs, dtype=np.float64)
+    return np.concatenate([shard[_even_split(costs[shard], micro_batches)]
+                           for shard in np.split(_even_split(costs, shards), shards)])
+
+
+def _even_split(costs: np.ndarray, bins: int) -> np.ndarray:
+    """An order of `costs`' indices whose `bins` equal slices cost about the same, or their own
+    order where that is at least as even."""
+    n = len(costs)
+    in_order = np.arange(n)
     if bins == 1:
-        return np.arange(n)
-    members = _longest_first(np.asarray(costs, dtype=np.float64), bins, n // bins)
-    _swap_down(np.asarray(costs, dtype=np.float64), members)
-    return np.concatenate([np.sort(np.asarray(m, dtype=np.int64)) for m in members])
+        return in_order
+    members = _longest_first(costs, bins, n // bins)
+    _swap_down(costs, members)
+    order = np.concatenate([np.sort(np.asarray(m, dtype=np.int64)) for m in members])
+    return order if imbalance(costs, order, bins) < imbalance(costs, in_order, bins) else in_order
 
 
 def imbalance(costs: np.ndarray, order: np.ndarray, groups: int) -> float:
