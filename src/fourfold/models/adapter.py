@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from fourfold.config import ADAPTER_TARGETS, AdapterConfig, ConfigError, ModelConfig
+from fourfold.config import ADAPTER_TARGETS, AdapterConfig, Config, ConfigError, ModelConfig
 from fourfold.models.hf import fourfold_to_hf_name, state_dict_to_hf
 from fourfold.parallel.lora import ForwardCounter, LoRAError, LoRASpec, add_lora, lora_layers
 from fourfold.safetensors_stream import TensorSpec
+
+if TYPE_CHECKING:
+    from fourfold.parallel import ParallelModel
 
 # adapter target -> the leaf names of that layer (fourfold's, then Hugging Face's)
 TARGET_LEAVES: dict[str, tuple[str, ...]] = {
@@ -279,7 +282,7 @@ def save_merged_hf(full_state: Mapping[str, torch.Tensor], cfg: AdapterConfig,
     return [weights, config]
 
 
-def write_adapter_run(pmodel: Any, cfg: Any, run_dir: str | Path, weights_path: Path,
+def write_adapter_run(pmodel: ParallelModel, cfg: Config, run_dir: str | Path, weights_path: Path,
                       writer_rank: int = 0) -> None:
     """At the end of an adapter run (`cfg` a Config): write the merged model to
     `weights_path` (fourfold's safetensors, so that generate, eval and convert use the adapted

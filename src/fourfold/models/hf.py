@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -17,6 +17,9 @@ from fourfold.config import ConfigError, ModelConfig
 from fourfold.errors import first_line
 from fourfold.files import atomic_write_text
 from fourfold.safetensors_stream import TensorSpec, write_streamed
+
+if TYPE_CHECKING:
+    from fourfold.parallel import ParallelModel
 
 HF_CONFIG_FILE = "config.json"
 HF_WEIGHTS_FILE = "model.safetensors"
@@ -319,14 +322,13 @@ def _hf_weight_files(root: Path) -> dict[str, Path]:
 
 
 @torch.no_grad()
-def load_hf_into(pmodel: Any, path: str | Path) -> None:
+def load_hf_into(pmodel: ParallelModel, path: str | Path) -> None:
     """Fill every local shard of `pmodel` from a local Hugging Face safetensors checkpoint.
     Each rank reads only the slices it owns (never the full model). Works for fourfold's Llama
     (names mapped) and for HF modules parallelized directly (names as they are).
 
-    `pmodel` is a parallel model (duck-typed: named_parameters(), layouts() of Layouts with
-    local_shape/offsets, and grid with shape and rank), so that models/ needs nothing from
-    parallel/."""
+    Reads `pmodel`'s named_parameters(), layouts() and grid only (the type is for checking;
+    models/ imports nothing from parallel/ at run time for it)."""
     from safetensors import safe_open
 
     root = Path(path)
