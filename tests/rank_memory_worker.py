@@ -40,6 +40,7 @@ import torch.utils._python_dispatch
 from fourfold.config import ModelConfig, ParallelConfig, TrainConfig, load_config
 from fourfold.models import build_model
 from fourfold.parallel import Grid, GridShape, init_distributed, leave_job, parallelize
+from fourfold.train.build import cpu_has_bfloat16_gemm
 from fourfold.train.metrics import peak_memory_bytes
 
 
@@ -95,10 +96,38 @@ class HeapPeak(torch.utils._python_dispatch.TorchDispatchMode):
         self.start = self.peak = _heap()[0]
         return super().__enter__()
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.float32_gemms = not cpu_has_bfloat16_gemm()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if self.float32_gemms and func in BFLOAT16_GEMMS and _any_bfloat16(args):
+            out = _gemm_in_float32(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         self.peak = max(self.peak, _heap()[0])
         return out
+
+
+# On a CPU without bfloat16 matrix instructions torch's bfloat16 GEMMs take a generic loop,
+# 10-100x slower than float32's (and slowest for a plain weight @ gradient, backward's dX).
+# HeapPeak reads the heap between ops, so a GEMM computed in float32 and rounded to a
+# bfloat16 output of the same shape and strides leaves every reading as it was: the inputs'
+# float32 copies come and go inside the op.
+BFLOAT16_GEMMS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                            torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default})
+
+
+def _any_bfloat16(args: tuple) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args)
+
+
+def _gemm_in_float32(func, args: tuple, kwargs: dict) -> torch.Tensor:
+    wide = [a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a
+            for a in args]
+    out = func(*wide, **kwargs)
+    return out.to(torch.bfloat16)
 
 
 def run_method_steps(model_cfg: ModelConfig, grid: Grid, cfg: TrainConfig, batch: int,
