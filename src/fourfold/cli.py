@@ -256,13 +256,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fourfold.simulate import simulate_main
 
     return simulate_main(args.config, args.world, args.grid, args.ranks, args.machine,
-                         args.overrides)
+                         args.overrides, args.device)
 
 
 def cmd_plan(argv: list[str]) -> int:
     from fourfold.plan.cli import plan_main
+    from fourfold.simulate import simulate_planned
 
-    return plan_main(argv)
+    return plan_main(argv, simulate_planned)
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,6 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the machine as in `fourfold plan` (default parallel.machine)")
     simulate.add_argument("--set", dest="overrides", action="append", default=[],
                           metavar="SECTION.KEY=VALUE", help="override one config key")
+    simulate.add_argument("--device", choices=("cpu", "cuda"),
+                          help="real shards and kernels on this device, collectives still fake: "
+                               "the real peak memory and compute time per step (default: fake "
+                               "tensors, no memory)")
     simulate.set_defaults(handler=cmd_simulate)
 
     prepare = sub.add_parser("prepare", help="tokenize text into a DATA_DIR of token shards")

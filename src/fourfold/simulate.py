@@ -19,10 +19,17 @@ measures, per rank:
 The fake group and tensors answer no question about values: a host read of a tensor (`.item()`,
 `bool(t)`) raises, so the parts of a run that read values on the host (logging, validation,
 checkpoints, the export) are not run.
+
+With a device (`device="cpu"` or `"cuda"`) the rank's shards are real tensors on it and every
+kernel runs; only the collectives stay on the fake group (whose gathers copy the local shard
+into every slot, so values stay finite). The rank then also reports its real memory per phase
+(`DeviceMemory`: on CUDA the allocator's peak, on the CPU the growth of the process's resident
+peak) and its loss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import sys
@@ -46,6 +53,7 @@ from fourfold.parallel.comm import CollectiveCall
 from fourfold.parallel.grid import AXES, RANK_ORDER, Axis, Grid, GridShape
 from fourfold.plan.catalog import Machine
 from fourfold.plan.memory import MemoryBreakdown
+from fourfold.plan.perf import StepPrediction
 
 PHASES = ("build", "forward", "backward", "optimizer")
 
@@ -91,6 +99,70 @@ class LiveBytes(TorchDispatchMode):
         self.live -= self._seen.pop(key)
 
 
+DEVICES = ("cpu", "cuda")
+
+
+class DeviceMemory:
+    """The real memory of a rank that runs on a device, by phase: on CUDA the allocator's peak
+    of allocated bytes (`torch.cuda.max_memory_allocated`, reset as each phase begins), on the
+    CPU the growth of the process's resident peak (VmHWM) over its resident size before the
+    build (reset as each phase begins where the kernel allows: /proc/self/clear_refs)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peaks: dict[str, int] = {p: 0 for p in PHASES}
+        self.phase = "build"
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.baseline = 0
+        else:
+            self.baseline = _proc_status_bytes("VmRSS")
+            self.resettable = _reset_resident_peak()
+
+    def enter(self, phase: str) -> None:
+        """Close the phase under way (its peak) and start `phase`."""
+        self.close()
+        self.phase = phase
+
+    def close(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            peak = _proc_status_bytes("VmHWM") - self.baseline
+            if self.resettable:
+                _reset_resident_peak()
+        self.peaks[self.phase] = max(self.peaks[self.phase], peak)
+
+    def reserved(self) -> int:
+        """The CUDA allocator's peak of reserved bytes (0 on the CPU)."""
+        return torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
+
+
+def _proc_status_bytes(field_name: str) -> int:
+    """A `kB` field of /proc/self/status in bytes (0 where there is none: not Linux)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_resident_peak() -> bool:
+    """Reset this process's VmHWM to its resident size now; whether the kernel allowed it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        return True
+    except OSError:
+        return False
+
+
 @dataclass
 class RankReport:
     """What one simulated rank did, beside the planner's figures."""
@@ -107,6 +179,11 @@ class RankReport:
     trace: list[CollectiveCall] = field(repr=False)
     planned_memory: MemoryBreakdown | None = None
     planned_bytes: dict[str, int] = field(default_factory=dict)
+    planned_compute_s: float | None = None  # the planner's compute time of one step
+    device: str | None = None  # where the shards were real ("cpu", "cuda"); None: fake tensors
+    device_peaks: dict[str, int] = field(default_factory=dict)  # phase -> real peak bytes
+    device_reserved: int = 0  # the CUDA allocator's peak of reserved bytes
+    losses: list[float] = field(default_factory=list)  # the steps' losses (real tensors only)
 
     @property
     def peak(self) -> int:
@@ -154,11 +231,13 @@ def default_ranks(shape: GridShape) -> list[int]:
 
 
 def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = False,
-                  steps: int = 2, progress: Callable[[str], None] | None = None) -> RankReport:
+                  steps: int = 2, progress: Callable[[str], None] | None = None,
+                  device: str | None = None) -> RankReport:
     """Build rank `rank` of a job on `shape` and run `steps` training steps, under the fake
     process group and fake tensors (torch.distributed must not be initialized). `on_host`:
     the simulated ranks keep their tensors in host memory (the host-memory policy's choices,
-    as the planner's machine has it)."""
+    as the planner's machine has it). `device` ("cpu", "cuda"): real shards on it and real
+    kernels, only the collectives fake."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -172,18 +251,23 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
     say = progress or (lambda line: None)
     cfg = simulation_config(cfg, shape)
     t = cfg.train
+    where = simulation_device(device)
+    tensors = (contextlib.nullcontext() if device is not None
+               else FakeTensorMode(allow_non_fake_inputs=True))
     dist.init_process_group("fake", rank=rank, world_size=shape.size, store=FakeStore())
     counter = LiveBytes()
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), counter:
+        with tensors, counter:
+            meter = DeviceMemory(where) if device is not None else None
             start = time.perf_counter()
-            grid = Grid.build(shape, torch.device("cpu"), timeout_s=cfg.parallel.timeout_s)
+            grid = Grid.build(shape, where, timeout_s=cfg.parallel.timeout_s)
             group_seconds = time.perf_counter() - start
             torch.manual_seed(t.seed)
             host = HostMemory(on_host, shape.size, t.dtype)  # not tuned: a simulation
             pmodel, compiler, method = build_model_parts(cfg, grid, host)
             trace: list[CollectiveCall] = []
             pmodel.ledger.trace = trace
+            _synchronize(where)
             build_seconds = time.perf_counter() - start
             say(f"rank {rank}: built in {build_seconds:.1f} s "
                 f"({counter.peaks['build'] / GIB:.2f} GiB live at most)")
@@ -197,14 +281,19 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
                       loader=batches, val_loader=batches,  # type: ignore[arg-type]
                       guard=LossGuard(t.spike_threshold))
             trainer = Trainer.from_run(run, progress=False)
-            step_seconds = []
-            with _PhaseWatch(counter, pmodel, getattr(method, "optimizer", None)):
+            step_seconds, losses = [], []
+            with _PhaseWatch(counter, meter, pmodel, getattr(method, "optimizer", None)):
                 for step in range(steps):
                     begun = time.perf_counter()
-                    trainer.train_step()
+                    stats = trainer.train_step()
+                    _synchronize(where)
                     step_seconds.append(time.perf_counter() - begun)
+                    if device is not None:
+                        losses.append(stats.loss)
                     say(f"rank {rank}: step {step + 1} of {steps} in "
                         f"{step_seconds[-1]:.1f} s")
+            if meter is not None:
+                meter.close()
             step_bytes = pmodel.ledger.snapshot()
             # the ledger counts the last step (the trainer resets it as a step begins)
             step_calls = sum(pmodel.ledger.calls.values())
@@ -218,7 +307,28 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
     return RankReport(rank=rank, coords=shape.coords(rank), peaks=dict(counter.peaks),
                       step_bytes=step_bytes, by_dtype=dict(by_dtype),
                       group_seconds=group_seconds, build_seconds=build_seconds,
-                      step_seconds=step_seconds, shard_shapes=shapes, trace=list(trace))
+                      step_seconds=step_seconds, shard_shapes=shapes, trace=list(trace),
+                      device=device, device_peaks=dict(meter.peaks) if meter else {},
+                      device_reserved=meter.reserved() if meter else 0, losses=losses)
+
+
+def simulation_device(device: str | None) -> torch.device:
+    """The torch device of a simulated rank: the CPU for fake tensors, else `device` (one of
+    DEVICES; "cuda" is the current CUDA device: every simulated rank shares one GPU)."""
+    if device is not None and device not in DEVICES:
+        raise SimulationError(f"--device {device}: choose one of {', '.join(DEVICES)}")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise SimulationError("--device cuda: no CUDA device is available here; use "
+                                  "--device cpu, or no --device for fake tensors")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels, so that a time is of the work, not of queuing."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class _PhaseWatch:
@@ -226,8 +336,9 @@ class _PhaseWatch:
     (the output's gradient) and the optimizer's step (a method without a torch optimizer
     updates within its backward)."""
 
-    def __init__(self, counter: LiveBytes, pmodel: Any, optimizer: Any) -> None:
-        self.counter, self.pmodel, self.optimizer = counter, pmodel, optimizer
+    def __init__(self, counter: LiveBytes, meter: DeviceMemory | None, pmodel: Any,
+                 optimizer: Any) -> None:
+        self.counter, self.meter, self.pmodel, self.optimizer = counter, meter, pmodel, optimizer
         self.handles: list[Any] = []
 
     def __enter__(self) -> None:
@@ -241,18 +352,23 @@ class _PhaseWatch:
         for handle in self.handles:
             handle.remove()
 
+    def _enter(self, phase: str) -> None:
+        self.counter.phase = phase
+        if self.meter is not None:
+            self.meter.enter(phase)
+
     def _forward(self, module: Any, args: Any) -> None:
-        self.counter.phase = "forward"
+        self._enter("forward")
 
     def _forward_done(self, module: Any, args: Any, output: Any) -> None:
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(self._backward)
 
     def _backward(self, grad: torch.Tensor) -> None:
-        self.counter.phase = "backward"
+        self._enter("backward")
 
     def _optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.counter.phase = "optimizer"
+        self._enter("optimizer")
 
 
 def group_members(shape: GridShape, a: int, b: int, group: str) -> bool:
@@ -294,42 +410,54 @@ def _call(c: CollectiveCall) -> str:
 def planner_figures(cfg: Config, shape: GridShape, machine: Machine
                     ) -> tuple[MemoryBreakdown, dict[str, int]]:
     """The planner's peak memory per rank and bytes per step per axis for cfg on `shape`."""
+    from fourfold.plan.memory import predicted_memory
+
+    memory = predicted_memory(cfg, shape, machine.device.shared_host)
+    return memory, dict(planned_step(cfg, shape, machine).comm_bytes)
+
+
+def planned_step(cfg: Config, shape: GridShape, machine: Machine) -> StepPrediction:
+    """The planner's prediction of one step of cfg on `shape` (its time and bytes)."""
     from fourfold.methods import method_spec
     from fourfold.parallel.embedding import resolve_output_loss
     from fourfold.plan.memory import Precision
     from fourfold.plan.perf import Overlap, predict_step
-    from fourfold.plan.memory import predicted_memory
 
     t, p = cfg.train, cfg.parallel
-    memory = predicted_memory(cfg, shape, machine.device.shared_host)
     overlap = Overlap(overlap_input_grad=p.overlap_input_grad,
                       overlap_weight_grad=p.overlap_weight_grad,
                       prefetch_weights=p.prefetch_weights,
                       overlap_data_grad=p.overlap_data_grad,
                       overlap_forward=p.overlap_forward)
-    step = predict_step(cfg.model, shape, t.batch_size, t.seq_len, t.grad_accum,
+    return predict_step(cfg.model, shape, t.batch_size, t.seq_len, t.grad_accum,
                         t.activation_checkpointing, machine,
                         Precision.of(t.dtype, p.reduce_dtype), overlap,
                         resolve_output_loss(p.output_loss,
                                             method_spec(t.optimizer).blocked_loss), train=t)
-    return memory, dict(step.comm_bytes)
 
 
 def simulate(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
-             steps: int = 2, progress: Callable[[str], None] | None = None
-             ) -> list[RankReport]:
-    """Simulate each of `ranks` of a job of cfg on `shape`, with the planner's figures."""
+             steps: int = 2, progress: Callable[[str], None] | None = None,
+             device: str | None = None) -> list[RankReport]:
+    """Simulate each of `ranks` of a job of cfg on `shape`, with the planner's figures
+    (`device`: real shards and kernels on it, as `simulate_rank`)."""
     for rank in ranks:
         if not 0 <= rank < shape.size:
             raise SimulationError(f"--ranks {rank}: the grid {shape} has ranks 0 to "
                                   f"{shape.size - 1}")
-    memory, planned = planner_figures(simulation_config(cfg, shape), shape, machine)
+    simulation_device(device)  # a wrong or absent device: one error before any rank
+    planned = simulation_config(cfg, shape)
+    memory, comm_bytes = planner_figures(planned, shape, machine)
+    compute_s = planned_step(planned, shape, machine).compute_s
     reports = []
     for i, rank in enumerate(ranks):
         if progress:
-            progress(f"simulating rank {rank} ({i + 1} of {len(ranks)}) of grid {shape}")
-        report = simulate_rank(cfg, shape, rank, machine.device.shared_host, steps, progress)
-        report.planned_memory, report.planned_bytes = memory, planned
+            progress(f"simulating rank {rank} ({i + 1} of {len(ranks)}) of grid {shape}"
+                     + (f" with real tensors on {device}" if device else ""))
+        report = simulate_rank(cfg, shape, rank, machine.device.shared_host, steps, progress,
+                               device)
+        report.planned_memory, report.planned_bytes = memory, comm_bytes
+        report.planned_compute_s = compute_s
         reports.append(report)
     return reports
 
@@ -345,6 +473,8 @@ def format_report(reports: list[RankReport], shape: GridShape, machine: Machine)
                      + ", ".join(f"{s:.1f}" for s in r.step_seconds) + " s")
         lines.append("  peak live tensors by phase: " + ", ".join(
             f"{p} {_amount(r.peaks[p])}" for p in PHASES))
+        if r.device is not None:
+            lines += _device_lines(r, machine)
         if mem is not None:
             tensors = planner_tensor_bytes(mem)
             lines.append(f"  planner: {_amount(mem.total)} in all, {_amount(tensors)} of "
@@ -361,6 +491,21 @@ def format_report(reports: list[RankReport], shape: GridShape, machine: Machine)
                  if ".layers." not in f".{n}" or ".layers.0." in f".{n}"]
         lines.append("  shards: " + ", ".join(f"{n} {list(s)}" for n, s in shown))
     return "\n".join(lines)
+
+
+def _device_lines(r: RankReport, machine: Machine) -> list[str]:
+    """What a rank with real tensors measured: its real peaks, losses and compute times."""
+    what = ("allocated on cuda (torch.cuda.max_memory_allocated)" if r.device == "cuda"
+            else "resident growth on cpu (VmHWM)")
+    lines = [f"  real peak {what} by phase: " + ", ".join(
+        f"{p} {_amount(r.device_peaks.get(p, 0))}" for p in PHASES)
+        + (f"; reserved {_amount(r.device_reserved)}" if r.device == "cuda" else "")]
+    lines.append("  loss per step: " + ", ".join(f"{loss:.4f}" for loss in r.losses)
+                 + "; compute per step: " + ", ".join(f"{s:.3f}" for s in r.step_seconds)
+                 + f" s on {r.device} (collectives fake: no communication time)"
+                 + ("" if r.planned_compute_s is None else
+                    f"; planner {r.planned_compute_s:.3f} s on {machine.device.name}"))
+    return lines
 
 
 def _amount(nbytes: int) -> str:
@@ -387,7 +532,8 @@ def check_reports(reports: list[RankReport], shape: GridShape, machine: Machine)
 
 
 def simulate_main(config: str | None, world: int, grid: str | None, ranks: str | None,
-                  machine_name: str | None, overrides: list[str]) -> int:
+                  machine_name: str | None, overrides: list[str],
+                  device: str | None = None) -> int:
     """`fourfold simulate`: print the table, 0, or raise SimulationError."""
     from fourfold.config import ConfigError, load_config
     from fourfold.plan.machine_file import load_machine
@@ -407,8 +553,20 @@ def simulate_main(config: str | None, world: int, grid: str | None, ranks: str |
         p = cfg.parallel
         shape = GridShape.resolve(p.x, p.y, p.z, p.data, world)
     chosen = _ints(ranks, "--ranks") if ranks else default_ranks(shape)
-    reports = simulate(cfg, shape, chosen, machine,
-                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+    return _simulate_and_print(cfg, shape, chosen, machine, device)
+
+
+def simulate_planned(cfg: Config, shape: GridShape, machine: Machine) -> int:
+    """`fourfold plan --simulate`: the planner's top row (cfg, its grid) simulated on its
+    default ranks; the table printed, 0, or SimulationError."""
+    return _simulate_and_print(cfg, shape, default_ranks(shape), machine, None)
+
+
+def _simulate_and_print(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
+                        device: str | None) -> int:
+    reports = simulate(cfg, shape, ranks, machine,
+                       progress=lambda line: print(line, file=sys.stderr, flush=True),
+                       device=device)
     print(format_report(reports, shape, machine))
     check_reports(reports, shape, machine)
     return 0
@@ -435,6 +593,7 @@ def _ints(text: str, option: str) -> list[int]:
         raise ConfigError(f"{option} {text}: give integers separated by commas") from None
 
 
-__all__ = ["LiveBytes", "RankReport", "SimulationError", "check_reports", "default_ranks",
+__all__ = ["DEVICES", "PHASES", "DeviceMemory", "LiveBytes", "RankReport", "SimulationError", "check_reports", "default_ranks",
            "first_trace_difference", "format_report", "planner_figures", "simulate",
-           "simulate_main", "simulate_rank"]
+           "planned_step", "simulate_main", "simulate_planned", "simulate_rank",
+           "simulation_device"]
