@@ -15,7 +15,7 @@ from fourfold.config import Config, model_config
 from fourfold.parallel.comm import CollectiveError, Comm
 from fourfold.parallel.grid import AXES, Grid, GridShape
 from fourfold.plan.machine_file import load_machine
-from fourfold.simulate import (PHASES, RankReport, check_reports, default_ranks,
+from fourfold.simulate import (FIT_PHASES, PHASES, RankReport, check_reports, default_ranks,
                                first_trace_difference, format_report, planner_tensor_bytes,
                                simulate, SimulationError)
 
@@ -151,12 +151,34 @@ def test_a_rank_with_real_tensors_on_cpu_runs_the_code_the_fake_one_does() -> No
     assert real.step_bytes == fake.step_bytes
     assert [(c.op, c.axis, c.dtype, c.shape) for c in real.trace] == \
         [(c.op, c.axis, c.dtype, c.shape) for c in fake.trace]
-    for phase in PHASES:
+    for phase in PHASES + FIT_PHASES:
         assert abs(real.peaks[phase] / fake.peaks[phase] - 1) < 0.01, (phase, real.peaks,
                                                                        fake.peaks)
     assert real.device_peaks["forward"] > 0 and real.planned_compute_s is not None
     text = format_report([real], shape, machine)
     assert "real peak resident growth on cpu" in text and "loss per step" in text
+
+
+@pytest.mark.slow
+def test_the_end_of_a_run_is_simulated_through_the_trainer() -> None:
+    """After the steps: a validation, a checkpoint's staging and the streamed export run
+    through the trainer's own code; on a GPU machine the snapshot is a copy (checkpoint.async
+    "auto"), which the checkpoint phase's peak shows, and rank 0 assembles full tensors."""
+    shape = GridShape(data=2, z=2, y=1, x=2)
+    machine = load_machine("dgx-h100")
+    first, other = simulate(_debug_config(), shape, [0, 5], machine)
+    for r in (first, other):
+        assert all(r.peaks[p] > 0 for p in FIT_PHASES), r.peaks
+        assert r.staged_bytes > 0
+    # rank 5 sends its shards and holds nothing more: its export is the state at rest, and the
+    # snapshot's copies come on top of that state
+    grown = other.peaks["checkpoint"] - other.peaks["export"]
+    assert abs(grown / other.staged_bytes - 1) < 0.05, (grown, other.staged_bytes)
+    assert other.export_largest == 0 and first.export_largest > 0
+    assert first.peaks["export"] > other.peaks["export"]  # rank 0 assembles each full tensor
+    text = format_report([first], shape, machine)
+    assert "then, as fit() ends a run (no file written): validation" in text
+    assert "the export's largest full tensor" in text
 
 
 def test_device_cuda_without_a_gpu_is_one_line(tmp_path, capsys, monkeypatch) -> None:

@@ -16,9 +16,11 @@ measures, per rank:
   the ranks of one group must issue the same sequence, or a real job hangs
   (`first_trace_difference`).
 
-The fake group and tensors answer no question about values: a host read of a tensor (`.item()`,
-`bool(t)`) raises, so the parts of a run that read values on the host (logging, validation,
-checkpoints, the export) are not run.
+After the steps, the end of a run as `Trainer.fit` has it, through the trainer's own code: a
+validation, a checkpoint's staging and the final export's stream, each a phase of its own, with
+no file written (fake tensors have no bytes to write). The fake group and tensors answer no
+question about values: a host read of a fake tensor (`.item()`, `bool(t)`) raises in a step,
+and in those last phases is answered "no value" (NaN, 0, False).
 
 With a device (`device="cpu"` or `"cuda"`) the rank's shards are real tensors on it and every
 kernel runs; only the collectives stay on the fake group (whose gathers copy the local shard
@@ -32,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 import sys
 import time
 import weakref
@@ -55,7 +58,10 @@ from fourfold.plan.catalog import Machine
 from fourfold.plan.memory import MemoryBreakdown
 from fourfold.plan.perf import StepPrediction
 
-PHASES = ("build", "forward", "backward", "optimizer")
+PHASES = ("build", "forward", "backward", "optimizer")  # of the training steps
+# the rest of a run (Trainer.fit), after the steps: a validation, a checkpoint's staging, the
+# final export's stream (their file writes skipped: fake tensors have no bytes to write)
+FIT_PHASES = ("validation", "checkpoint", "export")
 
 
 class SimulationError(FourfoldError, RuntimeError):
@@ -65,17 +71,31 @@ class SimulationError(FourfoldError, RuntimeError):
 
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of the storages alive, and their peak per phase: every tensor an
-    operator returns is looked at, its storage counted once from then until it is freed."""
+    operator returns is looked at, its storage counted once from then until it is freed.
+    With `answer_reads`, a host read of a fake tensor gets "no value" (NaN, 0, False)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
         self.phase = "build"
-        self.peaks: dict[str, int] = {p: 0 for p in PHASES}
+        self.peaks: dict[str, int] = {p: 0 for p in PHASES + FIT_PHASES}
         self._seen: dict[int, int] = {}  # storage id -> bytes
+        # answer host reads of fake tensors (where the code only reports what it reads);
+        # otherwise they raise, as a host read inside a training step should
+        self.answer_reads = False
+
+    def enter(self, phase: str) -> None:
+        """Start `phase`: its peak is at least what is alive as it begins."""
+        self.phase = phase
+        self.peaks[phase] = max(self.peaks[phase], self.live)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
+        if self.answer_reads and func is torch.ops.aten._local_scalar_dense.default \
+                and _is_fake(args[0]):
+            # a host read of a fake tensor (`.item()`, `float(t)`, `.tolist()`): there is no
+            # value; NaN (a float), 0 or False says so to the code that reads it
+            return _no_value(args[0].dtype)
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             # a meta tensor (the model declared before its shards are built) holds nothing
@@ -110,7 +130,7 @@ class DeviceMemory:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.peaks: dict[str, int] = {p: 0 for p in PHASES}
+        self.peaks: dict[str, int] = {p: 0 for p in PHASES + FIT_PHASES}
         self.phase = "build"
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -139,6 +159,18 @@ class DeviceMemory:
     def reserved(self) -> int:
         """The CUDA allocator's peak of reserved bytes (0 on the CPU)."""
         return torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
+
+
+def _is_fake(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _no_value(dtype: torch.dtype) -> float | int | bool:
+    if dtype == torch.bool:
+        return False
+    return math.nan if dtype.is_floating_point or dtype.is_complex else 0
 
 
 def _proc_status_bytes(field_name: str) -> int:
@@ -180,6 +212,8 @@ class RankReport:
     planned_memory: MemoryBreakdown | None = None
     planned_bytes: dict[str, int] = field(default_factory=dict)
     planned_compute_s: float | None = None  # the planner's compute time of one step
+    staged_bytes: int = 0  # the tensors a checkpoint's snapshot holds (copies under async)
+    export_largest: int = 0  # the largest full tensor the export assembles (on rank 0)
     device: str | None = None  # where the shards were real ("cpu", "cuda"); None: fake tensors
     device_peaks: dict[str, int] = field(default_factory=dict)  # phase -> real peak bytes
     device_reserved: int = 0  # the CUDA allocator's peak of reserved bytes
@@ -187,7 +221,8 @@ class RankReport:
 
     @property
     def peak(self) -> int:
-        return max(self.peaks.values())
+        """The peak of the training steps (build, forward, backward, optimizer)."""
+        return max(self.peaks[p] for p in PHASES)
 
 
 class SimulatedBatches:
@@ -199,6 +234,9 @@ class SimulatedBatches:
     def next_batch(self) -> Batch:
         tokens = torch.randint(0, self.vocab_size, (self.rows, self.seq_len + 1))
         return Batch(tokens[:, :-1], tokens[:, 1:])
+
+    def eval_batches(self, n: int) -> list[Batch]:
+        return [self.next_batch() for _ in range(n)]
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -250,6 +288,9 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
 
     say = progress or (lambda line: None)
     cfg = simulation_config(cfg, shape)
+    # checkpoints staged as the machine's ranks stage them (on a GPU: copies in host memory)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint,
+                                         async_save=cfg.checkpoint.is_async(on_host))
     t = cfg.train
     where = simulation_device(device)
     tensors = (contextlib.nullcontext() if device is not None
@@ -292,8 +333,6 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
                         losses.append(stats.loss)
                     say(f"rank {rank}: step {step + 1} of {steps} in "
                         f"{step_seconds[-1]:.1f} s")
-            if meter is not None:
-                meter.close()
             step_bytes = pmodel.ledger.snapshot()
             # the ledger counts the last step (the trainer resets it as a step begins)
             step_calls = sum(pmodel.ledger.calls.values())
@@ -301,6 +340,9 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
             for call in trace[len(trace) - step_calls:]:
                 nbytes, calls = by_dtype[(call.axis, call.dtype)]
                 by_dtype[(call.axis, call.dtype)] = (nbytes + call.nbytes, calls + 1)
+            staged, largest = _fit_phases(trainer, counter, meter, say)
+            if meter is not None:
+                meter.close()
             shapes = {name: tuple(p.shape) for name, p in pmodel.named_parameters()}
     finally:
         dist.destroy_process_group()
@@ -309,7 +351,47 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
                       group_seconds=group_seconds, build_seconds=build_seconds,
                       step_seconds=step_seconds, shard_shapes=shapes, trace=list(trace),
                       device=device, device_peaks=dict(meter.peaks) if meter else {},
-                      device_reserved=meter.reserved() if meter else 0, losses=losses)
+                      device_reserved=meter.reserved() if meter else 0, losses=losses,
+                      staged_bytes=staged, export_largest=largest if rank == 0 else 0)
+
+
+def _fit_phases(trainer: Any, counter: LiveBytes, meter: DeviceMemory | None,
+                say: Callable[[str], None]) -> tuple[int, int]:
+    """The rest of a run after its steps, through the trainer's own code: a validation
+    (`evaluate`), a checkpoint's staging (the manager's `stage`, every registered part; the
+    write skipped) and the final export's stream (`save_weights_streamed` with no file: rank
+    0 assembles each full tensor in turn; an adapter run's export is not simulated). Their
+    host reads of fake tensors (the validation loss, the loss guard's history) are answered
+    "no value". Returns the staged bytes and the largest full tensor's bytes."""
+    from fourfold.train.runs import save_weights_streamed
+
+    cfg = trainer.cfg
+    counter.answer_reads = True  # the validation loss, the loss guard's history
+    try:
+        if cfg.train.eval_batches > 0:
+            _enter_phase(counter, meter, "validation")
+            trainer.evaluate()
+        _enter_phase(counter, meter, "checkpoint")
+        snapshot = trainer.checkpoints.stage()
+        storages = {id(t.untyped_storage()): t.untyped_storage().nbytes()
+                    for t in snapshot.values() if isinstance(t, torch.Tensor)}
+        staged = sum(storages.values())
+        del snapshot
+        if cfg.adapter.kind == "none":
+            _enter_phase(counter, meter, "export")
+            save_weights_streamed(trainer.pmodel, None, cfg.model.tie_embeddings)
+    finally:
+        counter.answer_reads = False
+    largest = max((math.prod(spec.shape) * spec.dtype.itemsize
+                   for spec in trainer.pmodel.full_tensor_specs()), default=0)
+    say(f"rank {trainer.grid.rank}: validation, checkpoint staging and export done")
+    return staged, largest
+
+
+def _enter_phase(counter: LiveBytes, meter: DeviceMemory | None, phase: str) -> None:
+    counter.enter(phase)
+    if meter is not None:
+        meter.enter(phase)
 
 
 def simulation_device(device: str | None) -> torch.device:
@@ -352,23 +434,18 @@ class _PhaseWatch:
         for handle in self.handles:
             handle.remove()
 
-    def _enter(self, phase: str) -> None:
-        self.counter.phase = phase
-        if self.meter is not None:
-            self.meter.enter(phase)
-
     def _forward(self, module: Any, args: Any) -> None:
-        self._enter("forward")
+        _enter_phase(self.counter, self.meter, "forward")
 
     def _forward_done(self, module: Any, args: Any, output: Any) -> None:
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(self._backward)
 
     def _backward(self, grad: torch.Tensor) -> None:
-        self._enter("backward")
+        _enter_phase(self.counter, self.meter, "backward")
 
     def _optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._enter("optimizer")
+        _enter_phase(self.counter, self.meter, "optimizer")
 
 
 def group_members(shape: GridShape, a: int, b: int, group: str) -> bool:
@@ -473,6 +550,11 @@ def format_report(reports: list[RankReport], shape: GridShape, machine: Machine)
                      + ", ".join(f"{s:.1f}" for s in r.step_seconds) + " s")
         lines.append("  peak live tensors by phase: " + ", ".join(
             f"{p} {_amount(r.peaks[p])}" for p in PHASES))
+        lines.append("  then, as fit() ends a run (no file written): " + ", ".join(
+            f"{p} {_amount(r.peaks[p]) if r.peaks.get(p) else 'not run'}" for p in FIT_PHASES)
+            + f"; the checkpoint's snapshot holds {_amount(r.staged_bytes)}"
+            + (f", the export's largest full tensor {_amount(r.export_largest)}"
+               if r.export_largest else ""))
         if r.device is not None:
             lines += _device_lines(r, machine)
         if mem is not None:
@@ -498,7 +580,7 @@ def _device_lines(r: RankReport, machine: Machine) -> list[str]:
     what = ("allocated on cuda (torch.cuda.max_memory_allocated)" if r.device == "cuda"
             else "resident growth on cpu (VmHWM)")
     lines = [f"  real peak {what} by phase: " + ", ".join(
-        f"{p} {_amount(r.device_peaks.get(p, 0))}" for p in PHASES)
+        f"{p} {_amount(r.device_peaks.get(p, 0))}" for p in PHASES + FIT_PHASES)
         + (f"; reserved {_amount(r.device_reserved)}" if r.device == "cuda" else "")]
     lines.append("  loss per step: " + ", ".join(f"{loss:.4f}" for loss in r.losses)
                  + "; compute per step: " + ", ".join(f"{s:.3f}" for s in r.step_seconds)
@@ -593,7 +675,7 @@ def _ints(text: str, option: str) -> list[int]:
         raise ConfigError(f"{option} {text}: give integers separated by commas") from None
 
 
-__all__ = ["DEVICES", "PHASES", "DeviceMemory", "LiveBytes", "RankReport", "SimulationError", "check_reports", "default_ranks",
-           "first_trace_difference", "format_report", "planner_figures", "simulate",
-           "planned_step", "simulate_main", "simulate_planned", "simulate_rank",
-           "simulation_device"]
+__all__ = ["DEVICES", "FIT_PHASES", "PHASES", "DeviceMemory", "LiveBytes", "RankReport",
+           "SimulationError", "check_reports", "default_ranks", "first_trace_difference",
+           "format_report", "planned_step", "planner_figures", "simulate", "simulate_main",
+           "simulate_planned", "simulate_rank", "simulation_device"]
