@@ -246,12 +246,14 @@ class SimulatedBatches:
 
 
 def simulation_config(cfg: Config, shape: GridShape) -> Config:
-    """cfg for a simulated rank of `shape`: nothing that reads values on the host (checkpoints,
-    resume, the memory report, GEMM tuning, compilation)."""
+    """cfg for a simulated rank of `shape`: nothing that reads values on the host (checkpoints
+    during the steps, resume, the memory report, GEMM tuning, compilation), and a validation of
+    one batch (each batch's forward peaks alike; the batches it caches are token ids)."""
     cfg = copy.deepcopy(cfg)
     cfg.parallel = dataclasses.replace(cfg.parallel, x=shape.x, y=shape.y, z=shape.z,
                                        data=shape.data, auto=False, gemm_tuning=False)
-    cfg.train = dataclasses.replace(cfg.train, memory_report=False, compile=False)
+    cfg.train = dataclasses.replace(cfg.train, memory_report=False, compile=False,
+                                    eval_batches=min(cfg.train.eval_batches, 1))
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, resume=False, every=0)
     validate(cfg)
     return cfg
