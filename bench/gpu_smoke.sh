@@ -3,7 +3,8 @@
 # is, and through the whole engine as a one-rank grid: parallel.engine = "always"), and on all
 # visible GPUs with a grid when there are several; print tokens/s, MFU and peak memory per
 # GPU. Before them, the one-rank engine check (engine_check below) and one rank of a 70b job on
-# 1,024 GPUs run for real on this GPU with fake collectives (simulate_check below). Exits 2 with
+# 1,024 GPUs run for real on this GPU with fake collectives (simulate_check below, a minute or
+# two). Exits 2 with
 # one line when no CUDA GPU is visible, 1 when a run or a check fails.
 #
 #   bash bench/gpu_smoke.sh                 # everything (about 2-4 minutes on one H100/H200)
@@ -238,18 +239,20 @@ sys.exit(1 if problems else 0)
 PYEOF
 }
 
-# One rank of a large job on this one GPU (`fourfold simulate --device cuda`): rank 0 and the
-# last rank of 70b on 1,024 GPUs (the planner's grid on dgx-h100, bfloat16, sequence 8192,
-# activation checkpointing), each built with its real shards and run for two steps with real
-# kernels while the collectives stay on torch's fake process group. Prints the simulate table:
-# the real peak (torch.cuda.max_memory_allocated) and compute time per step beside the
-# planner's. SIMULATE="MODEL:WORLD:BATCH" picks another case; SIMULATE="" skips it.
+# One rank of a large job on this one GPU (`fourfold simulate --device cuda`): the last rank of
+# 70b on 1,024 GPUs (the planner's grid on dgx-h100, bfloat16, sequence 8192, activation
+# checkpointing), built with its real shards and run for two steps, a validation, a checkpoint's
+# staging and the export with real kernels while the collectives stay on torch's fake process
+# group. Prints the simulate table: the real peak (torch.cuda.max_memory_allocated) and compute
+# time per step beside the planner's. Not rank 0: its export assembles every full tensor of the
+# model in host memory, minutes for 70b. SIMULATE="MODEL:WORLD:BATCH" picks another case;
+# SIMULATE="" skips it.
 SIMULATE=${SIMULATE-70b:1024:128}
 simulate_check() {
     [ -n "$SIMULATE" ] || return 0
     local model world batch
     IFS=: read -r model world batch <<<"$SIMULATE"
-    local args=(-m fourfold simulate --world "$world" --ranks "0,$((world - 1))" --device cuda
+    local args=(-m fourfold simulate --world "$world" --ranks "$((world - 1))" --device cuda
         --machine dgx-h100 --set model.preset="$model" --set train.dtype=bfloat16
         --set train.seq_len=8192 --set train.batch_size="$batch"
         --set train.activation_checkpointing=true --set parallel.auto=true)

@@ -332,10 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
         "simulate", help="run the build and two steps of chosen ranks of an N-rank job in one "
                          "process, with fake collectives and tensors, beside the planner",
         description="Build chosen ranks of an N-rank job and run two training steps each, "
-                    "under torch's fake process group and fake tensors (no memory, no GPU); "
-                    "print their peak tensor memory by phase and bytes per axis beside the "
-                    "planner's, and fail when a rank does not fit or the ranks of a group "
-                    "would issue different collectives.")
+                    "then a validation, a checkpoint's staging and the final export (no file "
+                    "written), under torch's fake process group and fake tensors (no memory, "
+                    "no GPU; --device: real tensors and kernels); print their peak tensor "
+                    "memory by phase and bytes per axis beside the planner's, and fail when a "
+                    "rank does not fit or the ranks of a group would issue different "
+                    "collectives.")
     simulate.add_argument("config", nargs="?", metavar="CONFIG.toml",
                           help="a config file (defaults apply without one)")
     simulate.add_argument("--world", type=int, required=True, metavar="N",

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import math
 import sys
 import time
@@ -132,12 +133,15 @@ class DeviceMemory:
         self.device = device
         self.peaks: dict[str, int] = {p: 0 for p in PHASES + FIT_PHASES}
         self.phase = "build"
+        # an earlier simulated rank's tensors, some held in reference cycles, freed first
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             self.baseline = 0
+            self.start = torch.cuda.memory_allocated(device)  # a leak would show here
         else:
-            self.baseline = _proc_status_bytes("VmRSS")
+            self.baseline = self.start = _proc_status_bytes("VmRSS")
             self.resettable = _reset_resident_peak()
 
     def enter(self, phase: str) -> None:
@@ -217,6 +221,7 @@ class RankReport:
     device: str | None = None  # where the shards were real ("cpu", "cuda"); None: fake tensors
     device_peaks: dict[str, int] = field(default_factory=dict)  # phase -> real peak bytes
     device_reserved: int = 0  # the CUDA allocator's peak of reserved bytes
+    device_start: int = 0  # allocated on cuda (resident on cpu) before the build
     losses: list[float] = field(default_factory=list)  # the steps' losses (real tensors only)
 
     @property
@@ -353,7 +358,8 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
                       group_seconds=group_seconds, build_seconds=build_seconds,
                       step_seconds=step_seconds, shard_shapes=shapes, trace=list(trace),
                       device=device, device_peaks=dict(meter.peaks) if meter else {},
-                      device_reserved=meter.reserved() if meter else 0, losses=losses,
+                      device_reserved=meter.reserved() if meter else 0,
+                      device_start=meter.start if meter else 0, losses=losses,
                       staged_bytes=staged, export_largest=largest if rank == 0 else 0)
 
 
@@ -583,7 +589,9 @@ def _device_lines(r: RankReport, machine: Machine) -> list[str]:
             else "resident growth on cpu (VmHWM)")
     lines = [f"  real peak {what} by phase: " + ", ".join(
         f"{p} {_amount(r.device_peaks.get(p, 0))}" for p in PHASES + FIT_PHASES)
-        + (f"; reserved {_amount(r.device_reserved)}" if r.device == "cuda" else "")]
+        + (f"; reserved {_amount(r.device_reserved)}" if r.device == "cuda" else "")
+        + f"; {_amount(r.device_start)} {'allocated' if r.device == 'cuda' else 'resident'} "
+          "before the build"]
     lines.append("  loss per step: " + ", ".join(f"{loss:.4f}" for loss in r.losses)
                  + "; compute per step: " + ", ".join(f"{s:.3f}" for s in r.step_seconds)
                  + f" s on {r.device} (collectives fake: no communication time)"
