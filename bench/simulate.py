@@ -69,7 +69,10 @@ def main() -> None:
         return
     header("Does the planner match the real code of a rank at scale?",
            "fake process group + FakeTensorMode; peak = live tensor bytes (planner: its total "
-           "less the host runtime); bytes = one step's ledger per axis")
+           "less the host runtime); bytes = one step's ledger per axis; val / ckpt / export = "
+           "the peaks after the steps (a validation, a checkpoint's staging, the streamed "
+           "export: no file written; on a GPU the snapshot and the full tensors are in host "
+           "memory)")
     table = Table("model", "ranks", "grid", "rank", "peak GiB", "planner GiB", "diff",
                   "bytes x / y / z / data (GB)", "= planner", "val / ckpt / export GiB",
                   "wall s", "resident GiB")
