@@ -2,8 +2,10 @@
 # GPU smoke test: train the 125m and 1b presets in bfloat16 for a few steps on one GPU (as it
 # is, and through the whole engine as a one-rank grid: parallel.engine = "always"), and on all
 # visible GPUs with a grid when there are several; print tokens/s, MFU and peak memory per
-# GPU. Before them, the one-rank engine check (engine_check below). Exits 2 with one line when
-# no CUDA GPU is visible, 1 when a run or a check fails.
+# GPU. Before them, the one-rank engine check (engine_check below) and one rank of a 70b job on
+# 1,024 GPUs run for real on this GPU with fake collectives (simulate_check below, a minute or
+# two). Exits 2 with
+# one line when no CUDA GPU is visible, 1 when a run or a check fails.
 #
 #   bash bench/gpu_smoke.sh                 # everything (about 2-4 minutes on one H100/H200)
 #   STEPS=10 PRESETS="125m" bash bench/gpu_smoke.sh
@@ -11,7 +13,8 @@
 #   bash bench/gpu_smoke.sh --table RUN_DIR...   # only the table, for finished run dirs
 #
 # Env: PYTHON (default .venv/bin/python, else python3), STEPS (6), PRESETS ("125m 1b"),
-# SEQ_LEN (1024), OUT (a fresh temporary directory), RUN_TIMEOUT (seconds per run, 600).
+# SEQ_LEN (1024), OUT (a fresh temporary directory), RUN_TIMEOUT (seconds per run, 600),
+# SIMULATE ("70b:1024:128"; empty: no simulate check).
 # tokens/s and MFU are the median over the steps after the first two (compilation of
 # kernels, cuBLAS and NCCL set-up); "alloc GiB" is rank 0's torch.cuda.max_memory_allocated,
 # "plan GiB" the planner's peak per rank for the run's config (plan/memory.py, as on a GPU),
@@ -236,6 +239,33 @@ sys.exit(1 if problems else 0)
 PYEOF
 }
 
+# One rank of a large job on this one GPU (`fourfold simulate --device cuda`): the last rank of
+# 70b on 1,024 GPUs (the planner's grid on dgx-h100, bfloat16, sequence 8192, activation
+# checkpointing), built with its real shards and run for two steps, a validation, a checkpoint's
+# staging and the export with real kernels while the collectives stay on torch's fake process
+# group. Prints the simulate table: the real peak (torch.cuda.max_memory_allocated) and compute
+# time per step beside the planner's. Not rank 0: its export assembles every full tensor of the
+# model in host memory, minutes for 70b. SIMULATE="MODEL:WORLD:BATCH" picks another case;
+# SIMULATE="" skips it.
+SIMULATE=${SIMULATE-70b:1024:128}
+simulate_check() {
+    [ -n "$SIMULATE" ] || return 0
+    local model world batch
+    IFS=: read -r model world batch <<<"$SIMULATE"
+    local args=(-m fourfold simulate --world "$world" --ranks "$((world - 1))" --device cuda
+        --machine dgx-h100 --set model.preset="$model" --set train.dtype=bfloat16
+        --set train.seq_len=8192 --set train.batch_size="$batch"
+        --set train.activation_checkpointing=true --set parallel.auto=true)
+    echo "== simulate-$model-$world: $PY ${args[*]}"
+    [ "$DRY" = 1 ] && return 0
+    if timeout "$RUN_TIMEOUT" "$PY" "${args[@]}" 2>"$OUT/simulate.log"; then
+        return 0
+    fi
+    echo "   FAILED (exit $?); last lines of $OUT/simulate.log:"
+    tail -n 5 "$OUT/simulate.log" | sed 's/^/   /'
+    return 1
+}
+
 RUNS=()
 FAILED=()
 run() {  # run NAME NPROC BATCH PRESET [--set ...]
@@ -266,6 +296,7 @@ run() {  # run NAME NPROC BATCH PRESET [--set ...]
 
 if [ "$DRY" = 0 ] && ! sync_check; then FAILED+=("sync-check"); fi
 if [ "$DRY" = 0 ] && ! engine_check; then FAILED+=("engine-check"); fi
+if ! simulate_check; then FAILED+=("simulate"); fi
 
 for preset in $PRESETS; do
     case $preset in 1b) per_gpu=4 ;; *) per_gpu=8 ;; esac

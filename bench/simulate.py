@@ -3,7 +3,8 @@
 one sequence per batch shard, the planner's grid on dgx-h100), each in a fresh process under
 torch's fake process group and fake tensors (fourfold.simulate): the simulated peak of live
 tensors against the planner's tensor terms, the bytes per axis against the planner's, the
-wall time and the process's resident peak.
+peaks of the end of a run (a validation, a checkpoint's staging, the streamed export; no file
+written), the wall time and the process's resident peak.
 
     python bench/simulate.py [--cases 70b:1024:128,405b:16384:1024] [--machine dgx-h100]
         [--ranks 0,-1]
@@ -31,7 +32,7 @@ def one(model: str, world: int, batch: int, machine_name: str, rank: int) -> dic
     from fourfold.config import Config, model_config
     from fourfold.plan import choose_grid
     from fourfold.plan.machine_file import load_machine
-    from fourfold.simulate import planner_tensor_bytes, simulate
+    from fourfold.simulate import FIT_PHASES, planner_tensor_bytes, simulate
 
     import dataclasses
 
@@ -47,6 +48,7 @@ def one(model: str, world: int, batch: int, machine_name: str, rank: int) -> dic
     (report,) = simulate(cfg, shape, [rank], machine)
     assert report.planned_memory is not None
     return {"grid": str(shape), "rank": rank, "peak": report.peak,
+            "end": [report.peaks[p] for p in FIT_PHASES],
             "planned": planner_tensor_bytes(report.planned_memory),
             "bytes": report.step_bytes, "planned_bytes": report.planned_bytes,
             "seconds": time.perf_counter() - start,
@@ -67,9 +69,13 @@ def main() -> None:
         return
     header("Does the planner match the real code of a rank at scale?",
            "fake process group + FakeTensorMode; peak = live tensor bytes (planner: its total "
-           "less the host runtime); bytes = one step's ledger per axis")
+           "less the host runtime); bytes = one step's ledger per axis; val / ckpt / export = "
+           "the peaks after the steps (a validation, a checkpoint's staging, the streamed "
+           "export: no file written; on a GPU the snapshot and the full tensors are in host "
+           "memory)")
     table = Table("model", "ranks", "grid", "rank", "peak GiB", "planner GiB", "diff",
-                  "bytes x / y / z / data (GB)", "= planner", "wall s", "resident GiB")
+                  "bytes x / y / z / data (GB)", "= planner", "val / ckpt / export GiB",
+                  "wall s", "resident GiB")
     for case in args.cases.split(","):
         model, world, batch = case.split(":")
         for rank in (int(r) for r in args.ranks.split(",")):
@@ -78,7 +84,7 @@ def main() -> None:
                                  capture_output=True, text=True)
             if out.returncode:
                 table.row(model, world, "-", rank, "failed", "-", "-",
-                          out.stderr.strip().splitlines()[-1][:80], "-", "-", "-")
+                          out.stderr.strip().splitlines()[-1][:80], "-", "-", "-", "-")
                 continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
             gib = 2**30
@@ -86,7 +92,8 @@ def main() -> None:
                       f"{r['planned'] / gib:.2f}", f"{(r['peak'] / r['planned'] - 1) * 100:+.1f}%",
                       " / ".join(f"{r['bytes'][a] / 1e9:.2f}" for a in AXES),
                       "yes" if all(r["bytes"][a] == r["planned_bytes"][a] for a in AXES)
-                      else "NO", f"{r['seconds']:.0f}", f"{r['rss_kib'] / 2**20:.2f}")
+                      else "NO", " / ".join(f"{b / gib:.2f}" for b in r["end"]),
+                      f"{r['seconds']:.0f}", f"{r['rss_kib'] / 2**20:.2f}")
 
 
 def argparse_hidden() -> str:

@@ -5,6 +5,7 @@ fake tensors, checked against the planner (bytes exact, memory close) and agains
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -14,8 +15,9 @@ from fourfold.config import Config, model_config
 from fourfold.parallel.comm import CollectiveError, Comm
 from fourfold.parallel.grid import AXES, Grid, GridShape
 from fourfold.plan.machine_file import load_machine
-from fourfold.simulate import (RankReport, check_reports, default_ranks, first_trace_difference,
-                               planner_tensor_bytes, simulate, SimulationError)
+from fourfold.simulate import (FIT_PHASES, PHASES, RankReport, check_reports, default_ranks,
+                               first_trace_difference, format_report, planner_tensor_bytes,
+                               simulate, SimulationError)
 
 SHAPE = GridShape(data=2, z=4, y=2, x=4)  # 64 ranks
 
@@ -125,5 +127,100 @@ def test_simulate_command_mistakes_are_one_line(tmp_path, capsys, args: list[str
     config = tmp_path / "c.toml"
     config.write_text('[model]\npreset = "debug"\n[parallel]\nmachine = "dgx-h100"\n')
     code = main(["simulate", str(config), "--world", "16", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and err[-1].startswith("error: ") and message in err[-1], err
+
+
+def _debug_config() -> Config:
+    cfg = Config()
+    cfg.model = model_config("debug")
+    cfg.train = dataclasses.replace(cfg.train, batch_size=8, seq_len=64)
+    return cfg
+
+
+@pytest.mark.slow
+def test_a_rank_with_real_tensors_on_cpu_runs_the_code_the_fake_one_does() -> None:
+    shape = GridShape(data=2, z=2, y=1, x=2)  # rank 5: data 1, z 0, x 1
+    machine = load_machine("dgx-h100")
+    (fake,) = simulate(_debug_config(), shape, [5], machine)
+    (real,) = simulate(_debug_config(), shape, [5], machine, device="cpu")
+    assert fake.device is None and not fake.losses and not fake.device_peaks
+    assert real.device == "cpu" and len(real.losses) == 2
+    assert all(math.isfinite(loss) and loss > 0 for loss in real.losses), real.losses
+    # the same code: the same collectives, and the same tensors alive at each phase's peak
+    assert real.step_bytes == fake.step_bytes
+    assert [(c.op, c.axis, c.dtype, c.shape) for c in real.trace] == \
+        [(c.op, c.axis, c.dtype, c.shape) for c in fake.trace]
+    for phase in PHASES + FIT_PHASES:
+        assert abs(real.peaks[phase] / fake.peaks[phase] - 1) < 0.01, (phase, real.peaks,
+                                                                       fake.peaks)
+    assert real.device_peaks["forward"] > 0 and real.planned_compute_s is not None
+    text = format_report([real], shape, machine)
+    assert "real peak resident growth on cpu" in text and "loss per step" in text
+
+
+@pytest.mark.slow
+def test_the_end_of_a_run_is_simulated_through_the_trainer() -> None:
+    """After the steps: a validation, a checkpoint's staging and the streamed export run
+    through the trainer's own code; on a GPU machine the snapshot is a copy (checkpoint.async
+    "auto"), which the checkpoint phase's peak shows, and rank 0 assembles full tensors."""
+    shape = GridShape(data=2, z=2, y=1, x=2)
+    machine = load_machine("dgx-h100")
+    first, other = simulate(_debug_config(), shape, [0, 5], machine)
+    for r in (first, other):
+        assert all(r.peaks[p] > 0 for p in FIT_PHASES), r.peaks
+        assert r.staged_bytes > 0
+    # rank 5 sends its shards and holds nothing more: its export is the state at rest, and the
+    # snapshot's copies come on top of that state
+    grown = other.peaks["checkpoint"] - other.peaks["export"]
+    assert abs(grown / other.staged_bytes - 1) < 0.05, (grown, other.staged_bytes)
+    assert other.export_largest == 0 and first.export_largest > 0
+    assert first.peaks["export"] > other.peaks["export"]  # rank 0 assembles each full tensor
+    text = format_report([first], shape, machine)
+    assert "then, as fit() ends a run (no file written): validation" in text
+    assert "the export's largest full tensor" in text
+
+
+def test_device_cuda_without_a_gpu_is_one_line(tmp_path, capsys, monkeypatch) -> None:
+    from fourfold.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = tmp_path / "c.toml"
+    config.write_text('[model]\npreset = "debug"\n')
+    code = main(["simulate", str(config), "--world", "4", "--grid", "1,1,2,2",
+                 "--device", "cuda"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and err[-1].startswith("error: --device cuda: no CUDA device"), err
+
+
+@pytest.mark.slow
+def test_plan_simulate_runs_the_top_row(tmp_path, capsys) -> None:
+    from fourfold.cli import main
+
+    config = tmp_path / "c.toml"
+    config.write_text('[model]\npreset = "debug"\n[train]\nbatch_size = 8\nseq_len = 64\n')
+    code = main(["plan", "--model", str(config), "--gpus", "4", "--machine", "dgx-h100",
+                 "--top", "1", "--simulate"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    top = out.splitlines()[out.splitlines().index(next(
+        line for line in out.splitlines() if line.lstrip().startswith("1 ")))]
+    d, z, y, x = (int(v) for v in top.split()[1].split(","))
+    shape = GridShape(data=d, z=z, y=y, x=x)
+    # the table of the top row's default ranks, under the plan's
+    assert out.index("to run #1") < out.index("peak live tensors by phase")
+    for rank in default_ranks(shape):
+        assert f"rank {rank} (" in out and f"of grid {shape} on dgx-h100" in out
+    assert "simulated peak" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--json", "--simulate"], "--simulate prints a table"),
+    (["--sweep", "--simulate"], "--simulate runs the top row"),
+])
+def test_plan_simulate_mistakes_are_one_line(capsys, args: list[str], message: str) -> None:
+    from fourfold.cli import main
+
+    code = main(["plan", "--model", "debug", "--gpus", "4", "--machine", "dgx-h100", *args])
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and err[-1].startswith("error: ") and message in err[-1], err

@@ -256,13 +256,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fourfold.simulate import simulate_main
 
     return simulate_main(args.config, args.world, args.grid, args.ranks, args.machine,
-                         args.overrides)
+                         args.overrides, args.device)
 
 
 def cmd_plan(argv: list[str]) -> int:
     from fourfold.plan.cli import plan_main
+    from fourfold.simulate import simulate_planned
 
-    return plan_main(argv)
+    return plan_main(argv, simulate_planned)
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,10 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
         "simulate", help="run the build and two steps of chosen ranks of an N-rank job in one "
                          "process, with fake collectives and tensors, beside the planner",
         description="Build chosen ranks of an N-rank job and run two training steps each, "
-                    "under torch's fake process group and fake tensors (no memory, no GPU); "
-                    "print their peak tensor memory by phase and bytes per axis beside the "
-                    "planner's, and fail when a rank does not fit or the ranks of a group "
-                    "would issue different collectives.")
+                    "then a validation, a checkpoint's staging and the final export (no file "
+                    "written), under torch's fake process group and fake tensors (no memory, "
+                    "no GPU; --device: real tensors and kernels); print their peak tensor "
+                    "memory by phase and bytes per axis beside the planner's, and fail when a "
+                    "rank does not fit or the ranks of a group would issue different "
+                    "collectives.")
     simulate.add_argument("config", nargs="?", metavar="CONFIG.toml",
                           help="a config file (defaults apply without one)")
     simulate.add_argument("--world", type=int, required=True, metavar="N",
@@ -348,6 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the machine as in `fourfold plan` (default parallel.machine)")
     simulate.add_argument("--set", dest="overrides", action="append", default=[],
                           metavar="SECTION.KEY=VALUE", help="override one config key")
+    simulate.add_argument("--device", choices=("cpu", "cuda"),
+                          help="real shards and kernels on this device, collectives still fake: "
+                               "the real peak memory and compute time per step (default: fake "
+                               "tensors, no memory)")
     simulate.set_defaults(handler=cmd_simulate)
 
     prepare = sub.add_parser("prepare", help="tokenize text into a DATA_DIR of token shards")

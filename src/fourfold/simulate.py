@@ -16,15 +16,26 @@ measures, per rank:
   the ranks of one group must issue the same sequence, or a real job hangs
   (`first_trace_difference`).
 
-The fake group and tensors answer no question about values: a host read of a tensor (`.item()`,
-`bool(t)`) raises, so the parts of a run that read values on the host (logging, validation,
-checkpoints, the export) are not run.
+After the steps, the end of a run as `Trainer.fit` has it, through the trainer's own code: a
+validation, a checkpoint's staging and the final export's stream, each a phase of its own, with
+no file written (fake tensors have no bytes to write). The fake group and tensors answer no
+question about values: a host read of a fake tensor (`.item()`, `bool(t)`) raises in a step,
+and in those last phases is answered "no value" (NaN, 0, False).
+
+With a device (`device="cpu"` or `"cuda"`) the rank's shards are real tensors on it and every
+kernel runs; only the collectives stay on the fake group (whose gathers copy the local shard
+into every slot, so values stay finite). The rank then also reports its real memory per phase
+(`DeviceMemory`: on CUDA the allocator's peak, on the CPU the growth of the process's resident
+peak) and its loss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import gc
+import math
 import sys
 import time
 import weakref
@@ -46,8 +57,12 @@ from fourfold.parallel.comm import CollectiveCall
 from fourfold.parallel.grid import AXES, RANK_ORDER, Axis, Grid, GridShape
 from fourfold.plan.catalog import Machine
 from fourfold.plan.memory import MemoryBreakdown
+from fourfold.plan.perf import StepPrediction
 
-PHASES = ("build", "forward", "backward", "optimizer")
+PHASES = ("build", "forward", "backward", "optimizer")  # of the training steps
+# the rest of a run (Trainer.fit), after the steps: a validation, a checkpoint's staging, the
+# final export's stream (their file writes skipped: fake tensors have no bytes to write)
+FIT_PHASES = ("validation", "checkpoint", "export")
 
 
 class SimulationError(FourfoldError, RuntimeError):
@@ -57,17 +72,31 @@ class SimulationError(FourfoldError, RuntimeError):
 
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of the storages alive, and their peak per phase: every tensor an
-    operator returns is looked at, its storage counted once from then until it is freed."""
+    operator returns is looked at, its storage counted once from then until it is freed.
+    With `answer_reads`, a host read of a fake tensor gets "no value" (NaN, 0, False)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
         self.phase = "build"
-        self.peaks: dict[str, int] = {p: 0 for p in PHASES}
+        self.peaks: dict[str, int] = {p: 0 for p in PHASES + FIT_PHASES}
         self._seen: dict[int, int] = {}  # storage id -> bytes
+        # answer host reads of fake tensors (where the code only reports what it reads);
+        # otherwise they raise, as a host read inside a training step should
+        self.answer_reads = False
+
+    def enter(self, phase: str) -> None:
+        """Start `phase`: its peak is at least what is alive as it begins."""
+        self.phase = phase
+        self.peaks[phase] = max(self.peaks[phase], self.live)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
+        if self.answer_reads and func is torch.ops.aten._local_scalar_dense.default \
+                and _is_fake(args[0]):
+            # a host read of a fake tensor (`.item()`, `float(t)`, `.tolist()`): there is no
+            # value; NaN (a float), 0 or False says so to the code that reads it
+            return _no_value(args[0].dtype)
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             # a meta tensor (the model declared before its shards are built) holds nothing
@@ -91,6 +120,85 @@ class LiveBytes(TorchDispatchMode):
         self.live -= self._seen.pop(key)
 
 
+DEVICES = ("cpu", "cuda")
+
+
+class DeviceMemory:
+    """The real memory of a rank that runs on a device, by phase: on CUDA the allocator's peak
+    of allocated bytes (`torch.cuda.max_memory_allocated`, reset as each phase begins), on the
+    CPU the growth of the process's resident peak (VmHWM) over its resident size before the
+    build (reset as each phase begins where the kernel allows: /proc/self/clear_refs)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peaks: dict[str, int] = {p: 0 for p in PHASES + FIT_PHASES}
+        self.phase = "build"
+        # an earlier simulated rank's tensors, some held in reference cycles, freed first
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.baseline = 0
+            self.start = torch.cuda.memory_allocated(device)  # a leak would show here
+        else:
+            self.baseline = self.start = _proc_status_bytes("VmRSS")
+            self.resettable = _reset_resident_peak()
+
+    def enter(self, phase: str) -> None:
+        """Close the phase under way (its peak) and start `phase`."""
+        self.close()
+        self.phase = phase
+
+    def close(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            peak = _proc_status_bytes("VmHWM") - self.baseline
+            if self.resettable:
+                _reset_resident_peak()
+        self.peaks[self.phase] = max(self.peaks[self.phase], peak)
+
+    def reserved(self) -> int:
+        """The CUDA allocator's peak of reserved bytes (0 on the CPU)."""
+        return torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
+
+
+def _is_fake(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _no_value(dtype: torch.dtype) -> float | int | bool:
+    if dtype == torch.bool:
+        return False
+    return math.nan if dtype.is_floating_point or dtype.is_complex else 0
+
+
+def _proc_status_bytes(field_name: str) -> int:
+    """A `kB` field of /proc/self/status in bytes (0 where there is none: not Linux)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_resident_peak() -> bool:
+    """Reset this process's VmHWM to its resident size now; whether the kernel allowed it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        return True
+    except OSError:
+        return False
+
+
 @dataclass
 class RankReport:
     """What one simulated rank did, beside the planner's figures."""
@@ -107,10 +215,19 @@ class RankReport:
     trace: list[CollectiveCall] = field(repr=False)
     planned_memory: MemoryBreakdown | None = None
     planned_bytes: dict[str, int] = field(default_factory=dict)
+    planned_compute_s: float | None = None  # the planner's compute time of one step
+    staged_bytes: int = 0  # the tensors a checkpoint's snapshot holds (copies under async)
+    export_largest: int = 0  # the largest full tensor the export assembles (on rank 0)
+    device: str | None = None  # where the shards were real ("cpu", "cuda"); None: fake tensors
+    device_peaks: dict[str, int] = field(default_factory=dict)  # phase -> real peak bytes
+    device_reserved: int = 0  # the CUDA allocator's peak of reserved bytes
+    device_start: int = 0  # allocated on cuda (resident on cpu) before the build
+    losses: list[float] = field(default_factory=list)  # the steps' losses (real tensors only)
 
     @property
     def peak(self) -> int:
-        return max(self.peaks.values())
+        """The peak of the training steps (build, forward, backward, optimizer)."""
+        return max(self.peaks[p] for p in PHASES)
 
 
 class SimulatedBatches:
@@ -123,6 +240,9 @@ class SimulatedBatches:
         tokens = torch.randint(0, self.vocab_size, (self.rows, self.seq_len + 1))
         return Batch(tokens[:, :-1], tokens[:, 1:])
 
+    def eval_batches(self, n: int) -> list[Batch]:
+        return [self.next_batch() for _ in range(n)]
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -131,12 +251,14 @@ class SimulatedBatches:
 
 
 def simulation_config(cfg: Config, shape: GridShape) -> Config:
-    """cfg for a simulated rank of `shape`: nothing that reads values on the host (checkpoints,
-    resume, the memory report, GEMM tuning, compilation)."""
+    """cfg for a simulated rank of `shape`: nothing that reads values on the host (checkpoints
+    during the steps, resume, the memory report, GEMM tuning, compilation), and a validation of
+    one batch (each batch's forward peaks alike; the batches it caches are token ids)."""
     cfg = copy.deepcopy(cfg)
     cfg.parallel = dataclasses.replace(cfg.parallel, x=shape.x, y=shape.y, z=shape.z,
                                        data=shape.data, auto=False, gemm_tuning=False)
-    cfg.train = dataclasses.replace(cfg.train, memory_report=False, compile=False)
+    cfg.train = dataclasses.replace(cfg.train, memory_report=False, compile=False,
+                                    eval_batches=min(cfg.train.eval_batches, 1))
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, resume=False, every=0)
     validate(cfg)
     return cfg
@@ -154,11 +276,13 @@ def default_ranks(shape: GridShape) -> list[int]:
 
 
 def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = False,
-                  steps: int = 2, progress: Callable[[str], None] | None = None) -> RankReport:
+                  steps: int = 2, progress: Callable[[str], None] | None = None,
+                  device: str | None = None) -> RankReport:
     """Build rank `rank` of a job on `shape` and run `steps` training steps, under the fake
     process group and fake tensors (torch.distributed must not be initialized). `on_host`:
     the simulated ranks keep their tensors in host memory (the host-memory policy's choices,
-    as the planner's machine has it)."""
+    as the planner's machine has it). `device` ("cpu", "cuda"): real shards on it and real
+    kernels, only the collectives fake."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -171,19 +295,27 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
 
     say = progress or (lambda line: None)
     cfg = simulation_config(cfg, shape)
+    # checkpoints staged as the machine's ranks stage them (on a GPU: copies in host memory)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint,
+                                         async_save=cfg.checkpoint.is_async(on_host))
     t = cfg.train
+    where = simulation_device(device)
+    tensors = (contextlib.nullcontext() if device is not None
+               else FakeTensorMode(allow_non_fake_inputs=True))
     dist.init_process_group("fake", rank=rank, world_size=shape.size, store=FakeStore())
     counter = LiveBytes()
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), counter:
+        with tensors, counter:
+            meter = DeviceMemory(where) if device is not None else None
             start = time.perf_counter()
-            grid = Grid.build(shape, torch.device("cpu"), timeout_s=cfg.parallel.timeout_s)
+            grid = Grid.build(shape, where, timeout_s=cfg.parallel.timeout_s)
             group_seconds = time.perf_counter() - start
             torch.manual_seed(t.seed)
             host = HostMemory(on_host, shape.size, t.dtype)  # not tuned: a simulation
             pmodel, compiler, method = build_model_parts(cfg, grid, host)
             trace: list[CollectiveCall] = []
             pmodel.ledger.trace = trace
+            _synchronize(where)
             build_seconds = time.perf_counter() - start
             say(f"rank {rank}: built in {build_seconds:.1f} s "
                 f"({counter.peaks['build'] / GIB:.2f} GiB live at most)")
@@ -197,12 +329,15 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
                       loader=batches, val_loader=batches,  # type: ignore[arg-type]
                       guard=LossGuard(t.spike_threshold))
             trainer = Trainer.from_run(run, progress=False)
-            step_seconds = []
-            with _PhaseWatch(counter, pmodel, getattr(method, "optimizer", None)):
+            step_seconds, losses = [], []
+            with _PhaseWatch(counter, meter, pmodel, getattr(method, "optimizer", None)):
                 for step in range(steps):
                     begun = time.perf_counter()
-                    trainer.train_step()
+                    stats = trainer.train_step()
+                    _synchronize(where)
                     step_seconds.append(time.perf_counter() - begun)
+                    if device is not None:
+                        losses.append(stats.loss)
                     say(f"rank {rank}: step {step + 1} of {steps} in "
                         f"{step_seconds[-1]:.1f} s")
             step_bytes = pmodel.ledger.snapshot()
@@ -212,13 +347,78 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
             for call in trace[len(trace) - step_calls:]:
                 nbytes, calls = by_dtype[(call.axis, call.dtype)]
                 by_dtype[(call.axis, call.dtype)] = (nbytes + call.nbytes, calls + 1)
+            staged, largest = _fit_phases(trainer, counter, meter, say)
+            if meter is not None:
+                meter.close()
             shapes = {name: tuple(p.shape) for name, p in pmodel.named_parameters()}
     finally:
         dist.destroy_process_group()
     return RankReport(rank=rank, coords=shape.coords(rank), peaks=dict(counter.peaks),
                       step_bytes=step_bytes, by_dtype=dict(by_dtype),
                       group_seconds=group_seconds, build_seconds=build_seconds,
-                      step_seconds=step_seconds, shard_shapes=shapes, trace=list(trace))
+                      step_seconds=step_seconds, shard_shapes=shapes, trace=list(trace),
+                      device=device, device_peaks=dict(meter.peaks) if meter else {},
+                      device_reserved=meter.reserved() if meter else 0,
+                      device_start=meter.start if meter else 0, losses=losses,
+                      staged_bytes=staged, export_largest=largest if rank == 0 else 0)
+
+
+def _fit_phases(trainer: Any, counter: LiveBytes, meter: DeviceMemory | None,
+                say: Callable[[str], None]) -> tuple[int, int]:
+    """The rest of a run after its steps, through the trainer's own code: a validation
+    (`evaluate`), a checkpoint's staging (the manager's `stage`, every registered part; the
+    write skipped) and the final export's stream (`save_weights_streamed` with no file: rank
+    0 assembles each full tensor in turn; an adapter run's export is not simulated). Their
+    host reads of fake tensors (the validation loss, the loss guard's history) are answered
+    "no value". Returns the staged bytes and the largest full tensor's bytes."""
+    from fourfold.train.runs import save_weights_streamed
+
+    cfg = trainer.cfg
+    counter.answer_reads = True  # the validation loss, the loss guard's history
+    try:
+        if cfg.train.eval_batches > 0:
+            _enter_phase(counter, meter, "validation")
+            trainer.evaluate()
+        _enter_phase(counter, meter, "checkpoint")
+        snapshot = trainer.checkpoints.stage()
+        storages = {id(t.untyped_storage()): t.untyped_storage().nbytes()
+                    for t in snapshot.values() if isinstance(t, torch.Tensor)}
+        staged = sum(storages.values())
+        del snapshot
+        if cfg.adapter.kind == "none":
+            _enter_phase(counter, meter, "export")
+            save_weights_streamed(trainer.pmodel, None, cfg.model.tie_embeddings)
+    finally:
+        counter.answer_reads = False
+    largest = max((math.prod(spec.shape) * spec.dtype.itemsize
+                   for spec in trainer.pmodel.full_tensor_specs()), default=0)
+    say(f"rank {trainer.grid.rank}: validation, checkpoint staging and export done")
+    return staged, largest
+
+
+def _enter_phase(counter: LiveBytes, meter: DeviceMemory | None, phase: str) -> None:
+    counter.enter(phase)
+    if meter is not None:
+        meter.enter(phase)
+
+
+def simulation_device(device: str | None) -> torch.device:
+    """The torch device of a simulated rank: the CPU for fake tensors, else `device` (one of
+    DEVICES; "cuda" is the current CUDA device: every simulated rank shares one GPU)."""
+    if device is not None and device not in DEVICES:
+        raise SimulationError(f"--device {device}: choose one of {', '.join(DEVICES)}")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise SimulationError("--device cuda: no CUDA device is available here; use "
+                                  "--device cpu, or no --device for fake tensors")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels, so that a time is of the work, not of queuing."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class _PhaseWatch:
@@ -226,8 +426,9 @@ class _PhaseWatch:
     (the output's gradient) and the optimizer's step (a method without a torch optimizer
     updates within its backward)."""
 
-    def __init__(self, counter: LiveBytes, pmodel: Any, optimizer: Any) -> None:
-        self.counter, self.pmodel, self.optimizer = counter, pmodel, optimizer
+    def __init__(self, counter: LiveBytes, meter: DeviceMemory | None, pmodel: Any,
+                 optimizer: Any) -> None:
+        self.counter, self.meter, self.pmodel, self.optimizer = counter, meter, pmodel, optimizer
         self.handles: list[Any] = []
 
     def __enter__(self) -> None:
@@ -242,17 +443,17 @@ class _PhaseWatch:
             handle.remove()
 
     def _forward(self, module: Any, args: Any) -> None:
-        self.counter.phase = "forward"
+        _enter_phase(self.counter, self.meter, "forward")
 
     def _forward_done(self, module: Any, args: Any, output: Any) -> None:
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(self._backward)
 
     def _backward(self, grad: torch.Tensor) -> None:
-        self.counter.phase = "backward"
+        _enter_phase(self.counter, self.meter, "backward")
 
     def _optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.counter.phase = "optimizer"
+        _enter_phase(self.counter, self.meter, "optimizer")
 
 
 def group_members(shape: GridShape, a: int, b: int, group: str) -> bool:
@@ -294,42 +495,54 @@ def _call(c: CollectiveCall) -> str:
 def planner_figures(cfg: Config, shape: GridShape, machine: Machine
                     ) -> tuple[MemoryBreakdown, dict[str, int]]:
     """The planner's peak memory per rank and bytes per step per axis for cfg on `shape`."""
+    from fourfold.plan.memory import predicted_memory
+
+    memory = predicted_memory(cfg, shape, machine.device.shared_host)
+    return memory, dict(planned_step(cfg, shape, machine).comm_bytes)
+
+
+def planned_step(cfg: Config, shape: GridShape, machine: Machine) -> StepPrediction:
+    """The planner's prediction of one step of cfg on `shape` (its time and bytes)."""
     from fourfold.methods import method_spec
     from fourfold.parallel.embedding import resolve_output_loss
     from fourfold.plan.memory import Precision
     from fourfold.plan.perf import Overlap, predict_step
-    from fourfold.plan.memory import predicted_memory
 
     t, p = cfg.train, cfg.parallel
-    memory = predicted_memory(cfg, shape, machine.device.shared_host)
     overlap = Overlap(overlap_input_grad=p.overlap_input_grad,
                       overlap_weight_grad=p.overlap_weight_grad,
                       prefetch_weights=p.prefetch_weights,
                       overlap_data_grad=p.overlap_data_grad,
                       overlap_forward=p.overlap_forward)
-    step = predict_step(cfg.model, shape, t.batch_size, t.seq_len, t.grad_accum,
+    return predict_step(cfg.model, shape, t.batch_size, t.seq_len, t.grad_accum,
                         t.activation_checkpointing, machine,
                         Precision.of(t.dtype, p.reduce_dtype), overlap,
                         resolve_output_loss(p.output_loss,
                                             method_spec(t.optimizer).blocked_loss), train=t)
-    return memory, dict(step.comm_bytes)
 
 
 def simulate(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
-             steps: int = 2, progress: Callable[[str], None] | None = None
-             ) -> list[RankReport]:
-    """Simulate each of `ranks` of a job of cfg on `shape`, with the planner's figures."""
+             steps: int = 2, progress: Callable[[str], None] | None = None,
+             device: str | None = None) -> list[RankReport]:
+    """Simulate each of `ranks` of a job of cfg on `shape`, with the planner's figures
+    (`device`: real shards and kernels on it, as `simulate_rank`)."""
     for rank in ranks:
         if not 0 <= rank < shape.size:
             raise SimulationError(f"--ranks {rank}: the grid {shape} has ranks 0 to "
                                   f"{shape.size - 1}")
-    memory, planned = planner_figures(simulation_config(cfg, shape), shape, machine)
+    simulation_device(device)  # a wrong or absent device: one error before any rank
+    planned = simulation_config(cfg, shape)
+    memory, comm_bytes = planner_figures(planned, shape, machine)
+    compute_s = planned_step(planned, shape, machine).compute_s
     reports = []
     for i, rank in enumerate(ranks):
         if progress:
-            progress(f"simulating rank {rank} ({i + 1} of {len(ranks)}) of grid {shape}")
-        report = simulate_rank(cfg, shape, rank, machine.device.shared_host, steps, progress)
-        report.planned_memory, report.planned_bytes = memory, planned
+            progress(f"simulating rank {rank} ({i + 1} of {len(ranks)}) of grid {shape}"
+                     + (f" with real tensors on {device}" if device else ""))
+        report = simulate_rank(cfg, shape, rank, machine.device.shared_host, steps, progress,
+                               device)
+        report.planned_memory, report.planned_bytes = memory, comm_bytes
+        report.planned_compute_s = compute_s
         reports.append(report)
     return reports
 
@@ -345,6 +558,13 @@ def format_report(reports: list[RankReport], shape: GridShape, machine: Machine)
                      + ", ".join(f"{s:.1f}" for s in r.step_seconds) + " s")
         lines.append("  peak live tensors by phase: " + ", ".join(
             f"{p} {_amount(r.peaks[p])}" for p in PHASES))
+        lines.append("  then, as fit() ends a run (no file written): " + ", ".join(
+            f"{p} {_amount(r.peaks[p]) if r.peaks.get(p) else 'not run'}" for p in FIT_PHASES)
+            + f"; the checkpoint's snapshot holds {_amount(r.staged_bytes)}"
+            + (f", the export's largest full tensor {_amount(r.export_largest)}"
+               if r.export_largest else ""))
+        if r.device is not None:
+            lines += _device_lines(r, machine)
         if mem is not None:
             tensors = planner_tensor_bytes(mem)
             lines.append(f"  planner: {_amount(mem.total)} in all, {_amount(tensors)} of "
@@ -361,6 +581,23 @@ def format_report(reports: list[RankReport], shape: GridShape, machine: Machine)
                  if ".layers." not in f".{n}" or ".layers.0." in f".{n}"]
         lines.append("  shards: " + ", ".join(f"{n} {list(s)}" for n, s in shown))
     return "\n".join(lines)
+
+
+def _device_lines(r: RankReport, machine: Machine) -> list[str]:
+    """What a rank with real tensors measured: its real peaks, losses and compute times."""
+    what = ("allocated on cuda (torch.cuda.max_memory_allocated)" if r.device == "cuda"
+            else "resident growth on cpu (VmHWM)")
+    lines = [f"  real peak {what} by phase: " + ", ".join(
+        f"{p} {_amount(r.device_peaks.get(p, 0))}" for p in PHASES + FIT_PHASES)
+        + (f"; reserved {_amount(r.device_reserved)}" if r.device == "cuda" else "")
+        + f"; {_amount(r.device_start)} {'allocated' if r.device == 'cuda' else 'resident'} "
+          "before the build"]
+    lines.append("  loss per step: " + ", ".join(f"{loss:.4f}" for loss in r.losses)
+                 + "; compute per step: " + ", ".join(f"{s:.3f}" for s in r.step_seconds)
+                 + f" s on {r.device} (collectives fake: no communication time)"
+                 + ("" if r.planned_compute_s is None else
+                    f"; planner {r.planned_compute_s:.3f} s on {machine.device.name}"))
+    return lines
 
 
 def _amount(nbytes: int) -> str:
@@ -387,7 +624,8 @@ def check_reports(reports: list[RankReport], shape: GridShape, machine: Machine)
 
 
 def simulate_main(config: str | None, world: int, grid: str | None, ranks: str | None,
-                  machine_name: str | None, overrides: list[str]) -> int:
+                  machine_name: str | None, overrides: list[str],
+                  device: str | None = None) -> int:
     """`fourfold simulate`: print the table, 0, or raise SimulationError."""
     from fourfold.config import ConfigError, load_config
     from fourfold.plan.machine_file import load_machine
@@ -407,8 +645,20 @@ def simulate_main(config: str | None, world: int, grid: str | None, ranks: str |
         p = cfg.parallel
         shape = GridShape.resolve(p.x, p.y, p.z, p.data, world)
     chosen = _ints(ranks, "--ranks") if ranks else default_ranks(shape)
-    reports = simulate(cfg, shape, chosen, machine,
-                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+    return _simulate_and_print(cfg, shape, chosen, machine, device)
+
+
+def simulate_planned(cfg: Config, shape: GridShape, machine: Machine) -> int:
+    """`fourfold plan --simulate`: the planner's top row (cfg, its grid) simulated on its
+    default ranks; the table printed, 0, or SimulationError."""
+    return _simulate_and_print(cfg, shape, default_ranks(shape), machine, None)
+
+
+def _simulate_and_print(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
+                        device: str | None) -> int:
+    reports = simulate(cfg, shape, ranks, machine,
+                       progress=lambda line: print(line, file=sys.stderr, flush=True),
+                       device=device)
     print(format_report(reports, shape, machine))
     check_reports(reports, shape, machine)
     return 0
@@ -435,6 +685,7 @@ def _ints(text: str, option: str) -> list[int]:
         raise ConfigError(f"{option} {text}: give integers separated by commas") from None
 
 
-__all__ = ["LiveBytes", "RankReport", "SimulationError", "check_reports", "default_ranks",
-           "first_trace_difference", "format_report", "planner_figures", "simulate",
-           "simulate_main", "simulate_rank"]
+__all__ = ["DEVICES", "FIT_PHASES", "PHASES", "DeviceMemory", "LiveBytes", "RankReport",
+           "SimulationError", "check_reports", "default_ranks", "first_trace_difference",
+           "format_report", "planned_step", "planner_figures", "simulate", "simulate_main",
+           "simulate_planned", "simulate_rank", "simulation_device"]

@@ -164,21 +164,27 @@ class WriterHandoff:
 
     def __init__(self, grid: Grid, dst: int) -> None:
         self.grid, self.dst = grid, dst
-        self.store = dist.distributed_c10d._get_default_store()
+        # a simulated rank (torch's fake process group, fourfold.simulate) is alone: no writer
+        # in another process to wait for, and no store behind the group
+        self.store = None if grid.backend == "fake" else \
+            dist.distributed_c10d._get_default_store()
         # every rank runs every export, so each one's count of them names this one alike
-        count = self.store.add(f"fourfold/exports/rank{grid.rank}", 1)
+        count = 0 if self.store is None else \
+            self.store.add(f"fourfold/exports/rank{grid.rank}", 1)
         self.prefix = f"fourfold/export{count}"
 
     def written(self, index: int) -> None:
-        self.store.set(f"{self.prefix}/{index}", "written")
+        if self.store is not None:
+            self.store.set(f"{self.prefix}/{index}", "written")
 
     def abandon(self, first: int, end: int) -> None:
         for index in range(first, end):
-            self.store.set(f"{self.prefix}/{index}", "abandoned")
+            if self.store is not None:
+                self.store.set(f"{self.prefix}/{index}", "abandoned")
 
     def wait_written(self, index: int) -> None:
         """Wait until the writer has written tensor `index` (-1: nothing to wait for)."""
-        if index < 0 or self.grid.rank == self.dst:
+        if index < 0 or self.grid.rank == self.dst or self.store is None:
             return
         stopped = (f"rank {self.grid.rank}: the streamed export's writer (rank {self.dst}) "
                    f"stopped at tensor {index}")

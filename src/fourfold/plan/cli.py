@@ -1,7 +1,7 @@
 """`fourfold plan`: rank every 4D configuration of a job, answer scaling-law questions, sweep.
 
     fourfold plan --model PRESET|CONFIG.toml --gpus N --machine NAME|MACHINE.toml
-                  [--global-batch B] [--seq S] [--top K] [--json]
+                  [--global-batch B] [--seq S] [--top K] [--json | --simulate]
                   [--reduce-dtype float32|bfloat16|auto] [--overlap-forward auto|on|off]
                   [--optimizer adamw|lomo|adalomo|mezo|es|blockllm|galore]
     fourfold plan --compute FLOPS | --tokens T [--law chinchilla|epoch]
@@ -19,13 +19,14 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import Callable
 
 from fourfold.config import (PRESETS, Config, ConfigError, ModelConfig, TrainConfig,
                              load_config, model_config)
 from fourfold.errors import FourfoldError
 from fourfold.methods import method_names
 from fourfold.parsing import ArgumentParser
-from fourfold.parallel.grid import AXES, RANK_ORDER
+from fourfold.parallel.grid import AXES, RANK_ORDER, GridShape
 from fourfold.plan.errors import PlanError
 from fourfold.plan.catalog import DEVICES, GIB, Machine, match_name
 from fourfold.plan.machine_file import load_machine
@@ -79,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "config's train.optimizer, else adamw)")
     p.add_argument("--top", type=int, default=10, help="rows to show (0: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--simulate", action="store_true", help="then run the top row's ranks (the "
+                   "first and last on each axis) under fake collectives and tensors, as "
+                   "`fourfold simulate` does, and print their table")
     p.add_argument("--compute", type=_positive_number, help="training FLOPs for a scaling-law "
                    "answer")
     p.add_argument("--tokens", type=_positive_number, help="training tokens for a scaling-law "
@@ -237,12 +241,13 @@ def format_plan(result: Plan, top: int, model_name: str | None = None,
     return "\n".join(lines)
 
 
-def train_command(result: Plan, row: Candidate, overlap: Overlap,
-                  config_path: str | None = None) -> str:
-    """The `fourfold train` line that runs `row` as the planner predicted it: the model (its
-    preset, or `config_path`), the grid, the batch and its micro-batches, activation
-    checkpointing, the dtypes, the overlaps and the optimizer. The grid is always set; the
-    rest only where the config file (or the defaults) says otherwise."""
+def planned_settings(result: Plan, row: Candidate, overlap: Overlap,
+                     config_path: str | None = None) -> list[tuple[str, str]]:
+    """The `section.key=value` settings that make the config file at `config_path` (or the
+    defaults) run `row` as the planner predicted it: the model (its preset, without a file),
+    the grid, the batch and its micro-batches, activation checkpointing, the dtypes, the
+    overlaps and the optimizer. The grid is always set; the rest only where the config file
+    (or the defaults) says otherwise."""
     base = load_config(config_path) if config_path else Config()
     grid = [(f"parallel.{a}", getattr(row.shape, a)) for a in RANK_ORDER]
     settings: list[tuple[str, object]] = [
@@ -258,12 +263,19 @@ def train_command(result: Plan, row: Candidate, overlap: Overlap,
     wanted = model + grid + [(key, value) for key, value in settings
                              if getattr(getattr(base, key.split(".")[0]), key.split(".")[1])
                              != value]
+    return [(key, str(value).lower() if isinstance(value, bool) else str(value))
+            for key, value in wanted]
+
+
+def train_command(result: Plan, row: Candidate, overlap: Overlap,
+                  config_path: str | None = None) -> str:
+    """The `fourfold train` line that runs `row` as the planner predicted it
+    (`planned_settings`)."""
     words = ["fourfold", "train"] + ([config_path] if config_path else [])
     if result.machine.probed_host and result.world_size > 1:
         words += ["--nproc", str(result.world_size)]
-    for key, value in wanted:
-        text = str(value).lower() if isinstance(value, bool) else str(value)
-        words += ["--set", f"{key}={text}"]
+    for key, value in planned_settings(result, row, overlap, config_path):
+        words += ["--set", f"{key}={value}"]
     return shlex.join(words)
 
 
@@ -295,7 +307,17 @@ def plan_json(result: Plan, top: int, model_name: str | None = None,
 # Modes
 
 
-def _plan_mode(args: argparse.Namespace) -> int:
+# What `--simulate` runs: the config of the top row, its grid and the machine -> exit code.
+# The command passes it in (fourfold.simulate), so that the planner never imports the trainer.
+SimulateTop = Callable[[Config, GridShape, Machine], int]
+
+
+def _plan_mode(args: argparse.Namespace, simulate_top: SimulateTop | None) -> int:
+    if args.simulate and args.json:
+        raise PlanError("--simulate prints a table after the plan's: drop --json or --simulate")
+    if args.simulate and simulate_top is None:
+        raise PlanError("--simulate needs the `fourfold plan` command (this entry point cannot "
+                        "run the trainer)")
     if not args.model:
         raise PlanError("--model is required (a preset or a CONFIG.toml), or use --compute, "
                         "--tokens, --dataset or --sweep")
@@ -328,7 +350,12 @@ def _plan_mode(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan_json(result, args.top, name, command), indent=2))
     else:
-        print(format_plan(result, args.top, name, command))
+        print(format_plan(result, args.top, name, command), flush=True)
+    if args.simulate:
+        assert simulate_top is not None
+        settings = planned_settings(result, result.best, overlap, config_path)
+        cfg = load_config(config_path, [f"{key}={value}" for key, value in settings])
+        return simulate_top(cfg, result.best.shape, machine)
     return 0
 
 
@@ -408,15 +435,20 @@ def _sweep_mode(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_main(argv: list[str]) -> int:
-    """Entry point of `fourfold plan`; raises PlanError for user mistakes."""
+def plan_main(argv: list[str], simulate_top: SimulateTop | None = None) -> int:
+    """Entry point of `fourfold plan`; raises PlanError for user mistakes. `simulate_top`:
+    what `--simulate` runs on the top row."""
     args = build_parser().parse_args(argv)
+    other = args.sweep or args.compute is not None or args.tokens is not None or \
+        args.dataset or args.dataset_tokens
+    if args.simulate and other:
+        raise PlanError("--simulate runs the top row of a plan (--model, --gpus), not a "
+                        "scaling-law answer or a sweep")
     if args.sweep:
         return _sweep_mode(args)
-    if args.compute is not None or args.tokens is not None or args.dataset or \
-            args.dataset_tokens:
+    if other:
         return _scaling_mode(args)
-    return _plan_mode(args)
+    return _plan_mode(args, simulate_top)
 
 
 if __name__ == "__main__":

@@ -791,6 +791,12 @@ class CheckpointManager:
         self._thread = threading.Thread(target=run, name=f"checkpoint-step-{step}", daemon=True)
         self._thread.start()
 
+    def stage(self, extra: Any = None) -> dict[str, Any]:
+        """What `save` would write after this step, staged as it stages it (on the CPU; copies
+        under checkpoint.async), and not written: a simulated rank (fourfold.simulate)
+        measures the staging's memory; its fake tensors have no bytes to write."""
+        return self._snapshot(extra)
+
     def wait(self) -> Path | None:
         """Wait for an asynchronous save; return the newest checkpoint this manager wrote.
         Raises its CheckpointError, if it failed."""
