@@ -154,16 +154,21 @@ def default_ranks(shape: GridShape) -> list[int]:
 
 
 def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = False,
-                  steps: int = 2, progress: Callable[[str], None] | None = None) -> RankReport:
+                  steps: int = 2, progress: Callable[[str], None] | None = None,
+                  resumed: bool = False) -> RankReport:
     """Build rank `rank` of a job on `shape` and run `steps` training steps, under the fake
     process group and fake tensors (torch.distributed must not be initialized). `on_host`:
     the simulated ranks keep their tensors in host memory (the host-memory policy's choices,
-    as the planner's machine has it)."""
+    as the planner's machine has it). `resumed`: start as a resumed run does, with the
+    optimizer's state made before the first step (init_optimizer_state, which a checkpoint
+    loads into), so that the first step already holds what every later one holds and one step
+    reaches a run's peak (a fresh run makes the state in its first step's update)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fourfold.methods import method_spec
     from fourfold.train.build import Run, build_model_parts
+    from fourfold.train.checkpoint import init_optimizer_state
     from fourfold.train.host_memory import HostMemory
     from fourfold.train.methods import batch_shard
     from fourfold.train.resilience import LossGuard
@@ -197,8 +202,12 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
                       loader=batches, val_loader=batches,  # type: ignore[arg-type]
                       guard=LossGuard(t.spike_threshold))
             trainer = Trainer.from_run(run, progress=False)
+            optimizer = getattr(method, "optimizer", None)
+            if resumed and optimizer is not None:
+                counter.phase = "optimizer"
+                init_optimizer_state(optimizer)
             step_seconds = []
-            with _PhaseWatch(counter, pmodel, getattr(method, "optimizer", None)):
+            with _PhaseWatch(counter, pmodel, optimizer):
                 for step in range(steps):
                     begun = time.perf_counter()
                     trainer.train_step()
@@ -316,9 +325,10 @@ def planner_figures(cfg: Config, shape: GridShape, machine: Machine
 
 
 def simulate(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
-             steps: int = 2, progress: Callable[[str], None] | None = None
-             ) -> list[RankReport]:
-    """Simulate each of `ranks` of a job of cfg on `shape`, with the planner's figures."""
+             steps: int = 2, progress: Callable[[str], None] | None = None,
+             resumed: bool = False) -> list[RankReport]:
+    """Simulate each of `ranks` of a job of cfg on `shape`, with the planner's figures
+    (`steps`, `resumed`: as simulate_rank has them)."""
     for rank in ranks:
         if not 0 <= rank < shape.size:
             raise SimulationError(f"--ranks {rank}: the grid {shape} has ranks 0 to "
@@ -328,7 +338,8 @@ def simulate(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
     for i, rank in enumerate(ranks):
         if progress:
             progress(f"simulating rank {rank} ({i + 1} of {len(ranks)}) of grid {shape}")
-        report = simulate_rank(cfg, shape, rank, machine.device.shared_host, steps, progress)
+        report = simulate_rank(cfg, shape, rank, machine.device.shared_host, steps, progress,
+                               resumed)
         report.planned_memory, report.planned_bytes = memory, planned
         reports.append(report)
     return reports
