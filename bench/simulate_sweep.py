@@ -2,8 +2,8 @@
 real code's peak would, how close is its memory, and are its bytes per axis the engine's?
 
 For each grid the planner enumerates for MODEL on WORLD ranks (with the micro-batch,
-accumulation and activation checkpointing it picks for that grid), rank 0 (with --last also
-the last rank) is built and stepped once under torch's fake process group and fake tensors
+accumulation and activation checkpointing it picks for that grid), nearest the memory a rank
+has first, rank 0 (with --last also the last rank) is built and stepped once under torch's fake process group and fake tensors
 (fourfold.simulate), one grid after another in this process. Each rank starts as a resumed
 run does, its AdamW state made before the step, so that one step reaches the peak of every
 later step (a fresh run makes the state in its first update and peaks in its second step).
@@ -63,7 +63,8 @@ def main() -> None:
     ap.add_argument("--machine", default="dgx-h100")
     ap.add_argument("--last", action="store_true", help="simulate the last rank too")
     ap.add_argument("--limit", type=int, default=0,
-                    help="the first N grids of the planner's ranking only (0: every grid)")
+                    help="the N grids whose planned peak is nearest the memory a rank has "
+                    "(0: every grid)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="grids simulated at once, each in its own process (one a core)")
     args = ap.parse_args()
@@ -81,7 +82,11 @@ def main() -> None:
         result = plan(model, args.world, machine, args.batch, args.seq, "bfloat16")
     except FourfoldError as e:
         fail(str(e))
-    candidates = result.candidates[:args.limit or None]
+    # the grids nearest the memory a rank has first, where accepting and rejecting are decided
+    # (--limit keeps those)
+    usable = machine.usable_memory_bytes(args.world)
+    candidates = sorted(result.candidates, key=lambda c: abs(c.memory.total / usable - 1))
+    candidates = candidates[:args.limit or None]
     header(f"Does the planner accept the grids the real code fits ({args.model} on "
            f"{args.world} ranks)?",
            f"{len(candidates)} of {len(result.candidates)} grids the planner enumerates "
@@ -112,7 +117,6 @@ def main() -> None:
         results = pool.map(one_grid, *zip(*jobs))
     for i, (c, r) in enumerate(zip(candidates, results)):
         print(f"grid {i + 1} of {len(candidates)}: {c.shape}", file=sys.stderr, flush=True)
-        usable = machine.usable_memory_bytes(c.shape.size)
         planner_fits = r["total"] <= usable
         # the simulated peak in the place of the planner's tensor terms
         simulated_fits = r["peak"] + (r["total"] - r["planned"]) <= usable
