@@ -93,7 +93,8 @@ def main() -> None:
            f"({len(result.rejected)} cannot split the model); global batch {args.batch} x "
            f"{args.seq}, bfloat16, {machine.name}; per grid the planner's micro-batch, "
            "accumulation and checkpointing; rank 0" + (" and the last rank" if args.last
-                                                      else "") + ", one resumed step each")
+                                                      else "") + ", one resumed step each; "
+           "diff: the planner's tensor terms against the simulated peak")
     jobs = []
     for c in candidates:
         cfg = Config()
