@@ -97,3 +97,15 @@ def test_balance_bench_balanced_rows_predict_less_imbalance() -> None:
     by_way = {r["rows dealt"]: float(r["predicted imbalance"].split("%")[0]) for r in rows}
     assert set(by_way) == {"in order", "balanced"}
     assert by_way["balanced"] <= by_way["in order"], rows
+
+
+@pytest.mark.slow
+def test_simulate_sweep_bench_checks_each_grid_against_the_planner() -> None:
+    """The three grids of 16 ranks nearest the fit boundary of a small job, each simulated:
+    a row per grid, the engine's bytes per axis the planner's on each."""
+    rows = run_bench("simulate_sweep.py", "--model", "15m", "--world", "16", "--seq", "256",
+                     "--batch", "16", "--limit", "3", "--machine", "dgx-h100")
+    assert len(rows) == 3 and len({r["grid"] for r in rows}) == 3, rows
+    for row in rows:
+        assert row["bytes = planner"] == "yes", row
+        assert float(row["simulated GiB"]) > 0 and row["planner fits"] == "yes", row

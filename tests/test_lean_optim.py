@@ -947,33 +947,56 @@ def test_planner_counts_the_methods_transients() -> None:
             assert mode == ("blocks" if lean else "whole"), name
 
 
-def test_a_step_peak_is_the_larger_of_the_loss_and_a_block_backward() -> None:
-    """MemoryBreakdown.step: the logits are gone before any block's backward starts, so the
-    step counts the larger of them and one block's recompute plus its backward temporaries;
-    MeZO's and ES's block term is a no-grad forward's, and grows with the tokens."""
+def test_a_step_peak_is_the_largest_of_the_loss_and_the_ends_of_backward() -> None:
+    """MemoryBreakdown.step: the logits are gone before any block's backward starts, and from
+    the first block's backward to the last one's the saved activations go while the gradients
+    come, so the step counts the largest of the loss, the first block's backward (every
+    activation but the final norm's and the output layer's, the gradients of the output
+    layer, the final norm and that block) and the last one's (that block's and the embedding's
+    activations, every gradient); MeZO's and ES's block term is a no-grad forward's, and grows
+    with the tokens."""
     from fourfold.config import TrainConfig, model_config
     from fourfold.parallel import GridShape
     from fourfold.plan.memory import (Precision, block_transient_bytes_per_token,
                                       predict_memory, predict_method_memory)
+    from fourfold.plan.schedule import local_param_numel
 
     mcfg, one, p = model_config("small"), GridShape(1, 1, 1, 1), Precision.of("float32")
+    numel = sum(local_param_numel(mcfg, one).values())
+    vocab, layer = mcfg.vocab_size * mcfg.dim, (numel - 2 * mcfg.vocab_size * mcfg.dim
+                                                - mcfg.dim) // mcfg.n_layers
+    head = 2 * mcfg.dim * 4 + 4  # the final norm's input, output and rstd
     for ckpt in (True, False):
         for tokens in (64, 8192):  # the logits larger, then a block's backward
             m = predict_memory(mcfg, one, tokens, ckpt, p, output_loss="whole")
+            saved = (mcfg.dim * 4 if ckpt else
+                     (m.activations - tokens * (head + 9)) // tokens // mcfg.n_layers)
             assert m.recompute == (m.activations - tokens * mcfg.n_layers * mcfg.dim * 4
                                    - tokens * (2 * mcfg.dim * 4 + 13) if ckpt else 0)
             assert m.block_transient == tokens * 3 * mcfg.ffn_dim * 4
-            alive = m.activations - m.recompute + m.gathered_weights
+            assert m.head_activations == tokens * head
+            assert m.last_block_activations == tokens * (saved + 9)
+            assert m.first_block_grads == (vocab + mcfg.dim + layer) * 4 < m.grads
+            alive = m.gathered_weights
             # no gradient exists at the loss (AdamW sets them to None before the forward)
             assert m.loss_grads == 0
-            assert m.step == alive + max(m.logits, m.grads + m.recompute + m.block_transient)
+            at_loss = m.activations - m.recompute + m.logits
+            first = (m.activations - m.head_activations + m.block_transient
+                     + m.first_block_grads)
+            last = m.last_block_activations + m.recompute + m.block_transient + m.grads
+            assert m.step == alive + max(at_loss, first, last)
             assert m.total == m.params + m.optimizer + max(m.step, m.grads, m.startup, m.export)
-            # accumulating micro-steps: every gradient is there at the later losses
+            # accumulating micro-steps: every gradient is there at the later losses, and
+            # through the first block's backward
             accum = predict_memory(mcfg, one, tokens, ckpt, p, output_loss="whole", grad_accum=2)
             assert accum.loss_grads == accum.grads == m.grads
-            assert accum.step == alive + max(m.grads + m.logits,
-                                             m.grads + m.recompute + m.block_transient)
+            assert accum.step == alive + max(at_loss + m.grads, first - m.first_block_grads
+                                             + m.grads, last)
         assert m.logits < m.recompute + m.block_transient  # 8192 tokens: the block's is larger
+    # with data > 1 the first block's bucket is made whole at its first gradient
+    shape = GridShape(data=2, z=1, y=1, x=1)
+    bucketed = predict_memory(mcfg, shape, 64, True, p, output_loss="whole", bucket_bytes=1000)
+    assert bucketed.first_block_grads == m.first_block_grads + 1000
     per_token = block_transient_bytes_per_token(mcfg, one, p, backward=False)
     assert per_token == 3 * mcfg.dim * 4 + 4 * mcfg.ffn_dim * 4
     for tokens in (256, 4096):

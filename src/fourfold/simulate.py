@@ -277,17 +277,23 @@ def default_ranks(shape: GridShape) -> list[int]:
 
 def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = False,
                   steps: int = 2, progress: Callable[[str], None] | None = None,
-                  device: str | None = None) -> RankReport:
+                  device: str | None = None, resumed: bool = False,
+                  end_of_run: bool = True) -> RankReport:
     """Build rank `rank` of a job on `shape` and run `steps` training steps, under the fake
     process group and fake tensors (torch.distributed must not be initialized). `on_host`:
     the simulated ranks keep their tensors in host memory (the host-memory policy's choices,
     as the planner's machine has it). `device` ("cpu", "cuda"): real shards on it and real
-    kernels, only the collectives fake."""
+    kernels, only the collectives fake. `resumed`: start as a resumed run does, with the
+    optimizer's state made before the first step (init_optimizer_state, which a checkpoint
+    loads into), so that the first step already holds what every later one holds and one step
+    reaches a run's peak (a fresh run makes the state in its first step's update).
+    `end_of_run`: after the steps, the validation, checkpoint staging and export phases."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fourfold.methods import method_spec
     from fourfold.train.build import Run, build_model_parts
+    from fourfold.train.checkpoint import init_optimizer_state
     from fourfold.train.host_memory import HostMemory
     from fourfold.train.methods import batch_shard
     from fourfold.train.resilience import LossGuard
@@ -329,8 +335,12 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
                       loader=batches, val_loader=batches,  # type: ignore[arg-type]
                       guard=LossGuard(t.spike_threshold))
             trainer = Trainer.from_run(run, progress=False)
+            optimizer = getattr(method, "optimizer", None)
+            if resumed and optimizer is not None:
+                _enter_phase(counter, meter, "optimizer")
+                init_optimizer_state(optimizer)
             step_seconds, losses = [], []
-            with _PhaseWatch(counter, meter, pmodel, getattr(method, "optimizer", None)):
+            with _PhaseWatch(counter, meter, pmodel, optimizer):
                 for step in range(steps):
                     begun = time.perf_counter()
                     stats = trainer.train_step()
@@ -347,7 +357,8 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
             for call in trace[len(trace) - step_calls:]:
                 nbytes, calls = by_dtype[(call.axis, call.dtype)]
                 by_dtype[(call.axis, call.dtype)] = (nbytes + call.nbytes, calls + 1)
-            staged, largest = _fit_phases(trainer, counter, meter, say)
+            staged, largest = (_fit_phases(trainer, counter, meter, say) if end_of_run
+                               else (0, 0))
             if meter is not None:
                 meter.close()
             shapes = {name: tuple(p.shape) for name, p in pmodel.named_parameters()}
@@ -523,9 +534,10 @@ def planned_step(cfg: Config, shape: GridShape, machine: Machine) -> StepPredict
 
 def simulate(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
              steps: int = 2, progress: Callable[[str], None] | None = None,
-             device: str | None = None) -> list[RankReport]:
+             device: str | None = None, resumed: bool = False,
+             end_of_run: bool = True) -> list[RankReport]:
     """Simulate each of `ranks` of a job of cfg on `shape`, with the planner's figures
-    (`device`: real shards and kernels on it, as `simulate_rank`)."""
+    (`steps`, `device`, `resumed`, `end_of_run`: as simulate_rank has them)."""
     for rank in ranks:
         if not 0 <= rank < shape.size:
             raise SimulationError(f"--ranks {rank}: the grid {shape} has ranks 0 to "
@@ -540,7 +552,7 @@ def simulate(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
             progress(f"simulating rank {rank} ({i + 1} of {len(ranks)}) of grid {shape}"
                      + (f" with real tensors on {device}" if device else ""))
         report = simulate_rank(cfg, shape, rank, machine.device.shared_host, steps, progress,
-                               device)
+                               device, resumed, end_of_run)
         report.planned_memory, report.planned_bytes = memory, comm_bytes
         report.planned_compute_s = compute_s
         reports.append(report)

@@ -17,6 +17,13 @@ checks it:
   tests/test_lean_heap.py holds the total against the heap in use at every op of a step);
 - loss_grads: the gradients alive at the loss, none unless micro-steps accumulate them
   (every method frees or hands off its gradients within a step);
+- head_activations, last_block_activations, first_block_grads: the ends of backward, between
+  which the saved activations go while the gradients come (MemoryBreakdown.step): at the first
+  block's backward every activation but the final norm's and the output layer's with only the
+  gradients made so far, at the last block's one block's activations with every gradient.
+  fourfold.simulate runs the real code of a rank at full scale and counts its live tensors;
+  tests/test_simulate_scale.py holds every term but `runtime` (the tensors) within 3% of
+  that peak for `70b` on 1,024 ranks and `405b` on 16,384;
 - gathered_weights: the z all-gather buffers (current + prefetched) and one dW block;
 - comm_buffers: what the data all-reduce holds beyond the gradients, which are views of
   their buckets' buffers (parallel/data_parallel.py): a lower reduce_dtype's casts;
@@ -124,29 +131,54 @@ class MemoryBreakdown:
     cast_weights: int = 0  # weights' compute-dtype copies autocast keeps to the loss (see step)
     loss_forward: int = 0  # of `logits`: what the loss's forward holds (see step)
     tokens: int = 0  # a micro-step's tokens on this rank, which the transients are sized for
+    # of `activations`: the final norm's and the output layer's, freed before any block's
+    # backward (see step)
+    head_activations: int = 0
+    # of `activations`: those still saved at the backward of the first layer, the last block to
+    # run (its own saved tensors, or its checkpointed input, and the embedding's)
+    last_block_activations: int = 0
+    # of `grads`: the most that exist at the backward of the last layer, the first block to
+    # run (the output layer's, the final norm's and that block's; see step)
+    first_block_grads: int = 0
 
     @property
     def step(self) -> int:
-        """The peak of a training step beyond the parameters and optimizer state: the larger of
-        the loss and one block's backward, which are never alive together (the logits are gone,
-        the output layer's backward done, before any block's backward starts). The loss holds
-        the logits, `cast_weights` (under autocast on one process) and `loss_grads`: no
-        gradient with grad_accum = 1 (every method frees or hands off its gradients within a
-        step; AdamW sets them to None before the forward), all of them on the micro-steps
-        after the first with grad_accum > 1. A block's backward holds its recomputed
-        activations, the temporaries of its gradients (`block_transient`) and `grads`, every
-        gradient: an upper bound, as the gradients grow while the blocks' saved inputs are
-        freed. Without a backward (mezo, es) `block_transient` is a block's
-        no-grad forward, with (under autocast on one process) every block linear's cached
-        compute-dtype copy, which the cache gathers through the forward.
-        Autocast lets its copies go as the forward ends, the loss's forward included: they
-        meet only `loss_forward` of the loss, where that is less than `logits` (the blocked
-        loss, whose backward makes the output layer's dW and casts its weight anew)."""
-        alive = (self.activations - self.recompute + self.gathered_weights + self.comm_buffers
-                 + self.checkpoint)
+        """The peak of a training step beyond the parameters and optimizer state: the largest
+        of the loss, the first block's backward and the last block's, which are never alive
+        together.
+
+        The loss (the end of the forward) holds every saved activation, the logits,
+        `cast_weights` (under autocast on one process) and `loss_grads`: no gradient with
+        grad_accum = 1 (every method frees or hands off its gradients within a step; AdamW
+        sets them to None before the forward), all of them on the micro-steps after the first
+        with grad_accum > 1. Autocast lets its copies go as the forward ends, the loss's
+        forward included: they meet only `loss_forward` of the loss, where that is less than
+        `logits` (the blocked loss, whose backward makes the output layer's dW and casts its
+        weight anew).
+
+        Then the blocks' backward runs from the last layer to the first: each frees what its
+        block saved (or its checkpointed input, after its recomputed activations) while its
+        gradients arrive, so what is alive moves in a straight line from the first block's
+        backward to the last one's, and its largest is at one end or the other. The first
+        block's backward holds every saved activation but the output layer's and the final
+        norm's (`head_activations`, freed by their backward before it), its recomputed
+        activations and its temporaries (`block_transient`), and of the gradients only those
+        that exist by then (`first_block_grads`). The last block's backward holds what that
+        block and the embedding saved (`last_block_activations`), its recompute and
+        temporaries, and `grads`, the most gradient bytes the method holds at once (all of
+        them under AdamW).
+
+        Without a backward (mezo, es) `block_transient` is a block's no-grad forward, with
+        (under autocast on one process) every block linear's cached compute-dtype copy, which
+        the cache gathers through the forward."""
+        alive = self.gathered_weights + self.comm_buffers + self.checkpoint
         loss = max(self.cast_weights + (self.loss_forward or self.logits), self.logits)
-        return alive + max(self.loss_grads + loss,
-                           self.grads + self.recompute + self.block_transient)
+        at_loss = self.activations - self.recompute + self.loss_grads + loss
+        first_block = (self.activations - self.head_activations + self.block_transient
+                       + max(self.loss_grads, min(self.grads, self.first_block_grads)))
+        last_block = (self.last_block_activations + self.recompute + self.block_transient
+                      + self.grads)
+        return alive + max(at_loss, first_block, last_block)
 
     @property
     def total(self) -> int:
@@ -190,7 +222,8 @@ def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
                                precision: Precision) -> dict[str, int]:
     """Per token on a rank: what one block keeps for backward (`block`), the block input a
     checkpointed block keeps instead (`checkpoint`), and what the embedding and the final norm
-    keep (`outside`). Measured against autograd's saved tensors in tests/test_memory_model.py.
+    keep (`outside`: the final norm's and the output layer's, `head`, and the embedding's,
+    `embedding`). Measured against autograd's saved tensors in tests/test_memory_model.py.
 
     Attention assumes a fused SDPA kernel (flash / memory-efficient, as on CPU and CUDA for a
     causal mask): it keeps q, k, v and its output, which it lays out so that the o projection's
@@ -217,9 +250,10 @@ def activation_bytes_per_token(model: ModelConfig, shape: GridShape,
     stats = 4 * (2 + model.n_heads // gy)  # an fp32 rstd per norm, an fp32 lse per local head
     # final norm: its input, its output (kept by the output layer or the blocked loss in the
     # compute dtype) and its rstd; token ids (int64) and the embedding's ownership mask (bool)
-    outside = d // gx * (residual + act) + 4 + 9
+    head, embedding = d // gx * (residual + act) + 4, 9
     return {"block": norm_inputs * residual + (norm_outputs + attention + mlp) * act + stats,
-            "checkpoint": d // gx * residual, "outside": outside}
+            "checkpoint": d // gx * residual, "outside": head + embedding, "head": head,
+            "embedding": embedding}
 
 
 def block_transient_bytes_per_token(model: ModelConfig, shape: GridShape, precision: Precision,
@@ -345,6 +379,11 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     else:
         activations = n * model.n_layers * per_token["block"]
     activations += n * per_token["outside"]
+    head_activations = n * per_token["head"]
+    # the first layer's backward runs last: its checkpointed input (and recomputed activations,
+    # `recompute`) or what it saved, and the embedding's
+    last_block_activations = n * (per_token["checkpoint" if activation_checkpointing else "block"]
+                                  + per_token["embedding"])
     layer_block = sum(lin.out_features * lin.in_features for lin in block_linears(model))
     layer_block //= gx * gy
     vocab_block = model.vocab_size * model.dim // (gx * gy)
@@ -366,13 +405,26 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
     # that autocast runs (models/llama.py's down projection casts its own) and the whole
     # output layer's. Without activation checkpointing each layer also saves its copy for
     # backward, until its own backward: saved activations then
+    # (the output layer's until its backward, each block's until its own)
     cast_weights = 0
     if autocast_on_torch_layers(shape, precision):
-        cast = sum(autocast_weight_copies(model, precision, output_loss, down=False))
+        blocks_cast, output_cast = autocast_weight_copies(model, precision, output_loss,
+                                                          down=False)
         if activation_checkpointing:
-            cast_weights = cast
+            cast_weights = blocks_cast + output_cast
         else:
-            activations += cast
+            activations += blocks_cast + output_cast
+            head_activations += output_cast
+            last_block_activations += blocks_cast // model.n_layers
+    # the gradients that exist at the last layer's backward, the first block's to run: the
+    # output layer's, the final norm's and that block's own; with data > 1 also the rest of
+    # the buffer of the bucket being filled, made at its first gradient for all of its
+    # gradients (parallel/data_parallel.py)
+    vocab_numel, norm_numel = vocab_block // shape.z, model.dim // gx
+    layer_numel = (sum(local_param_numel(model, shape).values()) - norm_numel
+                   - vocab_numel * (1 if model.tie_embeddings else 2)) // model.n_layers
+    first_block_grads = ((vocab_numel + norm_numel + layer_numel) * precision.grad_bytes
+                         + (bucket_bytes if shape.data > 1 else 0))
     # the gradients are views of their buckets' buffers, all-reduced in place: beyond them only
     # a lower reduce_dtype's casts of the buckets in flight
     comm_buffers = (in_flight_wire_bytes(bucket_bytes, precision.grad_bytes,
@@ -397,6 +449,9 @@ def predict_memory(model: ModelConfig, shape: GridShape, micro_batch_tokens: int
                            recompute=recompute,
                            loss_grads=states["grads"] if grad_accum > 1 else 0, tokens=n,
                            cast_weights=cast_weights, loss_forward=loss_forward,
+                           head_activations=head_activations,
+                           last_block_activations=last_block_activations,
+                           first_block_grads=first_block_grads,
                            block_transient=n * block_transient_bytes_per_token(model, shape,
                                                                                precision))
 
@@ -516,6 +571,7 @@ def predict_method_memory(breakdown: MemoryBreakdown, model: ModelConfig, shape:
             cast, output_cast = autocast_weight_copies(model, p, output_loss, down=True)
         out = dataclasses.replace(out, activations=0, comm_buffers=0, gathered_weights=gathered,
                                   logits=logits, loss_forward=0, recompute=0,
+                                  head_activations=0, last_block_activations=0,
                                   block_transient=forward + cast,
                                   cast_weights=cast + output_cast)
     return out
