@@ -27,6 +27,7 @@ from fourfold.methods import method_options
 from fourfold.methods.galore import is_target
 from fourfold.models import build_model
 from fourfold.parallel import Grid, GridShape, parallelize
+from fourfold.train.methods import StepResult
 from fourfold.train.optim import uses_weight_decay
 
 BATCH, SEQ = 4, 16
@@ -55,7 +56,11 @@ def train_config(case: dict) -> TrainConfig:
 
 
 def fresh_model(case: dict) -> torch.nn.Module:
+    """The tiny model from its seed, in float64 where the case says "float64": true (a
+    comparison of an algorithm free of float32 rounding), with the case's tensors frozen."""
     model = build_model(tiny_model_config(), seed=7)
+    if case.get("float64"):
+        model.double()
     for name, p in model.named_parameters():
         if name.endswith(tuple(case.get("freeze", ()))):
             p.requires_grad_(False)
@@ -271,10 +276,11 @@ def reference(case: dict) -> list[State]:
 
 
 def fourfold_run(case: dict, grid: Grid, shape: GridShape | None = None,
-                 chosen: list[list[str]] | None = None) -> list[State]:
+                 chosen: list[list[str]] | None = None,
+                 results: list[StepResult] | None = None) -> list[State]:
     """fourfold's method on `grid` from the same weights and batches (each rank its slice of
     the batch); the full weights after each step (gathered on a grid); BlockLLM's tensors
-    chosen at each step appended to `chosen`."""
+    chosen at each step appended to `chosen`, each step's StepResult to `results`."""
     from fourfold.train.methods import StepData, batch_shard, build_method
 
     cfg = train_config(case)
@@ -294,6 +300,8 @@ def fourfold_run(case: dict, grid: Grid, shape: GridShape | None = None,
 
         result = method.step(pmodel, StepData(1, losses), cfg.lr)
         assert not result.skipped, result.reason
+        if results is not None:
+            results.append(result)
         if chosen is not None:
             chosen.append(sorted(method.selected))
         # copies: a full state dict holds the parameters themselves where no rank splits them
