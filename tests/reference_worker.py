@@ -2,7 +2,8 @@
 0.1.1 (LOMO, AdaLomo) and galore-torch 1.0 (GaLoreAdamW), on the same tiny model, weights and
 batches, step by step. Imported by test_reference_methods.py (one process); run by torchrun
 from it for a grid, where each rank's fourfold run is compared with the reference on one
-process (made by every rank, from the same seeds). Writes one JSON line per case.
+process (made by every rank, from the same seeds). Writes one JSON line per case and rank:
+the differences of the weights, and BlockLLM's tensors chosen at each step by both.
 
 A case: {"name": optimizer, "steps": n, "train": {TrainConfig fields}, "method": {its
 [train.method] options}, "freeze": [names ending so], "reference": {options of the reference
@@ -262,13 +263,14 @@ def blockllm_transcription(case: dict, chosen: list[list[str]] | None = None
     return states
 
 
-def reference(case: dict) -> list[State]:
+def reference(case: dict, chosen: list[list[str]] | None = None) -> list[State]:
+    """The reference's weights after each step; BlockLLM's choices appended to `chosen`."""
     if case["name"] in ("lomo", "adalomo"):
         return lomo_reference(case)
     if case["name"] == "galore":
         return galore_reference(case)
     if case["name"] == "blockllm":
-        return blockllm_transcription(case)
+        return blockllm_transcription(case, chosen)
     raise ValueError(f"no reference for {case['name']!r}")
 
 
@@ -338,6 +340,13 @@ def differences(ours: list[State], ref: list[State], start: State) -> dict:
             "moved": sorted(set(moved))}
 
 
+def tensor_offsets(ours: list[State], ref: list[State]) -> list[float]:
+    """Per step, the largest difference of a tensor's weights from the reference's relative
+    to its norm, over every tensor (moved at that step or not)."""
+    return [max(float((a[k] - w).double().norm() / w.double().norm()) for k, w in b.items())
+            for a, b in zip(ours, ref)]
+
+
 def compare(case: dict, grid: Grid, shape: GridShape | None = None) -> dict:
     ref = reference(case)
     ours = fourfold_run(case, grid, shape)
@@ -347,10 +356,17 @@ def compare(case: dict, grid: Grid, shape: GridShape | None = None) -> dict:
 def main() -> None:
     from grid_cases import one_process_reference, run_grid_cases
 
+    def reference_and_choices(case: dict) -> tuple[list[State], list[list[str]]]:
+        chosen: list[list[str]] = []
+        return reference(case, chosen), chosen
+
     def run_case(shape: GridShape, grid: Grid, case: dict) -> dict:
-        ref = one_process_reference(case, lambda: reference(case))
-        ours = fourfold_run(case, grid, shape)
-        return {"ok": True, **differences(ours, ref, snapshot(fresh_model(case)))}
+        ref, ref_chosen = one_process_reference(case, lambda: reference_and_choices(case))
+        chosen: list[list[str]] = []
+        ours = fourfold_run(case, grid, shape, chosen if case["name"] == "blockllm" else None)
+        return {"ok": True, **differences(ours, ref, snapshot(fresh_model(case))),
+                "chosen": chosen, "ref_chosen": ref_chosen,
+                "tensor_offsets": tensor_offsets(ours, ref)}
 
     run_grid_cases("FOURFOLD_TEST_CASES", "case", run_case)
 
