@@ -2,7 +2,8 @@
 0.1.1 (LOMO, AdaLomo) and galore-torch 1.0 (GaLoreAdamW), on the same tiny model, weights and
 batches, step by step. Imported by test_reference_methods.py (one process); run by torchrun
 from it for a grid, where each rank's fourfold run is compared with the reference on one
-process (made by every rank, from the same seeds). Writes one JSON line per case.
+process (made by every rank, from the same seeds). Writes one JSON line per case and rank:
+the differences of the weights, and BlockLLM's tensors chosen at each step by both.
 
 A case: {"name": optimizer, "steps": n, "train": {TrainConfig fields}, "method": {its
 [train.method] options}, "freeze": [names ending so], "reference": {options of the reference
@@ -27,6 +28,7 @@ from fourfold.methods import method_options
 from fourfold.methods.galore import is_target
 from fourfold.models import build_model
 from fourfold.parallel import Grid, GridShape, parallelize
+from fourfold.train.methods import StepResult
 from fourfold.train.optim import uses_weight_decay
 
 BATCH, SEQ = 4, 16
@@ -55,7 +57,11 @@ def train_config(case: dict) -> TrainConfig:
 
 
 def fresh_model(case: dict) -> torch.nn.Module:
+    """The tiny model from its seed, in float64 where the case says "float64": true (a
+    comparison of an algorithm free of float32 rounding), with the case's tensors frozen."""
     model = build_model(tiny_model_config(), seed=7)
+    if case.get("float64"):
+        model.double()
     for name, p in model.named_parameters():
         if name.endswith(tuple(case.get("freeze", ()))):
             p.requires_grad_(False)
@@ -257,13 +263,14 @@ def blockllm_transcription(case: dict, chosen: list[list[str]] | None = None
     return states
 
 
-def reference(case: dict) -> list[State]:
+def reference(case: dict, chosen: list[list[str]] | None = None) -> list[State]:
+    """The reference's weights after each step; BlockLLM's choices appended to `chosen`."""
     if case["name"] in ("lomo", "adalomo"):
         return lomo_reference(case)
     if case["name"] == "galore":
         return galore_reference(case)
     if case["name"] == "blockllm":
-        return blockllm_transcription(case)
+        return blockllm_transcription(case, chosen)
     raise ValueError(f"no reference for {case['name']!r}")
 
 
@@ -271,10 +278,11 @@ def reference(case: dict) -> list[State]:
 
 
 def fourfold_run(case: dict, grid: Grid, shape: GridShape | None = None,
-                 chosen: list[list[str]] | None = None) -> list[State]:
+                 chosen: list[list[str]] | None = None,
+                 results: list[StepResult] | None = None) -> list[State]:
     """fourfold's method on `grid` from the same weights and batches (each rank its slice of
     the batch); the full weights after each step (gathered on a grid); BlockLLM's tensors
-    chosen at each step appended to `chosen`."""
+    chosen at each step appended to `chosen`, each step's StepResult to `results`."""
     from fourfold.train.methods import StepData, batch_shard, build_method
 
     cfg = train_config(case)
@@ -294,6 +302,8 @@ def fourfold_run(case: dict, grid: Grid, shape: GridShape | None = None,
 
         result = method.step(pmodel, StepData(1, losses), cfg.lr)
         assert not result.skipped, result.reason
+        if results is not None:
+            results.append(result)
         if chosen is not None:
             chosen.append(sorted(method.selected))
         # copies: a full state dict holds the parameters themselves where no rank splits them
@@ -330,6 +340,13 @@ def differences(ours: list[State], ref: list[State], start: State) -> dict:
             "moved": sorted(set(moved))}
 
 
+def tensor_offsets(ours: list[State], ref: list[State]) -> list[float]:
+    """Per step, the largest difference of a tensor's weights from the reference's relative
+    to its norm, over every tensor (moved at that step or not)."""
+    return [max(float((a[k] - w).double().norm() / w.double().norm()) for k, w in b.items())
+            for a, b in zip(ours, ref)]
+
+
 def compare(case: dict, grid: Grid, shape: GridShape | None = None) -> dict:
     ref = reference(case)
     ours = fourfold_run(case, grid, shape)
@@ -339,10 +356,17 @@ def compare(case: dict, grid: Grid, shape: GridShape | None = None) -> dict:
 def main() -> None:
     from grid_cases import one_process_reference, run_grid_cases
 
+    def reference_and_choices(case: dict) -> tuple[list[State], list[list[str]]]:
+        chosen: list[list[str]] = []
+        return reference(case, chosen), chosen
+
     def run_case(shape: GridShape, grid: Grid, case: dict) -> dict:
-        ref = one_process_reference(case, lambda: reference(case))
-        ours = fourfold_run(case, grid, shape)
-        return {"ok": True, **differences(ours, ref, snapshot(fresh_model(case)))}
+        ref, ref_chosen = one_process_reference(case, lambda: reference_and_choices(case))
+        chosen: list[list[str]] = []
+        ours = fourfold_run(case, grid, shape, chosen if case["name"] == "blockllm" else None)
+        return {"ok": True, **differences(ours, ref, snapshot(fresh_model(case))),
+                "chosen": chosen, "ref_chosen": ref_chosen,
+                "tensor_offsets": tensor_offsets(ours, ref)}
 
     run_grid_cases("FOURFOLD_TEST_CASES", "case", run_case)
 

@@ -56,6 +56,11 @@ def test_frozen_parameters_cost_nothing_on_grids(tmp_path: Path) -> None:
 MEZO = {"name": "mezo", "steps": 20, "accum": 2, "train": {"lr": 1e-3}, "method": {"eps": 1e-3}}
 ES = {"name": "es", "steps": 20, "freeze": True,
       "train": {"lr": 1e-3}, "method": {"sigma": 1e-3, "population": 4}}
+# OpenAI-ES: mirrored pairs, centered ranks (whose steps are larger than the baseline's: a
+# smaller lr)
+OPENAI_ES = {"name": "es", "steps": 20, "freeze": True, "train": {"lr": 1e-5},
+             "method": {"sigma": 1e-3, "population": 4, "antithetic": True,
+                        "fitness": "centered_rank"}}
 
 
 def check_trains_as_one_process(r: dict) -> None:
@@ -71,7 +76,7 @@ def check_trains_as_one_process(r: dict) -> None:
 @pytest.mark.ranks
 def test_zeroth_order_methods_train_as_one_process(tmp_path: Path) -> None:
     grids = [[1, 2, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
-    for r in run_worker(2, grids, [MEZO, ES], tmp_path):
+    for r in run_worker(2, grids, [MEZO, ES, OPENAI_ES], tmp_path):
         check_trains_as_one_process(r)
         data, z, y, x = r["shape"]
         label = f"grid {r['shape']} rank {r['rank']} {r['check']['name']}"
@@ -124,6 +129,10 @@ def test_optimizer_keys_are_checked() -> None:
            ("train.method.sigma=0.1",): "train.method.sigma applies only to train.optimizer = "
                                         "'es', not 'adamw'",
            ("train.optimizer=es", "train.method.population=1"): "train.method.population = 1",
+           ("train.optimizer=es", "train.method.antithetic=true", "train.method.population=5"):
+               "train.method.population = 5: must be even with train.method.antithetic = true",
+           ("train.optimizer=es", "train.method.fitness=rank"):
+               "train.method.fitness = 'rank': choose one of baseline, centered_rank",
            ("train.optimizer=mezo", "train.method.eps=0"): "train.method.eps = 0.0: must be a "
                                                            "positive number",
            ("train.optimizer=mezo", "train.method.epss=1"): "unknown key train.method.epss "

@@ -123,8 +123,8 @@ def test_method_options_are_checked_before_torch_is_imported() -> None:
                "print('torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", program], check=True, capture_output=True,
                          text=True).stdout.splitlines()
-    assert out == ["train.method.population = 1: must be at least 2 (rewards are standardised "
-                   "over the population)", "False"]
+    assert out == ["train.method.population = 1: must be at least 2 (a member's fitness is "
+                   "relative to the population's)", "False"]
 
 
 @pytest.mark.ranks

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fourfold.errors import ConfigError
 from fourfold.methods.base import MethodOptions, MethodSpec, at_least, positive
 
 if TYPE_CHECKING:
@@ -31,17 +32,39 @@ class MeZOOptions(MethodOptions):
         positive("eps", self.eps)
 
 
+# how a member's loss becomes its weight in the update (ESOptions.fitness)
+FITNESS_SHAPINGS = ("baseline", "centered_rank")
+
+
 @dataclass
 class ESOptions(MethodOptions):
-    """Evolution strategies: `population` seeded members a step, spread over data replicas."""
+    """Evolution strategies: `population` seeded members a step, spread over data replicas.
+    The defaults are plain ES with the population's mean loss as baseline; `antithetic = true`
+    with `fitness = "centered_rank"` is OpenAI-ES (Salimans et al. 2017)."""
 
     population: int = 8  # perturbed members per step
     sigma: float = 1e-3  # the size of each member's perturbation
+    # members in mirrored pairs w + sigma z, w - sigma z (population / 2 directions a step)
+    antithetic: bool = False
+    # "baseline": a member's weight is its loss less the population's mean; "centered_rank":
+    # its rank among the population's losses mapped evenly onto [-0.5, 0.5]
+    fitness: str = "baseline"
 
     def check(self, train: TrainConfig) -> None:
         at_least("population", self.population, 2,
-                 " (rewards are standardised over the population)")
+                 " (a member's fitness is relative to the population's)")
         positive("sigma", self.sigma)
+        if self.antithetic and self.population % 2:
+            raise ConfigError(f"train.method.population = {self.population}: must be even with "
+                              "train.method.antithetic = true (members come in mirrored pairs)")
+        if self.fitness not in FITNESS_SHAPINGS:
+            raise ConfigError(f"train.method.fitness = {self.fitness!r}: choose one of "
+                              f"{', '.join(FITNESS_SHAPINGS)}")
+
+    @property
+    def directions(self) -> int:
+        """The seeded directions a step draws: one per member, one per pair if antithetic."""
+        return self.population // 2 if self.antithetic else self.population
 
 
 METHODS = (

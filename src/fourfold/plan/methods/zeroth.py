@@ -51,18 +51,20 @@ class MeZOModel(ForwardOnlyModel):
 
 
 class ESModel(ForwardOnlyModel):
-    time_note = ("step time: es's forwards (population / data per replica) and 3 x population "
-                 "noise passes (the noise's cost is probed on the cpu machine, modelled on "
-                 "GPUs)")
+    time_note = ("step time: es's forwards (population / data per replica) and 2 x population "
+                 "+ directions noise passes (the noise's cost is probed on the cpu machine, "
+                 "modelled on GPUs)")
 
     def cost(self, model: ModelConfig, shape: GridShape, train: TrainConfig, rates: Rates,
              precision: Precision) -> MethodCost:
-        """The members a data replica evaluates (ceil(population / data)) and 3 x population
-        noise passes (every rank perturbs and restores every member, then rebuilds the update
-        from all seeds)."""
-        population = cast(ESOptions, train.options()).population
-        members = -(-population // shape.data)
-        return MethodCost(members, 1, 3 * population * noise_seconds(model, shape, rates))
+        """The members a data replica evaluates (ceil(population / data)) and 2 x population
+        + directions noise passes (every rank perturbs and restores every member, then
+        rebuilds the update from every direction's seed: one per member, one per antithetic
+        pair)."""
+        options = cast(ESOptions, train.options())
+        members = -(-options.population // shape.data)
+        passes = 2 * options.population + options.directions
+        return MethodCost(members, 1, passes * noise_seconds(model, shape, rates))
 
 
 MEZO = MeZOModel()

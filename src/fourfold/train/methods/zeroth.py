@@ -106,11 +106,23 @@ class MeZO(TrainingMethod):
         self.steps_done = int(meta["steps_done"])
 
 
+def centered_ranks(losses: list[float]) -> list[float]:
+    """Each loss's rank among `losses` (0 the lowest; ties in member order) mapped evenly onto
+    [-0.5, 0.5]: OpenAI-ES's fitness shaping, with the loss as a negative reward."""
+    order = sorted(range(len(losses)), key=lambda m: (losses[m], m))
+    ranks = [0.0] * len(losses)
+    for rank, m in enumerate(order):
+        ranks[m] = rank / (len(losses) - 1) - 0.5
+    return ranks
+
+
 class EvolutionStrategies(TrainingMethod):
-    """Evolution strategies (after EA4LLM / OpenAI-ES): train.method.population members w + sigma z_m,
-    each evaluated on the same batch; w <- w + lr / N *
-    sum_m r_m z_m with r_m = -(L_m - mean L) / sigma (the mean as baseline), rebuilt from the seeds
-    on every rank.
+    """Evolution strategies (after OpenAI-ES and EA4LLM): train.method.population members
+    w + sigma s_m z_m, each evaluated on the same batch; w <- w - lr / (N sigma) *
+    sum_m f_m s_m z_m, rebuilt from the seeds on every rank. The fitness f_m is the member's
+    loss less the population's mean (fitness = "baseline") or its centered rank
+    ("centered_rank"); with antithetic pairs member m takes direction z_(m // 2) with sign
+    s_m = +1 for even m, -1 for odd, else its own z_m with s_m = +1.
 
     Members are spread over the data-parallel replicas (member m on replica m % data), so the
     batch is split over z only and each replica evaluates its members on the whole batch; the
@@ -126,9 +138,16 @@ class EvolutionStrategies(TrainingMethod):
         assert isinstance(options, ESOptions)
         self.views = param_views(pmodel, tied_output)
         self.seed, self.sigma, self.population = cfg.seed, options.sigma, options.population
+        self.antithetic, self.fitness = options.antithetic, options.fitness
         self.weight_decay = cfg.effective_weight_decay()
         self.steps_done = 0
         self.hooks = hooks or PhaseHooks()
+
+    def direction(self, member: int) -> tuple[int, float]:
+        """(the index of the seeded direction member `member` steps along, its sign)."""
+        if self.antithetic:
+            return member // 2, -1.0 if member % 2 else 1.0
+        return member, 1.0
 
     def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
@@ -136,25 +155,33 @@ class EvolutionStrategies(TrainingMethod):
         replica, replicas = grid.coord("data"), grid.size("data")
         losses = torch.zeros(n, dtype=torch.float64)
         for m in range(n):
-            add_noise(self.views, self.seed, step, {m: self.sigma})
+            d, sign = self.direction(m)
+            add_noise(self.views, self.seed, step, {d: sign * self.sigma})
             if m % replicas == replica:
                 losses[m] = _forward_loss(data, self.hooks.before_forward)
-            add_noise(self.views, self.seed, step, {m: -self.sigma})
+            add_noise(self.views, self.seed, step, {d: -sign * self.sigma})
         # n floats over the whole grid: z sums the batch shards, data gathers the members;
         # x and y hold copies
         if grid.world_size > 1:
             summed = pmodel.comm.all_reduce(losses.to(grid.device), "all").wait().cpu()
             losses = summed / (grid.size("x") * grid.size("y"))
         loss = float(losses.mean())
-        # the gradient estimate sum_m (L_m - mean L) z_m / (n sigma), with the mean as baseline:
-        # unbiased, and on the same scale as a gradient (lr means what it means for SGD)
-        weights = [(float(losses[m]) - loss) / (n * self.sigma) for m in range(n)]
-        size = math.sqrt(sum(w * w for w in weights))
+        values = [float(v) for v in losses]
+        fitness = (centered_ranks(values) if self.fitness == "centered_rank"
+                   else [v - loss for v in values])
+        # the gradient estimate sum_m f_m s_m z_m / (n sigma): with the mean as baseline
+        # unbiased and on the same scale as a gradient (lr means what it means for SGD); each
+        # direction's coefficient sums its members' (a mirrored pair: f_+ - f_-)
+        coefs: dict[int, float] = {}
+        for m, f in enumerate(fitness):
+            d, sign = self.direction(m)
+            coefs[d] = coefs.get(d, 0.0) + sign * f / (n * self.sigma)
+        size = math.sqrt(sum(c * c for c in coefs.values()))
         reason = guard.check(loss, size) if guard is not None else None
         self.steps_done += 1
         if reason is not None or not math.isfinite(loss):
             return StepResult(loss, size, True, reason or "non-finite loss")
-        add_noise(self.views, self.seed, step, {m: -lr * w for m, w in enumerate(weights)},
+        add_noise(self.views, self.seed, step, {d: -lr * c for d, c in coefs.items()},
                   decay=lr * self.weight_decay)
         return StepResult(loss, size)
 
