@@ -32,7 +32,9 @@ def _config() -> Config:
 
 @pytest.fixture(scope="module")
 def reports() -> list[RankReport]:
-    return simulate(_config(), SHAPE, default_ranks(SHAPE), load_machine("dgx-h100"))
+    # one resumed step reaches a run's peak; the end of a run has a test of its own
+    return simulate(_config(), SHAPE, default_ranks(SHAPE), load_machine("dgx-h100"), steps=1,
+                    resumed=True, end_of_run=False)
 
 
 def test_default_ranks_are_the_corners() -> None:
@@ -54,7 +56,7 @@ def test_planner_tensor_terms_close_to_the_simulated_peak(reports: list[RankRepo
         assert r.planned_memory is not None
         planned = planner_tensor_bytes(r.planned_memory)
         assert abs(r.peak / planned - 1) < 0.05, (r.rank, r.peak, planned, r.peaks)
-        assert min(r.peaks.values()) > 0
+        assert min(r.peaks[p] for p in PHASES) > 0
 
 
 @pytest.mark.slow
