@@ -4,8 +4,7 @@
 # visible GPUs with a grid when there are several; print tokens/s, MFU and peak memory per
 # GPU. Before them, the one-rank engine check (engine_check below) and one rank of a 70b job on
 # 1,024 GPUs run for real on this GPU with fake collectives (simulate_check below, a minute or
-# two). Exits 2 with
-# one line when no CUDA GPU is visible, 1 when a run or a check fails.
+# two). Exits 2 with one line when no CUDA GPU is visible, 1 when a run or a check fails.
 #
 #   bash bench/gpu_smoke.sh                 # everything (about 2-4 minutes on one H100/H200)
 #   STEPS=10 PRESETS="125m" bash bench/gpu_smoke.sh
