@@ -183,6 +183,19 @@ def test_the_end_of_a_run_is_simulated_through_the_trainer() -> None:
     assert "the export's largest full tensor" in text
 
 
+@pytest.mark.slow
+def test_steps_only_leaves_the_end_of_a_run_out(tmp_path, capsys) -> None:
+    from fourfold.cli import main
+
+    config = tmp_path / "c.toml"
+    config.write_text('[model]\npreset = "debug"\n')
+    code = main(["simulate", str(config), "--world", "4", "--grid", "1,1,2,2", "--ranks", "3",
+                 "--steps-only"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "validation not run, checkpoint not run, export not run" in out, out
+
+
 def test_device_cuda_without_a_gpu_is_one_line(tmp_path, capsys, monkeypatch) -> None:
     from fourfold.cli import main
 

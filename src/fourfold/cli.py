@@ -256,7 +256,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fourfold.simulate import simulate_main
 
     return simulate_main(args.config, args.world, args.grid, args.ranks, args.machine,
-                         args.overrides, args.device)
+                         args.overrides, args.device, end_of_run=not args.steps_only)
 
 
 def cmd_plan(argv: list[str]) -> int:
@@ -355,6 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="real shards and kernels on this device, collectives still fake: "
                                "the real peak memory and compute time per step (default: fake "
                                "tensors, no memory)")
+    simulate.add_argument("--steps-only", action="store_true",
+                          help="leave out the end of a run (validation, checkpoint staging, "
+                               "export): on rank 0 of a very large job the export's assembly "
+                               "of every full tensor takes minutes")
     simulate.set_defaults(handler=cmd_simulate)
 
     prepare = sub.add_parser("prepare", help="tokenize text into a DATA_DIR of token shards")

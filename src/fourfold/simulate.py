@@ -637,8 +637,9 @@ def check_reports(reports: list[RankReport], shape: GridShape, machine: Machine)
 
 def simulate_main(config: str | None, world: int, grid: str | None, ranks: str | None,
                   machine_name: str | None, overrides: list[str],
-                  device: str | None = None) -> int:
-    """`fourfold simulate`: print the table, 0, or raise SimulationError."""
+                  device: str | None = None, end_of_run: bool = True) -> int:
+    """`fourfold simulate`: print the table, 0, or raise SimulationError (`device`,
+    `end_of_run`: as simulate_rank has them)."""
     from fourfold.config import ConfigError, load_config
     from fourfold.plan.machine_file import load_machine
 
@@ -657,7 +658,7 @@ def simulate_main(config: str | None, world: int, grid: str | None, ranks: str |
         p = cfg.parallel
         shape = GridShape.resolve(p.x, p.y, p.z, p.data, world)
     chosen = _ints(ranks, "--ranks") if ranks else default_ranks(shape)
-    return _simulate_and_print(cfg, shape, chosen, machine, device)
+    return _simulate_and_print(cfg, shape, chosen, machine, device, end_of_run)
 
 
 def simulate_planned(cfg: Config, shape: GridShape, machine: Machine) -> int:
@@ -667,10 +668,10 @@ def simulate_planned(cfg: Config, shape: GridShape, machine: Machine) -> int:
 
 
 def _simulate_and_print(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
-                        device: str | None) -> int:
+                        device: str | None, end_of_run: bool = True) -> int:
     reports = simulate(cfg, shape, ranks, machine,
                        progress=lambda line: print(line, file=sys.stderr, flush=True),
-                       device=device)
+                       device=device, end_of_run=end_of_run)
     print(format_report(reports, shape, machine))
     check_reports(reports, shape, machine)
     return 0
