@@ -89,16 +89,16 @@ class HeapPeak(torch.utils._python_dispatch.TorchDispatchMode):
     """glibc's heap in use (mallinfo2) after every aten op: the most tensor bytes alive at
     once on a CPU process, as a GPU's max_memory_allocated counts them."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.float32_gemms = not cpu_has_bfloat16_gemm()
+
     def __enter__(self) -> "HeapPeak":
         # earlier work's cyclic garbage (a test's models) freed during the run would read as
         # a lower peak: in one pytest process after 170 tests, AdamW's read 29% low
         gc.collect()
         self.start = self.peak = _heap()[0]
         return super().__enter__()
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.float32_gemms = not cpu_has_bfloat16_gemm()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

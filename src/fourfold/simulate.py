@@ -58,6 +58,7 @@ from fourfold.parallel.grid import AXES, RANK_ORDER, Axis, Grid, GridShape
 from fourfold.plan.catalog import Machine
 from fourfold.plan.memory import MemoryBreakdown
 from fourfold.plan.perf import StepPrediction
+from fourfold.train.metrics import proc_status_bytes
 
 PHASES = ("build", "forward", "backward", "optimizer")  # of the training steps
 # the rest of a run (Trainer.fit), after the steps: a validation, a checkpoint's staging, the
@@ -141,7 +142,7 @@ class DeviceMemory:
             self.baseline = 0
             self.start = torch.cuda.memory_allocated(device)  # a leak would show here
         else:
-            self.baseline = self.start = _proc_status_bytes("VmRSS")
+            self.baseline = self.start = proc_status_bytes("VmRSS")
             self.resettable = _reset_resident_peak()
 
     def enter(self, phase: str) -> None:
@@ -155,7 +156,7 @@ class DeviceMemory:
             peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            peak = _proc_status_bytes("VmHWM") - self.baseline
+            peak = proc_status_bytes("VmHWM") - self.baseline
             if self.resettable:
                 _reset_resident_peak()
         self.peaks[self.phase] = max(self.peaks[self.phase], peak)
@@ -175,18 +176,6 @@ def _no_value(dtype: torch.dtype) -> float | int | bool:
     if dtype == torch.bool:
         return False
     return math.nan if dtype.is_floating_point or dtype.is_complex else 0
-
-
-def _proc_status_bytes(field_name: str) -> int:
-    """A `kB` field of /proc/self/status in bytes (0 where there is none: not Linux)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _reset_resident_peak() -> bool:

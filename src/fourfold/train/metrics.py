@@ -68,6 +68,19 @@ def job_peak_flops(device: torch.device, dtype: str, world_size: int,
     return None
 
 
+def proc_status_bytes(field_name: str) -> int:
+    """A `kB` field of /proc/self/status (VmHWM, VmRSS) in bytes; 0 where there is none (no
+    /proc: macOS)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this process: allocated tensor memory on a GPU; on CPU the process's
     peak resident set, which also counts Python and library memory. On Linux that is VmHWM
@@ -76,13 +89,9 @@ def peak_memory_bytes(device: torch.device) -> int:
     of a process holding 1 GiB: tests/test_train_metrics.py)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:  # no /proc (macOS)
-        pass
+    hwm = proc_status_bytes("VmHWM")
+    if hwm:
+        return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS reports bytes, Linux KiB
 
