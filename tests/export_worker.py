@@ -57,9 +57,12 @@ def main() -> None:
     same = complete and path.read_bytes() == single.read_bytes()
     flag = torch.ones(1)
     dist.all_reduce(flag)  # a collective after the export: nothing left waiting in gloo
-    print(json.dumps({"rank": rank, "complete": complete, "same": same, "left_s": left,
-                      "after": int(flag.item()), "writes": writes[0] if rank == 0 else None}),
-          flush=True)
+    # one write of the whole line: print writes the text and its newline apart, and the
+    # ranks share one pipe, so two ranks' lines could run together
+    line = json.dumps({"rank": rank, "complete": complete, "same": same, "left_s": left,
+                       "after": int(flag.item()), "writes": writes[0] if rank == 0 else None})
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     dist.barrier()
     leave_job(0)
 
