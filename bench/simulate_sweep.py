@@ -5,9 +5,12 @@ For each grid the planner enumerates for MODEL on WORLD ranks (with the micro-ba
 accumulation and activation checkpointing it picks for that grid), nearest the memory a rank
 has first, rank 0 (with --last also the last rank) is built and stepped once under torch's
 fake process group and fake tensors (fourfold.simulate), one grid after another in this
-process. Each rank starts as a resumed
-run does, its AdamW state made before the step, so that one step reaches the peak of every
-later step (a fresh run makes the state in its first update and peaks in its second step).
+process. Each rank starts as a resumed run does, its AdamW state made before the step, so that
+one step reaches the peak of every later step (a fresh run makes the state in its first update
+and peaks in its second step). A grid that accumulates more than two micro-batches is stepped
+with two (the global batch shrunk to match; its bytes compared with the planner's for two),
+where the planner's memory is the same for both: later micro-batches repeat the second's
+allocations.
 "simulated fits" puts the simulated peak of live tensors in the place of the planner's
 tensor terms (its host runtime term, none on a GPU, stays) against the memory a rank has.
 
@@ -45,14 +48,33 @@ def one_grid(cfg: "Config", shape: "GridShape", machine: "Machine", last: bool) 
 
     began = time.perf_counter()
     ranks = [0, shape.size - 1] if last else [0]
-    reports = simulate(cfg, shape, ranks, machine, steps=1, resumed=True, end_of_run=False)
+    stepped = two_micro_batches(cfg, shape, machine)
+    reports = simulate(stepped, shape, ranks, machine, steps=1, resumed=True, end_of_run=False)
     mem = reports[0].planned_memory
     assert mem is not None
     return {"planned": planner_tensor_bytes(mem), "total": mem.total,
             "peak": max(r.peak for r in reports),
             "same_bytes": all({a: r.step_bytes.get(a, 0) for a in AXES} == r.planned_bytes
                               for r in reports),
-            "seconds": time.perf_counter() - began}
+            "seconds": time.perf_counter() - began, "stepped": stepped.train.grad_accum}
+
+
+def two_micro_batches(cfg: "Config", shape: "GridShape", machine: "Machine") -> "Config":
+    """cfg with at most two micro-batches a step (the global batch shrunk to match), where
+    the planner's memory is the same as with cfg's accumulation: every micro-batch after the
+    second repeats its allocations (the gradients exist from the first on), so the step's
+    peak is reached by the second, and a step of two costs a fraction of one of sixteen."""
+    from fourfold.simulate import planner_figures, simulation_config
+
+    t = cfg.train
+    if t.grad_accum <= 2:
+        return cfg
+    fewer = dataclasses.replace(cfg, train=dataclasses.replace(
+        t, grad_accum=2, batch_size=t.batch_size // t.grad_accum * 2))
+    as_is = planner_figures(simulation_config(cfg, shape), shape, machine)[0].total
+    if planner_figures(simulation_config(fewer, shape), shape, machine)[0].total != as_is:
+        return cfg
+    return fewer
 
 
 def main() -> None:
@@ -127,7 +149,9 @@ def main() -> None:
         equal_bytes += r["same_bytes"]
         if abs(diff) > abs(worst[0]):
             worst = (diff, str(c.shape))
-        table.row(str(c.shape), f"{c.micro_batch} x {c.grad_accum}",
+        accumulation = (f"{c.grad_accum}" if r["stepped"] == c.grad_accum
+                        else f"{c.grad_accum} ({r['stepped']} stepped)")
+        table.row(str(c.shape), f"{c.micro_batch} x {accumulation}",
                   "on" if c.activation_checkpointing else "off",
                   "yes" if planner_fits else "no", "yes" if simulated_fits else "no",
                   f"{r['planned'] / GIB:.2f}", f"{r['peak'] / GIB:.2f}", f"{diff * 100:+.1f}%",

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fourfold.config import Config, model_config
+from fourfold.models.init import TILE_COLS, TILE_ROWS
 from fourfold.parallel.comm import CollectiveError, Comm
 from fourfold.parallel.grid import AXES, Grid, GridShape
 from fourfold.plan.machine_file import load_machine
@@ -153,9 +154,11 @@ def test_a_rank_with_real_tensors_on_cpu_runs_the_code_the_fake_one_does() -> No
     assert real.step_bytes == fake.step_bytes
     assert [(c.op, c.axis, c.dtype, c.shape) for c in real.trace] == \
         [(c.op, c.axis, c.dtype, c.shape) for c in fake.trace]
-    for phase in PHASES + FIT_PHASES:
+    for phase in PHASES[1:] + FIT_PHASES:
         assert abs(real.peaks[phase] / fake.peaks[phase] - 1) < 0.01, (phase, real.peaks,
                                                                        fake.peaks)
+    # fake shards get no initial values: the build leaves out the initialisation's tile
+    assert 0 <= real.peaks["build"] - fake.peaks["build"] <= TILE_ROWS * TILE_COLS * 4
     assert real.device_peaks["forward"] > 0 and real.planned_compute_s is not None
     text = format_report([real], shape, machine)
     assert "real peak resident growth on cpu" in text and "loss per step" in text

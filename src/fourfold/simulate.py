@@ -18,8 +18,9 @@ measures, per rank:
 
 After the steps, the end of a run as `Trainer.fit` has it, through the trainer's own code: a
 validation, a checkpoint's staging and the final export's stream, each a phase of its own, with
-no file written (fake tensors have no bytes to write). The fake group and tensors answer no
-question about values: a host read of a fake tensor (`.item()`, `bool(t)`) raises in a step,
+no file written (fake tensors have no bytes to write). Fake shards get no initial values (their
+tile-by-tile computation is left out of the build, and with it at most one tile of 4 MiB from the
+build's peak). The fake group and tensors answer no question about values: a host read of a fake tensor (`.item()`, `bool(t)`) raises in a step,
 and in those last phases is answered "no value" (NaN, 0, False).
 
 With a device (`device="cpu"` or `"cuda"`) the rank's shards are real tensors on it and every

@@ -33,6 +33,7 @@ from typing import Iterator, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._guards import detect_fake_mode
 
 from fourfold.parallel.comm import CollectiveError
 from fourfold.parallel.grid import Grid, GridError
@@ -65,10 +66,14 @@ def materialize(module: nn.Module, layouts: dict[str, Layout], grid: Grid) -> No
                         f"{type(module).__name__} has no initial_block method to compute its "
                         "shards; build the model on a real device")
     shape, coords = grid.shape, grid.shape.coords(grid.rank)
+    # under fake tensors (fourfold.simulate) a shard has a shape and no values: computing its
+    # initial values tile by tile would only cost thousands of operators per parameter
+    fake = detect_fake_mode() is not None
     for name, p in meta:
         layout = layouts.get(name, REPLICATED)
         full = layout.full_shape(tuple(p.shape), shape)
-        block = init(name, full, layout.block_index(full, shape, coords))
+        block = (torch.empty(layout.local_shape(full, shape)) if fake
+                 else init(name, full, layout.block_index(full, shape, coords)))
         real = nn.Parameter(block.to(device=grid.device, dtype=p.dtype),
                             requires_grad=p.requires_grad)
         if weakref.getweakrefs(real):
