@@ -165,16 +165,28 @@ def test_a_rank_with_real_tensors_on_cpu_runs_the_code_the_fake_one_does() -> No
 
 
 @pytest.mark.slow
-def test_the_end_of_a_run_is_simulated_through_the_trainer() -> None:
-    """After the steps: a validation, a checkpoint's staging and the streamed export run
-    through the trainer's own code; on a GPU machine the snapshot is a copy (checkpoint.async
-    "auto"), which the checkpoint phase's peak shows, and rank 0 assembles full tensors."""
+def test_a_whole_run_is_simulated_through_fit() -> None:
+    """Trainer.fit runs the steps, the logged step's straggler report, validations, the
+    checkpoint's staging, the streamed export and the sample through the trainer's own code;
+    on a GPU machine the snapshot is a copy (checkpoint.async "auto"), which the checkpoint
+    phase's peak shows, and rank 0 assembles full tensors."""
     shape = GridShape(data=2, z=2, y=1, x=2)
     machine = load_machine("dgx-h100")
     first, other = simulate(_debug_config(), shape, [0, 5], machine)
+    (steps_only,) = simulate(_debug_config(), shape, [0], machine, end_of_run=False)
     for r in (first, other):
         assert all(r.peaks[p] > 0 for p in FIT_PHASES), r.peaks
         assert r.staged_bytes > 0
+    # the steps inside fit() are the steps alone: the same bytes, the same peaks (give or
+    # take what fit() holds beside them: its cached validation batch, its counters)
+    assert first.step_bytes == steps_only.step_bytes
+    for phase in PHASES[1:]:
+        assert 0 <= first.peaks[phase] - steps_only.peaks[phase] < 0.01 * first.peaks[phase]
+    # after the steps, the logged step gathers every rank's time (the straggler report), and
+    # the two ranks issue the same collectives on the groups they share
+    after = first.trace[len(steps_only.trace):]
+    assert any(c.op == "all-gather" and c.axis == "all" for c in after), after
+    assert first_trace_difference(shape, [first, other]) is None
     # rank 5 sends its shards and holds nothing more: its export is the state at rest, and the
     # snapshot's copies come on top of that state
     grown = other.peaks["checkpoint"] - other.peaks["export"]
@@ -182,7 +194,7 @@ def test_the_end_of_a_run_is_simulated_through_the_trainer() -> None:
     assert other.export_largest == 0 and first.export_largest > 0
     assert first.peaks["export"] > other.peaks["export"]  # rank 0 assembles each full tensor
     text = format_report([first], shape, machine)
-    assert "then, as fit() ends a run (no file written): validation" in text
+    assert "the rest of fit() (no tensor written): validation" in text
     assert "the export's largest full tensor" in text
 
 
@@ -196,7 +208,7 @@ def test_steps_only_leaves_the_end_of_a_run_out(tmp_path, capsys) -> None:
                  "--steps-only"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "validation not run, checkpoint not run, export not run" in out, out
+    assert "the rest of fit(): not run (the steps only)" in out, out
 
 
 def test_device_cuda_without_a_gpu_is_one_line(tmp_path, capsys, monkeypatch) -> None:

@@ -16,12 +16,15 @@ measures, per rank:
   the ranks of one group must issue the same sequence, or a real job hangs
   (`first_trace_difference`).
 
-After the steps, the end of a run as `Trainer.fit` has it, through the trainer's own code: a
-validation, a checkpoint's staging and the final export's stream, each a phase of its own, with
-no file written (fake tensors have no bytes to write). Fake shards get no initial values (their
-tile-by-tile computation is left out of the build, and with it at most one tile of 4 MiB from the
-build's peak). The fake group and tensors answer no question about values: a host read of a fake tensor (`.item()`, `bool(t)`) raises in a step,
-and in those last phases is answered "no value" (NaN, 0, False).
+By default the steps are a whole run through `Trainer.fit` in a temporary run directory: the
+log of the last step, the validations, the checkpoint after the last step, the final export's
+stream, the final sample and summary.json, each part a phase of its own, with no tensor
+written (fake tensors have no bytes: a simulated grid, `Grid.simulated`, stages its checkpoints
+and streams its export without writing them). Fake shards get no initial values (their
+tile-by-tile computation is left out of the build, and with it at most one tile of 4 MiB from
+the build's peak). The fake group and tensors answer no question about values: a host read of
+a fake tensor (`.item()`, `bool(t)`) raises in a step, and outside the steps is answered "no
+value" (NaN, 0, False).
 
 With a device (`device="cpu"` or `"cuda"`) the rank's shards are real tensors on it and every
 kernel runs; only the collectives stay on the fake group (whose gathers copy the local shard
@@ -36,8 +39,10 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import io
 import math
 import sys
+import tempfile
 import time
 import weakref
 from collections import defaultdict
@@ -64,7 +69,7 @@ from fourfold.train.metrics import proc_status_bytes
 PHASES = ("build", "forward", "backward", "optimizer")  # of the training steps
 # the rest of a run (Trainer.fit), after the steps: a validation, a checkpoint's staging, the
 # final export's stream (their file writes skipped: fake tensors have no bytes to write)
-FIT_PHASES = ("validation", "checkpoint", "export")
+FIT_PHASES = ("validation", "sample", "checkpoint", "export")
 
 
 class SimulationError(FourfoldError, RuntimeError):
@@ -240,16 +245,24 @@ class SimulatedBatches:
         pass
 
 
-def simulation_config(cfg: Config, shape: GridShape) -> Config:
-    """cfg for a simulated rank of `shape`: nothing that reads values on the host (checkpoints
-    during the steps, resume, the memory report, GEMM tuning, compilation), and a validation of
-    one batch (each batch's forward peaks alike; the batches it caches are token ids)."""
+def simulation_config(cfg: Config, shape: GridShape, steps: int = 2) -> Config:
+    """cfg for a simulated rank of `shape` whose run is `steps` steps: nothing that reads
+    values on the host (resume, the memory report, GEMM tuning, compilation), no experiment
+    tracker, and each of fit()'s periodic parts due once, after the last step: the log, a
+    checkpoint (which any run writes on SIGTERM), and those cfg runs at all: a validation of
+    one batch, the sample at the end, of at most two tokens (each validation batch and each
+    generated token runs the same code)."""
     cfg = copy.deepcopy(cfg)
+    t = cfg.train
     cfg.parallel = dataclasses.replace(cfg.parallel, x=shape.x, y=shape.y, z=shape.z,
                                        data=shape.data, auto=False, gemm_tuning=False)
-    cfg.train = dataclasses.replace(cfg.train, memory_report=False, compile=False,
-                                    eval_batches=min(cfg.train.eval_batches, 1))
-    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, resume=False, every=0)
+    cfg.train = dataclasses.replace(
+        t, memory_report=False, compile=False, tensorboard=False, steps=steps, log_every=steps,
+        eval_batches=min(t.eval_batches, 1), eval_every=steps if t.eval_every > 0 else 0,
+        sample_every=0, sample_tokens=min(t.sample_tokens, 2),
+        warmup_steps=min(t.warmup_steps, steps))
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, resume=False, every=steps)
+    cfg.logging = dataclasses.replace(cfg.logging, trackers=[])
     validate(cfg)
     return cfg
 
@@ -281,6 +294,7 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from fourfold.data.tokenizers import ByteTokenizer
     from fourfold.methods import method_spec
     from fourfold.train.build import Run, build_model_parts
     from fourfold.train.checkpoint import init_optimizer_state
@@ -290,7 +304,7 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
     from fourfold.train.trainer import Trainer
 
     say = progress or (lambda line: None)
-    cfg = simulation_config(cfg, shape)
+    cfg = simulation_config(cfg, shape, steps)
     # checkpoints staged as the machine's ranks stage them (on a GPU: copies in host memory)
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint,
                                          async_save=cfg.checkpoint.is_async(on_host))
@@ -301,7 +315,7 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
     dist.init_process_group("fake", rank=rank, world_size=shape.size, store=FakeStore())
     counter = LiveBytes()
     try:
-        with tensors, counter:
+        with contextlib.ExitStack() as stack, tensors, counter:
             meter = DeviceMemory(where) if device is not None else None
             start = time.perf_counter()
             grid = Grid.build(shape, where, timeout_s=cfg.parallel.timeout_s)
@@ -318,9 +332,12 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
             _, shard_count = batch_shard(grid, method_spec(t.optimizer).batch_axes)
             batches = SimulatedBatches(t.batch_size // shard_count, t.seq_len,
                                        cfg.model.vocab_size)
-            run = Run(cfg=cfg, run_dir=Path("simulated"), rank=rank, world_size=shape.size,
-                      device=grid.device, grid=grid, data_dir=Path("simulated"),
-                      tokenizer=None, pmodel=pmodel, compiler=compiler,  # type: ignore[arg-type]
+            run_dir = Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="fourfold-simulate-")))
+            run = Run(cfg=cfg, run_dir=run_dir, rank=rank, world_size=shape.size,
+                      device=grid.device, grid=grid, data_dir=run_dir,
+                      # the sample's tokens are fake (0): bytes decode them
+                      tokenizer=ByteTokenizer(), pmodel=pmodel, compiler=compiler,
                       method=method, host=host,
                       loader=batches, val_loader=batches,  # type: ignore[arg-type]
                       guard=LossGuard(t.spike_threshold))
@@ -329,72 +346,107 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
             if resumed and optimizer is not None:
                 _enter_phase(counter, meter, "optimizer")
                 init_optimizer_state(optimizer)
-            step_seconds, losses = [], []
-            with _PhaseWatch(counter, meter, pmodel, optimizer):
-                for step in range(steps):
-                    begun = time.perf_counter()
-                    stats = trainer.train_step()
-                    _synchronize(where)
-                    step_seconds.append(time.perf_counter() - begun)
-                    if device is not None:
-                        losses.append(stats.loss)
-                    say(f"rank {rank}: step {step + 1} of {steps} in "
-                        f"{step_seconds[-1]:.1f} s")
-            step_bytes = pmodel.ledger.snapshot()
-            # the ledger counts the last step (the trainer resets it as a step begins)
-            step_calls = sum(pmodel.ledger.calls.values())
+            steps_run = _StepRecord(trainer, _PhaseWatch(counter, meter, pmodel, optimizer),
+                                    where, real=device is not None, say=say, steps=steps)
+            if end_of_run:
+                _fit(trainer, steps_run, counter, meter)
+                say(f"rank {rank}: the run's end (log, validation, sample, checkpoint, "
+                    "export) done")
+            else:
+                for _ in range(steps):
+                    steps_run.step()
             by_dtype: dict[tuple[str, str], tuple[int, int]] = defaultdict(lambda: (0, 0))
-            for call in trace[len(trace) - step_calls:]:
+            for call in steps_run.last_step_calls():
                 nbytes, calls = by_dtype[(call.axis, call.dtype)]
                 by_dtype[(call.axis, call.dtype)] = (nbytes + call.nbytes, calls + 1)
-            staged, largest = (_fit_phases(trainer, counter, meter, say) if end_of_run
-                               else (0, 0))
             if meter is not None:
                 meter.close()
             shapes = {name: tuple(p.shape) for name, p in pmodel.named_parameters()}
+            largest = max((math.prod(spec.shape) * spec.dtype.itemsize
+                           for spec in pmodel.full_tensor_specs()), default=0)
     finally:
         dist.destroy_process_group()
     return RankReport(rank=rank, coords=shape.coords(rank), peaks=dict(counter.peaks),
-                      step_bytes=step_bytes, by_dtype=dict(by_dtype),
+                      step_bytes=steps_run.step_bytes, by_dtype=dict(by_dtype),
                       group_seconds=group_seconds, build_seconds=build_seconds,
-                      step_seconds=step_seconds, shard_shapes=shapes, trace=list(trace),
+                      step_seconds=steps_run.seconds, shard_shapes=shapes, trace=list(trace),
                       device=device, device_peaks=dict(meter.peaks) if meter else {},
                       device_reserved=meter.reserved() if meter else 0,
-                      device_start=meter.start if meter else 0, losses=losses,
-                      staged_bytes=staged, export_largest=largest if rank == 0 else 0)
+                      device_start=meter.start if meter else 0, losses=steps_run.losses,
+                      staged_bytes=trainer.checkpoints.staged_bytes,
+                      export_largest=largest if rank == 0 and end_of_run else 0)
 
 
-def _fit_phases(trainer: Any, counter: LiveBytes, meter: DeviceMemory | None,
-                say: Callable[[str], None]) -> tuple[int, int]:
-    """The rest of a run after its steps, through the trainer's own code: a validation
-    (`evaluate`), a checkpoint's staging (the manager's `stage`, every registered part; the
-    write skipped) and the final export's stream (`save_weights_streamed` with no file: rank
-    0 assembles each full tensor in turn; an adapter run's export is not simulated). Their
-    host reads of fake tensors (the validation loss, the loss guard's history) are answered
-    "no value". Returns the staged bytes and the largest full tensor's bytes."""
-    from fourfold.train.runs import save_weights_streamed
+class _StepRecord:
+    """Runs the trainer's steps (its own `train_step`, which fit() calls in its place) with
+    the phase hooks on, each timed to the device's end, and keeps what the report needs of
+    them: the ledger's bytes of the last one, where its collectives end in the trace, and the
+    losses of real tensors. Host reads of fake tensors raise inside a step."""
 
-    cfg = trainer.cfg
-    counter.answer_reads = True  # the validation loss, the loss guard's history
+    def __init__(self, trainer: Any, watch: _PhaseWatch, where: torch.device, real: bool,
+                 say: Callable[[str], None], steps: int) -> None:
+        self.train_step, self.watch, self.where = trainer.train_step, watch, where
+        self.real, self.say, self.steps = real, say, steps
+        self.ledger, self.trace = trainer.pmodel.ledger, trainer.pmodel.ledger.trace
+        self.rank = trainer.grid.rank
+        self.seconds: list[float] = []
+        self.losses: list[float] = []
+        self.step_bytes: dict[str, int] = {}
+        self._trace_end = self._step_calls = 0  # len(trace), the ledger's calls: the last step
+
+    def step(self) -> Any:
+        counter = self.watch.counter
+        answered, counter.answer_reads = counter.answer_reads, False
+        begun = time.perf_counter()
+        try:
+            with self.watch:
+                stats = self.train_step()
+            _synchronize(self.where)
+        finally:
+            counter.answer_reads = answered
+        self.seconds.append(time.perf_counter() - begun)
+        # the ledger counts this step (the trainer resets it as a step begins)
+        self.step_bytes = self.ledger.snapshot()
+        self._trace_end, self._step_calls = len(self.trace), sum(self.ledger.calls.values())
+        if self.real:
+            self.losses.append(stats.loss)
+        self.say(f"rank {self.rank}: step {len(self.seconds)} of {self.steps} in "
+                 f"{self.seconds[-1]:.1f} s")
+        return stats
+
+    def last_step_calls(self) -> list[CollectiveCall]:
+        """The collectives of the last step, in the order it issued them."""
+        return self.trace[self._trace_end - self._step_calls:self._trace_end]
+
+
+def _fit(trainer: Any, steps: _StepRecord, counter: LiveBytes,
+         meter: DeviceMemory | None) -> None:
+    """The whole run through `Trainer.fit`, in a temporary run directory: its steps (`steps`),
+    the log of its last one (the straggler report's gather included), its validations (at
+    step 0 and after the last step), the checkpoint after the last step (staged, not written:
+    CheckpointManager under a simulated grid), then `finish`: the final export's stream (rank
+    0 assembles each full tensor in turn; nothing written; an adapter run's files are not
+    simulated), the final sample and summary.json. Each part is a phase of its own. Outside
+    the steps, host reads of fake tensors (the losses, the sample's tokens) are answered "no
+    value"."""
+    def phased(run: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        def wrapped(*args: Any) -> Any:
+            _enter_phase(counter, meter, phase)
+            return run(*args)
+        return wrapped
+
+    trainer.train_step = steps.step
+    trainer.evaluate = phased(trainer.evaluate, "validation")
+    trainer.sample_text = phased(trainer.sample_text, "sample")
+    trainer.save_checkpoint = phased(trainer.save_checkpoint, "checkpoint")
+    trainer.finish = phased(trainer.finish, "export")
+    counter.answer_reads = True
     try:
-        if cfg.train.eval_batches > 0:
-            _enter_phase(counter, meter, "validation")
-            trainer.evaluate()
-        _enter_phase(counter, meter, "checkpoint")
-        snapshot = trainer.checkpoints.stage()
-        storages = {id(t.untyped_storage()): t.untyped_storage().nbytes()
-                    for t in snapshot.values() if isinstance(t, torch.Tensor)}
-        staged = sum(storages.values())
-        del snapshot
-        if cfg.adapter.kind == "none":
-            _enter_phase(counter, meter, "export")
-            save_weights_streamed(trainer.pmodel, None, cfg.model.tie_embeddings)
+        # the run's own lines (its progress, of "no value" numbers) are not the simulation's
+        with contextlib.redirect_stderr(io.StringIO()):
+            trainer.fit()
     finally:
         counter.answer_reads = False
-    largest = max((math.prod(spec.shape) * spec.dtype.itemsize
-                   for spec in trainer.pmodel.full_tensor_specs()), default=0)
-    say(f"rank {trainer.grid.rank}: validation, checkpoint staging and export done")
-    return staged, largest
 
 
 def _enter_phase(counter: LiveBytes, meter: DeviceMemory | None, phase: str) -> None:
@@ -560,11 +612,15 @@ def format_report(reports: list[RankReport], shape: GridShape, machine: Machine)
                      + ", ".join(f"{s:.1f}" for s in r.step_seconds) + " s")
         lines.append("  peak live tensors by phase: " + ", ".join(
             f"{p} {_amount(r.peaks[p])}" for p in PHASES))
-        lines.append("  then, as fit() ends a run (no file written): " + ", ".join(
-            f"{p} {_amount(r.peaks[p]) if r.peaks.get(p) else 'not run'}" for p in FIT_PHASES)
-            + f"; the checkpoint's snapshot holds {_amount(r.staged_bytes)}"
-            + (f", the export's largest full tensor {_amount(r.export_largest)}"
-               if r.export_largest else ""))
+        if not any(r.peaks.get(p) for p in FIT_PHASES):
+            lines.append("  the rest of fit(): not run (the steps only)")
+        else:
+            lines.append("  the rest of fit() (no tensor written): " + ", ".join(
+                f"{p} {_amount(r.peaks[p]) if r.peaks.get(p) else 'not run'}"
+                for p in FIT_PHASES)
+                + f"; the checkpoint's snapshot holds {_amount(r.staged_bytes)}"
+                + (f", the export's largest full tensor {_amount(r.export_largest)}"
+                   if r.export_largest else ""))
         if r.device is not None:
             lines += _device_lines(r, machine)
         if mem is not None:

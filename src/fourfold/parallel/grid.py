@@ -149,6 +149,13 @@ class Grid:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def simulated(self) -> bool:
+        """One rank of a job simulated in one process (torch's fake process group: every
+        collective returns at once and moves nothing; fourfold.simulate). Its tensors may be
+        fake, with no bytes to write, and no other rank runs beside it."""
+        return self.backend == "fake"
+
     def size(self, axis: Axis) -> int:
         return getattr(self.shape, axis)
 
@@ -401,7 +408,7 @@ def check_shared_directory(path: Path, grid: Grid) -> None:
     """Fail on every rank, in one line, unless every rank sees `path` as the same directory:
     rank 0 writes a token file there and every rank looks for it. Nodes that do not share the
     run directory would otherwise write checkpoints that no one rank holds whole."""
-    if grid.world_size == 1:
+    if grid.world_size == 1 or grid.simulated:  # a simulated rank has no other rank to ask
         return
     token = uuid.uuid4().hex if grid.is_main else ""
     probe = Path(path) / ".fourfold-shared"

@@ -171,7 +171,7 @@ class WriterHandoff:
         self.grid, self.dst = grid, dst
         # a simulated rank (torch's fake process group, fourfold.simulate) is alone: no writer
         # in another process to wait for, and no store behind the group
-        self.store = None if grid.backend == "fake" else \
+        self.store = None if grid.simulated else \
             dist.distributed_c10d._get_default_store()
         # every rank runs every export, so each one's count of them names this one alike
         count = 0 if self.store is None else \

@@ -720,7 +720,7 @@ class CheckpointManager:
         # a one-rank grid that forces the engine (Grid.force_groups) takes the grid's path too
         # a simulated job (torch's fake process group, no data behind it) never saves
         self.distributed = ((grid.world_size > 1 or grid.force_groups) and dist.is_initialized()
-                            and grid.backend != "fake")
+                            and not grid.simulated)
         # A group of its own: the writer thread's collectives never meet training traffic.
         self.group = dist.new_group(backend="gloo") if self.distributed else None
         self.mesh = build_mesh(grid) if self.distributed else None
@@ -731,6 +731,7 @@ class CheckpointManager:
         self._last_saved: Path | None = None
         self._verified: set[str] = set()
         self.damaged: list[tuple[str, str]] = []  # (name, why) that latest_valid skipped
+        self.staged_bytes = 0  # a simulated rank's last checkpoint, staged and not written
         # what the run is (fourfold.rundir.run_identity): each manifest records it, and a
         # resuming run is compared with it
         self.identity: dict[str, str] = {}
@@ -778,6 +779,14 @@ class CheckpointManager:
         failed earlier asynchronous save or (synchronously) a failed write."""
         self.wait()
         snapshot = self._snapshot(extra)
+        if self.grid.simulated:
+            # a simulated rank (fourfold.simulate) stages what it would write, so that its
+            # memory is measured, and writes nothing: its fake tensors have no bytes, and no
+            # other rank writes its shards beside it
+            self.staged_bytes = sum({id(t.untyped_storage()): t.untyped_storage().nbytes()
+                                     for t in snapshot.values()
+                                     if isinstance(t, torch.Tensor)}.values())
+            return
         if not self.async_save:
             self._last_saved = self._write(step, snapshot)
             return
@@ -790,12 +799,6 @@ class CheckpointManager:
 
         self._thread = threading.Thread(target=run, name=f"checkpoint-step-{step}", daemon=True)
         self._thread.start()
-
-    def stage(self, extra: Any = None) -> dict[str, Any]:
-        """What `save` would write after this step, staged as it stages it (on the CPU; copies
-        under checkpoint.async), and not written: a simulated rank (fourfold.simulate)
-        measures the staging's memory; its fake tensors have no bytes to write."""
-        return self._snapshot(extra)
 
     def wait(self) -> Path | None:
         """Wait for an asynchronous save; return the newest checkpoint this manager wrote.

@@ -62,9 +62,12 @@ class RunLog:
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.hardware_flops_per_token = hardware_flops_per_token(
             cfg.model, t.seq_len, t.activation_checkpointing)
-        # the whole job's peak, as the planner's MFU counts it (one hardware catalog)
-        world = pmodel.grid.world_size
-        self.peak_flops = job_peak_flops(self.device, t.dtype, world) if is_main else None
+        # the whole job's peak, as the planner's MFU counts it (one hardware catalog); none for
+        # a simulated rank, whose steps' times are those of fake tensors (and whose matmuls
+        # would make a probe of this host meaningless)
+        grid = pmodel.grid
+        self.peak_flops = (job_peak_flops(self.device, t.dtype, grid.world_size)
+                           if is_main and not grid.simulated else None)
         self._peak_refreshed = False
         self.window = LogWindow()  # the steps since the last logged one
         self._first = True

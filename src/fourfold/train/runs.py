@@ -47,11 +47,12 @@ def save_weights_streamed(pmodel: "ParallelModel", path: Path | None, tie_embedd
     """Write the full model of a parallelized `pmodel` to safetensors, as save_weights does,
     streaming one tensor at a time to `writer_rank`, which alone writes (via a temporary name):
     no rank ever holds the whole model. Collective: every rank of the grid calls it. `path`
-    None: the same stream (`writer_rank` assembles each full tensor), nothing written (a
-    simulated rank, whose fake tensors have no bytes)."""
+    None, or a simulated grid (Grid.simulated, whose fake tensors have no bytes): the same
+    stream (`writer_rank` assembles each full tensor), nothing written."""
     specs = pmodel.full_tensor_specs()
     keep = {s.name: s.name for s in specs if not (tie_embeddings and s.name == "output.weight")}
-    write_streamed(path if pmodel.grid.rank == writer_rank else None, specs,
+    writes = pmodel.grid.rank == writer_rank and not pmodel.grid.simulated
+    write_streamed(path if writes else None, specs,
                    pmodel.stream_full_tensors(writer_rank), {"format": "fourfold"}, keep)
 
 

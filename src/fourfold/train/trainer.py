@@ -41,8 +41,8 @@ from fourfold.train.loop import Periodic, RunLog
 from fourfold.train.metrics import peak_memory_bytes
 from fourfold.train.optim import LRSchedule
 from fourfold.train.progress import describe_run
-from fourfold.train.resilience import (DeviceJudgement, LossGuard, UpdateGate, restart_count,
-                                       resume_record)
+from fourfold.train.resilience import (FINE, DeviceJudgement, LossGuard, UpdateGate,
+                                       restart_count, resume_record)
 from fourfold.train.runs import (CONFIG_FILE, SAMPLES_FILE, WEIGHTS_FILE,
                                  save_weights_streamed, write_summary)
 from fourfold.train.sampling import generate, generate_on_grid
@@ -89,8 +89,10 @@ class StepStats:
 
     def _set_read(self, values: list[float]) -> None:
         loss, grad_norm, code, mean, applied, fraction = values
+        # a simulated rank's fake numbers read as NaN (fourfold.simulate): no verdict, applied
+        verdict = int(code) if math.isfinite(code) else FINE
         reason = "" if self._guard is None else self._guard.reason(
-            int(code), loss, grad_norm, mean) or ""
+            verdict, loss, grad_norm, mean) or ""
         if not applied and not reason:
             reason = ("an earlier step was bad (train.nan_policy = \"stop\" keeps its weights "
                       "until the host sees it)")
@@ -215,7 +217,7 @@ class Trainer:
 
         # what the run must be to resume at all (checked against a checkpoint's manifest); a
         # simulated rank (torch's fake process group, fourfold.simulate) has no data directory
-        self.identity = ({} if self.grid.backend == "fake" else run_identity(
+        self.identity = ({} if self.grid.simulated else run_identity(
             self.cfg, self.data_dir, self.cfg.data.tokenizer_fingerprint))
         self.checkpoints = self._checkpoint_manager()
         self.stop: StopAgreement | None = None  # asked after every step, when set
@@ -501,7 +503,7 @@ class Trainer:
             # Collective: the weights stream to the main rank one tensor at a time.
             save_weights_streamed(self.pmodel, self.run_dir / WEIGHTS_FILE,
                                   self.cfg.model.tie_embeddings)
-        else:
+        elif not self.grid.simulated:  # (an adapter run's files are not simulated)
             # The merged model, streamed as above, and the adapter alone in peft's files.
             write_adapter_run(self.pmodel, self.cfg, self.run_dir, self.run_dir / WEIGHTS_FILE)
         final_sample = None
