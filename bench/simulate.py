@@ -1,10 +1,11 @@
-"""Simulation at scale: the real build and two training steps of rank 0 and the last rank of
-`70b` on 1,024 ranks and `405b` on 16,384 (bfloat16, sequence 8192, activation checkpointing,
-one sequence per batch shard, the planner's grid on dgx-h100), each in a fresh process under
-torch's fake process group and fake tensors (fourfold.simulate): the simulated peak of live
-tensors against the planner's tensor terms, the bytes per axis against the planner's, the
-peaks of the end of a run (a validation, a checkpoint's staging, the streamed export; no file
-written), the wall time and the process's resident peak.
+"""Simulation at scale: the real build and a two-step run (Trainer.fit) of rank 0 and the
+last rank of `70b` on 1,024 ranks and `405b` on 16,384 (bfloat16, sequence 8192, activation
+checkpointing, one sequence per batch shard, the planner's grid on dgx-h100), each in a fresh
+process under torch's fake process group and fake tensors (fourfold.simulate): the simulated
+peak of live tensors against the planner's tensor terms, the bytes per axis against the
+planner's, the peaks of the rest of the run through Trainer.fit (a validation, the final
+sample, a checkpoint's staging, the streamed export; no tensor written), the wall time and
+the process's resident peak.
 
     python bench/simulate.py [--cases 70b:1024:128,405b:16384:1024] [--machine dgx-h100]
         [--ranks 0,-1]
@@ -69,12 +70,12 @@ def main() -> None:
         return
     header("Does the planner match the real code of a rank at scale?",
            "fake process group + FakeTensorMode; peak = live tensor bytes (planner: its total "
-           "less the host runtime); bytes = one step's ledger per axis; val / ckpt / export = "
-           "the peaks after the steps (a validation, a checkpoint's staging, the streamed "
-           "export: no file written; on a GPU the snapshot and the full tensors are in host "
-           "memory)")
+           "less the host runtime); bytes = one step's ledger per axis; val / sample / ckpt / "
+           "export = the peaks of the rest of fit() (a validation, the final sample, a "
+           "checkpoint's staging, the streamed export: no tensor written; on a GPU the "
+           "snapshot and the full tensors are in host memory)")
     table = Table("model", "ranks", "grid", "rank", "peak GiB", "planner GiB", "diff",
-                  "bytes x / y / z / data (GB)", "= planner", "val / ckpt / export GiB",
+                  "bytes x / y / z / data (GB)", "= planner", "val / sample / ckpt / export GiB",
                   "wall s", "resident GiB")
     for case in args.cases.split(","):
         model, world, batch = case.split(":")

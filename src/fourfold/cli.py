@@ -329,11 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(handler=cmd_train)
 
     simulate = sub.add_parser(
-        "simulate", help="run the build and two steps of chosen ranks of an N-rank job in one "
+        "simulate", help="run the build and a two-step run of chosen ranks of an N-rank job in one "
                          "process, with fake collectives and tensors, beside the planner",
-        description="Build chosen ranks of an N-rank job and run two training steps each, "
-                    "then a validation, a checkpoint's staging and the final export (no file "
-                    "written), under torch's fake process group and fake tensors (no memory, "
+        description="Build chosen ranks of an N-rank job and run a two-step run of each "
+                    "through Trainer.fit (the log, validations, a checkpoint's staging, the "
+                    "final export and sample; no tensor written), under torch's fake process group and fake tensors (no memory, "
                     "no GPU; --device: real tensors and kernels); print their peak tensor "
                     "memory by phase and bytes per axis beside the planner's, and fail when a "
                     "rank does not fit or the ranks of a group would issue different "
@@ -356,9 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
                                "the real peak memory and compute time per step (default: fake "
                                "tensors, no memory)")
     simulate.add_argument("--steps-only", action="store_true",
-                          help="leave out the end of a run (validation, checkpoint staging, "
-                               "export): on rank 0 of a very large job the export's assembly "
-                               "of every full tensor takes minutes")
+                          help="the two steps alone, outside Trainer.fit (no log, "
+                               "validation, sample, checkpoint or export): on rank 0 of a very "
+                               "large job the export's assembly of every full tensor takes "
+                               "minutes")
     simulate.set_defaults(handler=cmd_simulate)
 
     prepare = sub.add_parser("prepare", help="tokenize text into a DATA_DIR of token shards")
