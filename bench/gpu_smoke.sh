@@ -240,9 +240,9 @@ PYEOF
 
 # One rank of a large job on this one GPU (`fourfold simulate --device cuda`): the last rank of
 # 70b on 1,024 GPUs (the planner's grid on dgx-h100, bfloat16, sequence 8192, activation
-# checkpointing), built with its real shards and run for two steps, a validation, a checkpoint's
-# staging and the export with real kernels while the collectives stay on torch's fake process
-# group. Prints the simulate table: the real peak (torch.cuda.max_memory_allocated) and compute
+# checkpointing), built with its real shards and run through Trainer.fit for two steps (the log,
+# validations, the sample, a checkpoint's staging and the export) with real kernels while the
+# collectives stay on torch's fake process group. Prints the simulate table: the real peak (torch.cuda.max_memory_allocated) and compute
 # time per step beside the planner's. Not rank 0: its export assembles every full tensor of the
 # model in host memory, minutes for 70b. SIMULATE="MODEL:WORLD:BATCH" picks another case;
 # SIMULATE="" skips it.

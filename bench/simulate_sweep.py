@@ -49,7 +49,7 @@ def one_grid(cfg: "Config", shape: "GridShape", machine: "Machine", last: bool) 
     began = time.perf_counter()
     ranks = [0, shape.size - 1] if last else [0]
     stepped = two_micro_batches(cfg, shape, machine)
-    reports = simulate(stepped, shape, ranks, machine, steps=1, resumed=True, end_of_run=False)
+    reports = simulate(stepped, shape, ranks, machine, steps=1, resumed=True, whole_run=False)
     mem = reports[0].planned_memory
     assert mem is not None
     return {"planned": planner_tensor_bytes(mem), "total": mem.total,

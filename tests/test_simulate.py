@@ -35,7 +35,7 @@ def _config() -> Config:
 def reports() -> list[RankReport]:
     # one resumed step reaches a run's peak; the end of a run has a test of its own
     return simulate(_config(), SHAPE, default_ranks(SHAPE), load_machine("dgx-h100"), steps=1,
-                    resumed=True, end_of_run=False)
+                    resumed=True, whole_run=False)
 
 
 def test_default_ranks_are_the_corners() -> None:
@@ -173,7 +173,7 @@ def test_a_whole_run_is_simulated_through_fit() -> None:
     shape = GridShape(data=2, z=2, y=1, x=2)
     machine = load_machine("dgx-h100")
     first, other = simulate(_debug_config(), shape, [0, 5], machine)
-    (steps_only,) = simulate(_debug_config(), shape, [0], machine, end_of_run=False)
+    (steps_only,) = simulate(_debug_config(), shape, [0], machine, whole_run=False)
     for r in (first, other):
         assert all(r.peaks[p] > 0 for p in FIT_PHASES), r.peaks
         assert r.staged_bytes > 0

@@ -41,7 +41,7 @@ def simulated(request: pytest.FixtureRequest) -> tuple[GridShape, list[RankRepor
     shape, _ = choose_grid(cfg.model, world, machine, batch, SEQ, dtype="bfloat16",
                            activation_checkpointing=True)
     return shape, simulate(cfg, shape, [0, shape.size - 1], machine, steps=1, resumed=True,
-                           end_of_run=False)
+                           whole_run=False)
 
 
 def test_bytes_per_axis_are_the_planners(simulated: tuple[GridShape, list[RankReport]]) -> None:

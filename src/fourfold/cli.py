@@ -256,7 +256,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fourfold.simulate import simulate_main
 
     return simulate_main(args.config, args.world, args.grid, args.ranks, args.machine,
-                         args.overrides, args.device, end_of_run=not args.steps_only)
+                         args.overrides, args.device, whole_run=not args.steps_only)
 
 
 def cmd_plan(argv: list[str]) -> int:

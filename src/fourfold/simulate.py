@@ -281,7 +281,7 @@ def default_ranks(shape: GridShape) -> list[int]:
 def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = False,
                   steps: int = 2, progress: Callable[[str], None] | None = None,
                   device: str | None = None, resumed: bool = False,
-                  end_of_run: bool = True) -> RankReport:
+                  whole_run: bool = True) -> RankReport:
     """Build rank `rank` of a job on `shape` and run `steps` training steps, under the fake
     process group and fake tensors (torch.distributed must not be initialized). `on_host`:
     the simulated ranks keep their tensors in host memory (the host-memory policy's choices,
@@ -290,7 +290,7 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
     optimizer's state made before the first step (init_optimizer_state, which a checkpoint
     loads into), so that the first step already holds what every later one holds and one step
     reaches a run's peak (a fresh run makes the state in its first step's update).
-    `end_of_run`: after the steps, the validation, checkpoint staging and export phases."""
+    `whole_run`: the steps as a run through Trainer.fit (see _fit); else the steps alone."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -348,7 +348,7 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
                 init_optimizer_state(optimizer)
             steps_run = _StepRecord(trainer, _PhaseWatch(counter, meter, pmodel, optimizer),
                                     where, real=device is not None, say=say, steps=steps)
-            if end_of_run:
+            if whole_run:
                 _fit(trainer, steps_run, counter, meter)
                 say(f"rank {rank}: the run's end (log, validation, sample, checkpoint, "
                     "export) done")
@@ -374,7 +374,7 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
                       device_reserved=meter.reserved() if meter else 0,
                       device_start=meter.start if meter else 0, losses=steps_run.losses,
                       staged_bytes=trainer.checkpoints.staged_bytes,
-                      export_largest=largest if rank == 0 and end_of_run else 0)
+                      export_largest=largest if rank == 0 and whole_run else 0)
 
 
 class _StepRecord:
@@ -577,9 +577,9 @@ def planned_step(cfg: Config, shape: GridShape, machine: Machine) -> StepPredict
 def simulate(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
              steps: int = 2, progress: Callable[[str], None] | None = None,
              device: str | None = None, resumed: bool = False,
-             end_of_run: bool = True) -> list[RankReport]:
+             whole_run: bool = True) -> list[RankReport]:
     """Simulate each of `ranks` of a job of cfg on `shape`, with the planner's figures
-    (`steps`, `device`, `resumed`, `end_of_run`: as simulate_rank has them)."""
+    (`steps`, `device`, `resumed`, `whole_run`: as simulate_rank has them)."""
     for rank in ranks:
         if not 0 <= rank < shape.size:
             raise SimulationError(f"--ranks {rank}: the grid {shape} has ranks 0 to "
@@ -594,7 +594,7 @@ def simulate(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
             progress(f"simulating rank {rank} ({i + 1} of {len(ranks)}) of grid {shape}"
                      + (f" with real tensors on {device}" if device else ""))
         report = simulate_rank(cfg, shape, rank, machine.device.shared_host, steps, progress,
-                               device, resumed, end_of_run)
+                               device, resumed, whole_run)
         report.planned_memory, report.planned_bytes = memory, comm_bytes
         report.planned_compute_s = compute_s
         reports.append(report)
@@ -683,9 +683,9 @@ def check_reports(reports: list[RankReport], shape: GridShape, machine: Machine)
 
 def simulate_main(config: str | None, world: int, grid: str | None, ranks: str | None,
                   machine_name: str | None, overrides: list[str],
-                  device: str | None = None, end_of_run: bool = True) -> int:
+                  device: str | None = None, whole_run: bool = True) -> int:
     """`fourfold simulate`: print the table, 0, or raise SimulationError (`device`,
-    `end_of_run`: as simulate_rank has them)."""
+    `whole_run`: as simulate_rank has them)."""
     from fourfold.config import ConfigError, load_config
     from fourfold.plan.machine_file import load_machine
 
@@ -704,7 +704,7 @@ def simulate_main(config: str | None, world: int, grid: str | None, ranks: str |
         p = cfg.parallel
         shape = GridShape.resolve(p.x, p.y, p.z, p.data, world)
     chosen = _ints(ranks, "--ranks") if ranks else default_ranks(shape)
-    return _simulate_and_print(cfg, shape, chosen, machine, device, end_of_run)
+    return _simulate_and_print(cfg, shape, chosen, machine, device, whole_run)
 
 
 def simulate_planned(cfg: Config, shape: GridShape, machine: Machine) -> int:
@@ -714,10 +714,10 @@ def simulate_planned(cfg: Config, shape: GridShape, machine: Machine) -> int:
 
 
 def _simulate_and_print(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
-                        device: str | None, end_of_run: bool = True) -> int:
+                        device: str | None, whole_run: bool = True) -> int:
     reports = simulate(cfg, shape, ranks, machine,
                        progress=lambda line: print(line, file=sys.stderr, flush=True),
-                       device=device, end_of_run=end_of_run)
+                       device=device, whole_run=whole_run)
     print(format_report(reports, shape, machine))
     check_reports(reports, shape, machine)
     return 0
