@@ -254,3 +254,32 @@ def test_plan_simulate_mistakes_are_one_line(capsys, args: list[str], message: s
     code = main(["plan", "--model", "debug", "--gpus", "4", "--machine", "dgx-h100", *args])
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and err[-1].startswith("error: ") and message in err[-1], err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["lomo", "adalomo", "mezo", "es", "galore"])
+def test_every_method_runs_a_whole_run(method: str) -> None:
+    """A method's step that reads numbers on the host (its loss, a projected gradient) gets
+    healthy ones; the ranks of a group agree, and the engine moves the planner's bytes (GaLore
+    less its basis refresh, which the planner spreads over train.method.gap steps)."""
+    cfg = _debug_config()
+    cfg.train = dataclasses.replace(cfg.train, optimizer=method)
+    shape = GridShape(data=2, z=2, y=1, x=2)
+    reports = simulate(cfg, shape, [0, 7], load_machine("dgx-h100"))
+    assert first_trace_difference(shape, reports) is None
+    for r in reports:
+        # (no optimizer phase: these methods update inside backward, or have none)
+        assert all(r.peaks[p] > 0 for p in ("build", "forward") + FIT_PHASES), r.peaks
+        moved = {a: r.step_bytes.get(a, 0) for a in AXES}
+        if method == "galore":
+            assert all(moved[a] <= r.planned_bytes[a] for a in AXES), (moved, r.planned_bytes)
+        else:
+            assert moved == r.planned_bytes, (moved, r.planned_bytes)
+
+
+@pytest.mark.slow
+def test_a_step_that_selects_by_value_needs_real_tensors() -> None:
+    cfg = _debug_config()
+    cfg.train = dataclasses.replace(cfg.train, optimizer="blockllm")
+    with pytest.raises(SimulationError, match="--device cpu or --device cuda"):
+        simulate(cfg, GridShape(data=2, z=2, y=1, x=2), [0], load_machine("dgx-h100"))

@@ -80,7 +80,8 @@ class SimulationError(FourfoldError, RuntimeError):
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of the storages alive, and their peak per phase: every tensor an
     operator returns is looked at, its storage counted once from then until it is freed.
-    With `answer_reads`, a host read of a fake tensor gets "no value" (NaN, 0, False)."""
+    With `answer`, a host read of a fake tensor gets its answer (`no_value`, `healthy_value`);
+    without, it raises."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -88,9 +89,9 @@ class LiveBytes(TorchDispatchMode):
         self.phase = "build"
         self.peaks: dict[str, int] = {p: 0 for p in PHASES + FIT_PHASES}
         self._seen: dict[int, int] = {}  # storage id -> bytes
-        # answer host reads of fake tensors (where the code only reports what it reads);
-        # otherwise they raise, as a host read inside a training step should
-        self.answer_reads = False
+        # what a host read of a fake tensor gets (by the tensor's dtype); None: it raises, as
+        # a host read inside a step that keeps its numbers on the device should
+        self.answer: Callable[[torch.dtype], float | int | bool] | None = None
 
     def enter(self, phase: str) -> None:
         """Start `phase`: its peak is at least what is alive as it begins."""
@@ -99,11 +100,11 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
-        if self.answer_reads and func is torch.ops.aten._local_scalar_dense.default \
+        if self.answer is not None and func is torch.ops.aten._local_scalar_dense.default \
                 and _is_fake(args[0]):
-            # a host read of a fake tensor (`.item()`, `float(t)`, `.tolist()`): there is no
-            # value; NaN (a float), 0 or False says so to the code that reads it
-            return _no_value(args[0].dtype)
+            # a host read of a fake tensor (`.item()`, `float(t)`, `.tolist()`): it has no
+            # value, the answerer gives one
+            return self.answer(args[0].dtype)
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             # a meta tensor (the model declared before its shards are built) holds nothing
@@ -178,10 +179,22 @@ def _is_fake(t: Any) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def _no_value(dtype: torch.dtype) -> float | int | bool:
+def no_value(dtype: torch.dtype) -> float | int | bool:
+    """A host read's answer where the code only reports what it reads (the log, a validation
+    loss): NaN (a float), 0 or False, which say there is no value."""
     if dtype == torch.bool:
         return False
     return math.nan if dtype.is_floating_point or dtype.is_complex else 0
+
+
+def healthy_value(dtype: torch.dtype) -> float | int | bool:
+    """A host read's answer inside a step that reads numbers on the host by design (a lean
+    method's loss, MeZO's projected gradient, BlockLLM's gradient norms): 1 (1.0, True), finite
+    and positive, so that the step takes the way of a healthy one (no guard trips on it, no
+    update is skipped)."""
+    if dtype == torch.bool:
+        return True
+    return 1.0 if dtype.is_floating_point or dtype.is_complex else 1
 
 
 def _reset_resident_peak() -> bool:
@@ -291,7 +304,8 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
     loads into), so that the first step already holds what every later one holds and one step
     reaches a run's peak (a fresh run makes the state in its first step's update).
     `whole_run`: the steps as a run through Trainer.fit (see _fit); else the steps alone."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                               DynamicOutputShapeException, FakeTensorMode)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fourfold.data.tokenizers import ByteTokenizer
@@ -346,8 +360,12 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
             if resumed and optimizer is not None:
                 _enter_phase(counter, meter, "optimizer")
                 init_optimizer_state(optimizer)
+            # a step that reads numbers on the host by design gets healthy ones from fake
+            # tensors; one that keeps them on the device must not read any
+            answer = healthy_value if method_spec(t.optimizer).step_reads_host else None
             steps_run = _StepRecord(trainer, _PhaseWatch(counter, meter, pmodel, optimizer),
-                                    where, real=device is not None, say=say, steps=steps)
+                                    where, real=device is not None, say=say, steps=steps,
+                                    answer=answer)
             if whole_run:
                 _fit(trainer, steps_run, counter, meter)
                 say(f"rank {rank}: the run's end (log, validation, sample, checkpoint, "
@@ -364,6 +382,13 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
             shapes = {name: tuple(p.shape) for name, p in pmodel.named_parameters()}
             largest = max((math.prod(spec.shape) * spec.dtype.itemsize
                            for spec in pmodel.full_tensor_specs()), default=0)
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        # an operator whose output's shape depends on values (a selection by value: BlockLLM's
+        # rows) has no answer without values
+        raise SimulationError(
+            f"rank {rank}: train.optimizer = {t.optimizer!r} runs {e.func} on values "
+            "(its output's shape depends on them), which fake tensors do not have; simulate "
+            "it with real tensors: --device cpu or --device cuda") from None
     finally:
         dist.destroy_process_group()
     return RankReport(rank=rank, coords=shape.coords(rank), peaks=dict(counter.peaks),
@@ -381,11 +406,14 @@ class _StepRecord:
     """Runs the trainer's steps (its own `train_step`, which fit() calls in its place) with
     the phase hooks on, each timed to the device's end, and keeps what the report needs of
     them: the ledger's bytes of the last one, where its collectives end in the trace, and the
-    losses of real tensors. Host reads of fake tensors raise inside a step."""
+    losses of real tensors. A host read of a fake tensor inside a step gets `answer`, or
+    raises (None)."""
 
     def __init__(self, trainer: Any, watch: _PhaseWatch, where: torch.device, real: bool,
-                 say: Callable[[str], None], steps: int) -> None:
+                 say: Callable[[str], None], steps: int,
+                 answer: Callable[[torch.dtype], float | int | bool] | None) -> None:
         self.train_step, self.watch, self.where = trainer.train_step, watch, where
+        self.answer = answer
         self.real, self.say, self.steps = real, say, steps
         self.ledger, self.trace = trainer.pmodel.ledger, trainer.pmodel.ledger.trace
         self.rank = trainer.grid.rank
@@ -396,14 +424,14 @@ class _StepRecord:
 
     def step(self) -> Any:
         counter = self.watch.counter
-        answered, counter.answer_reads = counter.answer_reads, False
+        outside, counter.answer = counter.answer, self.answer
         begun = time.perf_counter()
         try:
             with self.watch:
                 stats = self.train_step()
             _synchronize(self.where)
         finally:
-            counter.answer_reads = answered
+            counter.answer = outside
         self.seconds.append(time.perf_counter() - begun)
         # the ledger counts this step (the trainer resets it as a step begins)
         self.step_bytes = self.ledger.snapshot()
@@ -440,13 +468,13 @@ def _fit(trainer: Any, steps: _StepRecord, counter: LiveBytes,
     trainer.sample_text = phased(trainer.sample_text, "sample")
     trainer.save_checkpoint = phased(trainer.save_checkpoint, "checkpoint")
     trainer.finish = phased(trainer.finish, "export")
-    counter.answer_reads = True
+    counter.answer = no_value
     try:
         # the run's own lines (its progress, of "no value" numbers) are not the simulation's
         with contextlib.redirect_stderr(io.StringIO()):
             trainer.fit()
     finally:
-        counter.answer_reads = False
+        counter.answer = None
 
 
 def _enter_phase(counter: LiveBytes, meter: DeviceMemory | None, phase: str) -> None:

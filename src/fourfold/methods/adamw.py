@@ -15,4 +15,4 @@ class AdamWOptions(MethodOptions):
 
 METHODS = (MethodSpec("adamw", AdamWOptions, "fourfold.train.methods.adamw:AdamW",
                       "fourfold.plan.methods.adamw:ADAMW", weight_decay=0.1,
-                      trains_subsets=True),)
+                      trains_subsets=True, step_reads_host=False),)

@@ -53,6 +53,10 @@ class MethodSpec:
     blocked_loss: bool = False
     # it can train a subset of the parameters (an adapter's: adapter.kind other than none)
     trains_subsets: bool = False
+    # its step reads numbers on the host by design (its loss, a projected gradient, a block
+    # selection); False: the step keeps them on the device and nothing waits for the host,
+    # which a simulated rank (fourfold.simulate) holds it to
+    step_reads_host: bool = True
     # its options' keys before they moved into [train.method]: train.OLD -> train.method.NEW,
     # still read (with a deprecation notice)
     renamed: Mapping[str, str] = field(default_factory=dict)

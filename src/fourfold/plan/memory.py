@@ -509,8 +509,10 @@ def predicted_memory(cfg: Config, shape: GridShape, on_host: bool,
     which imports the checkpoint library as writing one does."""
     t, p = cfg.train, cfg.parallel
     precision = Precision.of(t.dtype)
-    micro_tokens = t.batch_size // (shape.data * shape.z) // t.grad_accum * t.seq_len
-    output_loss = resolve_output_loss(p.output_loss, method_spec(t.optimizer).blocked_loss)
+    spec = method_spec(t.optimizer)
+    shards = math.prod(getattr(shape, a) for a in spec.batch_axes)  # es: z alone
+    micro_tokens = t.batch_size // shards // t.grad_accum * t.seq_len
+    output_loss = resolve_output_loss(p.output_loss, spec.blocked_loss)
     writes = cfg.checkpoint.every > 0
     checkpoints = writes or resumed  # the checkpoint library is in
     mem = predict_memory(cfg.model, shape, micro_tokens, t.activation_checkpointing, precision,

@@ -28,11 +28,12 @@ Op = Literal["all_reduce", "all_gather", "reduce_scatter"]
 #   bwd_input   input-gradient all-reduces, run under the dW GEMM
 #   bwd_weight  dW reduce-scatters over z, run under earlier layers' backward
 #   bwd_norm    norm backward all-reduces: exposed
+#   bwd_output  the blocked loss's all-reduce of the logits it makes again in backward: exposed
 #   step_z      once per step: all-reduce over z of the gradients not split over z: exposed
 #   step_data   once per step: gradient all-reduce over data, bucketed under the last backward
 #   step_method a training method's own collectives (plan/perf.py: GaLore's projections): exposed
 Phase = Literal["fwd_output", "fwd_split", "fwd_gather", "bwd_gather", "bwd_input",
-                "bwd_weight", "bwd_norm", "step_z", "step_data", "step_method"]
+                "bwd_weight", "bwd_norm", "bwd_output", "step_z", "step_data", "step_method"]
 
 
 @dataclass(frozen=True)
@@ -224,8 +225,9 @@ def collective_schedule(model: ModelConfig, shape: GridShape, micro_batch_tokens
     # output layer (a normal linear, own gathers even when tied) and the loss
     vocab_local = _exact(v, gy, "model.vocab_size")
     add("z", "all_gather", vocab_block * weight_bytes, m, "fwd_gather")
-    if uses_blocked_loss(output_loss):
-        add("x", "all_reduce", n * vocab_local * act_bytes, 2 * m, "fwd_output")
+    if uses_blocked_loss(output_loss):  # the logits, in forward and made again in backward
+        add("x", "all_reduce", n * vocab_local * act_bytes, m, "fwd_output")
+        add("x", "all_reduce", n * vocab_local * act_bytes, m, "bwd_output")
     else:
         output_reduce("x", vocab_local * act_bytes, m)
     if not keeps_output_block(vocab_block * weight_bytes, n * vocab_local * act_bytes,
