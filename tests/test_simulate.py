@@ -231,8 +231,11 @@ def test_plan_simulate_runs_the_top_row(tmp_path, capsys) -> None:
     config.write_text('[model]\npreset = "debug"\n[train]\nbatch_size = 8\nseq_len = 64\n')
     code = main(["plan", "--model", str(config), "--gpus", "4", "--machine", "dgx-h100",
                  "--top", "1", "--simulate"])
-    out = capsys.readouterr().out
+    printed = capsys.readouterr()
+    out = printed.out
     assert code == 0, out
+    # its progress lines, also while the simulated run's own output is swallowed
+    assert "step 2 of 2" in printed.err and "the run's end" in printed.err, printed.err
     top = out.splitlines()[out.splitlines().index(next(
         line for line in out.splitlines() if line.lstrip().startswith("1 ")))]
     d, z, y, x = (int(v) for v in top.split()[1].split(","))

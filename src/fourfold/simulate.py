@@ -743,8 +743,9 @@ def simulate_planned(cfg: Config, shape: GridShape, machine: Machine) -> int:
 
 def _simulate_and_print(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
                         device: str | None, whole_run: bool = True) -> int:
+    stream = sys.stderr  # this one: a simulated run's own output is swallowed (see _fit)
     reports = simulate(cfg, shape, ranks, machine,
-                       progress=lambda line: print(line, file=sys.stderr, flush=True),
+                       progress=lambda line: print(line, file=stream, flush=True),
                        device=device, whole_run=whole_run)
     print(format_report(reports, shape, machine))
     check_reports(reports, shape, machine)
