@@ -15,7 +15,7 @@ allocations.
 tensor terms (its host runtime term, none on a GPU, stays) against the memory a rank has.
 
     python bench/simulate_sweep.py [--model 70b] [--world 1024] [--batch 128] [--seq 8192]
-        [--machine dgx-h100] [--last] [--limit N] [--jobs N]
+        [--machine dgx-h100] [--last] [--limit N] [--skip N] [--jobs N]
 """
 
 from __future__ import annotations
@@ -88,6 +88,9 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=0,
                     help="the N grids whose planned peak is nearest the memory a rank has "
                     "(0: every grid)")
+    ap.add_argument("--skip", type=int, default=0,
+                    help="leave out the N grids nearest the memory a rank has (done by a run "
+                    "that stopped after them)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="grids simulated at once, each in its own process (one a core)")
     args = ap.parse_args()
@@ -109,7 +112,7 @@ def main() -> None:
     # (--limit keeps those)
     usable = machine.usable_memory_bytes(args.world)
     candidates = sorted(result.candidates, key=lambda c: abs(c.memory.total / usable - 1))
-    candidates = candidates[:args.limit or None]
+    candidates = candidates[args.skip:][:args.limit or None]
     header(f"Does the planner accept the grids the real code fits ({args.model} on "
            f"{args.world} ranks)?",
            f"{len(candidates)} of {len(result.candidates)} grids the planner enumerates "

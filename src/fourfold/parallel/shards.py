@@ -76,8 +76,8 @@ def materialize(module: nn.Module, layouts: dict[str, Layout], grid: Grid) -> No
                  else init(name, full, layout.block_index(full, shape, coords)))
         real = nn.Parameter(block.to(device=grid.device, dtype=p.dtype),
                             requires_grad=p.requires_grad)
-        if weakref.getweakrefs(real):
-            # a fake tensor (a simulated rank, fourfold.simulate) is weakly referenced by its
+        if fake or weakref.getweakrefs(real) or weakref.getweakrefs(p):
+            # fake tensors (a simulated rank, fourfold.simulate) are weakly referenced by their
             # mode, which swap_tensors refuses: every module holding p is given the new one
             _rebind(module, p, real)
         else:
