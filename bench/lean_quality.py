@@ -46,16 +46,18 @@ DEFAULT_METHODS = ("adamw", "lomo", "adalomo", "galore", "blockllm", "mezo")  # 
 # fine-tune from the 2000-step base: 1e-2 4.42, 3e-2 4.30, 1e-1 4.14, 3e-1 3.97, 1.0 diverged;
 # with AdamW's decoupled weight decay 0.1, which SGD's large steps turn into a fast shrink of
 # the weights, 1e-2 was its best at 4.47); BlockLLM's best was 2e-3 at seeds 0, 1 and 2 (1e-2:
-# 4.65, far off), so its grid sits around it; MeZO and ES step along random directions.
-# MeZO's grid is a step lower than that trial's: over 300 steps of the 15m fine-tune 1e-3
-# climbed (L 9.4), and at 3e-4 a 3,000-step run climbed after ~1,000.
+# 4.65, far off) and 3e-3 over 300 steps of the debug base, so its grid spans them; MeZO and
+# ES step along random directions.
+# MeZO's grid is two steps lower than that trial's: its run at --mezo-steps takes the same
+# rates, and over thousands of steps a rate that helps for hundreds climbs (1e-3 within 300
+# steps, 3e-4 within 3,000, on the 15m and the debug base alike).
 DEFAULT_LRS = {
     "adamw": (3e-4, 1e-3, 3e-3),
     "lomo": (3e-2, 1e-1, 3e-1),
     "adalomo": (1e-2, 3e-2, 1e-1),
     "galore": (1e-3, 3e-3, 1e-2),
-    "blockllm": (1e-3, 2e-3, 3e-3),
-    "mezo": (1e-4, 3e-4, 1e-3),
+    "blockllm": (1e-3, 3e-3, 1e-2),
+    "mezo": (3e-5, 1e-4, 3e-4),
     "es": (3e-4, 1e-3, 3e-3),
 }
 # The targets for R at --steps: how close to AdamW each method's paper puts it after a short
