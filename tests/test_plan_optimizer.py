@@ -240,6 +240,25 @@ def test_step_time_is_each_methods_own():
     assert two_replicas.compute_s < one.compute_s  # the same noise, half the forwards
 
 
+@pytest.mark.parametrize("population, antithetic, passes", [(8, False, 24), (8, True, 16),
+                                                           (2, True, 4)])
+def test_es_noise_passes(population: int, antithetic: bool, passes: int):
+    """ES's noise passes a step, as train/methods/zeroth.py makes them: two a member (+sigma z
+    and back) or three an antithetic pair (+sigma z, -2 sigma z, back), then one per direction
+    for the update."""
+    from fourfold.parallel import GridShape
+    from fourfold.plan.methods.zeroth import ES, noise_seconds
+    from fourfold.plan.perf import Rates
+
+    model, shape = model_config("15m"), GridShape(data=2)
+    rates = Rates(1e12, 1e11, 1e-6, 256.0, 1e11, 1e-9, noise_s_per_element=1e-8)
+    train = TrainConfig(optimizer="es", method=method_options("es", population=population,
+                                                              antithetic=antithetic))
+    cost = ES.cost(model, shape, train, rates, Precision.of("float32"))
+    assert cost.forwards == population // 2  # a replica's members
+    assert cost.update_s == pytest.approx(passes * noise_seconds(model, shape, rates), rel=1e-12)
+
+
 def test_forward_only_methods_issue_only_forward_collectives():
     from fourfold.parallel import GridShape
     from fourfold.plan.schedule import collective_schedule

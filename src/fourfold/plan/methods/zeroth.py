@@ -51,19 +51,20 @@ class MeZOModel(ForwardOnlyModel):
 
 
 class ESModel(ForwardOnlyModel):
-    time_note = ("step time: es's forwards (population / data per replica) and 2 x population "
-                 "+ directions noise passes (the noise's cost is probed on the cpu machine, "
-                 "modelled on GPUs)")
+    time_note = ("step time: es's forwards (population / data per replica) and its noise "
+                 "passes: 2 per member, or 3 per antithetic pair, and one per direction (the "
+                 "noise's cost is probed on the cpu machine, modelled on GPUs)")
 
     def cost(self, model: ModelConfig, shape: GridShape, train: TrainConfig, rates: Rates,
              precision: Precision) -> MethodCost:
-        """The members a data replica evaluates (ceil(population / data)) and 2 x population
-        + directions noise passes (every rank perturbs and restores every member, then
-        rebuilds the update from every direction's seed: one per member, one per antithetic
-        pair)."""
+        """The members a data replica evaluates (ceil(population / data)) and the noise
+        passes every rank makes: it perturbs and restores every member (two passes a member;
+        a mirrored pair three, +sigma, -2 sigma and back), then rebuilds the update from every
+        direction's seed (one pass per direction: per member, or per antithetic pair)."""
         options = cast(ESOptions, train.options())
         members = -(-options.population // shape.data)
-        passes = 2 * options.population + options.directions
+        visits = 3 * options.directions if options.antithetic else 2 * options.population
+        passes = visits + options.directions
         return MethodCost(members, 1, passes * noise_seconds(model, shape, rates))
 
 

@@ -149,17 +149,30 @@ class EvolutionStrategies(TrainingMethod):
             return member // 2, -1.0 if member % 2 else 1.0
         return member, 1.0
 
+    def walk(self) -> list[tuple[int, list[tuple[int, float]]]]:
+        """Each seeded direction with its members (member, sign) in member order."""
+        directions: dict[int, list[tuple[int, float]]] = {}
+        for m in range(self.population):
+            d, sign = self.direction(m)
+            directions.setdefault(d, []).append((m, sign))
+        return list(directions.items())
+
     def step(self, pmodel: ParallelModel, data: StepData, lr: float, guard: StepGuard | None = None
              ) -> StepResult:
         grid, step, n = pmodel.grid, self.steps_done, self.population
         replica, replicas = grid.coord("data"), grid.size("data")
         losses = torch.zeros(n, dtype=torch.float64)
-        for m in range(n):
-            d, sign = self.direction(m)
-            add_noise(self.views, self.seed, step, {d: sign * self.sigma})
-            if m % replicas == replica:
-                losses[m] = _forward_loss(data, self.hooks.before_forward)
-            add_noise(self.views, self.seed, step, {d: -sign * self.sigma})
+        for d, members in self.walk():
+            # the members stepping along z_d, each visited by one pass from the previous
+            # point: (d, +1) alone takes +sigma z_d and back; a mirrored pair goes +sigma z_d,
+            # -2 sigma z_d, +sigma z_d back, as MeZO does (three passes for two members)
+            offset = 0.0
+            for m, sign in members:
+                add_noise(self.views, self.seed, step, {d: (sign - offset) * self.sigma})
+                offset = sign
+                if m % replicas == replica:
+                    losses[m] = _forward_loss(data, self.hooks.before_forward)
+            add_noise(self.views, self.seed, step, {d: -offset * self.sigma})
         # n floats over the whole grid: z sums the batch shards, data gathers the members;
         # x and y hold copies
         if grid.world_size > 1:
