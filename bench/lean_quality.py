@@ -62,8 +62,9 @@ DEFAULT_LRS = {
 }
 # The targets for R at --steps: how close to AdamW each method's paper puts it after a short
 # fine-tune. MeZO's paper runs it for many times the steps of fine-tuning by backpropagation,
-# so its run at --mezo-steps has a target of its own.
-TARGETS = {"adamw": (None, "1 (reference)"), "lomo": (0.8, ">= 0.8"),
+# so its run at --mezo-steps has a target of its own. LOMO's paper compares it with LoRA and
+# zero-shot, not with AdamW on one run, so its figure is reported without one.
+TARGETS = {"adamw": (None, "1 (reference)"), "lomo": (None, "reported"),
            "adalomo": (0.95, ">= 0.95"), "galore": (0.9, ">= 0.9"),
            "blockllm": (0.9, ">= 0.9"), "mezo": (0.0, "> 0"), "es": (None, "-")}
 MEZO_LONG_TARGET = (0.3, "> 0.3")
