@@ -64,17 +64,20 @@ def two_micro_batches(cfg: "Config", shape: "GridShape", machine: "Machine") -> 
     the planner's memory is the same as with cfg's accumulation: every micro-batch after the
     second repeats its allocations (the gradients exist from the first on), so the step's
     peak is reached by the second, and a step of two costs a fraction of one of sixteen."""
-    from fourfold.simulate import planner_figures, simulation_config
+    from fourfold.plan.memory import predicted_memory
+    from fourfold.simulate import simulation_config
 
     t = cfg.train
     if t.grad_accum <= 2:
         return cfg
     fewer = dataclasses.replace(cfg, train=dataclasses.replace(
         t, grad_accum=2, batch_size=t.batch_size // t.grad_accum * 2))
-    as_is = planner_figures(simulation_config(cfg, shape), shape, machine)[0].total
-    if planner_figures(simulation_config(fewer, shape), shape, machine)[0].total != as_is:
-        return cfg
-    return fewer
+
+    def planned(c: "Config") -> int:
+        return predicted_memory(simulation_config(c, shape), shape,
+                                machine.device.shared_host).total
+
+    return fewer if planned(fewer) == planned(cfg) else cfg
 
 
 def main() -> None:

@@ -380,8 +380,10 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
             if meter is not None:
                 meter.close()
             shapes = {name: tuple(p.shape) for name, p in pmodel.named_parameters()}
+            # the largest full tensor rank 0's export assembles
             largest = max((math.prod(spec.shape) * spec.dtype.itemsize
-                           for spec in pmodel.full_tensor_specs()), default=0)
+                           for spec in pmodel.full_tensor_specs()), default=0) \
+                if rank == 0 and whole_run else 0
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         # an operator whose output's shape depends on values (a selection by value: BlockLLM's
         # rows) has no answer without values
@@ -399,7 +401,7 @@ def simulate_rank(cfg: Config, shape: GridShape, rank: int, on_host: bool = Fals
                       device_reserved=meter.reserved() if meter else 0,
                       device_start=meter.start if meter else 0, losses=steps_run.losses,
                       staged_bytes=trainer.checkpoints.staged_bytes,
-                      export_largest=largest if rank == 0 and whole_run else 0)
+                      export_largest=largest)
 
 
 class _StepRecord:
@@ -574,12 +576,13 @@ def _call(c: CollectiveCall) -> str:
 
 
 def planner_figures(cfg: Config, shape: GridShape, machine: Machine
-                    ) -> tuple[MemoryBreakdown, dict[str, int]]:
-    """The planner's peak memory per rank and bytes per step per axis for cfg on `shape`."""
+                    ) -> tuple[MemoryBreakdown, StepPrediction]:
+    """The planner's peak memory per rank and its prediction of one step (its compute time,
+    its bytes per axis) for cfg on `shape`."""
     from fourfold.plan.memory import predicted_memory
 
-    memory = predicted_memory(cfg, shape, machine.device.shared_host)
-    return memory, dict(planned_step(cfg, shape, machine).comm_bytes)
+    return (predicted_memory(cfg, shape, machine.device.shared_host),
+            planned_step(cfg, shape, machine))
 
 
 def planned_step(cfg: Config, shape: GridShape, machine: Machine) -> StepPrediction:
@@ -613,9 +616,7 @@ def simulate(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
             raise SimulationError(f"--ranks {rank}: the grid {shape} has ranks 0 to "
                                   f"{shape.size - 1}")
     simulation_device(device)  # a wrong or absent device: one error before any rank
-    planned = simulation_config(cfg, shape)
-    memory, comm_bytes = planner_figures(planned, shape, machine)
-    compute_s = planned_step(planned, shape, machine).compute_s
+    memory, step = planner_figures(simulation_config(cfg, shape), shape, machine)
     reports = []
     for i, rank in enumerate(ranks):
         if progress:
@@ -623,8 +624,8 @@ def simulate(cfg: Config, shape: GridShape, ranks: list[int], machine: Machine,
                      + (f" with real tensors on {device}" if device else ""))
         report = simulate_rank(cfg, shape, rank, machine.device.shared_host, steps, progress,
                                device, resumed, whole_run)
-        report.planned_memory, report.planned_bytes = memory, comm_bytes
-        report.planned_compute_s = compute_s
+        report.planned_memory, report.planned_bytes = memory, dict(step.comm_bytes)
+        report.planned_compute_s = step.compute_s
         reports.append(report)
     return reports
 

@@ -14,6 +14,7 @@ from fourfold.errors import ConfigError
 
 if TYPE_CHECKING:
     from fourfold.config import TrainConfig
+    from fourfold.parallel.grid import GridShape
 
 # When a method changes the weights: after the backward of a step (AdamW, BlockLLM, GaLore),
 # inside backward as each shard's gradient becomes final (LOMO, AdaLomo: such a method cannot
@@ -60,6 +61,10 @@ class MethodSpec:
     # its options' keys before they moved into [train.method]: train.OLD -> train.method.NEW,
     # still read (with a deprecation notice)
     renamed: Mapping[str, str] = field(default_factory=dict)
+
+    def batch_shards(self, shape: GridShape) -> int:
+        """How many shards a step's batch is split into on `shape` (over `batch_axes`)."""
+        return math.prod(getattr(shape, a) for a in self.batch_axes)
 
     @property
     def accumulates(self) -> bool:

@@ -183,9 +183,10 @@ class WriterHandoff:
             self.store.set(f"{self.prefix}/{index}", "written")
 
     def abandon(self, first: int, end: int) -> None:
+        if self.store is None:
+            return
         for index in range(first, end):
-            if self.store is not None:
-                self.store.set(f"{self.prefix}/{index}", "abandoned")
+            self.store.set(f"{self.prefix}/{index}", "abandoned")
 
     def wait_written(self, index: int) -> None:
         """Wait until the writer has written tensor `index` (-1: nothing to wait for)."""

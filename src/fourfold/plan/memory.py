@@ -510,8 +510,7 @@ def predicted_memory(cfg: Config, shape: GridShape, on_host: bool,
     t, p = cfg.train, cfg.parallel
     precision = Precision.of(t.dtype)
     spec = method_spec(t.optimizer)
-    shards = math.prod(getattr(shape, a) for a in spec.batch_axes)  # es: z alone
-    micro_tokens = t.batch_size // shards // t.grad_accum * t.seq_len
+    micro_tokens = t.batch_size // spec.batch_shards(shape) // t.grad_accum * t.seq_len
     output_loss = resolve_output_loss(p.output_loss, spec.blocked_loss)
     writes = cfg.checkpoint.every > 0
     checkpoints = writes or resumed  # the checkpoint library is in

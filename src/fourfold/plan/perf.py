@@ -284,15 +284,15 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
                  output_loss: str = "auto", train: TrainConfig | None = None
                  ) -> StepPrediction:
     """Predicted time of one optimizer step; the batch is split over the method's batch axes
-    (data and z; es: z), then into `grad_accum` micro-steps. `output_loss`: parallel.output_loss. `train`: the step of its
-    train.optimizer (`method_cost`; None: AdamW). A forward-only method (mezo, es) runs its
+    (data and z; es: z), then into `grad_accum` micro-steps. `output_loss`:
+    parallel.output_loss. `train`: the step of its train.optimizer (`method_cost`; None: AdamW). A forward-only method (mezo, es) runs its
     forwards without recomputation and issues only the forward's collectives (its scalar
     losses are not counted)."""
     world = shape.size
     # the batch is split over the method's batch axes (data and z; es: z alone, each data
     # replica evaluating its members on the whole batch)
-    shards = math.prod(getattr(shape, a) for a in spec_of(train).batch_axes)
-    n = global_batch // shards // grad_accum * seq_len  # tokens per rank per micro-step
+    spec = spec_of(train)
+    n = global_batch // spec.batch_shards(shape) // grad_accum * seq_len  # per rank, micro-step
     calibration = machine.calibration(world)
     rates = _rates(machine, precision.name, world, calibration)
     blocked = uses_blocked_loss(output_loss)
@@ -309,9 +309,8 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
     schedule = schedule + method_collectives(model, shape, train)
     # the step's token count, summed over the batch axes: over every rank at once (booked on
     # no axis) for data and z together, else one float64 all-reduce on each axis that splits
-    axes = spec_of(train).batch_axes
-    if tuple(axes) != ("data", "z"):
-        schedule += [Collective(a, "all_reduce", 8, 1, "step_method") for a in axes
+    if tuple(spec.batch_axes) != ("data", "z"):
+        schedule += [Collective(a, "all_reduce", 8, 1, "step_method") for a in spec.batch_axes
                      if getattr(shape, a) > 1]
 
     def runs(phase: str) -> int:

@@ -4,7 +4,6 @@ checkpointing setting that fits in memory for each, ranked by predicted step tim
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -108,7 +107,7 @@ def batch_axes(optimizer: str = "adamw") -> tuple[str, ...]:
 
 def batch_split(shape: GridShape, optimizer: str = "adamw") -> int:
     """How many shards a step's batch is split into on `shape` under `optimizer`."""
-    return math.prod(getattr(shape, a) for a in batch_axes(optimizer))
+    return method_spec(optimizer).batch_shards(shape)
 
 
 _SHAPE_FIELDS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",

@@ -42,13 +42,13 @@ def save_weights(state: Mapping[str, torch.Tensor], path: Path, tie_embeddings: 
         save_file(tensors, str(tmp), metadata={"format": "fourfold"})
 
 
-def save_weights_streamed(pmodel: "ParallelModel", path: Path | None, tie_embeddings: bool,
+def save_weights_streamed(pmodel: "ParallelModel", path: Path, tie_embeddings: bool,
                           writer_rank: int = 0) -> None:
     """Write the full model of a parallelized `pmodel` to safetensors, as save_weights does,
     streaming one tensor at a time to `writer_rank`, which alone writes (via a temporary name):
-    no rank ever holds the whole model. Collective: every rank of the grid calls it. `path`
-    None, or a simulated grid (Grid.simulated, whose fake tensors have no bytes): the same
-    stream (`writer_rank` assembles each full tensor), nothing written."""
+    no rank ever holds the whole model. Collective: every rank of the grid calls it. On a
+    simulated grid (Grid.simulated, whose fake tensors have no bytes) the same stream
+    (`writer_rank` assembles each full tensor), nothing written."""
     specs = pmodel.full_tensor_specs()
     keep = {s.name: s.name for s in specs if not (tie_embeddings and s.name == "output.weight")}
     writes = pmodel.grid.rank == writer_rank and not pmodel.grid.simulated
