@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -16,7 +18,7 @@ import pytest
 from fourfold import cli
 from fourfold.cli import main
 
-from conftest import outside_job_env
+from conftest import JOB_VARIABLES, outside_job_env
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # A run small enough to train in a couple of seconds on a laptop CPU.
@@ -159,6 +161,52 @@ def test_rank_argv_drops_nproc_and_fixes_the_run_dir() -> None:
                                      "--json"]
 
 
+HOLD_LOCK = """
+import sys, time
+from fourfold.rundir import hold_run_dir
+with hold_run_dir(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_one_job_at_a_time_trains_in_a_run_directory(capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    """A second `fourfold train` into a run directory that a job holds stops before it touches
+    anything (--no-resume would move the holder's checkpoints aside), in one line that names
+    the holder; the lock goes with its holder however that ends."""
+    from fourfold import rundir
+
+    for name in JOB_VARIABLES + ("FOURFOLD_LOCAL_LAUNCH",):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(rundir, "LOCK_WAIT_S", 0.2)
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run)], text=True,
+                              stdout=subprocess.PIPE, env=outside_job_env())
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        code, _, err = run_main(capsys, "train", "--out", str(run), "--no-resume", *TINY_TRAIN)
+        assert code == 2
+        assert_one_line_error(err, str(run), "in use by another training job",
+                              f"pid {holder.pid} on ")
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
+        assert [p.name for p in run.iterdir() if p.name.startswith("checkpoints")] == \
+            ["checkpoints"]
+    finally:
+        holder.kill()  # SIGKILL: no cleanup of its own runs
+        holder.wait(timeout=30)
+    with rundir.hold_run_dir(run, wait_s=0.0):
+        holder_line = f"pid {os.getpid()} on {socket.gethostname()}\n"
+        assert (run / rundir.LOCK_FILE).read_text() == holder_line
+        with pytest.raises(rundir.RunDirInUse, match="in use"):
+            with rundir.hold_run_dir(run, wait_s=0.0):  # a second open file: a second holder
+                pass
+    with rundir.hold_run_dir(run, wait_s=0.0):  # released when the block ended
+        pass
+
+
 @pytest.mark.slow
 def test_subprocess_exit_codes_without_traceback(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "fourfold", "train", "--set",
@@ -265,7 +313,8 @@ def test_train_prints_where_the_run_is(trained: tuple[Path, str, str]) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 3
     assert f"run files: {run}" in out
-    assert "model.safetensors" in out
+    assert "model.safetensors" in out and ".lock" not in out  # the run directory's lock
+    assert (run / ".lock").is_file()
     assert "sample" in out + err  # the trainer shows the final sample
 
 

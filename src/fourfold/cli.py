@@ -10,17 +10,21 @@ checkpoint and exits with 143.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fourfold.errors import EXIT_FAILED, EXIT_USAGE, FourfoldError, first_line
 from fourfold.parsing import ArgumentParser
 from fourfold.signals import EXIT_INTERRUPTED, EXIT_TERMINATED, StopSignals, Stopped
+
+if TYPE_CHECKING:
+    from fourfold.config import Config
 
 EXIT_OK = 0
 EXIT_TRAINING_FAILED = EXIT_FAILED  # also: a command whose module is missing
@@ -83,8 +87,7 @@ def _rank_argv(argv: list[str], run_dir: Path | None = None) -> list[str]:
 def cmd_train(args: argparse.Namespace) -> int:
     from fourfold.config import ConfigError, load_config
 
-    from fourfold.rundir import (CONFIG_FILE, check_resume_requested, list_checkpoints,
-                                 move_checkpoints_aside)
+    from fourfold.rundir import CONFIG_FILE, check_resume_requested, hold_run_dir
 
     # CONFIG may be a run directory: its own config.toml, and the run goes on there
     given_run = args.config is not None and (Path(args.config) / CONFIG_FILE).is_file()
@@ -102,6 +105,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         default_run_dir()
     if args.resume:
         check_resume_requested(run_dir, named)
+    # One job trains in a named run directory at a time: the job's first process holds its
+    # lock (the ranks that --nproc starts, under their launcher's); runs/<time> is new.
+    from fourfold.launch import LAUNCHED_BY_FOURFOLD
+
+    holds = named and _is_main_rank() and LAUNCHED_BY_FOURFOLD not in os.environ
+    with hold_run_dir(run_dir) if holds else contextlib.nullcontext():
+        return _train_in(args, cfg, run_dir, named)
+
+
+def _train_in(args: argparse.Namespace, cfg: Config, run_dir: Path, named: bool) -> int:
+    """cmd_train once the run directory is known (and held)."""
+    from fourfold.rundir import list_checkpoints, move_checkpoints_aside
+
     if args.resume is False and _is_main_rank() and list_checkpoints(run_dir):
         # a fresh run must neither resume them later nor prune them now: set aside, kept
         moved = move_checkpoints_aside(run_dir)
@@ -173,7 +189,8 @@ def _note_slurm_launch(nproc: int) -> None:
 def _print_train_summary(run_dir: Path) -> None:
     """Where the run's files are and what to do with them (the trainer has already shown the
     losses and the final sample)."""
-    files = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    files = sorted(p.name for p in run_dir.iterdir()
+                   if not p.name.startswith(".")) if run_dir.is_dir() else []
     listing = f" ({', '.join(files)})" if files else ""
     print(f"run files: {run_dir}{listing}")
     print(f"next: fourfold generate {run_dir} --prompt 'def ' | fourfold report {run_dir}",

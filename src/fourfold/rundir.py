@@ -11,11 +11,16 @@ imported: `--resume` without a checkpoint and `--no-resume` are dealt with here.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
+import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Protocol
 
@@ -27,6 +32,8 @@ if TYPE_CHECKING:
 CONFIG_FILE = "config.toml"  # RUN_DIR/config.toml: the run's resolved config
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST_FILE = "manifest.json"
+LOCK_FILE = ".lock"  # RUN_DIR/.lock: locked by the job that trains there; says who it is
+LOCK_WAIT_S = 5.0  # how long a job waits for RUN_DIR's lock before it gives up
 TOKENIZER_DIR = "tokenizer"  # RUN_DIR/tokenizer: the tokenizer the run trained with
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # the fields of ModelConfig that give the parameters their shapes
@@ -38,6 +45,10 @@ _SHOWN_ONLY = ("data.path",)
 
 class ResumeError(ConfigError):
     """A run that cannot go on from its run directory as asked; one line for the user."""
+
+
+class RunDirInUse(ConfigError):
+    """Another job is training in the run directory; one line for the user."""
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -75,6 +86,40 @@ def move_checkpoints_aside(run_dir: str | Path) -> Path | None:
         target = root.with_name(f"{CHECKPOINT_DIR}.before-{stamp}-{n}")
     os.rename(root, target)
     return target
+
+
+@contextmanager
+def hold_run_dir(run_dir: str | Path, wait_s: float | None = None) -> Iterator[None]:
+    """Hold RUN_DIR's lock (an flock on RUN_DIR/.lock) while the block runs, so that one job
+    at a time trains there: two would resume from the same checkpoint, then overwrite and
+    prune each other's. The lock goes with the process, however it ends. A lock still held
+    after `wait_s` (LOCK_WAIT_S: a restarted rank may briefly overlap the one it replaces) is
+    a RunDirInUse naming the holder. Where the file system has no locks, the block runs
+    unguarded."""
+    root = Path(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / LOCK_FILE, "a+") as lock:
+        deadline = time.monotonic() + (LOCK_WAIT_S if wait_s is None else wait_s)
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    yield  # e.g. ENOLCK on a network file system without locks
+                    return
+                if time.monotonic() >= deadline:
+                    lock.seek(0)
+                    holder = lock.read().strip() or "another process"
+                    raise RunDirInUse(f"{str(run_dir)!r} is in use by another training job "
+                                      f"({holder}); wait for it to end or stop it, or train "
+                                      "into another --out") from None
+                time.sleep(0.1)
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        lock.flush()
+        yield
 
 
 def check_resume_requested(run_dir: str | Path, named: bool) -> None:
