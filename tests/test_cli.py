@@ -82,11 +82,14 @@ def test_config_file_mistakes(capsys: pytest.CaptureFixture[str], tmp_path: Path
 
 
 def test_grid_that_cannot_fit_nproc_is_reported_before_launch(
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
     code, _, err = run_main(capsys, "train", "--set", "parallel.x=2", "--set", "parallel.y=2",
                             "--nproc", "3", "--out", "unused")
     assert code == 2
     assert_one_line_error(err, "does not divide the world size 3")
+    assert not list(tmp_path.iterdir())  # the run directory it would have made is not left
 
 
 def test_examples_load() -> None:

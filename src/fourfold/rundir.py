@@ -11,6 +11,7 @@ imported: `--resume` without a checkpoint and `--no-resume` are dealt with here.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -97,8 +98,10 @@ def hold_run_dir(run_dir: str | Path, wait_s: float | None = None) -> Iterator[N
     a RunDirInUse naming the holder. Where the file system has no locks, the block runs
     unguarded."""
     root = Path(run_dir)
+    created = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / LOCK_FILE, "a+") as lock:
+    path = root / LOCK_FILE
+    with open(path, "a+") as lock:
         deadline = time.monotonic() + (LOCK_WAIT_S if wait_s is None else wait_s)
         while True:
             try:
@@ -119,7 +122,15 @@ def hold_run_dir(run_dir: str | Path, wait_s: float | None = None) -> Iterator[N
         lock.truncate()
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         lock.flush()
-        yield
+        try:
+            yield
+        finally:
+            # a command that stopped before it wrote anything leaves no directory behind
+            # (undone while the lock is still held)
+            if created and [p.name for p in root.iterdir()] == [LOCK_FILE]:
+                path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    root.rmdir()
 
 
 def check_resume_requested(run_dir: str | Path, named: bool) -> None:
