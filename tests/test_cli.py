@@ -210,6 +210,24 @@ def test_one_job_at_a_time_trains_in_a_run_directory(capsys: pytest.CaptureFixtu
         pass
 
 
+def test_a_run_directory_without_locks_trains_unguarded(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
+    """On a file system without flock (ENOLCK) the block runs, and an error in it carries no
+    trace of the lock."""
+    import errno
+
+    from fourfold import rundir
+
+    def no_locks(*_: object) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(rundir.fcntl, "flock", no_locks)
+    with pytest.raises(ValueError) as raised:
+        with rundir.hold_run_dir(tmp_path / "run"):
+            raise ValueError("a training error")
+    assert raised.value.__context__ is None
+
+
 @pytest.mark.slow
 def test_subprocess_exit_codes_without_traceback(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "fourfold", "train", "--set",

@@ -11,7 +11,6 @@ imported: `--resume` without a checkpoint and `--no-resume` are dealt with here.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import hashlib
@@ -21,7 +20,7 @@ import re
 import socket
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Protocol
 
@@ -101,6 +100,7 @@ def hold_run_dir(run_dir: str | Path, wait_s: float | None = None) -> Iterator[N
     created = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
     path = root / LOCK_FILE
+    unguarded = False
     with open(path, "a+") as lock:
         deadline = time.monotonic() + (LOCK_WAIT_S if wait_s is None else wait_s)
         while True:
@@ -109,8 +109,8 @@ def hold_run_dir(run_dir: str | Path, wait_s: float | None = None) -> Iterator[N
                 break
             except OSError as e:
                 if e.errno not in (errno.EAGAIN, errno.EACCES):
-                    yield  # e.g. ENOLCK on a network file system without locks
-                    return
+                    unguarded = True  # e.g. ENOLCK on a network file system without locks
+                    break
                 if time.monotonic() >= deadline:
                     lock.seek(0)
                     holder = lock.read().strip() or "another process"
@@ -118,6 +118,9 @@ def hold_run_dir(run_dir: str | Path, wait_s: float | None = None) -> Iterator[N
                                       f"({holder}); wait for it to end or stop it, or train "
                                       "into another --out") from None
                 time.sleep(0.1)
+        if unguarded:
+            yield
+            return
         lock.seek(0)
         lock.truncate()
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -129,7 +132,7 @@ def hold_run_dir(run_dir: str | Path, wait_s: float | None = None) -> Iterator[N
             # (undone while the lock is still held)
             if created and [p.name for p in root.iterdir()] == [LOCK_FILE]:
                 path.unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
+                with suppress(OSError):
                     root.rmdir()
 
 
