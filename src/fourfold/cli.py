@@ -350,8 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "process, with fake collectives and tensors, beside the planner",
         description="Build chosen ranks of an N-rank job and run a two-step run of each "
                     "through Trainer.fit (the log, validations, a checkpoint's staging, the "
-                    "final export and sample; no tensor written), under torch's fake process group and fake tensors (no memory, "
-                    "no GPU; --device: real tensors and kernels); print their peak tensor "
+                    "final export and sample; no tensor written), under torch's fake process "
+                    "group and fake tensors (no memory, no GPU; --device: real tensors and "
+                    "kernels); print their peak tensor "
                     "memory by phase and bytes per axis beside the planner's, and fail when a "
                     "rank does not fit or the ranks of a group would issue different "
                     "collectives.")

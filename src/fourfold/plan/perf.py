@@ -285,9 +285,9 @@ def predict_step(model: ModelConfig, shape: GridShape, global_batch: int, seq_le
                  ) -> StepPrediction:
     """Predicted time of one optimizer step; the batch is split over the method's batch axes
     (data and z; es: z), then into `grad_accum` micro-steps. `output_loss`:
-    parallel.output_loss. `train`: the step of its train.optimizer (`method_cost`; None: AdamW). A forward-only method (mezo, es) runs its
-    forwards without recomputation and issues only the forward's collectives (its scalar
-    losses are not counted)."""
+    parallel.output_loss. `train`: the step of its train.optimizer (`method_cost`; None:
+    AdamW). A forward-only method (mezo, es) runs its forwards without recomputation and issues
+    only the forward's collectives (its scalar losses are not counted)."""
     world = shape.size
     # the batch is split over the method's batch axes (data and z; es: z alone, each data
     # replica evaluating its members on the whole batch)
