@@ -132,7 +132,8 @@ def test_optimizer_keys_are_checked() -> None:
            ("train.optimizer=es", "train.method.antithetic=true", "train.method.population=5"):
                "train.method.population = 5: must be even with train.method.antithetic = true",
            ("train.optimizer=es", "train.method.fitness=rank"):
-               "train.method.fitness = 'rank': choose one of baseline, centered_rank",
+               "train.method.fitness = 'rank': choose one of baseline, centered_rank, "
+               "zscore",
            ("train.optimizer=mezo", "train.method.eps=0"): "train.method.eps = 0.0: must be a "
                                                            "positive number",
            ("train.optimizer=mezo", "train.method.epss=1"): "unknown key train.method.epss "

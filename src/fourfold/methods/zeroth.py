@@ -33,21 +33,23 @@ class MeZOOptions(MethodOptions):
 
 
 # how a member's loss becomes its weight in the update (ESOptions.fitness)
-FITNESS_SHAPINGS = ("baseline", "centered_rank")
+FITNESS_SHAPINGS = ("baseline", "centered_rank", "zscore")
 
 
 @dataclass
 class ESOptions(MethodOptions):
     """Evolution strategies: `population` seeded members a step, spread over data replicas.
     The defaults are plain ES with the population's mean loss as baseline; `antithetic = true`
-    with `fitness = "centered_rank"` is OpenAI-ES (Salimans et al. 2017)."""
+    with `fitness = "centered_rank"` is OpenAI-ES (Salimans et al. 2017); `fitness = "zscore"`
+    is EA4LLM's normalization."""
 
     population: int = 8  # perturbed members per step
     sigma: float = 1e-3  # the size of each member's perturbation
     # members in mirrored pairs w + sigma z, w - sigma z (population / 2 directions a step)
     antithetic: bool = False
     # "baseline": a member's weight is its loss less the population's mean; "centered_rank":
-    # its rank among the population's losses mapped evenly onto [-0.5, 0.5]
+    # its rank among the population's losses mapped evenly onto [-0.5, 0.5]; "zscore": its
+    # loss less the mean over the population's standard deviation
     fitness: str = "baseline"
 
     def check(self, train: TrainConfig) -> None:

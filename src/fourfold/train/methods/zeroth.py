@@ -106,6 +106,12 @@ class MeZO(TrainingMethod):
         self.steps_done = int(meta["steps_done"])
 
 
+def baseline(losses: list[float]) -> list[float]:
+    """Each loss less the population's mean: plain ES, an unbiased gradient estimate."""
+    mean = sum(losses) / len(losses)
+    return [v - mean for v in losses]
+
+
 def centered_ranks(losses: list[float]) -> list[float]:
     """Each loss's rank among `losses` (0 the lowest; ties in member order) mapped evenly onto
     [-0.5, 0.5]: OpenAI-ES's fitness shaping, with the loss as a negative reward."""
@@ -116,13 +122,26 @@ def centered_ranks(losses: list[float]) -> list[float]:
     return ranks
 
 
+def zscores(losses: list[float]) -> list[float]:
+    """Each loss less the mean over the standard deviation (of the population, not a sample of
+    it): EA4LLM's normalization. All zero when every member's loss is the same."""
+    mean = sum(losses) / len(losses)
+    std = math.sqrt(sum((v - mean) ** 2 for v in losses) / len(losses))
+    return [(v - mean) / std if std > 0 else 0.0 for v in losses]
+
+
+# ESOptions.fitness: a member's weight in the update from the population's losses
+FITNESS: dict[str, Callable[[list[float]], list[float]]] = {
+    "baseline": baseline, "centered_rank": centered_ranks, "zscore": zscores}
+
+
 class EvolutionStrategies(TrainingMethod):
     """Evolution strategies (after OpenAI-ES and EA4LLM): train.method.population members
     w + sigma s_m z_m, each evaluated on the same batch; w <- w - lr / (N sigma) *
     sum_m f_m s_m z_m, rebuilt from the seeds on every rank. The fitness f_m is the member's
-    loss less the population's mean (fitness = "baseline") or its centered rank
-    ("centered_rank"); with antithetic pairs member m takes direction z_(m // 2) with sign
-    s_m = +1 for even m, -1 for odd, else its own z_m with s_m = +1.
+    loss less the population's mean (fitness = "baseline"), its centered rank
+    ("centered_rank") or its z-score ("zscore"); with antithetic pairs member m takes direction
+    z_(m // 2) with sign s_m = +1 for even m, -1 for odd, else its own z_m with s_m = +1.
 
     Members are spread over the data-parallel replicas (member m on replica m % data), so the
     batch is split over z only and each replica evaluates its members on the whole batch; the
@@ -180,8 +199,7 @@ class EvolutionStrategies(TrainingMethod):
             losses = summed / (grid.size("x") * grid.size("y"))
         loss = float(losses.mean())
         values = [float(v) for v in losses]
-        fitness = (centered_ranks(values) if self.fitness == "centered_rank"
-                   else [v - loss for v in values])
+        fitness = FITNESS[self.fitness](values)
         # the gradient estimate sum_m f_m s_m z_m / (n sigma): with the mean as baseline
         # unbiased and on the same scale as a gradient (lr means what it means for SGD); each
         # direction's coefficient sums its members' (a mirrored pair: f_+ - f_-)
