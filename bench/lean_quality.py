@@ -2,17 +2,20 @@
 
 A `15m` model is first trained with AdamW on builtin:stdlib (examples/15m.toml, --base-steps
 steps), or taken from --base RUN_DIR, and exported with `fourfold convert`. Each method then
-continues it for --steps steps on builtin:stdlib-tests (the standard library's test packages,
-which share no file with builtin:stdlib) at each of its learning rates, through `fourfold train`
-with model.init_from = that export: one process, float32, the base's tokenizer. L0 is the base's
-validation loss on the held-out corpus (every fine-tune validates at step 0 on the same fixed
-batches), L a run's validation loss after its last step; a method's row is its best learning
-rate (lowest L; the same validation batches pick it and score it). With --mezo-steps, MeZO runs
-again for that many steps (10x --steps by default) at each of its learning rates that did not
-diverge at --steps, and that row too is its best rate's.
+continues it for --steps steps on --data at each of its learning rates, through `fourfold train`
+with model.init_from = that export: one process, float32, the base's tokenizer. The data is
+builtin:stdlib-tests by default (the standard library's test packages, which share no file with
+builtin:stdlib: continued pre-training on unseen code); builtin:stdlib-docstrings is a
+supervised fine-tune (write a function's docstring; the loss is on the answers), the kind of
+task the memory-lean methods' papers fine-tune on. L0 is the base's validation loss on the
+held-out split (every fine-tune validates at step 0 on the same fixed batches), L a run's
+validation loss after its last step; a method's row is its best learning rate (lowest L; the
+same validation batches pick it and score it). With --mezo-steps, MeZO runs again for that
+many steps (10x --steps by default) at each of its learning rates that did not diverge at
+--steps, and that row too is its best rate's.
 
     python bench/lean_quality.py [--steps 300] [--methods adamw lomo ...] [--lrs 1e-3,3e-3 |
-        METHOD=LR,LR,...] [--base RUN_DIR] [--out-dir runs/lean_quality]
+        METHOD=LR,LR,...] [--base RUN_DIR] [--data DATA] [--out-dir runs/lean_quality]
 
 Each run has its own directory under --out-dir (METHOD-sSTEPS-lrLR): a finished one
 (summary.json) is read back, an interrupted one resumes from its checkpoint, one that stopped
@@ -142,7 +145,8 @@ def check_settings(out: Path, settings: dict[str, object]) -> None:
     """Refuse to mix runs of other settings into one table."""
     path = out / "bench.json"
     if path.is_file():
-        saved = json.loads(path.read_text())
+        # a directory made before --data existed fine-tuned on its default
+        saved = {"data": "builtin:stdlib-tests", **json.loads(path.read_text())}
         changed = [k for k in settings if saved.get(k) != settings[k]]
         if changed:
             sys.exit(f"error: --out-dir {out} holds runs made with "
@@ -167,7 +171,7 @@ def fine_tune(args: argparse.Namespace, out: Path, hf: Path, tokenizer: str, met
     if not cached:
         run.mkdir(parents=True, exist_ok=True)
         keys = {**common_sets(args, steps), "model.init_from": hf,
-                "data.path": "builtin:stdlib-tests", "data.tokenizer": tokenizer,
+                "data.path": args.data, "data.tokenizer": tokenizer,
                 "train.optimizer": method, "train.lr": lr, "train.eval_every": steps,
                 "train.eval_batches": args.eval_batches, **extra}
         code, seconds = fourfold(["train", *sets(keys), "--out", str(run)], run / "train.log")
@@ -221,6 +225,7 @@ def reproduce(args: argparse.Namespace, lrs: dict[str, tuple[float, ...]]) -> st
              "--lrs", *(f"{m}={','.join(f'{v:g}' for v in lrs[m])}" for m in args.methods),
              "--batch", str(args.batch), "--seq", str(args.seq),
              "--eval-batches", str(args.eval_batches), "--seed", str(args.seed),
+             "--data", args.data,
              "--device", args.device, "--out-dir", str(args.out_dir)]
     if args.base:
         parts += ["--base", str(args.base)]
@@ -251,6 +256,10 @@ def main() -> None:
     ap.add_argument("--base-steps", type=int, default=2000)
     ap.add_argument("--tokenizer", default="bpe:8192",
                     help="the base's tokenizer when this script trains it (examples/15m.toml's)")
+    ap.add_argument("--data", default="builtin:stdlib-tests",
+                    help="the fine-tuning data set (config data.path): builtin:stdlib-tests "
+                         "(continued pre-training on unseen code), builtin:stdlib-docstrings "
+                         "(supervised fine-tuning, loss on the answers), or a prepared DATA_DIR")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--eval-batches", type=int, default=16)
@@ -280,12 +289,13 @@ def main() -> None:
         base_label = str(args.base.resolve())
     else:
         base_label = f"{BASE_CONFIG.name}, {args.base_steps} steps, {args.tokenizer}"
-    check_settings(out, {"base": base_label, "batch": args.batch, "seq": args.seq,
+    check_settings(out, {"base": base_label, "data": args.data, "batch": args.batch,
+                         "seq": args.seq,
                          "eval_batches": args.eval_batches, "seed": args.seed})
     base = args.base if args.base is not None else train_base(args, out)
     tokenizer = base_tokenizer(base)
     hf = export_base(base, out)
-    print(f"base {base}; fine-tuning on builtin:stdlib-tests, batch {args.batch} x {args.seq}, "
+    print(f"base {base}; fine-tuning on {args.data}, batch {args.batch} x {args.seq}, "
           f"{args.eval_batches} validation batches, float32, one process", flush=True)
 
     rows: list[dict] = []
@@ -345,7 +355,7 @@ def main() -> None:
 
     spread = max(l0s) - min(l0s) if l0s else 0.0
     print(f"\nL0 = {fmt(l0s[0] if l0s else math.nan)} (validation loss of the base on "
-          f"builtin:stdlib-tests; spread over the runs {spread:.1e}); "
+          f"{args.data}; spread over the runs {spread:.1e}); "
           "R = (L0 - L) / (L0 - L_adamw)\n")
     table = Table(*columns)
     for r in rows:
