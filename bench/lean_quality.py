@@ -290,8 +290,7 @@ def main() -> None:
     else:
         base_label = f"{BASE_CONFIG.name}, {args.base_steps} steps, {args.tokenizer}"
     check_settings(out, {"base": base_label, "data": args.data, "batch": args.batch,
-                         "seq": args.seq,
-                         "eval_batches": args.eval_batches, "seed": args.seed})
+                         "seq": args.seq, "eval_batches": args.eval_batches, "seed": args.seed})
     base = args.base if args.base is not None else train_base(args, out)
     tokenizer = base_tokenizer(base)
     hf = export_base(base, out)
