@@ -100,17 +100,17 @@ def hold_run_dir(run_dir: str | Path, wait_s: float | None = None) -> Iterator[N
     created = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
     path = root / LOCK_FILE
-    unguarded = False
+    held = False
     with open(path, "a+") as lock:
         deadline = time.monotonic() + (LOCK_WAIT_S if wait_s is None else wait_s)
         while True:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
                 break
             except OSError as e:
                 if e.errno not in (errno.EAGAIN, errno.EACCES):
-                    unguarded = True  # e.g. ENOLCK on a network file system without locks
-                    break
+                    break  # e.g. ENOLCK on a network file system without locks: unguarded
                 if time.monotonic() >= deadline:
                     lock.seek(0)
                     holder = lock.read().strip() or "another process"
@@ -118,19 +118,18 @@ def hold_run_dir(run_dir: str | Path, wait_s: float | None = None) -> Iterator[N
                                       f"({holder}); wait for it to end or stop it, or train "
                                       "into another --out") from None
                 time.sleep(0.1)
-        if unguarded:
-            yield
-            return
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        lock.flush()
+        if held:
+            lock.seek(0)
+            lock.truncate()
+            lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            lock.flush()
         try:
             yield
         finally:
             # a command that stopped before it wrote anything leaves no directory behind
-            # (undone while the lock is still held)
-            if created and [p.name for p in root.iterdir()] == [LOCK_FILE]:
+            # (undone while the lock is still held; unguarded, another job may be starting
+            # in it)
+            if held and created and [p.name for p in root.iterdir()] == [LOCK_FILE]:
                 path.unlink(missing_ok=True)
                 with suppress(OSError):
                     root.rmdir()
